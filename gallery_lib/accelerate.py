@@ -1,0 +1,74 @@
+"""Applies a config's accelerations to a freshly built model, in one fixed, commented order.
+
+The order matters and is the same for every model and recipe:
+
+1. memory format (channels_last) - parameters must be in their final layout before anything
+   captures them;
+2. kernel swap (``gallery_lib.patch``) - replaces submodules, so it goes before anything that
+   traces or snapshots the module tree;
+3. attention backend - same reason, and it changes what the compiler will see;
+4. precision (O2) - fp32 master copies are taken from the final modules, then weights are cast;
+5. distributed wrapper (DDP) - wraps the module that is trained;
+6. compile - last, on the DDP-wrapped module, so TorchDynamo's DDPOptimizer can split graphs at
+   gradient-bucket boundaries and overlap communication with the backward pass (PyTorch's
+   recommended order for DDP; FSDP2 will compile per block before sharding, as torchtitan does).
+
+Each step appends a line to ``notes``; the training log prints them so a run says what it did.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from gallery_lib.config import RunConfig
+from gallery_lib.distributed import DistInfo, wrap_ddp
+from gallery_lib.precision import Precision
+
+
+@dataclass
+class AcceleratedModel:
+    module: torch.nn.Module
+    """The plain model (parameters, state_dict keys as built)."""
+    train_module: torch.nn.Module
+    """What the loop calls: possibly DDP-wrapped and compiled."""
+    notes: list[str] = field(default_factory=list)
+
+
+def apply_accelerations(model: torch.nn.Module, cfg: RunConfig, precision: Precision, dist: DistInfo) -> AcceleratedModel:
+    notes: list[str] = []
+    if cfg.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+        notes.append("channels_last: images and conv weights in NHWC layout")
+    if cfg.kernels:
+        notes.append(_apply_kernels(model))
+    if cfg.fused_attention:
+        notes.append(_apply_fused_attention(model))
+    precision.cast_model(model)
+    notes.append(f"precision: {precision.describe()}")
+    train_module = wrap_ddp(model, dist)
+    if train_module is not model:
+        notes.append(f"DDP over {dist.world_size} processes")
+    if cfg.compile:
+        train_module = torch.compile(train_module, mode=None if cfg.compile_mode == "default" else cfg.compile_mode)
+        notes.append(f"torch.compile(mode={cfg.compile_mode!r}); compilation happens in the first warm-up steps")
+    return AcceleratedModel(module=model, train_module=train_module, notes=notes)
+
+
+def _apply_kernels(model: torch.nn.Module) -> str:
+    try:
+        from gallery_lib.patch import apply_kernels
+    except ImportError as exc:  # the kernels package is optional for the core loop
+        raise RuntimeError(f"kernels=True needs gallery_lib.patch, which failed to import: {exc}") from exc
+    report = apply_kernels(model)
+    return f"fused kernels: {report.summary()}"
+
+
+def _apply_fused_attention(model: torch.nn.Module) -> str:
+    from gallery_lib.models.swin import set_fused_window_attention
+
+    count = set_fused_window_attention(model, True)
+    if count == 0:
+        return "fused attention: no window-attention modules in this model (nothing changed)"
+    return f"fused attention: {count} window-attention modules run scaled_dot_product_attention with the bias as mask"

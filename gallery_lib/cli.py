@@ -1,0 +1,170 @@
+"""The ``gallery`` command: ``prepare``, ``train``, ``compare``, ``run`` (all steps for one model), ``list``.
+
+Flags follow the TorchAcc gallery where one exists (``--batch_size``, ``--nproc_per_node``,
+``--amp_level O1|O2``, ``--compiler-opt``, ``--kernel-opt``); every flag accepts dashes or
+underscores. A recipe sets the optimizations; explicit optimization flags override it, and the run
+is then named after both (``baseline+compiler-opt``) so it never overwrites the plain recipe's results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any, Sequence
+
+from gallery_lib.config import AMP_DTYPES, AMP_LEVELS, COMPILE_MODES, DEVICES, ConfigError, RunConfig
+from gallery_lib.profiles import PROFILES, base_config
+
+DEFAULT_RECIPES = "baseline,compiled,accelerated"
+
+
+def _flag(parser: argparse.ArgumentParser, name: str, **kwargs: Any) -> None:
+    """Adds ``--a-b`` with ``--a_b`` as an alias."""
+    dashed = "--" + name.replace("_", "-")
+    underscored = "--" + name.replace("-", "_")
+    names = [dashed] if dashed == underscored else [dashed, underscored]
+    parser.add_argument(*names, dest=name.replace("-", "_"), **kwargs)
+
+
+def _add_run_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("run size (default: from the profile)")
+    _flag(g, "profile", choices=PROFILES, default="auto",
+          help="smoke: tiny model on a CPU; full: the GPU benchmark; auto: full when a GPU is visible (default: auto)")
+    _flag(g, "model", help="gallery model, see `gallery list` (default: the profile's)")
+    _flag(g, "data_dir", help="ImageNet-style folder with train/<class>/ images (default: data/imagenet_like_<profile>)")
+    _flag(g, "output_dir", default="output", help="output root (default: output)")
+    _flag(g, "batch_size", type=int, help="images per process per step")
+    _flag(g, "steps", type=int, help="optimizer steps")
+    _flag(g, "warmup_steps", type=int, help="steps excluded from speed figures")
+    _flag(g, "image_size", type=int, help="training crop size")
+    _flag(g, "nproc_per_node", type=int, help="processes (GPUs) started by torchrun (default: 1)")
+    _flag(g, "num_workers", type=int, help="data-loader workers per process")
+    _flag(g, "device", choices=DEVICES, help="default: auto")
+    _flag(g, "lr", type=float, help="peak learning rate (default: 5e-4 * global batch / 512)")
+    _flag(g, "seed", type=int, help="default: 0")
+    o = p.add_argument_group("optimizations (override the recipe's)")
+    _flag(o, "amp_level", choices=AMP_LEVELS, help="O0 fp32, O1 autocast, O2 bf16 weights + fp32 master copies")
+    _flag(o, "amp_dtype", choices=AMP_DTYPES, help="low-precision dtype (default: auto)")
+    _flag(o, "compiler-opt", action="store_true", default=None, help="torch.compile the model")
+    _flag(o, "compile_mode", choices=COMPILE_MODES, help="torch.compile mode")
+    _flag(o, "kernel-opt", action="store_true", default=None, help="swap in gallery_lib's fused kernels")
+
+
+_SIZE_FIELDS = ("model", "data_dir", "output_dir", "batch_size", "steps", "warmup_steps", "image_size",
+                "nproc_per_node", "num_workers", "device", "lr", "seed")
+_OPT_FLAGS = {"amp_level": "amp_level", "amp_dtype": "amp_dtype", "compiler_opt": "compile",
+              "compile_mode": "compile_mode", "kernel_opt": "kernels"}
+
+
+def base_from_args(args: argparse.Namespace) -> RunConfig:
+    return base_config(args.profile, **{f: getattr(args, f, None) for f in _SIZE_FIELDS})
+
+
+def optimization_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    return {field: getattr(args, flag) for flag, field in _OPT_FLAGS.items() if getattr(args, flag, None) is not None}
+
+
+def recipe_config(base: RunConfig, recipe: str, overrides: dict[str, Any]) -> RunConfig:
+    from gallery_lib.recipes import apply_recipe
+
+    cfg = apply_recipe(recipe, base)
+    if overrides:
+        label = "+".join(f"{k}={v}" if not isinstance(v, bool) else k for k, v in overrides.items())
+        cfg = cfg.replace(recipe=f"{recipe}+{label}", **overrides)
+    return cfg
+
+
+def _recipe_list(text: str) -> list[str]:
+    return [r.strip() for r in text.split(",") if r.strip()]
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    from gallery_lib.models import MODELS
+    from gallery_lib.recipes import RECIPES, describe
+
+    print("models:")
+    for spec in MODELS.values():
+        print(f"  {spec.name:32s} {spec.family:18s} {spec.description}")
+    print("recipes:")
+    for name in RECIPES:
+        print(f"  {name:12s} {describe(name).splitlines()[0]}")
+    return 0
+
+
+def cmd_prepare(args: argparse.Namespace) -> int:
+    from gallery_lib.workflow import prepare
+
+    base = base_from_args(args)
+    path = prepare(base)
+    print(f"data ready at {path}")
+    return 0
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from gallery_lib.launch import launch
+
+    cfg = recipe_config(base_from_args(args), args.recipe, optimization_overrides(args))
+    result = launch(cfg)
+    print(f"metrics: {result.metrics_path}")
+    return 0
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from gallery_lib.workflow import compare
+
+    base = base_from_args(args)
+    report = compare(base, _recipe_list(args.recipes) if args.recipes else None)
+    print(report.markdown)
+    return 0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from gallery_lib.launch import launch
+    from gallery_lib.workflow import compare, prepare
+
+    base = base_from_args(args)
+    overrides = optimization_overrides(args)
+    configs = [recipe_config(base, r, overrides) for r in _recipe_list(args.recipes)]  # validate all first
+    if args.data_dir is None:
+        prepare(base)
+    for cfg in configs:
+        print(f"\n=== {cfg.recipe} ===")
+        launch(cfg)
+    report = compare(base, [c.recipe for c in configs])
+    print(report.markdown)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="gallery", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("list", help="models and recipes").set_defaults(func=cmd_list)
+    p = sub.add_parser("prepare", help="make the mock dataset for a profile")
+    _add_run_flags(p)
+    p.set_defaults(func=cmd_prepare)
+    p = sub.add_parser("train", help="one training run (one recipe)")
+    _add_run_flags(p)
+    _flag(p, "recipe", default="baseline", help="baseline, compiled or accelerated (default: baseline)")
+    p.set_defaults(func=cmd_train)
+    p = sub.add_parser("compare", help="write the report of a model's runs")
+    _add_run_flags(p)
+    _flag(p, "recipes", help="runs to compare, comma-separated (default: all found)")
+    p.set_defaults(func=cmd_compare)
+    p = sub.add_parser("run", help="prepare data, run each recipe, write the report")
+    _add_run_flags(p)
+    _flag(p, "recipes", default=DEFAULT_RECIPES, help=f"comma-separated (default: {DEFAULT_RECIPES})")
+    p.set_defaults(func=cmd_run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ConfigError, FileNotFoundError) as exc:
+        print(f"gallery: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

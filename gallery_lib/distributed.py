@@ -1,0 +1,57 @@
+"""Process-group setup for runs started by torchrun (NCCL on GPUs, gloo on CPUs) and the DDP wrapper."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def init_distributed(device_type: str) -> DistInfo:
+    """Reads torchrun's environment; starts a process group when more than one process runs."""
+    rank = int(os.environ.get("RANK", 0))
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if device_type == "cuda":
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    if world_size > 1 and not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if device_type == "cuda" else "gloo",
+                                device_id=device if device_type == "cuda" else None)
+    return DistInfo(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
+
+
+def wrap_ddp(model: torch.nn.Module, info: DistInfo) -> torch.nn.Module:
+    if info.world_size == 1:
+        return model
+    device_ids = [info.local_rank] if info.device.type == "cuda" else None
+    return torch.nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
+
+
+def all_reduce_sum(value: float, info: DistInfo) -> float:
+    if info.world_size == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.float64, device=info.device)
+    dist.all_reduce(t)
+    return float(t.item())
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,95 @@
+"""Starts a training run as a ``torchrun`` subprocess and streams rank 0's output.
+
+Used the same way from a notebook cell and from the CLI: ``launch(cfg)`` validates the config for
+this machine (before anything slow starts), writes ``config.json`` into the run's own folder,
+runs ``torchrun --standalone --nproc-per-node N -m gallery_lib.train --config ...``, prints rank 0's
+lines as they arrive, and returns a ``RunResult`` that carries its own output path, so a notebook
+never plots one run's files under another run's name.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from gallery_lib.config import RunConfig, validate_for_machine
+from gallery_lib.metrics import read_metrics
+
+
+class RunFailed(RuntimeError):
+    """A training subprocess exited with an error; the message holds the tail of the failing rank's log."""
+
+
+@dataclass(frozen=True)
+class RunResult:
+    config: RunConfig
+    run_dir: Path
+    summary: dict
+
+    @property
+    def metrics_path(self) -> Path:
+        return self.run_dir / "metrics.jsonl"
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.summary["samples_per_s"]
+
+
+def torchrun_command(cfg: RunConfig, config_path: Path) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={cfg.nproc_per_node}",
+            "-m", "gallery_lib.train", "--config", str(config_path)]
+
+
+def _child_env(cfg: RunConfig, device: str) -> dict[str, str]:
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    if device == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+        # torchrun sets 1 thread per process when it starts several; split the cores instead.
+        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // cfg.nproc_per_node))
+    if cfg.deterministic:
+        env.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    return env
+
+
+def launch(cfg: RunConfig, *, echo: Callable[[str], None] | None = print) -> RunResult:
+    """Runs ``cfg`` to completion in a torchrun subprocess; raises ``RunFailed`` with the log tail on error."""
+    device = validate_for_machine(cfg)
+    run_dir = cfg.run_dir.resolve()
+    cfg = cfg.replace(output_dir=str(Path(cfg.output_dir).resolve()), data_dir=str(Path(cfg.data_dir).resolve()))
+    if not Path(cfg.data_dir, "train").is_dir():
+        raise FileNotFoundError(f"no training data at {cfg.data_dir}/train: prepare it first with "
+                                f"`gallery prepare --model {cfg.model}` or pass --data-dir to an ImageNet-style folder.")
+    config_path = cfg.save(run_dir / "config.json")
+    (run_dir / "metrics.jsonl").unlink(missing_ok=True)  # a re-run replaces the metrics of the same recipe
+    proc = subprocess.Popen(torchrun_command(cfg, config_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, bufsize=1, env=_child_env(cfg, device), cwd=os.getcwd())
+    tail: list[str] = []
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        tail = (tail + [line.rstrip("\n")])[-40:]
+        if echo:
+            echo(line.rstrip("\n"))
+    code = proc.wait()
+    if code != 0:
+        raise RunFailed(_failure_message(run_dir, code, tail))
+    _, summary = read_metrics(run_dir / "metrics.jsonl")
+    if summary is None:
+        raise RunFailed(f"run in {run_dir} exited cleanly but wrote no summary line to metrics.jsonl")
+    return RunResult(config=cfg, run_dir=run_dir, summary=summary)
+
+
+def _failure_message(run_dir: Path, code: int, console_tail: list[str]) -> str:
+    logs = sorted((run_dir / "logs").glob("rank*.log"))
+    parts = [f"training exited with code {code}; per-rank logs: {', '.join(str(p) for p in logs) or 'none'}"]
+    for path in logs:
+        lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+        error_lines = [ln for ln in lines if "Error" in ln or "error" in ln]
+        if error_lines:
+            parts.append(f"--- last lines of {path.name} ---\n" + "\n".join(lines[-15:]))
+            break
+    else:
+        parts.append("--- console tail ---\n" + "\n".join(console_tail[-15:]))
+    return "\n".join(parts)

@@ -1,0 +1,101 @@
+"""AMP levels: O0 (fp32), O1 (autocast) and O2 (low-precision weights with fp32 master copies).
+
+``Precision`` owns everything about number formats in a step: the autocast context, the
+GradScaler (float16 only: bfloat16 has fp32's exponent range and needs no loss scaling), and for
+O2 the fp32 master weights that the optimizer updates and copies back into the bf16 model. O2 still
+runs under autocast, so softmax, norms and the loss keep fp32 math as in O1; what changes is that
+weights are stored, read and all-reduced in bf16 (half the weight and gradient traffic).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+import torch
+
+from gallery_lib.config import RunConfig
+
+
+def resolve_amp_dtype(cfg: RunConfig, device: str) -> torch.dtype | None:
+    """The low-precision dtype of ``cfg`` on ``device`` (``None`` for O0)."""
+    if cfg.amp_level == "O0":
+        return None
+    if cfg.amp_dtype == "auto":
+        # The Swin reference trains with float16 + GradScaler; CPUs have no fast float16 path.
+        return torch.float16 if device == "cuda" and cfg.amp_level == "O1" else torch.bfloat16
+    return getattr(torch, cfg.amp_dtype)
+
+
+@dataclass
+class Precision:
+    level: str
+    dtype: torch.dtype | None
+    device: str
+    scaler: torch.amp.GradScaler | None = None
+    master_params: dict[torch.nn.Parameter, torch.Tensor] = field(default_factory=dict)
+    """O2 only: model parameter -> its fp32 master copy."""
+
+    @classmethod
+    def from_config(cls, cfg: RunConfig, device: str) -> Precision:
+        dtype = resolve_amp_dtype(cfg, device)
+        scaler = torch.amp.GradScaler(device) if dtype == torch.float16 else None
+        return cls(level=cfg.amp_level, dtype=dtype, device=device, scaler=scaler)
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        if self.dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device, dtype=self.dtype)
+
+    def cast_model(self, model: torch.nn.Module) -> None:
+        """O2: keeps an fp32 master copy of every trainable parameter, then stores the model in ``dtype``.
+
+        ``Module.to`` swaps ``param.data`` and keeps the Parameter objects, so references taken
+        before the cast (e.g. the optimizer's parameter groups) stay valid.
+        """
+        if self.level != "O2":
+            return
+        self.master_params = {p: p.detach().clone().float() for p in model.parameters() if p.requires_grad}
+        model.to(self.dtype)
+
+    def optimizer_params(self, groups: list[dict]) -> list[dict]:
+        """Maps parameter groups built on the model to the tensors the optimizer must update."""
+        if not self.master_params:
+            return groups
+        return [{**g, "params": [self.master_params[p] for p in g["params"]]} for g in groups]
+
+    def backward(self, loss: torch.Tensor) -> None:
+        (self.scaler.scale(loss) if self.scaler else loss).backward()
+
+    def step(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, clip_grad: float | None) -> None:
+        """Unscales/copies gradients, clips, steps the optimizer and (O2) writes the masters back."""
+        if self.master_params:
+            params = [p for p in self.master_params if p.grad is not None]
+            masters = [self.master_params[p] for p in params]
+            for p, m in zip(params, masters):
+                if m.grad is None:
+                    m.grad = torch.empty_like(m)
+            torch._foreach_copy_([m.grad for m in masters], [p.grad for p in params])
+            if clip_grad:
+                torch.nn.utils.clip_grad_norm_(masters, clip_grad, foreach=True)
+            optimizer.step()
+            torch._foreach_copy_([p.data for p in params], masters)
+            return
+        if self.scaler:
+            self.scaler.unscale_(optimizer)
+        if clip_grad:
+            torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], clip_grad,
+                                           foreach=True)
+        if self.scaler:
+            self.scaler.step(optimizer)
+            self.scaler.update()
+        else:
+            optimizer.step()
+
+    def describe(self) -> str:
+        if self.dtype is None:
+            return "O0: fp32 weights and math"
+        name = str(self.dtype).replace("torch.", "")
+        if self.level == "O2":
+            return f"O2: {name} weights, fp32 master copies in the optimizer, autocast math"
+        return f"O1: fp32 weights, {name} autocast" + (" with GradScaler" if self.scaler else "")

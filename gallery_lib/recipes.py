@@ -1,0 +1,59 @@
+"""Named recipes: each is ``base.replace(...)`` of one base config, so runs differ only where named.
+
+``baseline``    what a user runs today (the Swin reference code): eager, AMP O1 (float16 with a
+                GradScaler on a GPU), standard AdamW, DDP when several processes.
+``compiled``    the plain ``torch.compile`` peer: compile + bfloat16 autocast + fused AdamW.
+``accelerated`` the best this library can do: ``compiled`` plus fused SDPA window attention,
+                channels-last input and max-autotune matmuls (no CUDA graphs). It grows as the kernel,
+                EMA and compile-hook work lands; every switch stays because a measurement kept it
+                (``benchmarks/results/``).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from gallery_lib.config import ConfigError, RunConfig
+
+
+def baseline(base: RunConfig) -> RunConfig:
+    """Eager PyTorch with AMP O1 and standard AdamW: the reference everyone starts from."""
+    return base.replace(recipe="baseline", amp_level="O1", amp_dtype="auto", compile=False, fused_optimizer=False,
+                        kernels=False, fused_attention=False, channels_last=False)
+
+
+def compiled(base: RunConfig) -> RunConfig:
+    """``torch.compile`` (default mode) with bfloat16 autocast and fused AdamW: what a user picks next."""
+    return base.replace(recipe="compiled", amp_level="O1", amp_dtype="bfloat16", compile=True, compile_mode="default",
+                        fused_optimizer=True, kernels=False, fused_attention=False, channels_last=False)
+
+
+def accelerated(base: RunConfig) -> RunConfig:
+    """Everything that measured faster than ``compiled`` on the GPU."""
+    on_gpu_profile = base.profile == "full"
+    return compiled(base).replace(
+        recipe="accelerated",
+        fused_attention=True,
+        channels_last=True,
+        # max-autotune benchmarks matmul/conv tilings at compile time; on a CPU smoke run it only costs time.
+        compile_mode="max-autotune-no-cudagraphs" if on_gpu_profile else "default",
+    )
+
+
+RECIPES: dict[str, Callable[[RunConfig], RunConfig]] = {
+    "baseline": baseline,
+    "compiled": compiled,
+    "accelerated": accelerated,
+}
+
+
+def apply_recipe(name: str, base: RunConfig) -> RunConfig:
+    """Resolves recipe ``name`` on top of ``base``; unknown names fail with the list of recipes."""
+    if name not in RECIPES:
+        raise ConfigError(f"recipe={name!r} is not known: choose one of {', '.join(RECIPES)}.")
+    return RECIPES[name](base)
+
+
+def describe(name: str) -> str:
+    """The recipe's one-line explanation (its docstring), for notebooks and ``gallery --help``."""
+    return (RECIPES[name].__doc__ or "").strip()

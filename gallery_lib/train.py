@@ -1,0 +1,185 @@
+"""The one training loop every model and recipe uses.
+
+Started by ``launch.py`` under torchrun (``python -m gallery_lib.train --config run_dir/config.json``),
+or called in-process with ``run(cfg)`` for single-process runs and tests. It writes the run's
+``metrics.jsonl`` (one record per step, a summary at the end) and ``logs/rank<N>.log``.
+
+Speed hygiene: losses and timings stay on the device and are read back every ``log_every`` steps
+(the only host syncs), step boundaries are CUDA events, and warm-up steps (compilation,
+autotuning) are reported apart from the steady-state figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import random
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from gallery_lib.accelerate import apply_accelerations
+from gallery_lib.config import RunConfig, validate_for_machine
+from gallery_lib.distributed import DistInfo, all_reduce_sum, init_distributed, shutdown
+from gallery_lib.metrics import MetricsWriter
+from gallery_lib.models import build_model
+from gallery_lib.precision import Precision
+from gallery_lib.run_logging import rank_logging
+from gallery_lib.timing import StepTimer, peak_memory_mb, summarize_times
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def configure_backends(cfg: RunConfig) -> None:
+    if cfg.deterministic:
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.backends.cudnn.benchmark = False
+    else:
+        torch.backends.cudnn.benchmark = True
+        torch.set_float32_matmul_precision("high")  # TF32 for fp32 matmuls, as every GPU trainer enables
+
+
+def build_optimizer(model: torch.nn.Module, cfg: RunConfig, precision: Precision) -> torch.optim.Optimizer:
+    """AdamW as the Swin reference configures it: no weight decay on norms, biases and position tables."""
+    from timm.optim import param_groups_weight_decay
+
+    no_decay = model.no_weight_decay() if hasattr(model, "no_weight_decay") else ()
+    groups = param_groups_weight_decay(model, cfg.weight_decay, no_weight_decay_list=no_decay)
+    groups = precision.optimizer_params(groups)
+    kwargs = {"fused": True} if cfg.fused_optimizer else {}
+    return torch.optim.AdamW(groups, lr=cfg.peak_lr, betas=(0.9, 0.999), eps=1e-8, **kwargs)
+
+
+def lr_lambda(cfg: RunConfig):
+    """Linear warm-up then cosine decay over the run, as a multiplier of the peak learning rate."""
+    def factor(step: int) -> float:
+        if step < cfg.lr_warmup_steps:
+            return (step + 1) / (cfg.lr_warmup_steps + 1)
+        progress = (step - cfg.lr_warmup_steps) / max(1, cfg.steps - cfg.lr_warmup_steps)
+        return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+    return factor
+
+
+def run(cfg: RunConfig, dist: DistInfo | None = None) -> dict:
+    """Trains ``cfg`` and returns the summary record (also the last line of ``metrics.jsonl``)."""
+    from timm.loss import SoftTargetCrossEntropy
+
+    from gallery_lib.data import RobustImageFolder, build_train_loader
+
+    device_type = validate_for_machine(cfg)
+    dist = dist or init_distributed(device_type)
+    setup_start = time.perf_counter()
+    configure_backends(cfg)
+    seed_everything(cfg.seed)  # identical init on every rank; the loader derives per-rank streams
+
+    dataset = RobustImageFolder(cfg.data_dir, split="train")
+    loader = build_train_loader(
+        dataset, batch_size=cfg.batch_size, image_size=cfg.image_size, device=dist.device,
+        num_workers=cfg.num_workers, seed=cfg.seed, world_size=dist.world_size, rank=dist.rank,
+        auto_augment=cfg.auto_augment, re_prob=cfg.re_prob, mixup_alpha=cfg.mixup_alpha,
+        cutmix_alpha=cfg.cutmix_alpha, label_smoothing=cfg.label_smoothing, channels_last=cfg.channels_last)
+    model = build_model(cfg.model, num_classes=dataset.num_classes, image_size=cfg.image_size).to(dist.device)
+    precision = Precision.from_config(cfg, dist.device.type)
+    accelerated = apply_accelerations(model, cfg, precision, dist)
+    optimizer = build_optimizer(model, cfg, precision)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
+    criterion = SoftTargetCrossEntropy()
+    train_module = accelerated.train_module
+    train_module.train()
+
+    log = print if dist.is_main else (lambda *a, **k: None)
+    log(f"[gallery] {cfg.model} | recipe {cfg.recipe} | {dist.world_size} x {dist.device.type} | "
+        f"batch {cfg.batch_size}/process ({cfg.global_batch_size} global) | {cfg.steps} steps "
+        f"({cfg.warmup_steps} warm-up) | {len(dataset)} images, {dataset.num_classes} classes")
+    for note in accelerated.notes:
+        log(f"[gallery]   {note}")
+    setup_time = time.perf_counter() - setup_start
+
+    writer = MetricsWriter(cfg.run_dir / "metrics.jsonl") if dist.is_main else None
+    timer = StepTimer(dist.device)
+    pending_losses: list[torch.Tensor] = []
+    pending_lrs: list[float] = []
+    step_times: list[float] = []
+    losses: list[float] = []
+    batches = iter(loader)
+    timer.mark()
+    for step in range(cfg.steps):
+        images, targets = next(batches)
+        with precision.autocast():
+            output = train_module(images)
+        loss = criterion(output.float(), targets)
+        precision.backward(loss)
+        pending_lrs.append(optimizer.param_groups[0]["lr"])
+        precision.step(model, optimizer, cfg.clip_grad)
+        optimizer.zero_grad(set_to_none=True)
+        scheduler.step()
+        pending_losses.append(loss.detach())
+        timer.mark()
+        if (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps:
+            times = timer.collect()  # the host sync of this logging interval
+            values = torch.stack(pending_losses).float().cpu().tolist()
+            peak = peak_memory_mb(dist.device)
+            first = step + 1 - len(values)
+            for i, (loss_value, ms, lr) in enumerate(zip(values, times, pending_lrs)):
+                record = {"type": "step", "step": first + i, "loss": loss_value, "lr": lr, "step_time_ms": ms,
+                          "samples_per_s": cfg.global_batch_size * 1e3 / ms, "peak_mem_mb": peak,
+                          "warmup": first + i < cfg.warmup_steps, "skipped_samples": loader.skipped}
+                if writer:
+                    writer.write(record)
+            step_times.extend(times)
+            losses.extend(values)
+            pending_losses.clear()
+            pending_lrs.clear()
+            log(f"[gallery] step {step + 1}/{cfg.steps} | loss {values[-1]:.4f} | "
+                f"{cfg.global_batch_size * 1e3 / times[-1]:.1f} img/s | {times[-1]:.1f} ms/step | "
+                f"peak {peak / 1024:.2f} GiB")
+
+    steady = step_times[cfg.warmup_steps:]
+    timing = summarize_times(steady)
+    skipped = int(all_reduce_sum(float(loader.skipped), dist))
+    summary = {
+        "type": "summary", "model": cfg.model, "recipe": cfg.recipe, "profile": cfg.profile,
+        "device_name": torch.cuda.get_device_name(dist.device) if dist.device.type == "cuda" else "CPU",
+        "world_size": dist.world_size, "global_batch_size": cfg.global_batch_size, "image_size": cfg.image_size,
+        "steps": cfg.steps, "warmup_steps": cfg.warmup_steps, "setup_time_s": setup_time,
+        "warmup_time_s": sum(step_times[:cfg.warmup_steps]) / 1e3, **timing,
+        "samples_per_s": cfg.global_batch_size * 1e3 / timing["median_step_time_ms"],
+        "peak_mem_mb": peak_memory_mb(dist.device),
+        "peak_mem_kind": "cuda_max_allocated" if dist.device.type == "cuda" else "cpu_max_rss",
+        "final_loss": losses[-1], "mean_loss_last_10": sum(losses[-10:]) / len(losses[-10:]),
+        "skipped_samples": skipped, "notes": accelerated.notes,
+        "torch_version": torch.__version__, "output_dir": str(cfg.run_dir),
+    }
+    if writer:
+        writer.write(summary)
+        writer.close()
+    log(f"[gallery] done: {summary['samples_per_s']:.1f} img/s (median of {len(steady)} steps after warm-up), "
+        f"warm-up {summary['warmup_time_s']:.1f} s, peak {summary['peak_mem_mb'] / 1024:.2f} GiB, "
+        f"final loss {summary['final_loss']:.4f}")
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Run one training job from a saved config (used by torchrun).")
+    parser.add_argument("--config", required=True, help="path to a config.json written by the launcher")
+    args = parser.parse_args(argv)
+    cfg = RunConfig.load(args.config)
+    device_type = validate_for_machine(cfg)
+    dist = init_distributed(device_type)
+    try:
+        with rank_logging(Path(cfg.run_dir) / "logs", dist.rank):
+            run(cfg, dist)
+    finally:
+        shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

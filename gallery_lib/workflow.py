@@ -1,0 +1,77 @@
+"""The gallery's steps for one model, shared by the notebooks and the ``gallery`` command.
+
+``prepare`` makes the mock data a profile needs, ``run_recipes`` launches one run per recipe (each
+from the same base config, each with its own output folder), ``compare`` writes the report.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable, Sequence
+
+from gallery_lib.config import ConfigError, RunConfig
+from gallery_lib.launch import RunResult, launch
+from gallery_lib.profiles import data_spec
+from gallery_lib.recipes import RECIPES, apply_recipe
+
+
+def prepare(cfg: RunConfig, *, progress: bool = True, **spec_overrides) -> Path:
+    """Creates (or reuses) the mock ImageNet-like dataset at ``cfg.data_dir`` sized by ``cfg.profile``."""
+    from data_prep.imagenet_like import make_imagenet_like
+
+    profile = cfg.profile if cfg.profile in ("smoke", "full") else "smoke"
+    spec = data_spec(profile, **spec_overrides)
+    return make_imagenet_like(cfg.data_dir, num_classes=spec.num_classes, train_per_class=spec.train_per_class,
+                              val_per_class=spec.val_per_class, image_size=spec.image_size, seed=cfg.seed,
+                              progress=progress)
+
+
+def resolve_recipes(base: RunConfig, recipes: Sequence[str]) -> list[RunConfig]:
+    """All recipe configs, resolved and validated up front, so a typo fails before the first run starts."""
+    unknown = [r for r in recipes if r not in RECIPES]
+    if unknown:
+        raise ConfigError(f"unknown recipe(s) {unknown}: choose from {', '.join(RECIPES)}.")
+    if not recipes:
+        raise ConfigError("no recipes given: pass at least one of " + ", ".join(RECIPES))
+    return [apply_recipe(name, base) for name in recipes]
+
+
+def run_recipes(base: RunConfig, recipes: Sequence[str], *,
+                echo: Callable[[str], None] | None = print) -> dict[str, RunResult]:
+    results: dict[str, RunResult] = {}
+    for cfg in resolve_recipes(base, recipes):
+        if echo:
+            echo(f"\n=== {cfg.recipe}: {RECIPES[cfg.recipe].__doc__.strip().splitlines()[0]} ===")
+        results[cfg.recipe] = launch(cfg, echo=echo)
+    return results
+
+
+def model_dir(cfg: RunConfig) -> Path:
+    return Path(cfg.output_dir) / cfg.family
+
+
+def compare(cfg: RunConfig, recipes: Sequence[str] | None = None):
+    """Writes ``<output>/<family>/report.{md,png}`` from the runs' own metrics files and returns the report."""
+    from gallery_lib.report import write_report
+
+    return write_report(model_dir(cfg), recipes=list(recipes) if recipes else None)
+
+
+def summarize(report, reference: str = "baseline") -> str:
+    """A few sentences on what each recipe bought, from the report's own numbers."""
+    rows = {row["recipe"]: row for row in report.table}
+    ref = rows.get(reference)
+    lines = []
+    for name, row in rows.items():
+        if row["img_per_s"] is None:
+            lines.append(f"- {name}: did not finish; see {row['run_dir']}/logs.")
+            continue
+        text = f"- {name}: {row['img_per_s']:.1f} img/s on {row['device']} (global batch {row['global_batch']})"
+        if ref is not None and name != reference and row["speedup"] is not None:
+            text += f", {row['speedup']:.2f}x the {reference}"
+        text += f"; warm-up/compile {row['warmup_s']:.1f} s; peak memory {row['peak_mem_gib']:.2f} GiB"
+        text += f"; final loss {row['final_loss']:.3f}."
+        lines.append(text)
+    if any(row["device"] == "CPU" for row in rows.values()):
+        lines.append("These are CPU smoke numbers: they check the code path, not speed. Run on a GPU for the benchmark.")
+    return "\n".join(lines)

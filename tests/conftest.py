@@ -1,0 +1,35 @@
+"""Shared fixtures: a session-wide smoke dataset, seeding, and the ``gpu`` marker's skip rule."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU (run on the GPU machine: pytest -m gpu)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    random.seed(0)
+    np.random.seed(0)
+    torch.manual_seed(0)
+
+
+@pytest.fixture(scope="session")
+def smoke_data(tmp_path_factory):
+    """A small ImageNet-like folder (10 classes x 12 images, 72 px) shared by the training tests."""
+    from data_prep.imagenet_like import make_imagenet_like
+
+    root = tmp_path_factory.mktemp("data") / "imagenet_like"
+    return make_imagenet_like(root, num_classes=10, train_per_class=12, val_per_class=2, image_size=72, seed=0,
+                              progress=False)

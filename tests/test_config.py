@@ -1,0 +1,120 @@
+"""RunConfig validation, serialization, recipes and profiles."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gallery_lib.config import ConfigError, RunConfig, validate_for_machine
+from gallery_lib.profiles import base_config, data_spec
+from gallery_lib.recipes import RECIPES, apply_recipe
+
+
+def micro(**kw) -> RunConfig:
+    return RunConfig(**{"model": "swin_micro", "batch_size": 8, "steps": 4, "warmup_steps": 1, **kw})
+
+
+@pytest.mark.parametrize("field, value, fragment", [
+    ("model", "resnet9000", "model='resnet9000' is not known: choose one of"),
+    ("batch_size", 0, "batch_size=0 is invalid: expected an integer >= 1"),
+    ("batch_size", 7, "use an even batch size"),
+    ("batch_size", 2.5, "batch_size=2.5 is invalid"),
+    ("steps", -1, "steps=-1 is invalid"),
+    ("warmup_steps", 4, "leave at least one timed step"),
+    ("amp_level", "O3", "amp_level='O3' is not known: choose one of O0, O1, O2"),
+    ("amp_dtype", "fp8", "amp_dtype='fp8' is not known"),
+    ("compile_mode", "turbo", "compile_mode='turbo' is not known"),
+    ("device", "tpu", "device='tpu' is not known"),
+    ("nproc_per_node", 0, "nproc_per_node=0 is invalid"),
+    ("lr", -1.0, "lr=-1.0 is invalid"),
+    ("label_smoothing", 1.5, "label_smoothing=1.5 is invalid"),
+    ("mixup_alpha", -0.1, "mixup_alpha=-0.1 is invalid"),
+])
+def test_invalid_values_name_field_value_and_fix(field, value, fragment):
+    with pytest.raises(ConfigError, match="^" + field) as info:
+        micro(**{field: value})
+    assert fragment in str(info.value)
+
+
+def test_odd_batch_is_fine_without_mixup():
+    assert micro(batch_size=7, mixup_alpha=0, cutmix_alpha=0).batch_size == 7
+
+
+def test_o2_rejects_float16():
+    with pytest.raises(ConfigError, match="O2"):
+        micro(amp_level="O2", amp_dtype="float16")
+
+
+def test_json_round_trip_and_unknown_fields(tmp_path):
+    cfg = micro(lr=1e-3, auto_augment="rand-m9-mstd0.5-inc1", extra={"note": "x"})
+    path = cfg.save(tmp_path / "config.json")
+    assert RunConfig.load(path) == cfg
+    data = json.loads(path.read_text())
+    data["batchsize"] = 3
+    with pytest.raises(ConfigError, match=r"unknown config field\(s\) \['batchsize'\]"):
+        RunConfig.from_dict(data)
+    with pytest.raises(ConfigError, match="unknown config field"):
+        cfg.replace(compiler=True)
+
+
+def test_derived_values():
+    cfg = micro(batch_size=64, nproc_per_node=2, output_dir="out")
+    assert cfg.global_batch_size == 128
+    assert cfg.peak_lr == pytest.approx(5e-4 * 128 / 512)  # the Swin reference's linear scaling rule
+    assert str(cfg.run_dir) == "out/swin_transformer/baseline"
+
+
+def test_machine_checks_before_any_work():
+    cfg = micro()
+    assert validate_for_machine(cfg, cuda_devices=0, cpu_count=2) == "cpu"
+    assert validate_for_machine(cfg, cuda_devices=1) == "cuda"
+    with pytest.raises(ConfigError, match="no CUDA GPU is visible"):
+        validate_for_machine(micro(device="cuda"), cuda_devices=0)
+    with pytest.raises(ConfigError, match="nproc_per_node=4 but only 2 GPU"):
+        validate_for_machine(micro(nproc_per_node=4), cuda_devices=2)
+    with pytest.raises(ConfigError, match="nproc_per_node=3 but this machine has 2 CPU"):
+        validate_for_machine(micro(nproc_per_node=3), cuda_devices=0, cpu_count=2)
+    with pytest.raises(ConfigError, match="captures CUDA graphs and needs a GPU"):
+        validate_for_machine(micro(compile=True, compile_mode="reduce-overhead"), cuda_devices=0)
+
+
+def test_recipes_differ_only_in_their_switches():
+    base = micro(lr=1e-3, steps=9)
+    configs = {name: apply_recipe(name, base) for name in RECIPES}
+    shared = ("model", "batch_size", "steps", "lr", "data_dir", "seed", "mixup_alpha", "weight_decay", "clip_grad")
+    for cfg in configs.values():
+        assert all(getattr(cfg, f) == getattr(base, f) for f in shared)
+    b, c, a = configs["baseline"], configs["compiled"], configs["accelerated"]
+    assert (b.compile, b.fused_optimizer, b.amp_level) == (False, False, "O1")
+    assert (c.compile, c.fused_optimizer, c.amp_dtype) == (True, True, "bfloat16")
+    assert a.compile and a.fused_optimizer and a.fused_attention
+    assert {cfg.recipe for cfg in configs.values()} == set(RECIPES)
+    with pytest.raises(ConfigError, match="recipe='turbo' is not known"):
+        apply_recipe("turbo", base)
+
+
+def test_profiles():
+    smoke = base_config("smoke", data_root="/d")
+    assert smoke.model == "swin_micro" and smoke.profile == "smoke" and smoke.data_dir == "/d/imagenet_like_smoke"
+    full = base_config("full", batch_size=None, steps=12)
+    assert (full.model, full.image_size, full.batch_size, full.steps) == ("swin_tiny_patch4_window7_224", 224, 128, 12)
+    assert full.warmup_steps == 4  # scaled down with the steps so timed steps remain
+    assert data_spec("smoke").num_classes == 10
+    with pytest.raises(ConfigError, match="profile='huge' is not known"):
+        base_config("huge")
+
+
+@settings(max_examples=60, deadline=None)
+@given(batch=st.integers(-4, 300), steps=st.integers(-2, 50), warm=st.integers(-2, 60),
+       amp=st.sampled_from(["O0", "O1", "O2", "O9", ""]), mix=st.one_of(st.floats(-1, 2), st.just(float("nan"))))
+def test_config_either_builds_valid_or_raises_config_error(batch, steps, warm, amp, mix):
+    try:
+        cfg = micro(batch_size=batch, steps=steps, warmup_steps=warm, amp_level=amp, mixup_alpha=mix)
+    except ConfigError as exc:
+        assert "=" in str(exc)  # names the field and the value
+        return
+    assert cfg.batch_size >= 1 and 0 <= cfg.warmup_steps < cfg.steps and cfg.amp_level in ("O0", "O1", "O2")
+    assert cfg.mixup_alpha >= 0 and (cfg.batch_size % 2 == 0 or not cfg.uses_mixup)
