@@ -1,0 +1,239 @@
+"""The image-classification training loader: timm augmentation on the CPU, uint8 transfer, float work on the device.
+
+Workers run timm's training transforms up to a uint8 CHW tensor (``create_transform(use_prefetcher=True)``): no
+float conversion or normalisation on the CPU, and a quarter of the bytes over PCIe. On the device each batch is
+converted to float and normalised (ImageNet mean / std), randomly erased (timm ``RandomErasing``, which expects
+normalised input), mixed (timm ``Mixup`` / CutMix) and optionally made channels-last.
+
+Targets are always soft (``batch x num_classes``): mixed ones from Mixup, otherwise one-hot with label smoothing, so
+the loss is always ``timm.loss.SoftTargetCrossEntropy``.
+
+Training is counted in steps, so ``TrainLoader`` never stops: it moves to the next epoch (``sampler.set_epoch``)
+by itself. The transfer runs on the current stream with ``non_blocking=True`` from pinned memory; timm's
+``PrefetchLoader`` side-stream overlap is not used because a uint8 batch copy is a few milliseconds at most
+against a training step of a hundred or more, and the single stream needs no cross-stream memory bookkeeping.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+from typing import Iterator
+
+import numpy as np
+import torch
+import torch.utils.data
+from PIL import Image
+from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD, Mixup, auto_augment as timm_aa, create_transform
+from timm.data.random_erasing import RandomErasing
+from torch.utils.data import DataLoader, DistributedSampler
+
+
+class TrainLoader:
+    """Endless iterator of ``(images, soft_targets)`` on the device; see the module docstring.
+
+    Attributes:
+        dataset: The dataset given to ``build_train_loader`` (``len(loader.dataset)`` images).
+        sampler: The ``DistributedSampler`` (one replica when not distributed).
+        steps_per_epoch: Batches per epoch on this process (incomplete batches are dropped).
+        epoch: Epoch of the batch most recently yielded (starts at 0).
+        batch_size: Images per batch on this process.
+        num_classes: Width of the soft targets.
+    """
+
+    def __init__(self, loader: DataLoader, dataset, *, device: torch.device, num_classes: int,
+                 label_smoothing: float, mixup: Mixup | None, random_erasing: RandomErasing | None,
+                 channels_last: bool) -> None:
+        self._loader = loader
+        self.dataset = dataset
+        self.sampler: DistributedSampler = loader.sampler
+        self.batch_size: int = loader.batch_size
+        self.steps_per_epoch = len(loader)
+        self.epoch = 0
+        self.device = device
+        self.num_classes = num_classes
+        self.label_smoothing = label_smoothing
+        self.mixup = mixup
+        self.random_erasing = random_erasing
+        self.channels_last = channels_last
+        # Scaled by 255 so uint8 input is normalised in one sub / div.
+        self._mean = torch.tensor([255 * m for m in IMAGENET_DEFAULT_MEAN], device=device).view(1, 3, 1, 1)
+        self._std = torch.tensor([255 * s for s in IMAGENET_DEFAULT_STD], device=device).view(1, 3, 1, 1)
+
+    @property
+    def skipped(self) -> int:
+        """Unreadable samples skipped so far, over all workers (0 if the dataset does not count skips)."""
+        return getattr(self.dataset, "skipped", 0)
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        while True:
+            self.sampler.set_epoch(self.epoch)
+            for images, labels in self._loader:
+                yield self.to_device(images, labels)
+            self.epoch += 1
+
+    def to_device(self, images: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Move one uint8 batch to the device and finish it there: float, normalise, erase, mix, layout."""
+        images = images.to(self.device, non_blocking=True)
+        labels = labels.to(self.device, non_blocking=True)
+        images = images.float().sub_(self._mean).div_(self._std)
+        if self.random_erasing is not None:
+            images = self.random_erasing(images)
+        if self.mixup is not None:
+            images, targets = self.mixup(images, labels)
+        else:
+            targets = smooth_one_hot(labels, self.num_classes, self.label_smoothing)
+        if self.channels_last:
+            images = images.contiguous(memory_format=torch.channels_last)
+        return images, targets
+
+
+def smooth_one_hot(labels: torch.Tensor, num_classes: int, smoothing: float = 0.0) -> torch.Tensor:
+    """One-hot float targets with label smoothing, timm's convention: ``smoothing`` spread over all classes."""
+    off = smoothing / num_classes
+    targets = torch.full((labels.shape[0], num_classes), off, device=labels.device)
+    return targets.scatter_(1, labels.long().view(-1, 1), 1.0 - smoothing + off)
+
+
+def build_train_loader(
+    dataset: torch.utils.data.Dataset,
+    *,
+    batch_size: int,
+    image_size: int,
+    device: torch.device | str,
+    num_workers: int = 2,
+    seed: int = 0,
+    world_size: int = 1,
+    rank: int = 0,
+    auto_augment: str | None = None,
+    re_prob: float = 0.0,
+    mixup_alpha: float = 0.0,
+    cutmix_alpha: float = 0.0,
+    label_smoothing: float = 0.0,
+    channels_last: bool = False,
+    interpolation: str = "bicubic",
+    pin_memory: bool | None = None,
+    persistent_workers: bool = True,
+    prefetch_factor: int | None = None,
+    num_classes: int | None = None,
+) -> TrainLoader:
+    """Build the endless training loader for a class-folder dataset.
+
+    Args:
+        dataset: Map-style dataset with a ``transform`` attribute left at ``None`` (e.g. ``RobustImageFolder``):
+            this function installs timm's training transform on a shallow copy, the given object is not changed.
+        batch_size: Images per batch on this process (the global batch is ``batch_size * world_size``).
+        image_size: Side of the random-resized crop.
+        device: Where batches are delivered and the float work happens.
+        num_workers: DataLoader worker processes (0 decodes in the main process).
+        seed: Seed of the shuffling order (same on all ranks) and of the worker augmentation streams.
+        world_size: Number of data-parallel processes; each draws a disjoint ``1 / world_size`` of every epoch.
+        rank: This process's index in ``[0, world_size)``.
+        auto_augment: timm auto-augment policy, e.g. ``"rand-m9-mstd0.5-inc1"``; ``None`` uses colour jitter.
+        re_prob: Random-erasing probability per image (applied on the device, after normalisation).
+        mixup_alpha: Mixup alpha; mixing is on when this or ``cutmix_alpha`` is > 0. Needs an even batch.
+        cutmix_alpha: CutMix alpha.
+        label_smoothing: Smoothing of the soft targets, with or without mixing.
+        channels_last: Deliver images in ``torch.channels_last`` memory format.
+        interpolation: Resize interpolation of the crop (``"bicubic"``, ``"bilinear"``, ``"random"``).
+        pin_memory: Pin host batches; ``None`` pins when ``device`` is CUDA.
+        persistent_workers: Keep workers alive between epochs (only when ``num_workers > 0``).
+        prefetch_factor: Batches prefetched per worker; ``None`` keeps PyTorch's default.
+        num_classes: Width of the targets; defaults to ``dataset.num_classes``.
+    """
+    device = torch.device(device)
+    _check_positive_int("batch_size", batch_size)
+    _check_positive_int("image_size", image_size)
+    _check_positive_int("world_size", world_size)
+    if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
+        raise ValueError(f"num_workers must be an integer >= 0, got {num_workers!r}")
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
+        raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
+    if not 0.0 <= re_prob <= 1.0:
+        raise ValueError(f"re_prob is a probability in [0, 1], got {re_prob}")
+    if not 0.0 <= label_smoothing < 1.0:
+        raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}")
+    if mixup_alpha < 0 or cutmix_alpha < 0:
+        raise ValueError(f"mixup_alpha and cutmix_alpha must be >= 0, got {mixup_alpha} and {cutmix_alpha}")
+    use_mixup = mixup_alpha > 0 or cutmix_alpha > 0
+    if use_mixup and batch_size % 2:
+        raise ValueError(f"Mixup/CutMix pairs each image with its mirror in the batch, so the per-process "
+                         f"batch_size must be even, got {batch_size}: use {batch_size + 1} or {batch_size - 1}, "
+                         "or set mixup_alpha=cutmix_alpha=0")
+    num_classes = num_classes if num_classes is not None else getattr(dataset, "num_classes", None)
+    if num_classes is None:
+        raise ValueError(f"{type(dataset).__name__} has no num_classes attribute: pass num_classes=")
+    if not hasattr(dataset, "transform"):
+        raise ValueError(f"{type(dataset).__name__} has no transform attribute; build_train_loader needs a dataset "
+                         "that applies `dataset.transform` to a PIL image, such as RobustImageFolder")
+    if dataset.transform is not None:
+        raise ValueError(f"{type(dataset).__name__}.transform is already set; build_train_loader installs timm's "
+                         "training transform itself, so create the dataset with transform=None")
+    if len(dataset) < batch_size * world_size:
+        raise ValueError(f"The dataset has {len(dataset)} images, fewer than one global batch "
+                         f"(batch_size {batch_size} x world_size {world_size} = {batch_size * world_size}): "
+                         "lower the batch size or generate more images (e.g. a larger train_per_class)")
+
+    train_set = copy.copy(dataset)  # shares the sample list and the shared skip counter
+    train_set.transform = create_transform(
+        input_size=image_size, is_training=True, auto_augment=auto_augment, interpolation=interpolation,
+        use_prefetcher=True)  # stops at a uint8 tensor: normalise and erase happen on the device
+    _make_posterize_pillow_safe(train_set.transform)
+    # One seeded sampler for both cases: with a single replica it is a plain seeded shuffle with set_epoch.
+    sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=seed,
+                                 drop_last=True)
+    workers_kw = {}
+    if num_workers > 0:
+        workers_kw = {"persistent_workers": persistent_workers, "worker_init_fn": _seed_worker}
+        if prefetch_factor is not None:
+            workers_kw["prefetch_factor"] = prefetch_factor
+    loader = DataLoader(
+        train_set, batch_size=batch_size, sampler=sampler, num_workers=num_workers, drop_last=True,
+        pin_memory=device.type == "cuda" if pin_memory is None else pin_memory,
+        generator=torch.Generator().manual_seed(_rank_seed(seed, rank)), **workers_kw)
+
+    mixup = None
+    if use_mixup:
+        mixup = Mixup(mixup_alpha=mixup_alpha, cutmix_alpha=cutmix_alpha, label_smoothing=label_smoothing,
+                      num_classes=num_classes)
+    random_erasing = RandomErasing(re_prob, mode="pixel", device=device) if re_prob > 0 else None
+    return TrainLoader(loader, dataset, device=device, num_classes=num_classes, label_smoothing=label_smoothing,
+                       mixup=mixup, random_erasing=random_erasing, channels_last=channels_last)
+
+
+def _make_posterize_pillow_safe(transform) -> None:
+    """Swap, on this transform's own augment ops only, timm's posterize for one that accepts 0 bits.
+
+    timm's "inc" RandAugment levels (``rand-m9-mstd0.5-inc1``) ask for 0 bits at the top magnitude; Pillow 13's
+    ``ImageOps.posterize`` rejects that with a ValueError that kills the worker a few hundred images into a run.
+    Older Pillow returned an all-black image for 0 bits, which is what this restores.
+    """
+    for t in getattr(transform, "transforms", ()):
+        ops = list(getattr(t, "ops", ())) + [op for sub in getattr(t, "policy", ()) for op in sub]
+        for op in ops:
+            if getattr(op, "aug_fn", None) is timm_aa.posterize:
+                op.aug_fn = _posterize_any_bits
+
+
+def _posterize_any_bits(img: Image.Image, bits_to_keep: int, **kwargs) -> Image.Image:
+    if bits_to_keep <= 0:
+        return Image.new(img.mode, img.size)  # keeping no bit leaves every channel at 0
+    return timm_aa.posterize(img, bits_to_keep, **kwargs)
+
+
+def _seed_worker(worker_id: int) -> None:
+    # PyTorch seeds each worker's torch RNG from the loader's generator; derive python and numpy from it so
+    # augmentations that use them (timm's RandAugment uses `random`) are reproducible too.
+    seed = torch.initial_seed() % 2**32
+    random.seed(seed)
+    np.random.seed(seed)
+
+
+def _rank_seed(seed: int, rank: int) -> int:
+    """A seed for this rank's augmentation stream: distinct per (seed, rank), the same on every run."""
+    return int(np.random.SeedSequence([seed, rank]).generate_state(1, dtype=np.uint64)[0] >> 1)
+
+
+def _check_positive_int(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
