@@ -92,6 +92,9 @@ class RunConfig:
     """Seed for model init, data order and augmentation."""
     deterministic: bool = False
     """Ask PyTorch for deterministic algorithms (slower; for exact comparisons)."""
+    reuse_batch: bool = False
+    """Train on the first batch over and over: times the model step alone, without the data pipeline
+    (as timm's ``benchmark.py`` does with random inputs). For benchmarks only: the model learns nothing useful."""
 
     auto_augment: str | None = None
     """timm auto-augment policy, e.g. ``rand-m9-mstd0.5-inc1`` (the Swin reference)."""

@@ -76,6 +76,8 @@ class Precision:
                 if m.grad is None:
                     m.grad = torch.empty_like(m)
             torch._foreach_copy_([m.grad for m in masters], [p.grad for p in params])
+            for p in params:  # the optimizer only clears the masters' grads; the model's must not accumulate
+                p.grad = None
             if clip_grad:
                 torch.nn.utils.clip_grad_norm_(masters, clip_grad, foreach=True)
             optimizer.step()

@@ -12,6 +12,7 @@ autotuning) are reported apart from the steady-state figures.
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import random
 import sys
@@ -108,7 +109,8 @@ def run(cfg: RunConfig, dist: DistInfo | None = None) -> dict:
     pending_lrs: list[float] = []
     step_times: list[float] = []
     losses: list[float] = []
-    batches = iter(loader)
+    # reuse_batch isolates the model step from the loader (benchmarks); normal runs stream the loader.
+    batches = itertools.repeat(next(iter(loader))) if cfg.reuse_batch else iter(loader)
     timer.mark()
     for step in range(cfg.steps):
         images, targets = next(batches)
@@ -154,7 +156,7 @@ def run(cfg: RunConfig, dist: DistInfo | None = None) -> dict:
         "peak_mem_mb": peak_memory_mb(dist.device),
         "peak_mem_kind": "cuda_max_allocated" if dist.device.type == "cuda" else "cpu_max_rss",
         "final_loss": losses[-1], "mean_loss_last_10": sum(losses[-10:]) / len(losses[-10:]),
-        "skipped_samples": skipped, "notes": accelerated.notes,
+        "skipped_samples": skipped, "reuse_batch": cfg.reuse_batch, "notes": accelerated.notes,
         "torch_version": torch.__version__, "output_dir": str(cfg.run_dir),
     }
     if writer:

@@ -128,3 +128,25 @@ def test_failed_run_raises_with_the_rank_log(tmp_path):
         launch(cfg, echo=None)
     message = str(info.value)
     assert "rank0.log" in message and "consecutive" in message
+
+
+def test_amp_o2_steps_match_fp32_master_sgd():
+    """Two O2 steps with SGD equal SGD on fp32 masters fed the same bf16 grads (grads must not accumulate)."""
+    model = torch.nn.Linear(4, 3)
+    cfg = RunConfig(model="swin_micro", amp_level="O2", batch_size=2, steps=2, warmup_steps=0)
+    precision = Precision.from_config(cfg, "cpu")
+    precision.cast_model(model)
+    opt = torch.optim.SGD(precision.optimizer_params([{"params": list(model.parameters())}]), lr=0.5)
+    expected = {p: m.clone() for p, m in precision.master_params.items()}
+    for _ in range(2):
+        x = torch.randn(5, 4)
+        with precision.autocast():
+            model(x.bfloat16()).float().sum().backward()
+        grads = {p: p.grad.float().clone() for p in model.parameters()}
+        precision.step(model, opt, clip_grad=None)
+        opt.zero_grad(set_to_none=True)
+        for p in expected:
+            expected[p] -= 0.5 * grads[p]
+        assert all(p.grad is None for p in model.parameters())
+    for p, m in precision.master_params.items():
+        assert torch.allclose(m, expected[p], atol=1e-6)

@@ -1,0 +1,103 @@
+"""Runs a model's recipes side by side on this machine and writes one JSON result file.
+
+    python benchmarks/bench_recipes.py --profile full --recipes baseline,compiled,accelerated \
+        [--variant accelerated:compile_mode=default] --out benchmarks/results/swin_full_h200.json
+
+Every run goes through the same launcher as the notebooks (a torchrun subprocess, CUDA-event step
+timing, warm-up/compile reported apart), in one session on one machine, so the numbers compare.
+``--variant NAME:field=value,...`` adds a run of recipe NAME with config overrides (named
+``NAME+field=value``), for trying a switch before it goes into a recipe.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from gallery_lib.launch import launch
+from gallery_lib.profiles import base_config
+from gallery_lib.recipes import apply_recipe
+from gallery_lib.workflow import prepare
+
+_KEYS = ("recipe", "samples_per_s", "median_step_time_ms", "p20_step_time_ms", "p80_step_time_ms", "warmup_time_s",
+         "setup_time_s", "peak_mem_mb", "final_loss", "mean_loss_last_10", "global_batch_size", "world_size",
+         "device_name", "notes", "skipped_samples")
+
+
+def _parse_value(text: str):
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return {"true": True, "false": False, "none": None}.get(text.lower(), text)
+
+
+def parse_variant(text: str) -> tuple[str, dict]:
+    recipe, _, assignments = text.partition(":")
+    overrides = {}
+    for item in filter(None, assignments.split(",")):
+        key, _, value = item.partition("=")
+        overrides[key.strip()] = _parse_value(value.strip())
+    return recipe, overrides
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--profile", default="full")
+    parser.add_argument("--model")
+    parser.add_argument("--batch-size", type=int)
+    parser.add_argument("--steps", type=int)
+    parser.add_argument("--recipes", default="baseline,compiled,accelerated")
+    parser.add_argument("--variant", action="append", default=[])
+    parser.add_argument("--output-dir", default="output/bench")
+    parser.add_argument("--data-root", default="data")
+    parser.add_argument("--out", required=True, help="JSON result file")
+    args = parser.parse_args(argv)
+
+    base = base_config(args.profile, data_root=args.data_root, model=args.model, batch_size=args.batch_size,
+                       steps=args.steps, output_dir=args.output_dir)
+    configs = [apply_recipe(name, base) for name in args.recipes.split(",") if name]
+    for text in args.variant:
+        recipe, overrides = parse_variant(text)
+        label = "+".join(f"{k}={v}" for k, v in overrides.items())
+        configs.append(apply_recipe(recipe, base).replace(recipe=f"{recipe}+{label}", **overrides))
+    start = time.perf_counter()
+    prepare(base, progress=False)
+    print(f"[bench] data ready in {time.perf_counter() - start:.1f} s", flush=True)
+
+    results = []
+    for cfg in configs:
+        print(f"\n[bench] === {cfg.recipe} ===", flush=True)
+        try:
+            summary = launch(cfg).summary
+            results.append({k: summary.get(k) for k in _KEYS} | {"config": cfg.to_dict()})
+        except Exception as exc:  # record the failure and keep measuring the others
+            results.append({"recipe": cfg.recipe, "error": f"{type(exc).__name__}: {str(exc)[-1500:]}"})
+        print(f"[bench] {json.dumps({k: results[-1].get(k) for k in ('recipe', 'samples_per_s', 'error')})}",
+              flush=True)
+
+    record = {
+        "command": "python " + " ".join(sys.argv),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "torch": torch.__version__, "python": platform.python_version(),
+        "model": base.model, "image_size": base.image_size, "batch_size_per_process": base.batch_size,
+        "steps": base.steps, "warmup_steps": base.warmup_steps,
+        "timing": "CUDA events per step after warm-up; median with p20/p80; includes data loading",
+        "results": results,
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
+    print(f"[bench] wrote {args.out}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
