@@ -284,6 +284,18 @@ def test_runs_past_epochs_and_reshuffles():
     assert [i for b in zip(range(6), again) for i in _indices(b[1])] == epochs[0]  # same seed, same order
 
 
+def test_augmentation_does_not_depend_on_worker_count(mock_root):
+    """Crops and RandAugment ops are seeded per sample, so recipes with different num_workers see the same images."""
+    def batches(num_workers, n=5):
+        loader = build_train_loader(RobustImageFolder(mock_root), batch_size=4, image_size=24, device="cpu",
+                                    num_workers=num_workers, auto_augment="rand-m9-mstd0.5-inc1", seed=3)
+        return [b[0] for _, b in zip(range(n), loader)]
+
+    single, pooled = batches(0), batches(3)
+    assert all(torch.equal(a, b) for a, b in zip(single, pooled))
+    assert not torch.equal(single[0], single[4])
+
+
 def test_ranks_draw_disjoint_shards():
     shards = []
     for rank in range(2):

@@ -46,7 +46,7 @@ class TrainLoader:
                  channels_last: bool) -> None:
         self._loader = loader
         self.dataset = dataset
-        self.sampler: DistributedSampler = loader.sampler
+        self.sampler: DistributedSampler = loader.sampler.sampler
         self.batch_size: int = loader.batch_size
         self.steps_per_epoch = len(loader)
         self.epoch = 0
@@ -180,8 +180,11 @@ def build_train_loader(
         use_prefetcher=True)  # stops at a uint8 tensor: normalise and erase happen on the device
     _make_posterize_pillow_safe(train_set.transform)
     # One seeded sampler for both cases: with a single replica it is a plain seeded shuffle with set_epoch.
-    sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=seed,
-                                 drop_last=True)
+    # Each sample's augmentation is seeded from (seed, epoch, index), so a run sees the same crops and
+    # RandAugment ops whatever its number of workers (recipes that tune num_workers stay comparable).
+    sampler = _EpochTaggedSampler(DistributedSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True,
+                                                     seed=seed, drop_last=True))
+    train_set = _SampleSeeded(train_set, seed)
     workers_kw = {}
     if num_workers > 0:
         workers_kw = {"persistent_workers": persistent_workers, "worker_init_fn": _seed_worker}
@@ -219,6 +222,42 @@ def _posterize_any_bits(img: Image.Image, bits_to_keep: int, **kwargs) -> Image.
     if bits_to_keep <= 0:
         return Image.new(img.mode, img.size)  # keeping no bit leaves every channel at 0
     return timm_aa.posterize(img, bits_to_keep, **kwargs)
+
+
+class _EpochTaggedSampler(torch.utils.data.Sampler):
+    """Yields ``(index, epoch)`` pairs from a ``DistributedSampler`` and forwards ``set_epoch``."""
+
+    def __init__(self, sampler: DistributedSampler):
+        self.sampler = sampler
+
+    def set_epoch(self, epoch: int) -> None:
+        self.sampler.set_epoch(epoch)
+
+    def __iter__(self):
+        epoch = self.sampler.epoch
+        return ((index, epoch) for index in self.sampler)
+
+    def __len__(self) -> int:
+        return len(self.sampler)
+
+
+class _SampleSeeded(torch.utils.data.Dataset):
+    """Seeds python, numpy and torch from ``(seed, epoch, index)`` before loading each sample."""
+
+    def __init__(self, dataset, seed: int):
+        self.dataset = dataset
+        self.seed = seed
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, key: tuple[int, int]):
+        index, epoch = key
+        sample_seed = int(np.random.SeedSequence([self.seed, epoch, index]).generate_state(1)[0])
+        random.seed(sample_seed)
+        np.random.seed(sample_seed)
+        torch.manual_seed(sample_seed)
+        return self.dataset[index]
 
 
 def _seed_worker(worker_id: int) -> None:
