@@ -12,7 +12,7 @@ import argparse
 import sys
 from typing import Any, Sequence
 
-from gallery_lib.config import AMP_DTYPES, AMP_LEVELS, COMPILE_MODES, DEVICES, ConfigError, RunConfig
+from gallery_lib.config import AMP_DTYPES, AMP_LEVELS, COMPILE_MODES, DEVICES, ConfigError, RunConfig, validate_for_machine
 from gallery_lib.profiles import PROFILES, base_config
 
 DEFAULT_RECIPES = "baseline,compiled,accelerated"
@@ -124,7 +124,9 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     base = base_from_args(args)
     overrides = optimization_overrides(args)
-    configs = [recipe_config(base, r, overrides) for r in _recipe_list(args.recipes)]  # validate all first
+    configs = [recipe_config(base, r, overrides) for r in _recipe_list(args.recipes)]
+    for cfg in configs:  # every machine check before any data is prepared
+        validate_for_machine(cfg)
     if args.data_dir is None:
         prepare(base)
     for cfg in configs:

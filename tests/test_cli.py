@@ -1,0 +1,59 @@
+"""The gallery command: flag spellings, recipe overrides, and errors before any work starts."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from gallery_lib.cli import base_from_args, build_parser, main, optimization_overrides, recipe_config
+
+
+def parse(*argv):
+    return build_parser().parse_args(list(argv))
+
+
+def test_dash_and_underscore_spellings_are_the_same_flag():
+    a = parse("train", "--batch_size", "64", "--nproc_per_node", "1", "--amp_level", "O2", "--compiler-opt",
+              "--kernel_opt", "--profile", "smoke")
+    b = parse("train", "--batch-size", "64", "--nproc-per-node", "1", "--amp-level", "O2", "--compiler_opt",
+              "--kernel-opt", "--profile", "smoke")
+    assert vars(a) == vars(b)
+    assert optimization_overrides(a) == {"amp_level": "O2", "compile": True, "kernels": True}
+
+
+def test_overrides_rename_the_run_so_recipe_results_are_not_overwritten():
+    args = parse("train", "--profile", "smoke", "--recipe", "baseline", "--amp_level", "O2", "--compiler-opt")
+    cfg = recipe_config(base_from_args(args), args.recipe, optimization_overrides(args))
+    assert cfg.recipe == "baseline+amp_level=O2+compile" and cfg.compile and cfg.amp_level == "O2"
+    plain = recipe_config(base_from_args(args), "baseline", {})
+    assert plain.recipe == "baseline" and plain.run_dir != cfg.run_dir
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["train", "--profile", "smoke", "--recipe", "fastest"], "recipe='fastest' is not known"),
+    (["train", "--profile", "smoke", "--batch_size", "7"], "batch_size=7 is invalid"),
+    (["train", "--profile", "smoke", "--model", "resnet1"], "model='resnet1' is not known"),
+    (["train", "--profile", "smoke", "--device", "cuda"], "no CUDA GPU is visible"),
+    (["train", "--profile", "smoke", "--nproc_per_node", "64"], "nproc_per_node=64"),
+    (["run", "--profile", "smoke", "--recipes", "baseline,warp"], "recipe='warp' is not known"),
+    (["run", "--profile", "smoke", "--nproc_per_node", "64"], "nproc_per_node=64"),
+])
+def test_bad_input_fails_fast_with_a_clear_message(argv, message, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "data").exists() and not (tmp_path / "output").exists()  # nothing was prepared or run
+
+
+def test_missing_data_folder_is_reported(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "--profile", "smoke", "--data_dir", str(tmp_path / "nowhere")]) == 2
+    err = capsys.readouterr().err
+    assert "no training data" in err and "gallery prepare" in err
+
+
+def test_list_and_console_entry_point():
+    out = subprocess.run([sys.executable, "-m", "gallery_lib.cli", "list"], capture_output=True, text=True, check=True)
+    assert "swin_tiny_patch4_window7_224" in out.stdout and "accelerated" in out.stdout

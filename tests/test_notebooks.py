@@ -1,0 +1,62 @@
+"""Every gallery notebook: well-formed in git, and executed end to end with papermill in the smoke profile."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import nbformat
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+NOTEBOOKS = sorted((REPO / "notebooks").glob("*.ipynb"))
+INJECTED = ("profile", "output_dir", "data_root", "interactive")  # what ci/run_notebooks.py passes
+
+
+def _runner():
+    spec = importlib.util.spec_from_file_location("run_notebooks", REPO / "ci" / "run_notebooks.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_there_are_notebooks():
+    assert NOTEBOOKS, "notebooks/ holds no .ipynb"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_notebook_is_committed_clean_with_one_parameters_cell(path):
+    nb = nbformat.read(path, as_version=4)
+    nbformat.validate(nb)
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    assert all(not c.outputs and c.execution_count is None for c in code), "strip outputs before committing"
+    params = [c for c in code if "parameters" in c.metadata.get("tags", [])]
+    assert len(params) == 1, "exactly one cell tagged 'parameters'"
+    assert all(f"{name} =" in params[0].source for name in INJECTED)
+    assert nb.metadata.kernelspec.name == "python3"
+    assert len(code) <= 12, "notebooks stay thin: the work belongs in gallery_lib"
+
+
+@pytest.mark.notebook
+@pytest.mark.slow
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_notebook_runs_headless_in_smoke_profile(path, tmp_path):
+    out_dir = tmp_path / "output"
+    params = {"profile": "smoke", "output_dir": str(out_dir), "data_root": str(tmp_path / "data"),
+              "interactive": False}
+    executed = _runner().run_notebook(path, out_dir / "notebooks", params, cell_timeout=900)
+    nb = nbformat.read(executed, as_version=4)
+    errors = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []) if o.output_type == "error"]
+    assert not errors
+    family = path.stem
+    report = out_dir / family / "report.md"
+    assert report.exists() and (out_dir / family / "report.png").stat().st_size > 10_000
+    for recipe in ("baseline", "compiled", "accelerated"):
+        lines = (out_dir / family / recipe / "metrics.jsonl").read_text().splitlines()
+        summary = json.loads(lines[-1])
+        assert summary["type"] == "summary" and summary["recipe"] == recipe
+        assert summary["output_dir"] == str(out_dir / family / recipe)  # each run carries its own path
+        assert recipe in report.read_text()
+    text = "\n".join(o.get("text", "") for c in nb.cells for o in c.get("outputs", []) if o.output_type == "stream")
+    assert "accelerated:" in text and "img/s" in text  # the summary cell printed this run's own numbers
