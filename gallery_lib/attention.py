@@ -1,0 +1,414 @@
+"""Attention backends: a registry with constraints, per-shape selection, and hooks for diffusers and timm Swin.
+
+No single kernel wins everywhere: on an H100 (bf16, forward+backward, batch 8, 8 heads) cuDNN is fastest
+at 4096 tokens x head dim 40 and SDPA's flash kernel at 256 x 160. So ``auto`` picks per shape, dtype and
+GPU from a small micro-benchmark of every eligible backend, cached in memory and optionally in a JSON file
+(``GALLERY_ATTN_CACHE`` or ``BackendSelector(cache_path=...)``). On a CPU the rule is ``math``.
+
+Backends: ``flash_attn3`` (FA3, ``flash_attn_interface``) and ``flash_attn`` (FA2 package) when importable,
+and PyTorch SDPA's ``cudnn``, ``flash``, ``efficient`` and ``math`` kernels through ``sdpa_kernel``. Each
+declares its constraints (device, dtypes, head dims, additive bias, GPU capability); ``auto`` never picks
+one that violates them, and a backend that raises during the micro-benchmark is left out for that shape.
+
+Tensors use SDPA's layout ``(batch, heads, tokens, head_dim)``; ``bias`` is added to the attention
+scores (a boolean mask means "keep").
+
+Hooks: ``GalleryAttnProcessor`` for diffusers (``unet.set_attn_processor(...)``, or the reversible
+``hook_diffusers_attention``) and ``hook_swin_attention`` for timm's ``WindowAttention``, whose relative
+position bias and shift mask become an additive bias, so only backends that accept one apply.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+import types
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+try:
+    import flash_attn  # FA2
+
+    has_flash_attn = True
+except ImportError:
+    has_flash_attn = False
+try:
+    import flash_attn_interface  # FA3 (Hopper)
+
+    has_flash_attn3 = True
+except ImportError:
+    has_flash_attn3 = False
+try:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+except ImportError:  # torch < 2.3
+    SDPBackend = sdpa_kernel = None
+
+_HALF = (torch.float16, torch.bfloat16)
+_FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+@dataclass(frozen=True)
+class AttentionBackend:
+    """One attention kernel and what it accepts."""
+
+    name: str
+    run: Callable[..., torch.Tensor]  # run(q, k, v, bias, scale) in (B, H, L, D) layout
+    devices: tuple[str, ...] = ("cuda",)
+    dtypes: tuple[torch.dtype, ...] = _HALF
+    max_head_dim: int | None = 256
+    head_dim_multiple: int = 8
+    supports_bias: bool = False
+    min_capability: tuple[int, int] | None = (8, 0)
+    max_capability: tuple[int, int] | None = None
+    installed: bool = True
+
+    def why_not(self, q_shape: Sequence[int], dtype: torch.dtype, device_type: str, has_bias: bool,
+                capability: tuple[int, int] | None = None) -> str | None:
+        """The first constraint the call violates, as a sentence; ``None`` if the backend applies."""
+        head_dim = q_shape[-1]
+        if not self.installed:
+            return f"{self.name} is not installed"
+        if device_type not in self.devices:
+            return f"{self.name} runs on {'/'.join(self.devices)}, not {device_type}"
+        if dtype not in self.dtypes:
+            return f"{self.name} takes {', '.join(str(d).replace('torch.', '') for d in self.dtypes)}, not {dtype}"
+        if self.max_head_dim is not None and head_dim > self.max_head_dim:
+            return f"{self.name} takes head dims up to {self.max_head_dim}, not {head_dim}"
+        if head_dim % self.head_dim_multiple:
+            return f"{self.name} needs a head dim that is a multiple of {self.head_dim_multiple}, not {head_dim}"
+        if has_bias and not self.supports_bias:
+            return f"{self.name} does not accept an additive bias or mask"
+        if device_type == "cuda" and capability is not None:
+            if self.min_capability and capability < self.min_capability:
+                return f"{self.name} needs compute capability >= {self.min_capability}, not {capability}"
+            if self.max_capability and capability > self.max_capability:
+                return f"{self.name} needs compute capability <= {self.max_capability}, not {capability}"
+        return None
+
+
+def _sdpa_runner(kind: str) -> Callable[..., torch.Tensor]:
+    def run(q, k, v, bias, scale):
+        with sdpa_kernel([getattr(SDPBackend, kind)]):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale)
+    return run
+
+
+def _run_flash_attn(q, k, v, bias, scale):
+    out = flash_attn.flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), softmax_scale=scale)
+    return out.transpose(1, 2)
+
+
+def _run_flash_attn3(q, k, v, bias, scale):
+    out = flash_attn_interface.flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                               softmax_scale=scale)
+    out = out[0] if isinstance(out, tuple) else out  # some FA3 releases also return the log-sum-exp
+    return out.transpose(1, 2)
+
+
+def _has_sdpa(kind: str) -> bool:
+    return SDPBackend is not None and hasattr(SDPBackend, kind)
+
+
+BACKENDS: dict[str, AttentionBackend] = {
+    b.name: b
+    for b in (
+        AttentionBackend("flash_attn3", _run_flash_attn3, min_capability=(9, 0), max_capability=(9, 9),
+                         installed=has_flash_attn3),
+        AttentionBackend("flash_attn", _run_flash_attn, installed=has_flash_attn),
+        AttentionBackend("cudnn", _sdpa_runner("CUDNN_ATTENTION"), installed=_has_sdpa("CUDNN_ATTENTION")),
+        AttentionBackend("flash", _sdpa_runner("FLASH_ATTENTION"), installed=_has_sdpa("FLASH_ATTENTION")),
+        AttentionBackend("efficient", _sdpa_runner("EFFICIENT_ATTENTION"), dtypes=(torch.float32, *_HALF),
+                         max_head_dim=None, supports_bias=True, min_capability=(5, 0),
+                         installed=_has_sdpa("EFFICIENT_ATTENTION")),
+        AttentionBackend("math", _sdpa_runner("MATH"), devices=("cpu", "cuda"), dtypes=_FLOATS, max_head_dim=None,
+                         head_dim_multiple=1, supports_bias=True, min_capability=None, installed=_has_sdpa("MATH")),
+    )
+}
+
+
+# --------------------------------------------------------------------- selection
+def _device_info(device: torch.device) -> tuple[str, tuple[int, int]]:
+    return torch.cuda.get_device_name(device), torch.cuda.get_device_capability(device)
+
+
+def benchmark_backend(backend: AttentionBackend, q_shape: Sequence[int], kv_shape: Sequence[int],
+                      dtype: torch.dtype, device: torch.device, has_bias: bool, reps: int = 10) -> float:
+    """Median forward+backward milliseconds of ``backend`` on random inputs of these shapes."""
+    with torch.inference_mode(False), torch.enable_grad():
+        q = torch.randn(*q_shape, device=device, dtype=dtype, requires_grad=True)
+        k = torch.randn(*kv_shape, device=device, dtype=dtype, requires_grad=True)
+        v = torch.randn(*kv_shape, device=device, dtype=dtype, requires_grad=True)
+        bias = torch.randn(q_shape[0], q_shape[1], q_shape[2], kv_shape[2], device=device, dtype=dtype) \
+            if has_bias else None
+        grad = torch.randn_like(q)
+
+        def step():
+            torch.autograd.grad(backend.run(q, k, v, bias, None), (q, k, v), grad)
+
+        for _ in range(3):
+            step()
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+        for start, end in events:
+            start.record()
+            step()
+            end.record()
+        torch.cuda.synchronize(device)
+    return statistics.median(s.elapsed_time(e) for s, e in events)
+
+
+class BackendSelector:
+    """Picks the fastest eligible backend per (shapes, dtype, GPU, bias) and remembers it.
+
+    Args:
+        cache_path: JSON file to read choices from and write new ones to (``None``: memory only).
+        timer: ``timer(backend, q_shape, kv_shape, dtype, device, has_bias) -> ms``; default
+            ``benchmark_backend``. Tests inject a fake one.
+        device_info: ``device_info(device) -> (name, (major, minor))``; default asks CUDA.
+    """
+
+    def __init__(self, cache_path: str | os.PathLike | None = None, timer: Callable[..., float] | None = None,
+                 device_info: Callable[[torch.device], tuple[str, tuple[int, int]]] | None = None):
+        self.cache_path = cache_path
+        self.timer = timer or benchmark_backend
+        self.device_info = device_info or _device_info
+        self.cache: dict[str, dict[str, Any]] = {}
+        if cache_path and os.path.exists(cache_path):
+            with open(cache_path, encoding="utf-8") as f:
+                self.cache = json.load(f)
+
+    def eligible(self, q_shape, dtype, device, has_bias) -> dict[str, str | None]:
+        """Every backend with ``None`` (eligible) or the reason it cannot run this call."""
+        device = torch.device(device)
+        capability = self.device_info(device)[1] if device.type == "cuda" else None
+        return {n: b.why_not(q_shape, dtype, device.type, has_bias, capability) for n, b in BACKENDS.items()}
+
+    def select(self, q_shape: Sequence[int], dtype: torch.dtype, device: torch.device | str, has_bias: bool,
+               kv_shape: Sequence[int] | None = None) -> str:
+        device = torch.device(device)
+        if device.type != "cuda":
+            return "math"
+        kv_shape = tuple(kv_shape or q_shape)
+        name = self.device_info(device)[0]
+        key = f"{tuple(q_shape)}|{kv_shape}|{str(dtype).replace('torch.', '')}|{name}|bias={bool(has_bias)}"
+        if key in self.cache:
+            return self.cache[key]["backend"]
+        eligible = [BACKENDS[n] for n, why in self.eligible(q_shape, dtype, device, has_bias).items() if why is None]
+        if _cannot_benchmark():  # inside torch.compile tracing or CUDA-graph capture: rule, not cached
+            return next((b.name for b in eligible if b.name in ("flash", "efficient")), "math")
+        timings, failed = {}, {}
+        for backend in eligible:
+            try:
+                ms = float(self.timer(backend, tuple(q_shape), kv_shape, dtype, device, has_bias))
+            except Exception as e:  # noqa: BLE001 - a kernel that refuses this shape is simply not a candidate
+                failed[backend.name] = f"{type(e).__name__}: {str(e).strip()[:200]}"
+                continue
+            if math.isfinite(ms):
+                timings[backend.name] = ms
+        best = min(timings, key=timings.get) if timings else "math"
+        self.cache[key] = {"backend": best, "timings_ms": timings, "failed": failed}
+        self._save()
+        return best
+
+    def _save(self) -> None:
+        if not self.cache_path:
+            return
+        tmp = f"{self.cache_path}.tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(self.cache, f, indent=1, sort_keys=True)
+        os.replace(tmp, self.cache_path)
+
+
+def _cannot_benchmark() -> bool:
+    compiling = getattr(torch.compiler, "is_compiling", lambda: False)()
+    return compiling or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+
+
+_selector = BackendSelector(cache_path=os.environ.get("GALLERY_ATTN_CACHE"))
+
+
+def default_selector() -> BackendSelector:
+    return _selector
+
+
+def select_backend(q_shape: Sequence[int], dtype: torch.dtype, device: torch.device | str, has_bias: bool, *,
+                   kv_shape: Sequence[int] | None = None, selector: BackendSelector | None = None) -> str:
+    """The backend ``auto`` uses for this call: ``math`` on a CPU, the measured fastest eligible one on CUDA."""
+    return (selector or _selector).select(q_shape, dtype, device, has_bias, kv_shape)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None = None,
+              backend: str = "auto", scale: float | None = None,
+              selector: BackendSelector | None = None) -> torch.Tensor:
+    """Attention of ``(B, H, L, D)`` tensors through the chosen backend; ``bias`` is added to the scores."""
+    if bias is not None and bias.dtype == torch.bool:
+        bias = torch.zeros(bias.shape, dtype=q.dtype, device=q.device).masked_fill_(~bias, float("-inf"))
+    elif bias is not None and bias.dtype != q.dtype:
+        bias = bias.to(q.dtype)
+    if backend == "auto":
+        backend = select_backend(q.shape, q.dtype, q.device, bias is not None, kv_shape=k.shape, selector=selector)
+    elif backend not in BACKENDS:
+        raise ValueError(f"attention: unknown backend {backend!r}; use 'auto' or one of {list(BACKENDS)}")
+    else:
+        capability = torch.cuda.get_device_capability(q.device) if q.is_cuda else None
+        why = BACKENDS[backend].why_not(q.shape, q.dtype, q.device.type, bias is not None, capability)
+        if why:
+            raise ValueError(f"attention: backend {backend!r} cannot run this call: {why}; use backend='auto'")
+    return BACKENDS[backend].run(q, k, v, bias, scale)
+
+
+def describe(selector: BackendSelector | None = None) -> str:
+    """A few lines for a notebook: which backends exist here, their constraints, and what ``auto`` chose."""
+    selector = selector or _selector
+    lines = ["attention backends:"]
+    for b in BACKENDS.values():
+        state = "available" if b.installed else "not installed"
+        heads = f"head dim <= {b.max_head_dim}" if b.max_head_dim else "any head dim"
+        lines.append(f"  {b.name:<12} {state:<14} {'/'.join(b.devices)}; "
+                     f"{', '.join(str(d).replace('torch.', '') for d in b.dtypes)}; {heads}; "
+                     f"{'bias ok' if b.supports_bias else 'no bias'}")
+    if selector.cache:
+        lines.append("auto chose:")
+        for key, entry in selector.cache.items():
+            times = ", ".join(f"{n} {ms:.3f}" for n, ms in sorted(entry["timings_ms"].items(), key=lambda x: x[1]))
+            lines.append(f"  {key}: {entry['backend']}  (ms: {times})")
+    else:
+        lines.append("auto: nothing chosen yet (CPU calls use math)")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------- diffusers hook
+class GalleryAttnProcessor:
+    """diffusers attention processor that sends the attention product through this registry.
+
+    It follows ``AttnProcessor2_0`` step by step (spatial norm, group norm, 4-D inputs, residual,
+    rescale); like it, it uses the default ``1/sqrt(head_dim)`` scale.
+    """
+
+    def __init__(self, backend: str = "auto", selector: BackendSelector | None = None):
+        self.backend, self.selector = backend, selector
+
+    def __call__(self, attn: nn.Module, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor | None = None,
+                 attention_mask: torch.Tensor | None = None, temb: torch.Tensor | None = None, *args, **kwargs
+                 ) -> torch.Tensor:
+        residual = hidden_states
+        if attn.spatial_norm is not None:
+            hidden_states = attn.spatial_norm(hidden_states, temb)
+        input_ndim = hidden_states.ndim
+        if input_ndim == 4:
+            batch, channel, height, width = hidden_states.shape
+            hidden_states = hidden_states.view(batch, channel, height * width).transpose(1, 2)
+        batch, seq_len, _ = (hidden_states if encoder_hidden_states is None else encoder_hidden_states).shape
+        if attention_mask is not None:
+            attention_mask = attn.prepare_attention_mask(attention_mask, seq_len, batch)
+            attention_mask = attention_mask.view(batch, attn.heads, -1, attention_mask.shape[-1])
+        if attn.group_norm is not None:
+            hidden_states = attn.group_norm(hidden_states.transpose(1, 2)).transpose(1, 2)
+
+        query = attn.to_q(hidden_states)
+        if encoder_hidden_states is None:
+            encoder_hidden_states = hidden_states
+        elif attn.norm_cross:
+            encoder_hidden_states = attn.norm_encoder_hidden_states(encoder_hidden_states)
+        key, value = attn.to_k(encoder_hidden_states), attn.to_v(encoder_hidden_states)
+        head_dim = key.shape[-1] // attn.heads
+        query, key, value = (t.view(batch, -1, attn.heads, head_dim).transpose(1, 2) for t in (query, key, value))
+        if attn.norm_q is not None:
+            query = attn.norm_q(query)
+        if attn.norm_k is not None:
+            key = attn.norm_k(key)
+
+        out = attention(query, key, value, bias=attention_mask, backend=self.backend, selector=self.selector)
+        out = out.transpose(1, 2).reshape(batch, -1, attn.heads * head_dim).to(query.dtype)
+        out = attn.to_out[1](attn.to_out[0](out))  # projection, dropout
+        if input_ndim == 4:
+            out = out.transpose(-1, -2).reshape(batch, channel, height, width)
+        if attn.residual_connection:
+            out = out + residual
+        return out / attn.rescale_output_factor
+
+
+class AttentionHook:
+    """A reversible attention patch; ``remove()`` (or leaving the ``with`` block) restores the model."""
+
+    def __init__(self, modules: list[str], undo: Callable[[], None]):
+        self.modules, self._undo = modules, undo
+
+    def remove(self) -> None:
+        if self._undo is not None:
+            self._undo()
+            self._undo = None
+
+    def __enter__(self) -> AttentionHook:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.remove()
+
+    def __repr__(self) -> str:
+        return f"AttentionHook({len(self.modules)} modules)"
+
+
+def hook_diffusers_attention(model: nn.Module, backend: str = "auto",
+                             selector: BackendSelector | None = None) -> AttentionHook:
+    """Sets ``GalleryAttnProcessor`` on every attention layer of a diffusers model; ``remove()`` restores them."""
+    if not hasattr(model, "attn_processors") or not hasattr(model, "set_attn_processor"):
+        raise TypeError(f"hook_diffusers_attention: {type(model).__name__} has no attn_processors; pass a diffusers "
+                        "model such as UNet2DConditionModel")
+    saved = dict(model.attn_processors)
+    model.set_attn_processor(GalleryAttnProcessor(backend, selector))
+    return AttentionHook(sorted(saved), lambda: model.set_attn_processor(dict(saved)))
+
+
+# --------------------------------------------------------------------- timm Swin hook
+def _swin_window_forward(self: nn.Module, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    b_, n, _ = x.shape
+    q, k, v = self.qkv(x).reshape(b_, n, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4).unbind(0)
+    bias = self._get_rel_pos_bias()  # (1, heads, N, N)
+    if mask is not None:  # shift mask (windows, N, N): one bias per window, repeated over the batch
+        num_win = mask.shape[0]
+        bias = (bias + mask.unsqueeze(1)).unsqueeze(0).expand(b_ // num_win, -1, -1, -1, -1)
+        bias = bias.reshape(b_, self.num_heads, n, n)
+    x = attention(q, k, v, bias=bias, backend=self._gallery_backend, scale=self.scale,
+                  selector=self._gallery_selector)
+    return self.proj_drop(self.proj(x.transpose(1, 2).reshape(b_, n, -1)))
+
+
+def hook_swin_attention(model: nn.Module, backend: str = "auto",
+                        selector: BackendSelector | None = None) -> AttentionHook:
+    """Routes every timm Swin ``WindowAttention`` through the registry (instance-level, reversible).
+
+    The relative position bias and the shift mask are one additive bias, so an explicit ``backend`` must accept
+    a bias (``math`` or ``efficient``); ``auto`` only considers those. ``state_dict`` is unchanged.
+    """
+    if backend != "auto" and (backend not in BACKENDS or not BACKENDS[backend].supports_bias):
+        ok = [n for n, b in BACKENDS.items() if b.supports_bias]
+        raise ValueError(f"hook_swin_attention: backend {backend!r} cannot take Swin's additive relative-position "
+                         f"bias; use 'auto' or one of {ok}")
+    found = [(name, m) for name, m in model.named_modules()
+             if type(m).__name__ == "WindowAttention" and hasattr(m, "_get_rel_pos_bias")]
+    if not found:
+        raise ValueError(f"hook_swin_attention: no timm WindowAttention in {type(model).__name__}")
+    for name, m in found:
+        if m.attn_drop.p > 0:
+            raise ValueError(f"hook_swin_attention: {name} has attention dropout {m.attn_drop.p}; the hooked "
+                             "kernels run without it, so build the model with attn_drop_rate=0")
+    previous = {}
+    for name, m in found:
+        previous[name] = m.__dict__.get("forward")
+        m._gallery_backend, m._gallery_selector = backend, selector
+        m.forward = types.MethodType(_swin_window_forward, m)
+
+    def undo():
+        for name, m in found:
+            del m.forward
+            if previous[name] is not None:
+                m.forward = previous[name]
+            del m._gallery_backend, m._gallery_selector
+
+    return AttentionHook([n for n, _ in found], undo)

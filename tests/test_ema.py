@@ -1,0 +1,262 @@
+"""ModelEma: every mode follows the per-tensor loop reference; skip, warm-up, swap and checkpoint behaviour."""
+
+import os
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from gallery_lib.ema import MODES, ModelEma
+
+CUDA = torch.cuda.is_available()
+
+
+class _Net(nn.Module):
+    """Covers what the EMA must handle: a frozen layer, a param without grad on some steps, an empty param,
+    a float buffer and an integer buffer."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(5, 7)
+        self.frozen = nn.Linear(7, 3).requires_grad_(False)
+        self.sometimes = nn.Parameter(torch.randn(3))
+        self.empty = nn.Parameter(torch.empty(0))
+        self.big = nn.Parameter(torch.randn(4099) * 0.1)  # more than one 4096-element kernel block
+        self.register_buffer("running", torch.zeros(3))
+        self.register_buffer("count", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x, use_sometimes=True):
+        y = self.frozen(self.lin(x)) + self.big.sum() + self.empty.sum()
+        if use_sometimes:
+            y = y + self.sometimes
+        with torch.no_grad():
+            self.running.lerp_(y.mean(0).to(self.running.dtype), 0.1)
+            self.count += 1
+        return y
+
+
+def _train_with_emas(dtype, device, modes, steps=7, **ema_kw):
+    torch.manual_seed(0)
+    model = _Net().to(device=device, dtype=dtype)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # CPU fallback warnings are tested separately
+        emas = {m: ModelEma(model, mode=m, **ema_kw) for m in modes}
+    for e in emas.values():
+        if e.effective_mode == "stream":
+            e.attach_optimizer(opt)
+    for step in range(steps):
+        x = torch.randn(8, 5, device=device, dtype=dtype)
+        opt.zero_grad(set_to_none=True)
+        model(x, use_sometimes=step % 3 != 1).float().pow(2).mean().backward()
+        opt.step()
+        for e in emas.values():
+            e.update(model)
+    return model, emas
+
+
+def _assert_state_close(a: dict, b: dict, dtype, factor=1):
+    assert a.keys() == b.keys()
+    for name in a:
+        if dtype == torch.float32 or not a[name].is_floating_point():
+            torch.testing.assert_close(a[name], b[name], msg=name)
+        else:
+            torch.testing.assert_close(a[name], b[name], rtol=1.6e-2 * factor, atol=1e-5 * factor, msg=name)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_mode_matches_loop_after_7_steps(dtype):
+    model, emas = _train_with_emas(dtype, "cpu", MODES, decay=0.8, use_warmup=True, warmup_power=0.9)
+    ref = emas["loop"].module.state_dict()
+    # the average really moved away from the model (and from its start), so equality is not trivial
+    assert not torch.allclose(ref["lin.weight"], model.lin.weight)
+    for mode in MODES[1:]:
+        _assert_state_close(emas[mode].module.state_dict(), ref, dtype, factor=1 if dtype == torch.float32 else 5)
+    # copied tensors follow the model exactly
+    assert torch.equal(ref["count"], model.count) and ref["count"].item() == 7
+    assert torch.equal(ref["frozen.weight"], model.frozen.weight)
+    assert torch.equal(ref["running"], model.running)
+
+
+@pytest.mark.parametrize("mode", ["fused", "stream"])
+def test_cpu_fallback_warns_once_and_says_so(mode):
+    model = _Net()
+    with pytest.warns(UserWarning, match="using 'foreach' instead") as record:
+        ema = ModelEma(model, mode=mode)
+    assert len([w for w in record if "foreach" in str(w.message)]) == 1
+    assert ema.effective_mode == "foreach" and ema.mode == mode
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no further warnings on update
+        ema.update(model)
+
+
+def test_bad_arguments_raise_clear_errors():
+    with pytest.raises(ValueError, match="unknown mode 'turbo'"):
+        ModelEma(_Net(), mode="turbo")
+    with pytest.raises(ValueError, match="min_decay"):
+        ModelEma(_Net(), decay=0.5, min_decay=0.9)
+    with pytest.raises(ValueError, match="keys 'module' and 'step'"):
+        ModelEma(_Net()).load_state_dict({"lin.weight": torch.zeros(7, 5)})
+
+
+def test_first_update_copies_then_averages():
+    model = _Net()
+    ema = ModelEma(model, decay=0.5)
+    with torch.no_grad():
+        model.lin.weight.add_(1.0)
+    ema.update(model)  # step 1: decay 0 -> copy
+    assert torch.equal(ema.module.lin.weight, model.lin.weight)
+    before = ema.module.lin.weight.clone()
+    with torch.no_grad():
+        model.lin.weight.add_(2.0)
+    ema.update(model)  # step 2: decay 0.5
+    torch.testing.assert_close(ema.module.lin.weight, 0.5 * before + 0.5 * model.lin.weight)
+
+
+def test_warmup_decay_values():
+    ema = ModelEma(_Net(), decay=0.9999, use_warmup=True, warmup_gamma=1.0, warmup_power=2 / 3)
+    assert ema.get_decay(None) == 0.9999
+    assert ema.get_decay(0) == ema.get_decay(1) == 0.0
+    decays = [ema.get_decay(s) for s in range(2, 2000, 37)]
+    assert all(0 < a < b for a, b in zip(decays, decays[1:]))  # increasing ramp
+    # timm's documented anchor: power 2/3 reaches 0.999 at ~31.6K steps (one more here: step 1 only copies)
+    assert ema.get_decay(31_624) == pytest.approx(0.999, abs=2e-6)
+    assert ema.get_decay(10**9) == 0.9999  # capped at decay
+    late = ModelEma(_Net(), decay=0.99, min_decay=0.5, update_after_step=5, use_warmup=True)
+    assert [late.get_decay(s) for s in range(1, 7)] == [0.0] * 6
+    assert late.get_decay(7) == 0.5  # 1 - 2**(-2/3) = 0.37 clamped up to min_decay
+    assert ModelEma(_Net(), decay=0.9).get_decay(2) == 0.9  # no warm-up: constant after the copy step
+
+
+def test_skipped_step_changes_nothing():
+    model, emas = _train_with_emas(torch.float32, "cpu", ["foreach"], steps=3, decay=0.9)
+    ema = emas["foreach"]
+    before, step = {k: v.clone() for k, v in ema.module.state_dict().items()}, ema.step
+    with torch.no_grad():
+        model.lin.weight.add_(1.0)
+    ema.update(model, skipped=True)
+    assert ema.step == step
+    for k, v in ema.module.state_dict().items():
+        assert torch.equal(v, before[k]), k
+
+
+def test_update_from_scaler_skips_when_grads_overflow():
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    ema = ModelEma(model, decay=0.5)
+    ema.update(model)
+    before = ema.module.weight.clone()
+
+    def step(poison):
+        opt.zero_grad()
+        scaler.scale(model(torch.randn(3, 4)).sum()).backward()
+        if poison:
+            model.weight.grad[0, 0] = float("inf")
+        scaler.step(opt)
+        scale_before = scaler.get_scale()
+        scaler.update()
+        return ema.update_from_scaler(model, scaler, scale_before)
+
+    assert step(poison=True) is False
+    assert ema.step == 1 and torch.equal(ema.module.weight, before)
+    assert step(poison=False) is True
+    assert ema.step == 2 and not torch.equal(ema.module.weight, before)
+
+
+def test_swap_puts_ema_in_and_restores_exactly():
+    model, emas = _train_with_emas(torch.float32, "cpu", ["foreach"], steps=4, decay=0.7)
+    ema = emas["foreach"]
+    original = {k: v.clone() for k, v in model.state_dict().items()}
+    with ema.swap(model) as swapped:
+        assert swapped is model
+        for k, v in ema.module.state_dict().items():
+            assert torch.equal(model.state_dict()[k], v), k
+        assert not torch.equal(model.lin.weight, original["lin.weight"])
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, original[k]), k
+    with pytest.raises(RuntimeError, match="boom"):  # restored on errors too
+        with ema.apply_to(model):
+            raise RuntimeError("boom")
+    assert torch.equal(model.lin.weight, original["lin.weight"])
+
+
+def test_state_dict_round_trip():
+    _, emas = _train_with_emas(torch.float32, "cpu", ["foreach"], steps=5, decay=0.7)
+    saved = emas["foreach"].state_dict()
+    fresh = ModelEma(_Net(), decay=0.7)
+    fresh.load_state_dict(saved)
+    assert fresh.step == 5
+    for k, v in saved["module"].items():
+        assert torch.equal(fresh.module.state_dict()[k], v), k
+
+
+def test_ema_of_compiled_wrapper_uses_the_inner_model():
+    model = _Net()
+    ema = ModelEma(model, decay=0.5)
+
+    class Wrapper(nn.Module):  # stands for torch.compile's OptimizedModule
+        def __init__(self, inner):
+            super().__init__()
+            self._orig_mod = inner
+
+    ema.update(Wrapper(model))
+    assert torch.equal(ema.module.lin.weight, model.lin.weight)
+
+
+def test_fused_kernel_logic_under_triton_interpreter():
+    """Runs the Triton kernel on CPU tensors through TRITON_INTERPRET=1 (logic only, not speed)."""
+    pytest.importorskip("triton")
+    code = (
+        "import torch\n"
+        "from gallery_lib.ema import fused_lerp_\n"
+        "torch.manual_seed(0)\n"
+        "sizes = [1, 5, 4096, 4097, 9000, 0, 3]\n"
+        "for dt in (torch.float32, torch.bfloat16):\n"
+        "    ema = [torch.randn(s).to(dt) for s in sizes]; model = [torch.randn(s).to(dt) for s in sizes]\n"
+        "    ema.append(torch.randn(6, 4).t()); model.append(torch.randn(4, 6))  # non-contiguous: foreach rest\n"
+        "    ref = [e.clone() for e in ema]\n"
+        "    for w, programs in ((0.3, None), (0.9, 2), (1.0, 3)):\n"
+        "        for r, m in zip(ref, model): r.lerp_(m.to(r.dtype), w)\n"
+        "        fused_lerp_(ema, model, w, programs=programs)\n"
+        "    for e, r in zip(ema, ref): torch.testing.assert_close(e, r, rtol=0, atol=0)\n"
+        "print('ok')\n"
+    )
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-3000:]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_every_mode_matches_loop(dtype):
+    _, emas = _train_with_emas(dtype, "cuda", MODES, decay=0.8, use_warmup=True, warmup_power=0.9)
+    assert emas["fused"].effective_mode == "fused" and emas["stream"].effective_mode == "stream"
+    ref = emas["loop"].state_dict()["module"]
+    for mode in MODES[1:]:
+        _assert_state_close(emas[mode].state_dict()["module"], ref, dtype, factor=1 if dtype == torch.float32 else 5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+def test_gpu_stream_checkpoint_right_after_update_equals_sync_ema():
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(8)]).cuda()
+    sync = ModelEma(model, decay=0.9, mode="foreach")
+    streamed = ModelEma(model, decay=0.9, mode="stream", stream_programs=4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    streamed.attach_optimizer(opt)
+    for _ in range(3):
+        opt.zero_grad()
+        model(torch.randn(64, 1024, device="cuda")).square().mean().backward()
+        opt.step()  # waits for the previous streamed update through the pre-hook
+        sync.update(model)
+        streamed.update(model)
+    # no torch.cuda.synchronize(): state_dict must order itself after the side stream
+    got, want = streamed.state_dict()["module"], sync.state_dict()["module"]
+    for k in want:
+        torch.testing.assert_close(got[k], want[k])
