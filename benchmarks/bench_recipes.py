@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from gallery_lib.config import parse_overrides
 from gallery_lib.launch import launch
 from gallery_lib.profiles import base_config
 from gallery_lib.recipes import apply_recipe
@@ -30,22 +31,10 @@ _KEYS = ("recipe", "samples_per_s", "median_step_time_ms", "p20_step_time_ms", "
          "device_name", "notes", "skipped_samples")
 
 
-def _parse_value(text: str):
-    for cast in (int, float):
-        try:
-            return cast(text)
-        except ValueError:
-            pass
-    return {"true": True, "false": False, "none": None}.get(text.lower(), text)
-
-
 def parse_variant(text: str) -> tuple[str, dict]:
+    """``"compiled:fused_attention=true,lr=1e-3"`` -> ``("compiled", {"fused_attention": True, "lr": 0.001})``."""
     recipe, _, assignments = text.partition(":")
-    overrides = {}
-    for item in filter(None, assignments.split(",")):
-        key, _, value = item.partition("=")
-        overrides[key.strip()] = _parse_value(value.strip())
-    return recipe, overrides
+    return recipe, parse_overrides([a for a in assignments.split(",") if a])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -12,7 +12,8 @@ import argparse
 import sys
 from typing import Any, Sequence
 
-from gallery_lib.config import AMP_DTYPES, AMP_LEVELS, COMPILE_MODES, DEVICES, ConfigError, RunConfig, validate_for_machine
+from gallery_lib.config import (AMP_DTYPES, AMP_LEVELS, COMPILE_MODES, DEVICES, ConfigError, RunConfig,
+                                parse_overrides, validate_for_machine)
 from gallery_lib.profiles import PROFILES, base_config
 
 DEFAULT_RECIPES = "baseline,compiled,accelerated"
@@ -48,6 +49,8 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
     _flag(o, "compiler-opt", action="store_true", default=None, help="torch.compile the model")
     _flag(o, "compile_mode", choices=COMPILE_MODES, help="torch.compile mode")
     _flag(o, "kernel-opt", action="store_true", default=None, help="swap in gallery_lib's fused kernels")
+    _flag(o, "set", action="append", default=[], metavar="FIELD=VALUE",
+          help="any other RunConfig field, e.g. --set fused_attention=true (repeatable)")
 
 
 _SIZE_FIELDS = ("model", "data_dir", "output_dir", "batch_size", "steps", "warmup_steps", "image_size",
@@ -61,7 +64,9 @@ def base_from_args(args: argparse.Namespace) -> RunConfig:
 
 
 def optimization_overrides(args: argparse.Namespace) -> dict[str, Any]:
-    return {field: getattr(args, flag) for flag, field in _OPT_FLAGS.items() if getattr(args, flag, None) is not None}
+    overrides = {field: getattr(args, flag) for flag, field in _OPT_FLAGS.items()
+                 if getattr(args, flag, None) is not None}
+    return {**overrides, **parse_overrides(getattr(args, "set", None) or [])}
 
 
 def recipe_config(base: RunConfig, recipe: str, overrides: dict[str, Any]) -> RunConfig:

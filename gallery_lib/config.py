@@ -223,6 +223,32 @@ def _check_int_range(name: str, value: Any, low: int, high: int | None, hint: st
         raise ConfigError(f"{name}={value!r} is invalid: expected {allowed}" + (f" ({hint})." if hint else "."))
 
 
+def parse_overrides(assignments: list[str]) -> dict[str, Any]:
+    """``["fused_attention=true", "lr=1e-3"]`` -> ``{"fused_attention": True, "lr": 0.001}`` (for ``--set``)."""
+    known = {f.name for f in dataclasses.fields(RunConfig)}
+    overrides: dict[str, Any] = {}
+    for item in assignments:
+        key, sep, text = (part.strip() for part in item.partition("="))
+        if not sep or key not in known:
+            raise ConfigError(f"--set {item!r} is invalid: expected FIELD=VALUE with FIELD one of {sorted(known)}.")
+        overrides[key] = _parse_value(text)
+    return overrides
+
+
+def _parse_value(text: str) -> Any:
+    lowered = text.lower()
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    if lowered == "none":
+        return None
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return text
+
+
 def validate_for_machine(cfg: RunConfig, *, cuda_devices: int | None = None, cpu_count: int | None = None) -> str:
     """Checks the options that depend on this machine and returns the resolved device (``cuda``/``cpu``).
 

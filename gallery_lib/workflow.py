@@ -46,6 +46,17 @@ def run_recipes(base: RunConfig, recipes: Sequence[str], *,
     return results
 
 
+def model_step_config(base: RunConfig, steps: int = 50) -> RunConfig:
+    """``base`` set to time the model step alone: one device-resident batch reused, output kept apart.
+
+    With RandAugment on the CPU the data pipeline can set the pace before the GPU does; these runs show
+    what each recipe does to the training step itself (as timm's ``benchmark.py`` measures).
+    """
+    steps = min(base.steps, steps)
+    return base.replace(reuse_batch=True, output_dir=str(Path(base.output_dir) / "model_step"), steps=steps,
+                        warmup_steps=min(base.warmup_steps, steps // 3))
+
+
 def model_dir(cfg: RunConfig) -> Path:
     return Path(cfg.output_dir) / cfg.family
 

@@ -31,6 +31,14 @@ def test_overrides_rename_the_run_so_recipe_results_are_not_overwritten():
     assert plain.recipe == "baseline" and plain.run_dir != cfg.run_dir
 
 
+def test_set_overrides_any_field_and_names_the_run():
+    args = parse("train", "--profile", "smoke", "--recipe", "compiled", "--set", "fused_attention=true",
+                 "--set", "lr=0.002")
+    cfg = recipe_config(base_from_args(args), args.recipe, optimization_overrides(args))
+    assert cfg.fused_attention is True and cfg.lr == 0.002 and cfg.compile
+    assert cfg.recipe == "compiled+fused_attention+lr=0.002"
+
+
 @pytest.mark.parametrize("argv, message", [
     (["train", "--profile", "smoke", "--recipe", "fastest"], "recipe='fastest' is not known"),
     (["train", "--profile", "smoke", "--batch_size", "7"], "batch_size=7 is invalid"),
@@ -39,6 +47,7 @@ def test_overrides_rename_the_run_so_recipe_results_are_not_overwritten():
     (["train", "--profile", "smoke", "--nproc_per_node", "64"], "nproc_per_node=64"),
     (["run", "--profile", "smoke", "--recipes", "baseline,warp"], "recipe='warp' is not known"),
     (["run", "--profile", "smoke", "--nproc_per_node", "64"], "nproc_per_node=64"),
+    (["train", "--profile", "smoke", "--set", "fused_attn=1"], "--set 'fused_attn=1' is invalid"),
 ])
 def test_bad_input_fails_fast_with_a_clear_message(argv, message, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)

@@ -90,7 +90,8 @@ def test_recipes_differ_only_in_their_switches():
     b, c, a = configs["baseline"], configs["compiled"], configs["accelerated"]
     assert (b.compile, b.fused_optimizer, b.amp_level) == (False, False, "O1")
     assert (c.compile, c.fused_optimizer, c.amp_dtype) == (True, True, "bfloat16")
-    assert a.compile and a.fused_optimizer and a.fused_attention
+    # accelerated keeps only switches that measured faster than compiled (none yet for Swin-T on an H200)
+    assert a.replace(recipe="compiled") == c
     assert {cfg.recipe for cfg in configs.values()} == set(RECIPES)
     with pytest.raises(ConfigError, match="recipe='turbo' is not known"):
         apply_recipe("turbo", base)
