@@ -1,0 +1,28 @@
+"""Fused kernels for memory-bound ops: GroupNorm(+SiLU), LayerNorm, the GEGLU gate, soft-target cross-entropy.
+
+Each op is a ``torch.library`` op (``gallery::*``, a ``triton_op`` on torch >= 2.6) with a fake implementation
+and registered autograd, so ``torch.compile`` traces it without a graph break. How a call is served:
+
+* CUDA tensors: the Triton forward/backward kernels;
+* CPU tensors with ``TRITON_INTERPRET=1`` set (read at call time): the same kernels under Triton's interpreter,
+  which is how CPU CI checks the kernel logic;
+* anything else, or inside ``set_triton_enabled(False)``: the PyTorch reference in the same file, written with
+  the same math (fp32 statistics, output in the input dtype), so results match the kernels to rounding.
+"""
+
+from gallery_lib.kernels._triton_utils import has_triton, is_triton_enabled, set_triton_enabled, use_triton
+from gallery_lib.kernels.cross_entropy import soft_cross_entropy
+from gallery_lib.kernels.geglu import geglu
+from gallery_lib.kernels.group_norm import group_norm
+from gallery_lib.kernels.layer_norm import layer_norm
+
+__all__ = [
+    "geglu",
+    "group_norm",
+    "has_triton",
+    "is_triton_enabled",
+    "layer_norm",
+    "set_triton_enabled",
+    "soft_cross_entropy",
+    "use_triton",
+]

@@ -1,0 +1,98 @@
+"""Thin nn.Modules over the fused kernels, drop-in for torch's and diffusers' layers.
+
+Parameter names match the modules they replace (``weight``/``bias``; ``proj`` for GEGLU), so ``state_dict`` keys
+do not change when `gallery_lib.patch.apply_kernels` swaps them in. ``from_module`` builds a fused module that
+shares the original's parameters (optimizer state and checkpoints keep pointing at the same tensors).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from gallery_lib.kernels import geglu, group_norm, layer_norm
+
+
+class FusedGroupNorm(nn.Module):
+    """``nn.GroupNorm`` optionally followed by SiLU, computed by one fused kernel."""
+
+    def __init__(self, num_groups: int, num_channels: int, eps: float = 1e-5, affine: bool = True,
+                 activation: str | None = None, device: torch.device | None = None,
+                 dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        if num_channels % num_groups:
+            raise ValueError(f"num_channels ({num_channels}) must be divisible by num_groups ({num_groups})")
+        if activation not in (None, "silu"):
+            raise ValueError(f"activation must be None or 'silu', got {activation!r}")
+        self.num_groups, self.num_channels, self.eps, self.affine = num_groups, num_channels, eps, affine
+        self.activation = activation
+        if affine:
+            self.weight = nn.Parameter(torch.ones(num_channels, device=device, dtype=dtype))
+            self.bias = nn.Parameter(torch.zeros(num_channels, device=device, dtype=dtype))
+        else:
+            self.register_parameter("weight", None)
+            self.register_parameter("bias", None)
+
+    @classmethod
+    def from_module(cls, norm: nn.GroupNorm, activation: str | None = None) -> FusedGroupNorm:
+        fused = cls(norm.num_groups, norm.num_channels, norm.eps, affine=False, activation=activation)
+        fused.affine = norm.affine
+        fused.weight, fused.bias = norm.weight, norm.bias
+        return fused
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return group_norm(x, self.num_groups, self.weight, self.bias, self.eps, self.activation)
+
+    def extra_repr(self) -> str:
+        return (f"{self.num_groups}, {self.num_channels}, eps={self.eps}, affine={self.affine}, "
+                f"activation={self.activation}")
+
+
+class FusedLayerNorm(nn.Module):
+    """``nn.LayerNorm`` over the last dimension, computed by the fused kernel."""
+
+    def __init__(self, normalized_shape: int | tuple[int], eps: float = 1e-5, elementwise_affine: bool = True,
+                 bias: bool = True, device: torch.device | None = None, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
+        if len(shape) != 1:
+            raise ValueError(f"FusedLayerNorm normalizes the last dim only; got normalized_shape={shape}")
+        self.normalized_shape, self.eps, self.elementwise_affine = shape, eps, elementwise_affine
+        factory = dict(device=device, dtype=dtype)
+        self.weight = nn.Parameter(torch.ones(shape, **factory)) if elementwise_affine else None
+        self.bias = nn.Parameter(torch.zeros(shape, **factory)) if elementwise_affine and bias else None
+
+    @classmethod
+    def from_module(cls, norm: nn.LayerNorm) -> FusedLayerNorm:
+        fused = cls(norm.normalized_shape, norm.eps, elementwise_affine=False)
+        fused.elementwise_affine = norm.elementwise_affine
+        fused.weight, fused.bias = norm.weight, norm.bias
+        return fused
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return layer_norm(x, self.weight, self.bias, self.eps)
+
+    def extra_repr(self) -> str:
+        return f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}"
+
+
+class FusedGEGLU(nn.Module):
+    """diffusers ``GEGLU`` (``proj`` then ``a * gelu(gate)``) with the gate fused; ``proj`` stays a cuBLAS matmul."""
+
+    def __init__(self, dim_in: int, dim_out: int, bias: bool = True) -> None:
+        super().__init__()
+        self.proj = nn.Linear(dim_in, dim_out * 2, bias=bias)
+
+    @classmethod
+    def from_module(cls, module: nn.Module) -> FusedGEGLU:
+        proj = module.proj
+        fused = cls.__new__(cls)
+        nn.Module.__init__(fused)
+        fused.proj = proj
+        return fused
+
+    def forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        return geglu(self.proj(hidden_states))
+
+    def extra_repr(self) -> str:
+        return f"dim_in={self.proj.in_features}, dim_out={self.proj.out_features // 2}"

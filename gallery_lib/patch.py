@@ -1,0 +1,211 @@
+"""Swap a model instance's layers for the fused ones, reversibly, keeping ``state_dict`` keys.
+
+`apply_kernels` walks a plain ``nn.Module`` tree and replaces, per instance (never per class):
+
+* ``nn.GroupNorm`` -> `FusedGroupNorm`. Where diffusers applies SiLU right after a GroupNorm it is fused too:
+  in ``ResnetBlock2D`` (``norm1 -> nonlinearity``, and ``norm2 -> nonlinearity`` when
+  ``time_embedding_norm="default"``) and in ``UNet2DConditionModel`` (``conv_norm_out -> conv_act``).
+  ``ResnetBlock2D`` uses ``self.nonlinearity`` for the time embedding as well, so its SiLU cannot simply be
+  removed: the block gets an instance-level ``forward`` (`_resnet_block_forward`, the same computation with the
+  SiLU folded into the norms). ``UNet2DConditionModel`` uses ``conv_act`` only after ``conv_norm_out``, so there
+  ``conv_act`` becomes ``nn.Identity``.
+* ``nn.LayerNorm`` (and timm's ``LayerNorm``, same math) over the last dim -> `FusedLayerNorm`.
+* diffusers ``GEGLU`` -> `FusedGEGLU` (the same ``proj`` Linear, fused gate).
+
+Fused modules share the original parameters, so an optimizer built before patching keeps working and a baseline
+checkpoint loads with ``strict=True``. `PatchReport.undo` (or `revert_kernels`) restores the original modules and
+forwards. diffusers and timm are never imported here: their classes are looked up only if already loaded.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from torch import nn
+
+from gallery_lib.modules import FusedGEGLU, FusedGroupNorm, FusedLayerNorm
+
+
+@dataclass
+class PatchReport:
+    """What `apply_kernels` changed: ``swapped`` as (qualified name, kind), ``skipped`` as (name, reason)."""
+
+    swapped: list[tuple[str, str]] = field(default_factory=list)
+    skipped: list[tuple[str, str]] = field(default_factory=list)
+    _undo_steps: list[Callable[[], None]] = field(default_factory=list, repr=False)
+    undone: bool = False
+
+    @property
+    def counts(self) -> dict[str, int]:
+        return dict(Counter(kind for _, kind in self.swapped))
+
+    def undo(self) -> None:
+        """Restore every swapped module and overridden forward (idempotent)."""
+        for step in reversed(self._undo_steps):
+            step()
+        self._undo_steps.clear()
+        self.undone = True
+
+    def summary(self) -> str:
+        lines = [f"swapped {len(self.swapped)}: " + ", ".join(f"{k}={v}" for k, v in sorted(self.counts.items()))]
+        lines += [f"  left alone {name}: {reason}" for name, reason in self.skipped]
+        return "\n".join(lines)
+
+
+def _loaded_class(module_name: str, class_name: str) -> type | None:
+    module = sys.modules.get(module_name)
+    return getattr(module, class_name, None) if module is not None else None
+
+
+def _resnet_block_forward(self: nn.Module, input_tensor: torch.Tensor, temb: torch.Tensor | None,
+                          *args, **kwargs) -> torch.Tensor:
+    """diffusers ``ResnetBlock2D.forward`` with ``norm1``/``norm2`` already applying SiLU (see module docstring)."""
+    hidden = self.norm1(input_tensor)  # GroupNorm + SiLU
+    if self.upsample is not None:
+        if hidden.shape[0] >= 64:  # diffusers' workaround for nearest upsampling of large NHWC batches
+            input_tensor, hidden = input_tensor.contiguous(), hidden.contiguous()
+        input_tensor, hidden = self.upsample(input_tensor), self.upsample(hidden)
+    elif self.downsample is not None:
+        input_tensor, hidden = self.downsample(input_tensor), self.downsample(hidden)
+    hidden = self.conv1(hidden)
+    if self.time_emb_proj is not None:
+        if not self.skip_time_act:
+            temb = self.nonlinearity(temb)
+        temb = self.time_emb_proj(temb)[:, :, None, None]
+    if self.time_embedding_norm == "default":
+        if temb is not None:
+            hidden = hidden + temb
+        hidden = self.norm2(hidden)  # GroupNorm + SiLU
+    else:  # scale_shift: the SiLU comes after the modulation, so norm2 is a plain fused GroupNorm
+        if temb is None:
+            raise ValueError("`temb` should not be None when `time_embedding_norm` is scale_shift")
+        scale, shift = torch.chunk(temb, 2, dim=1)
+        hidden = self.nonlinearity(self.norm2(hidden) * (1 + scale) + shift)
+    hidden = self.conv2(self.dropout(hidden))
+    if self.conv_shortcut is not None:
+        input_tensor = self.conv_shortcut(input_tensor.contiguous() if self.training else input_tensor)
+    return (input_tensor + hidden) / self.output_scale_factor
+
+
+_RESNET_ATTRS = ("norm1", "norm2", "conv1", "conv2", "nonlinearity", "time_emb_proj", "time_embedding_norm",
+                 "skip_time_act", "upsample", "downsample", "dropout", "conv_shortcut", "output_scale_factor")
+
+
+def _resnet_block_problem(block: nn.Module) -> str | None:
+    missing = [a for a in _RESNET_ATTRS if not hasattr(block, a)]
+    if missing:
+        return f"ResnetBlock2D without {missing} (unsupported diffusers version)"
+    if "forward" in vars(block):
+        return "forward already overridden on this instance"
+    if type(block.norm1) is not nn.GroupNorm or type(block.norm2) is not nn.GroupNorm:
+        return "norm1/norm2 are not plain nn.GroupNorm"
+    if type(block.nonlinearity) is not nn.SiLU:
+        return f"nonlinearity is {type(block.nonlinearity).__name__}, not SiLU"
+    if block.time_embedding_norm not in ("default", "scale_shift"):
+        return f"time_embedding_norm={block.time_embedding_norm!r}"
+    return None
+
+
+class _Patcher:
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.report = PatchReport()
+        self.replacements: dict[int, tuple[nn.Module, str]] = {}  # id(old) -> (new module, kind)
+        self.names = {id(m): name or "<root>" for name, m in model.named_modules(remove_duplicate=False)}
+
+    def replace(self, old: nn.Module, new: nn.Module, kind: str) -> None:
+        self.replacements[id(old)] = (new, kind)
+        self.report.swapped.append((self.names[id(old)], kind))
+
+    def commit(self) -> None:
+        """Swap every replaced module at each place it is attached (shared modules included)."""
+        for parent in list(self.model.modules()):
+            for attr, child in list(parent._modules.items()):
+                if child is not None and id(child) in self.replacements:
+                    parent._modules[attr] = self.replacements[id(child)][0]
+                    self.report._undo_steps.append(lambda p=parent, a=attr, c=child: p._modules.__setitem__(a, c))
+
+    def override_forward(self, module: nn.Module, forward: Callable[..., torch.Tensor]) -> None:
+        module.forward = types.MethodType(forward, module)
+        self.report._undo_steps.append(lambda m=module: vars(m).pop("forward", None))
+
+
+def apply_kernels(model: nn.Module, *, group_norm_silu: bool = True, layer_norm: bool = True,
+                  geglu: bool = True) -> PatchReport:
+    """Swap ``model``'s layers for fused ones in place and return what changed.
+
+    Args:
+        model: any module tree (diffusers UNet, timm Swin/ResNet, plain modules).
+        group_norm_silu: GroupNorm -> `FusedGroupNorm`, fusing the SiLU that follows in diffusers' blocks.
+        layer_norm: last-dim LayerNorm -> `FusedLayerNorm`.
+        geglu: diffusers ``GEGLU`` -> `FusedGEGLU`.
+
+    Returns:
+        A `PatchReport`; ``report.undo()`` restores the original modules.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"apply_kernels expects an nn.Module instance, got {type(model).__name__}")
+    patcher = _Patcher(model)
+    report = patcher.report
+    resnet_cls = _loaded_class("diffusers.models.resnet", "ResnetBlock2D")
+    unet_cls = _loaded_class("diffusers.models.unets.unet_2d_condition", "UNet2DConditionModel")
+    geglu_cls = _loaded_class("diffusers.models.activations", "GEGLU")
+    timm_ln_cls = _loaded_class("timm.layers.norm", "LayerNorm")
+    layer_norm_types = tuple(t for t in (nn.LayerNorm, timm_ln_cls) if t is not None)
+    handled: set[int] = set()
+
+    for name, module in model.named_modules():
+        name = name or "<root>"
+        if id(module) in handled:
+            continue
+        if resnet_cls is not None and type(module) is resnet_cls and group_norm_silu:
+            problem = _resnet_block_problem(module)
+            if problem:
+                report.skipped.append((name, f"GroupNorm+SiLU not fused: {problem}"))
+                continue
+            silu2 = "silu" if module.time_embedding_norm == "default" else None
+            patcher.replace(module.norm1, FusedGroupNorm.from_module(module.norm1, "silu"), "group_norm_silu")
+            patcher.replace(module.norm2, FusedGroupNorm.from_module(module.norm2, silu2),
+                            "group_norm_silu" if silu2 else "group_norm")
+            patcher.override_forward(module, _resnet_block_forward)
+            handled.update({id(module.norm1), id(module.norm2)})
+        elif unet_cls is not None and type(module) is unet_cls and group_norm_silu:
+            norm, act = getattr(module, "conv_norm_out", None), getattr(module, "conv_act", None)
+            if type(norm) is nn.GroupNorm and type(act) is nn.SiLU:
+                patcher.replace(norm, FusedGroupNorm.from_module(norm, "silu"), "group_norm_silu")
+                patcher.replace(act, nn.Identity(), "silu_folded")
+                handled.update({id(norm), id(act)})
+        elif isinstance(module, nn.GroupNorm):
+            if not group_norm_silu:
+                report.skipped.append((name, "group_norm_silu=False"))
+            elif type(module) is not nn.GroupNorm:
+                report.skipped.append((name, f"subclass {type(module).__name__} may change forward"))
+            else:
+                patcher.replace(module, FusedGroupNorm.from_module(module), "group_norm")
+        elif isinstance(module, nn.LayerNorm):
+            if not layer_norm:
+                report.skipped.append((name, "layer_norm=False"))
+            elif type(module) not in layer_norm_types:
+                report.skipped.append((name, f"subclass {type(module).__name__} may change forward"))
+            elif len(module.normalized_shape) != 1:
+                report.skipped.append((name, f"normalizes over {module.normalized_shape}, not the last dim only"))
+            else:
+                patcher.replace(module, FusedLayerNorm.from_module(module), "layer_norm")
+        elif geglu_cls is not None and type(module) is geglu_cls:
+            if not geglu:
+                report.skipped.append((name, "geglu=False"))
+            else:
+                patcher.replace(module, FusedGEGLU.from_module(module), "geglu")
+    patcher.commit()
+    return report
+
+
+def revert_kernels(model: nn.Module, report: PatchReport) -> nn.Module:
+    """Undo `apply_kernels` on ``model`` (same as ``report.undo()``); returns the model."""
+    report.undo()
+    return model

@@ -1,0 +1,117 @@
+"""GEGLU gate kernel: Triton (interpreter on CPU) and fallback paths against torch, opcheck, compile, GPU."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from gallery_lib.kernels import _triton_utils as tu
+from gallery_lib.kernels import geglu, set_triton_enabled
+from gallery_lib.kernels.geglu import geglu_bwd, geglu_fwd
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+INTERPRETER_ONLY = "Triton-path case: runs in the TRITON_INTERPRET=1 child of test_interpreter_subprocess"
+
+
+def test_interpreter_subprocess():
+    """Run this file's Triton-path cases in a fresh process with the interpreter on from before ``import triton``."""
+    if tu.interpreter_ready():
+        pytest.skip("this process already runs the Triton-path cases directly")
+    assert tu.has_triton, "triton is not installed: the kernels cannot be tested"
+    proc = subprocess.run([sys.executable, "-m", "pytest", __file__, "-q", "-k", "triton", "-p", "no:cacheprovider"],
+                          env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and " passed" in proc.stdout and "skipped" not in proc.stdout, proc.stdout[-6000:]
+
+
+@pytest.fixture(params=["triton", "fallback"])
+def path(request):
+    """Run the test on the Triton kernels (interpreted on CPU) or on the PyTorch fallback, and prove which ran."""
+    tu.launch_counts.clear()
+    if request.param == "triton":
+        if not tu.interpreter_ready():
+            pytest.skip(INTERPRETER_ONLY)
+        yield "triton"
+        assert tu.launch_counts["_geglu_fwd_kernel"] > 0
+    else:
+        with set_triton_enabled(False):
+            yield "fallback"
+            assert not tu.launch_counts
+
+
+def reference(h):
+    """diffusers ``GEGLU.forward`` after the projection: the first half is the value, the second the gate."""
+    value, gate = h.chunk(2, dim=-1)
+    return value * F.gelu(gate)
+
+
+def run(fn, h, dy):
+    h = h.detach().clone().requires_grad_()
+    y = fn(h)
+    y.backward(dy)
+    return y, h.grad
+
+
+# (shape of h, max_block): one row, an odd half-width, several column blocks per row, a leading batch of dims.
+CASES = [((1, 2), 4096), ((5, 46), 4096), ((3, 7, 74), 4096), ((4, 74), 8), ((2, 3, 2 * 1031), 4096)]
+
+
+@pytest.mark.parametrize("shape,max_block", CASES)
+def test_forward_and_grad_match_torch(path, shape, max_block):
+    gen = torch.Generator().manual_seed(0)
+    h = torch.randn(shape, generator=gen) * 2
+    dy = torch.randn(*shape[:-1], shape[-1] // 2, generator=gen)
+    expected = run(reference, h, dy)
+    with tu.set_max_block(max_block):
+        got = run(geglu, h, dy)
+    assert path == "fallback" or tu.launch_counts["_geglu_bwd_kernel"] > 0
+    for name, g, e in zip(("out", "dh"), got, expected):
+        torch.testing.assert_close(g, e, atol=1e-5, rtol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
+def test_opcheck():
+    """Schema, fake tensor, autograd registration and AOT dispatch of both ops (reference path on CPU)."""
+    h = torch.randn(3, 4, 10, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    with set_triton_enabled(False):
+        torch.library.opcheck(geglu_fwd, (h,))
+        torch.library.opcheck(geglu_bwd, (torch.randn(3, 4, 5), h.detach()))
+
+
+def test_compiles_without_graph_break():
+    h = torch.randn(3, 8, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    torch.compile(lambda h: geglu(h).square().sum(), backend="aot_eager", fullgraph=True)(h).backward()
+    h2 = h.detach().clone().requires_grad_()
+    reference(h2).square().sum().backward()
+    torch.testing.assert_close(h.grad, h2.grad, atol=1e-5, rtol=1e-5)
+
+
+def test_odd_width_raises():
+    with pytest.raises(ValueError, match="even"):
+        geglu(torch.randn(2, 7))
+
+
+# SD-1.x FeedForward: tokens x (2 * 4 * width) for the 64x64 .. 8x8 transformer blocks, batch 8.
+GPU_SHAPES = [(8 * 4096, 2 * 1280), (8 * 1024, 2 * 2560), (8 * 256, 2 * 5120), (8 * 64, 2 * 5120)]
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("shape", GPU_SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_gpu_real_shapes(shape, dtype):
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    h = torch.randn(shape, device="cuda", generator=gen)
+    dy = torch.randn(shape[0], shape[1] // 2, device="cuda", generator=gen)
+    ref = run(reference, h, dy)
+    ours = run(geglu, h.to(dtype), dy.to(dtype))
+    if dtype == torch.float32:
+        for g, e in zip(ours, ref):
+            torch.testing.assert_close(g, e, atol=1e-5, rtol=1e-5)
+        return
+    theirs = run(reference, h.to(dtype), dy.to(dtype))
+    for name, o, t, e in zip(("out", "dh"), ours, theirs, ref):
+        assert not o.isnan().any(), name
+        err, torch_err = (o.float() - e).abs().max(), (t.float() - e).abs().max()
+        assert err <= 2 * torch_err + 1e-6, f"{name}: ours {err:.3g} vs torch {dtype} {torch_err:.3g}"

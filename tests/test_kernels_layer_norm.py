@@ -1,0 +1,139 @@
+"""LayerNorm kernel: Triton (interpreter on CPU) and fallback paths against torch, opcheck, compile, GPU."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from gallery_lib.kernels import _triton_utils as tu
+from gallery_lib.kernels import layer_norm, set_triton_enabled
+from gallery_lib.kernels.layer_norm import layer_norm_bwd, layer_norm_fwd
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+INTERPRETER_ONLY = "Triton-path case: runs in the TRITON_INTERPRET=1 child of test_interpreter_subprocess"
+
+
+def test_interpreter_subprocess():
+    """Run this file's Triton-path cases in a fresh process with the interpreter on from before ``import triton``."""
+    if tu.interpreter_ready():
+        pytest.skip("this process already runs the Triton-path cases directly")
+    assert tu.has_triton, "triton is not installed: the kernels cannot be tested"
+    proc = subprocess.run([sys.executable, "-m", "pytest", __file__, "-q", "-k", "triton", "-p", "no:cacheprovider"],
+                          env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and " passed" in proc.stdout and "skipped" not in proc.stdout, proc.stdout[-6000:]
+
+
+@pytest.fixture(params=["triton", "fallback"])
+def path(request):
+    """Run the test on the Triton kernels (interpreted on CPU) or on the PyTorch fallback, and prove which ran."""
+    tu.launch_counts.clear()
+    if request.param == "triton":
+        if not tu.interpreter_ready():
+            pytest.skip(INTERPRETER_ONLY)
+        yield "triton"
+        assert tu.launch_counts["_ln_fwd_kernel"] > 0
+    else:
+        with set_triton_enabled(False):
+            yield "fallback"
+            assert not tu.launch_counts
+
+
+def run(fn, tensors, dy):
+    leaves = [t.detach().clone().requires_grad_() if t is not None else None for t in tensors]
+    y = fn(*leaves)
+    y.backward(dy)
+    return [y] + [t.grad if t is not None else None for t in leaves]
+
+
+# (shape, affine, max_block): a single row, prime widths, many rows per program (strided backward loop),
+# and small max_block values that force the multi-block (Welford + read-modify-write partials) path.
+CASES = [
+    ((1, 37), True, 4096),
+    ((3, 7, 13), True, 4096),
+    ((70, 5), True, 4096),
+    ((2, 96), False, 4096),
+    ((1, 37), True, 8),
+    ((9, 41), True, 16),
+    ((5, 3, 23), False, 4),
+]
+
+
+@pytest.mark.parametrize("shape,affine,max_block", CASES)
+def test_forward_and_grads_match_torch(path, shape, affine, max_block):
+    gen = torch.Generator().manual_seed(0)
+    d = shape[-1]
+    x = torch.randn(shape, generator=gen) * 3 + 2
+    w = torch.randn(d, generator=gen) if affine else None
+    b = torch.randn(d, generator=gen) if affine else None
+    dy = torch.randn(shape, generator=gen)
+    expected = run(lambda x, w, b: F.layer_norm(x, (d,), w, b, 1e-5), (x, w, b), dy)
+    with tu.set_max_block(max_block):
+        got = run(lambda x, w, b: layer_norm(x, w, b, 1e-5), (x, w, b), dy)
+    assert path == "fallback" or tu.launch_counts["_ln_bwd_kernel"] > 0
+    for name, g, e in zip(("out", "dx", "dweight", "dbias"), got, expected):
+        if e is None:
+            assert g is None, name
+            continue
+        torch.testing.assert_close(g, e, atol=1e-5, rtol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
+def test_opcheck():
+    """Schema, fake tensor, autograd registration and AOT dispatch of both ops (reference path on CPU)."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 3, 10, generator=gen, requires_grad=True)
+    w = torch.randn(10, generator=gen, requires_grad=True)
+    b = torch.randn(10, generator=gen, requires_grad=True)
+    with set_triton_enabled(False):
+        torch.library.opcheck(layer_norm_fwd, (x, w, b, 1e-5))
+        torch.library.opcheck(layer_norm_fwd, (x, None, None, 1e-6))
+        y, mean, rstd = layer_norm_fwd(x.detach(), w.detach(), b.detach(), 1e-5)
+        torch.library.opcheck(layer_norm_bwd, (torch.randn_like(y), x.detach(), w.detach(), mean, rstd))
+
+
+def test_compiles_without_graph_break():
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 5, 8, generator=gen, requires_grad=True)
+    w = torch.randn(8, generator=gen, requires_grad=True)
+    fn = torch.compile(lambda x, w: layer_norm(x, w, None).square().sum(), backend="aot_eager", fullgraph=True)
+    fn(x, w).backward()
+    x2, w2 = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    F.layer_norm(x2, (8,), w2, None).square().sum().backward()
+    torch.testing.assert_close(x.grad, x2.grad, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(w.grad, w2.grad, atol=1e-5, rtol=1e-5)
+
+
+def test_bad_input_raises():
+    with pytest.raises(ValueError, match="weight"):
+        layer_norm(torch.randn(2, 8), torch.ones(7))
+
+
+# Swin-T widths (96..768, 56x56 down to 7x7 tokens, batch 128) and SD transformer widths (320..1280).
+GPU_SHAPES = [(128 * 56 * 56, 96), (128 * 28 * 28, 192), (128 * 14 * 14, 384), (128 * 7 * 7, 768),
+              (8 * 4096, 320), (8 * 1024, 640), (8 * 256, 1280), (1000, 5000)]
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("shape", GPU_SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_gpu_real_shapes(shape, dtype):
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    d = shape[-1]
+    x = torch.randn(shape, device="cuda", generator=gen)
+    w = torch.randn(d, device="cuda", generator=gen)
+    b = torch.randn(d, device="cuda", generator=gen)
+    dy = torch.randn(shape, device="cuda", generator=gen)
+    ref = run(lambda x, w, b: F.layer_norm(x, (d,), w, b), (x, w, b), dy)
+    ours = run(lambda x, w, b: layer_norm(x, w, b), (x.to(dtype), w, b), dy.to(dtype))
+    if dtype == torch.float32:
+        for g, e in zip(ours, ref):
+            torch.testing.assert_close(g, e, atol=1e-5, rtol=1e-5)
+        return
+    theirs = run(lambda x, w, b: F.layer_norm(x, (d,), w, b), (x.to(dtype), w.to(dtype), b.to(dtype)), dy.to(dtype))
+    for name, o, t, e in zip(("out", "dx", "dweight", "dbias"), ours, theirs, ref):
+        assert not o.isnan().any(), name
+        err, torch_err = (o.float() - e).abs().max(), (t.float() - e).abs().max()
+        assert err <= 2 * torch_err + 1e-6, f"{name}: ours {err:.3g} vs torch {dtype} {torch_err:.3g}"
