@@ -1,44 +1,23 @@
 """Soft-target cross-entropy kernel: Triton (interpreter on CPU) and fallback paths vs torch, opcheck, compile, GPU."""
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 import torch.nn.functional as F
+
+from kernel_testing import make_path_fixture, run_file_in_interpreter
 
 from gallery_lib.kernels import _triton_utils as tu
 from gallery_lib.kernels import set_triton_enabled, soft_cross_entropy
 from gallery_lib.kernels.cross_entropy import soft_cross_entropy_bwd, soft_cross_entropy_fwd
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-INTERPRETER_ONLY = "Triton-path case: runs in the TRITON_INTERPRET=1 child of test_interpreter_subprocess"
 
 
 def test_interpreter_subprocess():
-    """Run this file's Triton-path cases in a fresh process with the interpreter on from before ``import triton``."""
-    if tu.interpreter_ready():
-        pytest.skip("this process already runs the Triton-path cases directly")
-    assert tu.has_triton, "triton is not installed: the kernels cannot be tested"
-    proc = subprocess.run([sys.executable, "-m", "pytest", __file__, "-q", "-k", "triton", "-p", "no:cacheprovider"],
-                          env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0 and " passed" in proc.stdout and "skipped" not in proc.stdout, proc.stdout[-6000:]
+    run_file_in_interpreter(__file__)
 
 
-@pytest.fixture(params=["triton", "fallback"])
-def path(request):
-    """Run the test on the Triton kernels (interpreted on CPU) or on the PyTorch fallback, and prove which ran."""
-    tu.launch_counts.clear()
-    if request.param == "triton":
-        if not tu.interpreter_ready():
-            pytest.skip(INTERPRETER_ONLY)
-        yield "triton"
-        assert tu.launch_counts["_ce_fwd_kernel"] > 0
-    else:
-        with set_triton_enabled(False):
-            yield "fallback"
-            assert not tu.launch_counts
+path = make_path_fixture("_ce_fwd_kernel")
 
 
 def reference(logits, target, smoothing):

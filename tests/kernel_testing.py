@@ -1,0 +1,50 @@
+"""Shared pieces of the kernel tests: the interpreter child process and the Triton/fallback ``path`` fixture.
+
+Triton's interpreter must be switched on (``TRITON_INTERPRET=1``) before ``import triton``, so each kernel
+test file re-runs its Triton-path cases in a child process that starts with the variable set; in the parent
+those cases skip, and the child must pass them all.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from gallery_lib.kernels import _triton_utils as tu
+from gallery_lib.kernels import set_triton_enabled
+
+INTERPRETER_ONLY = "Triton-path case: runs in the TRITON_INTERPRET=1 child of test_interpreter_subprocess"
+
+
+def run_file_in_interpreter(test_file: str) -> None:
+    """Runs ``test_file``'s Triton-path cases in a fresh process with the interpreter on; fails on any failure or skip."""
+    if tu.interpreter_ready():
+        pytest.skip("this process already runs the Triton-path cases directly")
+    assert tu.has_triton, "triton is not installed: the kernels cannot be tested"
+    proc = subprocess.run([sys.executable, "-m", "pytest", test_file, "-q", "-k", "triton", "-p", "no:cacheprovider"],
+                          env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and " passed" in proc.stdout and "skipped" not in proc.stdout, proc.stdout[-6000:]
+
+
+def make_path_fixture(kernel_name: str):
+    """A fixture running each test on the Triton kernel (interpreted on CPU) and on the fallback, proving which ran."""
+
+    @pytest.fixture(params=["triton", "fallback"])
+    def path(request, monkeypatch):
+        if request.param == "triton":
+            if not tu.interpreter_ready():
+                pytest.skip(INTERPRETER_ONLY)
+            tu.launch_counts.clear()
+            yield "triton"
+            assert tu.launch_counts[kernel_name] > 0
+        else:
+            monkeypatch.setenv("TRITON_INTERPRET", "0")
+            with set_triton_enabled(False):
+                tu.launch_counts.clear()
+                yield "fallback"
+                assert not tu.launch_counts
+
+    return path
