@@ -109,6 +109,11 @@ def cmd_train(args: argparse.Namespace) -> int:
     from gallery_lib.launch import launch
 
     cfg = recipe_config(base_from_args(args), args.recipe, optimization_overrides(args))
+    # Checkpointing changes how a run is kept, not what it trains: the run keeps its recipe name (and folder).
+    if args.checkpoint_every is not None:
+        cfg = cfg.replace(checkpoint_every=args.checkpoint_every)
+    if args.resume:
+        cfg = cfg.replace(resume=True)
     result = launch(cfg)
     print(f"metrics: {result.metrics_path}")
     return 0
@@ -152,6 +157,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="one training run (one recipe)")
     _add_run_flags(p)
     _flag(p, "recipe", default="baseline", help="baseline, compiled or accelerated (default: baseline)")
+    _flag(p, "checkpoint_every", type=int, help="save a checkpoint every N steps in <run>/checkpoints (default: off)")
+    _flag(p, "resume", action="store_true", help="continue the run from <run>/checkpoints/latest")
     p.set_defaults(func=cmd_train)
     p = sub.add_parser("compare", help="write the report of a model's runs")
     _add_run_flags(p)

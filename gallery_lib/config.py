@@ -107,6 +107,18 @@ class RunConfig:
     label_smoothing: float = 0.1
     """Label smoothing applied to the (mixed) targets."""
 
+    checkpoint_every: int = 0
+    """Steps between checkpoints in ``<run_dir>/checkpoints/`` (0 disables periodic checkpoints). A run stopped
+    for non-finite losses saves one whatever this value is."""
+    keep_checkpoints: int = 2
+    """Newest checkpoints kept on disk; older ones are deleted (never the one ``latest`` names)."""
+    resume: bool = False
+    """Continue from ``<run_dir>/checkpoints/latest`` (model, optimizer, scheduler, scaler, RNG, data position);
+    an error if there is no checkpoint to resume from."""
+    max_nonfinite_steps: int = 5
+    """Stop (with a checkpoint) after this many non-finite losses in a row; each such step is skipped. 0 turns
+    the check off, which also removes its per-step host sync (see ``train.py``)."""
+
     extra: dict[str, Any] = field(default_factory=dict)
     """Free-form notes carried into ``config.json`` (e.g. which profile filled which field)."""
 
@@ -124,6 +136,11 @@ class RunConfig:
         _check_int_range("lr_warmup_steps", self.lr_warmup_steps, 0, None)
         _check_int_range("num_workers", self.num_workers, 0, None)
         _check_int_range("seed", self.seed, 0, None)
+        _check_int_range("checkpoint_every", self.checkpoint_every, 0, None, hint="0 disables checkpoints")
+        _check_positive_int("keep_checkpoints", self.keep_checkpoints)
+        _check_int_range("max_nonfinite_steps", self.max_nonfinite_steps, 0, None, hint="0 disables the check")
+        if not isinstance(self.resume, bool):
+            raise ConfigError(f"resume={self.resume!r} is invalid: expected true or false.")
         _check_choice("amp_level", self.amp_level, AMP_LEVELS)
         _check_choice("amp_dtype", self.amp_dtype, AMP_DTYPES)
         _check_choice("compile_mode", self.compile_mode, COMPILE_MODES)

@@ -63,7 +63,8 @@ def launch(cfg: RunConfig, *, echo: Callable[[str], None] | None = print) -> Run
         raise FileNotFoundError(f"no training data at {cfg.data_dir}/train: prepare it first with "
                                 f"`gallery prepare --model {cfg.model}` or pass --data-dir to an ImageNet-style folder.")
     config_path = cfg.save(run_dir / "config.json")
-    (run_dir / "metrics.jsonl").unlink(missing_ok=True)  # a re-run replaces the metrics of the same recipe
+    if not cfg.resume:
+        (run_dir / "metrics.jsonl").unlink(missing_ok=True)  # a re-run replaces the metrics; a resume appends
     proc = subprocess.Popen(torchrun_command(cfg, config_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, bufsize=1, env=_child_env(cfg, device), cwd=os.getcwd())
     tail: list[str] = []

@@ -11,7 +11,9 @@ Two kinds of records share the file, told apart by ``"type"``:
 ``step_time_ms`` is measured with CUDA events on a GPU (wall clock on a CPU) and covers
 forward, backward and the optimizer step of the whole global batch. Steps flagged ``warmup``
 include compilation and autotuning and are excluded from the summary's speed figures.
-``skipped_samples`` is the running total of undecodable samples skipped by rank 0's loader.
+``skipped_samples`` is the running total of undecodable samples skipped by rank 0's loader;
+``skipped_step`` marks a step whose loss was not finite (its optimizer step was skipped). The summary
+adds ``nonfinite_steps`` and ``resumed_from_step`` (0 for a run that did not resume).
 
 ``summary`` (the last line of a finished run)::
 

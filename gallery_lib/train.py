@@ -4,9 +4,19 @@ Started by ``launch.py`` under torchrun (``python -m gallery_lib.train --config 
 or called in-process with ``run(cfg)`` for single-process runs and tests. It writes the run's
 ``metrics.jsonl`` (one record per step, a summary at the end) and ``logs/rank<N>.log``.
 
-Speed hygiene: losses and timings stay on the device and are read back every ``log_every`` steps
-(the only host syncs), step boundaries are CUDA events, and warm-up steps (compilation,
-autotuning) are reported apart from the steady-state figures.
+Speed hygiene: losses and timings stay on the device and are read back every ``log_every`` steps,
+step boundaries are CUDA events, and warm-up steps (compilation, autotuning) are reported apart
+from the steady-state figures.
+
+Reliability: ``checkpoint.py`` saves every ``checkpoint_every`` steps (on a logging boundary, and the
+timer restarts after it, so no step time includes a save) and ``resume`` continues a run exactly.
+A non-finite loss skips the optimizer and scheduler step on every rank; ``max_nonfinite_steps`` in
+a row stop the run with a checkpoint. The trade-off, stated plainly: deciding to skip needs the
+loss on the host before the optimizer step, so with the check on (``max_nonfinite_steps > 0``, the
+default) every step has one host sync after backward (plus a one-element all-reduce when
+distributed). On a GPU that costs the launch latency of the optimizer step, since the device
+drains before it is queued; fp16 runs already sync there in ``GradScaler.step``. Set
+``max_nonfinite_steps=0`` for benchmark runs that must have no per-step sync.
 """
 
 from __future__ import annotations
@@ -23,6 +33,7 @@ import numpy as np
 import torch
 
 from gallery_lib.accelerate import apply_accelerations
+from gallery_lib.checkpoint import Checkpointer
 from gallery_lib.config import RunConfig, validate_for_machine
 from gallery_lib.distributed import DistInfo, all_reduce_sum, init_distributed, shutdown
 from gallery_lib.metrics import MetricsWriter
@@ -68,6 +79,12 @@ def lr_lambda(cfg: RunConfig):
     return factor
 
 
+def all_ranks_finite(loss: torch.Tensor, dist: DistInfo) -> bool:
+    """Whether the loss is finite on every rank (one host sync; one all-reduce when distributed)."""
+    bad = 0.0 if bool(torch.isfinite(loss.detach()).all()) else 1.0
+    return all_reduce_sum(bad, dist) == 0
+
+
 def run(cfg: RunConfig, dist: DistInfo | None = None) -> dict:
     """Trains ``cfg`` and returns the summary record (also the last line of ``metrics.jsonl``)."""
     from timm.loss import SoftTargetCrossEntropy
@@ -103,60 +120,93 @@ def run(cfg: RunConfig, dist: DistInfo | None = None) -> dict:
         log(f"[gallery]   {note}")
     setup_time = time.perf_counter() - setup_start
 
-    writer = MetricsWriter(cfg.run_dir / "metrics.jsonl") if dist.is_main else None
+    ckpt = Checkpointer(cfg, dist, model=accelerated.module, optimizer=optimizer, scheduler=scheduler,
+                        precision=precision, loader=loader)
+    if cfg.resume:
+        start, counters = ckpt.restore()  # before iter(loader): the loader starts at the saved position
+        log(f"[gallery] resumed from step {start} ({ckpt.directory})")
+    else:
+        ckpt.check_fresh_start()
+        start, counters = 0, {"nonfinite_in_a_row": 0, "nonfinite_steps": 0}
+    # A restarted process compiles and warms up again: its first steps are its warm-up.
+    warmup_steps = min(cfg.warmup_steps, cfg.steps - start - 1)
+    writer = MetricsWriter(cfg.run_dir / "metrics.jsonl", mode="a" if cfg.resume else "w") if dist.is_main else None
     timer = StepTimer(dist.device)
     pending_losses: list[torch.Tensor] = []
     pending_lrs: list[float] = []
+    pending_skips: list[bool] = []
     step_times: list[float] = []
     losses: list[float] = []
     # reuse_batch isolates the model step from the loader (benchmarks); normal runs stream the loader.
     batches = itertools.repeat(next(iter(loader))) if cfg.reuse_batch else iter(loader)
     timer.mark()
-    for step in range(cfg.steps):
+    for step in range(start, cfg.steps):
         images, targets = next(batches)
         with precision.autocast():
             output = train_module(images)
         loss = criterion(output.float(), targets)
         precision.backward(loss)
         pending_lrs.append(optimizer.param_groups[0]["lr"])
-        precision.step(model, optimizer, cfg.clip_grad)
+        skip = cfg.max_nonfinite_steps > 0 and not all_ranks_finite(loss, dist)
+        if skip:
+            counters["nonfinite_in_a_row"] += 1
+            counters["nonfinite_steps"] += 1
+        else:
+            counters["nonfinite_in_a_row"] = 0
+            precision.step(model, optimizer, cfg.clip_grad)
+            scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-        scheduler.step()
+        pending_skips.append(skip)
         pending_losses.append(loss.detach())
         timer.mark()
-        if (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps:
+        abort = cfg.max_nonfinite_steps > 0 and counters["nonfinite_in_a_row"] >= cfg.max_nonfinite_steps
+        save_now = ckpt.due(step + 1) or abort
+        if (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps or save_now:
             times = timer.collect()  # the host sync of this logging interval
             values = torch.stack(pending_losses).float().cpu().tolist()
             peak = peak_memory_mb(dist.device)
             first = step + 1 - len(values)
-            for i, (loss_value, ms, lr) in enumerate(zip(values, times, pending_lrs)):
+            for i, (loss_value, ms, lr, skipped) in enumerate(zip(values, times, pending_lrs, pending_skips)):
                 record = {"type": "step", "step": first + i, "loss": loss_value, "lr": lr, "step_time_ms": ms,
                           "samples_per_s": cfg.global_batch_size * 1e3 / ms, "peak_mem_mb": peak,
-                          "warmup": first + i < cfg.warmup_steps, "skipped_samples": loader.skipped}
+                          "warmup": first + i - start < warmup_steps, "skipped_samples": loader.skipped,
+                          "skipped_step": skipped}
                 if writer:
                     writer.write(record)
             step_times.extend(times)
             losses.extend(values)
             pending_losses.clear()
             pending_lrs.clear()
+            pending_skips.clear()
             log(f"[gallery] step {step + 1}/{cfg.steps} | loss {values[-1]:.4f} | "
                 f"{cfg.global_batch_size * 1e3 / times[-1]:.1f} img/s | {times[-1]:.1f} ms/step | "
                 f"peak {peak / 1024:.2f} GiB")
+        if save_now:
+            path = ckpt.save(step + 1, counters)
+            timer = StepTimer(dist.device)  # restart the clock: the save belongs to no step
+            timer.mark()
+        if abort:
+            raise RuntimeError(
+                f"the loss was not finite for {cfg.max_nonfinite_steps} steps in a row (steps "
+                f"{step + 1 - cfg.max_nonfinite_steps}-{step}); those optimizer steps were skipped and the state "
+                f"was saved to {path or ckpt.directory}. Lower the learning rate (lr) or check the data and "
+                "amp_level, then continue with resume=True.")
 
-    steady = step_times[cfg.warmup_steps:]
+    steady = step_times[warmup_steps:]
     timing = summarize_times(steady)
     skipped = int(all_reduce_sum(float(loader.skipped), dist))
     summary = {
         "type": "summary", "model": cfg.model, "recipe": cfg.recipe, "profile": cfg.profile,
         "device_name": torch.cuda.get_device_name(dist.device) if dist.device.type == "cuda" else "CPU",
         "world_size": dist.world_size, "global_batch_size": cfg.global_batch_size, "image_size": cfg.image_size,
-        "steps": cfg.steps, "warmup_steps": cfg.warmup_steps, "setup_time_s": setup_time,
-        "warmup_time_s": sum(step_times[:cfg.warmup_steps]) / 1e3, **timing,
+        "steps": cfg.steps, "warmup_steps": warmup_steps, "resumed_from_step": start, "setup_time_s": setup_time,
+        "warmup_time_s": sum(step_times[:warmup_steps]) / 1e3, **timing,
         "samples_per_s": cfg.global_batch_size * 1e3 / timing["median_step_time_ms"],
         "peak_mem_mb": peak_memory_mb(dist.device),
         "peak_mem_kind": "cuda_max_allocated" if dist.device.type == "cuda" else "cpu_max_rss",
         "final_loss": losses[-1], "mean_loss_last_10": sum(losses[-10:]) / len(losses[-10:]),
-        "skipped_samples": skipped, "reuse_batch": cfg.reuse_batch, "notes": accelerated.notes,
+        "skipped_samples": skipped, "nonfinite_steps": counters["nonfinite_steps"], "reuse_batch": cfg.reuse_batch,
+        "notes": accelerated.notes,
         "torch_version": torch.__version__, "output_dir": str(cfg.run_dir),
     }
     if writer:

@@ -53,8 +53,10 @@ def model_step_config(base: RunConfig, steps: int = 50) -> RunConfig:
     what each recipe does to the training step itself (as timm's ``benchmark.py`` measures).
     """
     steps = min(base.steps, steps)
+    # No per-step non-finite check here: it costs a host sync per step, and these runs only measure speed.
     return base.replace(reuse_batch=True, output_dir=str(Path(base.output_dir) / "model_step"), steps=steps,
-                        warmup_steps=min(base.warmup_steps, steps // 3))
+                        warmup_steps=min(base.warmup_steps, steps // 3), max_nonfinite_steps=0,
+                        checkpoint_every=0, resume=False)
 
 
 def model_dir(cfg: RunConfig) -> Path:

@@ -17,6 +17,7 @@ against a training step of a hundred or more, and the single stream needs no cro
 from __future__ import annotations
 
 import copy
+import itertools
 import random
 from typing import Iterator
 
@@ -37,6 +38,7 @@ class TrainLoader:
         sampler: The ``DistributedSampler`` (one replica when not distributed).
         steps_per_epoch: Batches per epoch on this process (incomplete batches are dropped).
         epoch: Epoch of the batch most recently yielded (starts at 0).
+        batches_in_epoch: Batches of ``epoch`` yielded so far (``state_dict`` saves it to resume at the next one).
         batch_size: Images per batch on this process.
         num_classes: Width of the soft targets.
     """
@@ -50,6 +52,8 @@ class TrainLoader:
         self.batch_size: int = loader.batch_size
         self.steps_per_epoch = len(loader)
         self.epoch = 0
+        self.batches_in_epoch = 0
+        self._resume_offset = 0
         self.device = device
         self.num_classes = num_classes
         self.label_smoothing = label_smoothing
@@ -68,9 +72,33 @@ class TrainLoader:
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         while True:
             self.sampler.set_epoch(self.epoch)
+            self.batches_in_epoch, self._resume_offset = self._resume_offset, 0
+            self._loader.sampler.start = self.batches_in_epoch * self.batch_size
             for images, labels in self._loader:
+                self.batches_in_epoch += 1
                 yield self.to_device(images, labels)
             self.epoch += 1
+
+    def state_dict(self) -> dict[str, int]:
+        """The data position: the next batch is batch ``batches_in_epoch`` of ``epoch``."""
+        return {"epoch": self.epoch, "batches_in_epoch": self.batches_in_epoch,
+                "steps_per_epoch": self.steps_per_epoch, "dataset_size": len(self.dataset)}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Continue at the batch after ``state`` (call before iterating).
+
+        The sampler order is a function of (seed, epoch) and each sample's augmentation of (seed, epoch, index),
+        so starting the sampler past the consumed batches reproduces the rest of the stream without decoding them.
+        """
+        here = {"steps_per_epoch": self.steps_per_epoch, "dataset_size": len(self.dataset)}
+        for key, value in here.items():
+            if state[key] != value:
+                raise ValueError(f"the saved data position has {key}={state[key]} but this loader has {value}: "
+                                 "resume with the same dataset, batch size and number of processes")
+        epoch, done = state["epoch"], state["batches_in_epoch"]
+        if done >= self.steps_per_epoch:
+            epoch, done = epoch + 1, 0
+        self.epoch, self.batches_in_epoch, self._resume_offset = epoch, done, done
 
     def to_device(self, images: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Move one uint8 batch to the device and finish it there: float, normalise, erase, mix, layout."""
@@ -229,13 +257,15 @@ class _EpochTaggedSampler(torch.utils.data.Sampler):
 
     def __init__(self, sampler: DistributedSampler):
         self.sampler = sampler
+        self.start = 0
+        """Indices of the current epoch to skip (a resumed run starts mid-epoch)."""
 
     def set_epoch(self, epoch: int) -> None:
         self.sampler.set_epoch(epoch)
 
     def __iter__(self):
         epoch = self.sampler.epoch
-        return ((index, epoch) for index in self.sampler)
+        return ((index, epoch) for index in itertools.islice(self.sampler, self.start, None))
 
     def __len__(self) -> int:
         return len(self.sampler)

@@ -1,0 +1,258 @@
+"""Checkpoints for exact resume, written so that a kill at any moment leaves a loadable one.
+
+A checkpoint holds everything the next step depends on: the plain model's ``state_dict``, the optimizer,
+the LR scheduler, the GradScaler, the O2 fp32 master weights, the RNG states of every rank (python, numpy,
+torch CPU, this rank's CUDA device) and the data position (epoch and batches consumed in it). Resuming a
+deterministic CPU run from it reproduces the uninterrupted run bitwise.
+
+Layout and write protocol, in ``<run_dir>/checkpoints/``::
+
+    step_<N>.pt    N = training steps completed; written as step_<N>.pt.tmp, flushed, fsynced, then os.replace'd
+    latest         the name of the newest complete checkpoint, replaced atomically after the file is in place
+
+A kill before the pointer moves leaves ``latest`` naming the previous, complete checkpoint (plus a stray
+``.tmp`` that the next save removes). The newest ``keep`` checkpoints are kept; the one ``latest`` names never
+goes. Loading checks the format, the config fields that must match (``RESUME_FIELDS``) and the data position,
+and raises ``CheckpointError`` naming the problem: a bad checkpoint never turns into a silent fresh start.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed
+
+import gallery_lib
+from gallery_lib.config import RunConfig
+from gallery_lib.distributed import DistInfo
+from gallery_lib.precision import Precision
+
+FORMAT_VERSION = 1
+RESUME_FIELDS = ("model", "image_size", "batch_size", "nproc_per_node", "amp_level", "amp_dtype", "seed")
+"""Config fields a resumed run must share with the saved one: they shape the state or the data stream."""
+LATEST = "latest"
+_STEP_FILE = re.compile(r"^step_(\d+)\.pt$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, unreadable or does not belong to this config; the message says what to do."""
+
+
+def checkpoint_dir(cfg: RunConfig) -> Path:
+    return cfg.run_dir / "checkpoints"
+
+
+def resume_signature(cfg: RunConfig) -> dict[str, Any]:
+    return {name: getattr(cfg, name) for name in RESUME_FIELDS}
+
+
+def config_hash(cfg: RunConfig) -> str:
+    text = json.dumps(resume_signature(cfg), sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def latest_checkpoint(directory: str | os.PathLike) -> Path:
+    """The checkpoint file ``<directory>/latest`` names; ``CheckpointError`` if there is none."""
+    directory = Path(directory)
+    pointer = directory / LATEST
+    if not pointer.is_file():
+        found = sorted(p.name for p in directory.glob("step_*.pt")) if directory.is_dir() else []
+        hint = (f"it holds {', '.join(found)} but no pointer: write the name of the one to resume from into {pointer}"
+                if found else "run without resume to start fresh, and set checkpoint_every > 0 to write checkpoints")
+        raise CheckpointError(f"no checkpoint to resume from: {pointer} does not exist ({hint}).")
+    path = directory / pointer.read_text(encoding="utf-8").strip()
+    if not path.is_file():
+        raise CheckpointError(f"{pointer} names {path.name}, which does not exist: point it at an existing "
+                              f"step_<N>.pt in {directory} or delete the folder to start fresh.")
+    return path
+
+
+def write_checkpoint(state: dict[str, Any], directory: str | os.PathLike, step: int, keep: int) -> Path:
+    """Atomically writes ``state`` as ``step_<step>.pt``, moves ``latest`` to it, then prunes to ``keep`` files."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    for stale in directory.glob("*.tmp"):  # left by a save that was killed
+        stale.unlink(missing_ok=True)
+    path = directory / f"step_{step}.pt"
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(directory)
+    pointer_tmp = directory / (LATEST + ".tmp")
+    with open(pointer_tmp, "w", encoding="utf-8") as f:
+        f.write(path.name + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(pointer_tmp, directory / LATEST)
+    _fsync_dir(directory)
+    _prune(directory, keep, protect=path.name)
+    return path
+
+
+def read_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
+    """Loads a checkpoint file on the CPU; ``CheckpointError`` if it is missing, truncated or not ours."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {path} does not exist.")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # torch raises several types for a truncated zip or pickle
+        others = sorted(p.name for p in path.parent.glob("step_*.pt") if p != path)
+        raise CheckpointError(
+            f"checkpoint {path} cannot be read: truncated, corrupt or not a checkpoint ({type(exc).__name__}: {exc}). "
+            f"Write the name of an earlier checkpoint ({', '.join(others) or 'none left'}) into "
+            f"{path.parent / LATEST}, or delete {path.parent} to start fresh.") from exc
+    if not isinstance(state, dict) or state.get("format") != FORMAT_VERSION:
+        raise CheckpointError(f"{path} is not a gallery_lib checkpoint of format {FORMAT_VERSION}.")
+    return state
+
+
+def check_compatible(meta: dict[str, Any], cfg: RunConfig, path: Path) -> None:
+    if meta["config_hash"] == config_hash(cfg):
+        return
+    ours = resume_signature(cfg)
+    diffs = [f"{k}: saved {meta['signature'].get(k)!r}, now {ours[k]!r}" for k in RESUME_FIELDS
+             if meta["signature"].get(k) != ours[k]]
+    raise CheckpointError(f"checkpoint {path} was written by an incompatible run ({'; '.join(diffs)}). Resume with "
+                          "the saved values, or start a fresh run (another recipe name or output_dir).")
+
+
+@dataclass
+class Checkpointer:
+    """Saves and restores one run's training state; called from the loop in ``train.py``.
+
+    Every rank calls ``save`` (it gathers the per-rank RNG states, rank 0 writes, all ranks wait at a barrier)
+    and ``restore`` (each rank reads the file and takes its own RNG state).
+    """
+
+    cfg: RunConfig
+    dist: DistInfo
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    precision: Precision
+    loader: Any
+
+    @property
+    def directory(self) -> Path:
+        return checkpoint_dir(self.cfg)
+
+    def due(self, step: int) -> bool:
+        """Whether a periodic checkpoint is written after ``step`` completed steps."""
+        return self.cfg.checkpoint_every > 0 and step % self.cfg.checkpoint_every == 0
+
+    def check_fresh_start(self) -> None:
+        """A fresh run that writes checkpoints refuses to mix them with those of an earlier run."""
+        if self.cfg.checkpoint_every > 0 and (self.directory / LATEST).exists():
+            raise CheckpointError(f"{self.directory} holds checkpoints of an earlier run: set resume=True (--resume) "
+                                  "to continue it, or delete that folder to start over.")
+
+    def save(self, step: int, counters: dict[str, int]) -> Path | None:
+        """Writes the state after ``step`` completed steps; returns the file on rank 0, ``None`` elsewhere."""
+        rng = _rng_state(self.dist.device)
+        if self.dist.world_size > 1:
+            gathered: list[Any] = [None] * self.dist.world_size
+            torch.distributed.all_gather_object(gathered, rng)
+        else:
+            gathered = [rng]
+        path = None
+        if self.dist.is_main:
+            masters = list(self.precision.master_params.values())
+            state = {
+                "format": FORMAT_VERSION,
+                "meta": {"step": step, "torch_version": str(torch.__version__),
+                         "gallery_lib_version": gallery_lib.__version__, "config_hash": config_hash(self.cfg),
+                         "signature": resume_signature(self.cfg), "world_size": self.dist.world_size},
+                "model": self.model.state_dict(),
+                "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(),
+                "scaler": self.precision.scaler.state_dict() if self.precision.scaler else None,
+                "master_params": masters or None,
+                "rng": gathered,
+                "data": self.loader.state_dict(),
+                "counters": dict(counters),
+            }
+            path = write_checkpoint(state, self.directory, step, self.cfg.keep_checkpoints)
+        if self.dist.world_size > 1:
+            torch.distributed.barrier()
+        return path
+
+    def restore(self, path: str | os.PathLike | None = None) -> tuple[int, dict[str, int]]:
+        """Loads ``path`` (default: the ``latest`` one) into every part; returns ``(steps done, counters)``."""
+        path = Path(path) if path is not None else latest_checkpoint(self.directory)
+        state = read_checkpoint(path)
+        meta = state["meta"]
+        check_compatible(meta, self.cfg, path)
+        if meta["world_size"] != self.dist.world_size:
+            raise CheckpointError(f"{path} was written by {meta['world_size']} process(es), this run has "
+                                  f"{self.dist.world_size}: resume with nproc_per_node={meta['world_size']}.")
+        if meta["step"] >= self.cfg.steps:
+            raise CheckpointError(f"{path} is at step {meta['step']} and the run has steps={self.cfg.steps}: "
+                                  "nothing is left to train; raise steps to continue training.")
+        try:
+            self.model.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.scheduler.load_state_dict(state["scheduler"])
+            if (state["scaler"] is None) != (self.precision.scaler is None):
+                raise ValueError("one of the saved run and this run uses a GradScaler and the other does not")
+            if self.precision.scaler:
+                self.precision.scaler.load_state_dict(state["scaler"])
+            masters = list(self.precision.master_params.values())
+            if (state["master_params"] is None) != (not masters):
+                raise ValueError("one of the saved run and this run keeps O2 master weights and the other does not")
+            with torch.no_grad():
+                for master, saved in zip(masters, state["master_params"] or ()):
+                    master.copy_(saved)  # in place: the optimizer holds these tensors
+            self.loader.load_state_dict(state["data"])
+        except (RuntimeError, ValueError, KeyError) as exc:
+            raise CheckpointError(f"checkpoint {path} does not fit this run: {exc}") from exc
+        _set_rng_state(state["rng"][self.dist.rank], self.dist.device)
+        return meta["step"], dict(state["counters"])
+
+
+def _rng_state(device: torch.device) -> dict[str, Any]:
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    return {"python": random.getstate(),
+            # plain ints and tensors only, so the file loads with weights_only=True
+            "numpy": (name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached)),
+            "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None}
+
+
+def _set_rng_state(state: dict[str, Any], device: torch.device) -> None:
+    random.setstate(state["python"])
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] is not None and device.type == "cuda":
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+def _prune(directory: Path, keep: int, protect: str) -> None:
+    steps = sorted((int(m.group(1)), p) for p in directory.iterdir() if (m := _STEP_FILE.match(p.name)))
+    for _, path in steps[:-keep]:
+        if path.name != protect:
+            path.unlink(missing_ok=True)
+
+
+def _fsync_dir(directory: Path) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:  # directories cannot be opened on Windows; os.replace is atomic there anyway
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,312 @@
+"""Checkpoints and resume: exact continuation across processes and SIGKILL, atomic saves, clear errors,
+and the non-finite-loss guard of the training loop."""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import timm.loss
+import torch
+
+from gallery_lib.checkpoint import (LATEST, Checkpointer, CheckpointError, latest_checkpoint, read_checkpoint,
+                                    write_checkpoint)
+from gallery_lib.config import ConfigError, RunConfig
+from gallery_lib.distributed import DistInfo
+from gallery_lib.metrics import read_metrics
+from gallery_lib.precision import Precision
+from gallery_lib.train import run
+
+STEPS = 8
+
+
+def resume_cfg(data, out: Path, **kw) -> RunConfig:
+    # batch 16 of 120 images: 7 batches per epoch, so resuming at step 4 crosses an epoch boundary.
+    values = dict(model="swin_micro", data_dir=str(data), output_dir=str(out), image_size=64, batch_size=16,
+                  steps=STEPS, warmup_steps=1, log_every=3, lr=1e-3, lr_warmup_steps=2, num_workers=0,
+                  device="cpu", amp_level="O0", deterministic=True, checkpoint_every=2, keep_checkpoints=4)
+    values.update(kw)
+    return RunConfig(**values)
+
+
+def child_env() -> dict[str, str]:
+    # Same thread count as this process, so CPU kernels reduce in the same order in both.
+    return dict(os.environ, OMP_NUM_THREADS=str(torch.get_num_threads()), PYTHONUNBUFFERED="1")
+
+
+def train_command(cfg: RunConfig) -> list[str]:
+    path = cfg.save(cfg.run_dir / "config.json")
+    return [sys.executable, "-m", "gallery_lib.train", "--config", str(path)]
+
+
+def assert_same_state(a: Path, b: Path) -> None:
+    """Model, optimizer, scheduler and data position of two checkpoint files are bitwise equal."""
+    sa, sb = read_checkpoint(a), read_checkpoint(b)
+    assert sa["model"].keys() == sb["model"].keys()
+    for key in sa["model"]:
+        assert torch.equal(sa["model"][key], sb["model"][key]), key
+    oa, ob = sa["optimizer"]["state"], sb["optimizer"]["state"]
+    assert oa.keys() == ob.keys()
+    for index in oa:
+        for name in oa[index]:
+            assert torch.equal(oa[index][name], ob[index][name]), (index, name)
+    assert sa["scheduler"] == sb["scheduler"] and sa["data"] == sb["data"] and sa["counters"] == sb["counters"]
+
+
+def step_losses(cfg: RunConfig) -> dict[int, float]:
+    return {s["step"]: s["loss"] for s in read_metrics(cfg.run_dir / "metrics.jsonl")[0]}
+
+
+@pytest.fixture(scope="module")
+def reference(smoke_data, tmp_path_factory) -> RunConfig:
+    """An uninterrupted run with checkpoints at steps 2, 4, 6 and 8."""
+    cfg = resume_cfg(smoke_data, tmp_path_factory.mktemp("reference"))
+    run(cfg)
+    return cfg
+
+
+def test_resume_in_a_new_process_is_bitwise_exact(reference, smoke_data, tmp_path):
+    ref_dir = reference.run_dir / "checkpoints"
+    assert sorted(p.name for p in ref_dir.glob("step_*.pt")) == [f"step_{n}.pt" for n in (2, 4, 6, 8)]
+    assert latest_checkpoint(ref_dir).name == "step_8.pt"
+    # A run stopped after step 4: its checkpoints up to there and its first 4 metrics lines.
+    cfg = resume_cfg(smoke_data, tmp_path, resume=True)
+    ckpt_dir = cfg.run_dir / "checkpoints"
+    ckpt_dir.mkdir(parents=True)
+    for n in (2, 4):
+        shutil.copy(ref_dir / f"step_{n}.pt", ckpt_dir)
+    (ckpt_dir / LATEST).write_text("step_4.pt\n")
+    lines = (reference.run_dir / "metrics.jsonl").read_text().splitlines()[:4]
+    (cfg.run_dir / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+
+    done = subprocess.run(train_command(cfg), env=child_env(), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "resumed from step 4" in done.stdout
+
+    steps, summary = read_metrics(cfg.run_dir / "metrics.jsonl")
+    assert [s["step"] for s in steps] == list(range(STEPS))  # appended, not replaced
+    assert summary["resumed_from_step"] == 4 and summary["nonfinite_steps"] == 0
+    assert step_losses(cfg) == step_losses(reference)  # every loss bitwise
+    assert_same_state(ckpt_dir / "step_8.pt", ref_dir / "step_8.pt")
+    assert sorted(p.name for p in ckpt_dir.glob("step_*.pt")) == [f"step_{n}.pt" for n in (2, 4, 6, 8)]
+
+
+def test_sigkill_mid_run_then_resume_matches_uninterrupted(reference, smoke_data, tmp_path):
+    cfg = resume_cfg(smoke_data, tmp_path)
+    latest = cfg.run_dir / "checkpoints" / LATEST
+    proc = subprocess.Popen(train_command(cfg), env=child_env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 90
+        while not latest.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert latest.exists(), "the run wrote no checkpoint within 90 s"
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proc.returncode == -signal.SIGKILL  # killed, not finished
+    assert read_metrics(cfg.run_dir / "metrics.jsonl")[1] is None
+    killed_at = read_checkpoint(latest_checkpoint(latest.parent))["meta"]["step"]
+    assert killed_at < STEPS
+
+    summary = run(cfg.replace(resume=True))
+    assert summary["resumed_from_step"] == killed_at
+    assert_same_state(latest.parent / "step_8.pt", reference.run_dir / "checkpoints" / "step_8.pt")
+    losses = step_losses(cfg)
+    assert all(losses[n] == step_losses(reference)[n] for n in range(killed_at, STEPS))
+
+
+def test_kill_during_save_leaves_previous_checkpoint_loadable(reference, tmp_path):
+    ref_dir = reference.run_dir / "checkpoints"
+    ckpt_dir = tmp_path / "checkpoints"
+    ckpt_dir.mkdir()
+    shutil.copy(ref_dir / "step_4.pt", ckpt_dir)
+    # What a kill inside torch.save leaves: half a temporary file, `latest` still naming the previous file.
+    data = (ref_dir / "step_6.pt").read_bytes()
+    (ckpt_dir / "step_6.pt.tmp").write_bytes(data[: len(data) // 2])
+    (ckpt_dir / LATEST).write_text("step_4.pt\n")
+    path = latest_checkpoint(ckpt_dir)
+    assert path.name == "step_4.pt" and read_checkpoint(path)["meta"]["step"] == 4
+    # The next save clears the leftover and moves the pointer.
+    write_checkpoint({"format": 1, "x": torch.ones(2)}, ckpt_dir, step=6, keep=2)
+    assert not list(ckpt_dir.glob("*.tmp"))
+    assert latest_checkpoint(ckpt_dir).name == "step_6.pt"
+
+
+def test_keeps_the_newest_and_never_the_latest(tmp_path):
+    for step in (1, 2, 3, 4):
+        write_checkpoint({"format": 1, "step": step}, tmp_path, step=step, keep=2)
+    assert sorted(p.name for p in tmp_path.glob("step_*.pt")) == ["step_3.pt", "step_4.pt"]
+    assert read_checkpoint(latest_checkpoint(tmp_path))["step"] == 4
+    write_checkpoint({"format": 1, "step": 0}, tmp_path, step=0, keep=1)  # `latest` now names the oldest
+    assert (tmp_path / "step_0.pt").exists() and latest_checkpoint(tmp_path).name == "step_0.pt"
+
+
+def test_bad_checkpoints_give_clear_errors(reference, smoke_data, tmp_path):
+    ckpt_dir = tmp_path / "out" / "swin_transformer" / "baseline" / "checkpoints"
+    with pytest.raises(CheckpointError, match="no checkpoint to resume from"):
+        run(resume_cfg(smoke_data, tmp_path / "out", resume=True))  # missing: no silent fresh start
+    assert not (ckpt_dir.parent / "metrics.jsonl").exists()
+
+    ckpt_dir.mkdir(parents=True)
+    (ckpt_dir / LATEST).write_text("step_4.pt\n")
+    with pytest.raises(CheckpointError, match="names step_4.pt, which does not exist"):
+        latest_checkpoint(ckpt_dir)
+
+    data = (reference.run_dir / "checkpoints" / "step_4.pt").read_bytes()
+    (ckpt_dir / "step_4.pt").write_bytes(data[: len(data) - 100])
+    with pytest.raises(CheckpointError, match="truncated, corrupt"):
+        run(resume_cfg(smoke_data, tmp_path / "out", resume=True))
+
+    (ckpt_dir / "step_4.pt").write_bytes(data)
+    with pytest.raises(CheckpointError, match=r"incompatible run \(batch_size: saved 16, now 8\)"):
+        run(resume_cfg(smoke_data, tmp_path / "out", resume=True, batch_size=8))
+    with pytest.raises(CheckpointError, match="holds checkpoints of an earlier run"):
+        run(resume_cfg(smoke_data, tmp_path / "out"))  # a fresh run would mix its checkpoints with these
+
+
+class FakePosition:
+    """Stands in for the TrainLoader's data position."""
+
+    def __init__(self, epoch: int = 0, batches: int = 0):
+        self.state = {"epoch": epoch, "batches_in_epoch": batches}
+
+    def state_dict(self) -> dict:
+        return dict(self.state)
+
+    def load_state_dict(self, state: dict) -> None:
+        self.state = dict(state)
+
+
+def small_checkpointer(tmp_path: Path, amp_level: str, seed: int, position: FakePosition) -> Checkpointer:
+    torch.manual_seed(seed)
+    cfg = RunConfig(model="swin_micro", output_dir=str(tmp_path), amp_level=amp_level, steps=10, warmup_steps=0)
+    model = torch.nn.Linear(3, 2)
+    precision = Precision.from_config(cfg, "cpu")
+    precision.cast_model(model)
+    if amp_level == "O1":  # the float16 GradScaler path, as on a GPU
+        precision.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    opt = torch.optim.AdamW(precision.optimizer_params([{"params": list(model.parameters())}]), lr=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.5**step)
+    return Checkpointer(cfg, DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu")),
+                        model=model, optimizer=opt, scheduler=sched, precision=precision, loader=position)
+
+
+@pytest.mark.parametrize("amp_level", ["O1", "O2"])
+def test_checkpointer_restores_every_part(tmp_path, amp_level):
+    a = small_checkpointer(tmp_path, amp_level, seed=1, position=FakePosition(3, 5))
+    with a.precision.autocast():
+        loss = a.model(torch.randn(4, 3, dtype=a.model.weight.dtype)).float().square().mean()
+    a.precision.backward(loss)
+    a.precision.step(a.model, a.optimizer, clip_grad=None)
+    a.scheduler.step()
+    if a.precision.scaler:
+        a.precision.scaler.update(new_scale=77.0)
+    a.save(3, {"nonfinite_in_a_row": 1, "nonfinite_steps": 2})
+    after_save = (random.random(), np.random.rand(), torch.rand(3))
+
+    b = small_checkpointer(tmp_path, amp_level, seed=2, position=FakePosition())
+    assert not torch.equal(a.model.weight, b.model.weight)
+    assert b.restore() == (3, {"nonfinite_in_a_row": 1, "nonfinite_steps": 2})
+    assert (random.random(), np.random.rand()) == after_save[:2] and torch.equal(torch.rand(3), after_save[2])
+    assert all(torch.equal(x, y) for x, y in zip(a.model.state_dict().values(), b.model.state_dict().values()))
+    for ma, mb in zip(a.precision.master_params.values(), b.precision.master_params.values()):
+        assert mb.dtype == torch.float32 and torch.equal(ma, mb)  # O2: fp32 masters, not the bf16 weights
+    assert len(b.precision.master_params) == (2 if amp_level == "O2" else 0)
+    sa, sb = a.optimizer.state_dict(), b.optimizer.state_dict()
+    assert all(torch.equal(sa["state"][0][k], sb["state"][0][k]) for k in sa["state"][0])
+    if amp_level == "O2":  # the optimizer steps the very master tensors that were restored in place
+        assert b.optimizer.param_groups[0]["params"][0] is next(iter(b.precision.master_params.values()))
+    assert b.scheduler.last_epoch == 1 and b.optimizer.param_groups[0]["lr"] == pytest.approx(0.05)
+    assert b.loader.state == {"epoch": 3, "batches_in_epoch": 5}
+    if amp_level == "O1":
+        assert b.precision.scaler.get_scale() == 77.0
+
+
+def test_train_loader_resumes_mid_epoch(smoke_data):
+    from gallery_lib.data import RobustImageFolder, build_train_loader
+
+    def loader():
+        return build_train_loader(RobustImageFolder(smoke_data, split="train"), batch_size=16, image_size=32,
+                                  device="cpu", num_workers=0, seed=3, mixup_alpha=0, label_smoothing=0)
+
+    straight = loader()
+    stream = iter(straight)
+    for _ in range(5):
+        next(stream)
+    position = straight.state_dict()
+    assert position["epoch"] == 0 and position["batches_in_epoch"] == 5
+    expected = [next(stream) for _ in range(4)]  # crosses into epoch 1 after batch 7
+    assert straight.epoch == 1 and straight.batches_in_epoch == 2
+    resumed = loader()
+    resumed.load_state_dict(position)
+    stream = iter(resumed)
+    for (xa, ya), (xb, yb) in zip(expected, (next(stream) for _ in range(4))):
+        assert torch.equal(xa, xb) and torch.equal(ya, yb)
+    other_data = loader()
+    other_data.dataset = list(range(119))  # a different dataset: only its length is read
+    with pytest.raises(ValueError, match="dataset_size=120 but this loader has 119"):
+        other_data.load_state_dict(position)
+
+
+@pytest.mark.parametrize("field,value", [("checkpoint_every", -1), ("keep_checkpoints", 0),
+                                         ("max_nonfinite_steps", -2), ("resume", "yes")])
+def test_checkpoint_fields_are_validated(field, value):
+    with pytest.raises(ConfigError, match=field):
+        RunConfig(model="swin_micro", **{field: value})
+
+
+def nan_criterion(monkeypatch, nan_calls):
+    """Makes the loop's loss NaN on the given call numbers (0-based)."""
+    calls = []
+
+    class NanOnSomeCalls(timm.loss.SoftTargetCrossEntropy):
+        def forward(self, x, target):
+            loss = super().forward(x, target)
+            calls.append(None)
+            return loss * float("nan") if len(calls) - 1 in nan_calls else loss
+
+    monkeypatch.setattr(timm.loss, "SoftTargetCrossEntropy", NanOnSomeCalls)
+
+
+def test_nonfinite_loss_skips_the_step(smoke_data, tmp_path, monkeypatch):
+    nan_criterion(monkeypatch, {2})
+    cfg = resume_cfg(smoke_data, tmp_path, steps=5, checkpoint_every=5, log_every=5, max_nonfinite_steps=3)
+    summary = run(cfg)
+    steps, _ = read_metrics(cfg.run_dir / "metrics.jsonl")
+    assert [s["skipped_step"] for s in steps] == [False, False, True, False, False]
+    assert steps[2]["loss"] is None and summary["nonfinite_steps"] == 1
+    assert steps[3]["lr"] == steps[2]["lr"] != steps[1]["lr"]  # the scheduler did not advance
+    state = read_checkpoint(cfg.run_dir / "checkpoints" / "step_5.pt")
+    assert {float(s["step"]) for s in state["optimizer"]["state"].values()} == {4.0}  # 5 steps, 1 skipped
+    assert all(torch.isfinite(t).all() for t in state["model"].values())
+
+
+def test_nonfinite_losses_in_a_row_stop_with_a_checkpoint(smoke_data, tmp_path, monkeypatch):
+    nan_criterion(monkeypatch, set(range(2, 100)))
+    cfg = resume_cfg(smoke_data, tmp_path, steps=10, checkpoint_every=0, log_every=4, max_nonfinite_steps=3)
+    with pytest.raises(RuntimeError, match=r"not finite for 3 steps in a row \(steps 2-4\)") as info:
+        run(cfg)
+    assert "step_5.pt" in str(info.value)
+    state = read_checkpoint(latest_checkpoint(cfg.run_dir / "checkpoints"))
+    assert state["meta"]["step"] == 5 and state["counters"] == {"nonfinite_in_a_row": 3, "nonfinite_steps": 3}
+    assert all(torch.isfinite(t).all() for t in state["model"].values())  # NaN never reached the weights
+    steps, summary = read_metrics(cfg.run_dir / "metrics.jsonl")
+    assert summary is None and [s["skipped_step"] for s in steps] == [False, False, True, True, True]
+
+
+def test_cli_train_has_resume_flags():
+    from gallery_lib.cli import build_parser
+
+    args = build_parser().parse_args(["train", "--resume", "--checkpoint_every", "5"])
+    assert args.resume is True and args.checkpoint_every == 5
+    assert build_parser().parse_args(["train"]).resume is False
