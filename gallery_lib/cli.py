@@ -129,8 +129,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from gallery_lib.launch import launch
-    from gallery_lib.workflow import compare, prepare
+    from gallery_lib.workflow import compare, launch_all, prepare
 
     base = base_from_args(args)
     overrides = optimization_overrides(args)
@@ -139,9 +138,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         validate_for_machine(cfg)
     if args.data_dir is None:
         prepare(base)
-    for cfg in configs:
-        print(f"\n=== {cfg.recipe} ===")
-        launch(cfg)
+    launch_all(configs)
     report = compare(base, [c.recipe for c in configs])
     print(report.markdown)
     return 0

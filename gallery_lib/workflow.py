@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable, Sequence
 
-from gallery_lib.config import ConfigError, RunConfig
+from gallery_lib.config import ConfigError, RunConfig, validate_for_machine
 from gallery_lib.launch import RunResult, launch
 from gallery_lib.profiles import data_spec
 from gallery_lib.recipes import RECIPES, apply_recipe
@@ -38,10 +38,20 @@ def resolve_recipes(base: RunConfig, recipes: Sequence[str]) -> list[RunConfig]:
 
 def run_recipes(base: RunConfig, recipes: Sequence[str], *,
                 echo: Callable[[str], None] | None = print) -> dict[str, RunResult]:
+    """Launches every recipe on top of ``base``, one after another; returns the results by recipe name."""
+    return launch_all(resolve_recipes(base, recipes), echo=echo)
+
+
+def launch_all(configs: Sequence[RunConfig], *, echo: Callable[[str], None] | None = print) -> dict[str, RunResult]:
+    """Launches already-resolved run configs one after another (each validated before any starts)."""
+    for cfg in configs:
+        validate_for_machine(cfg)
     results: dict[str, RunResult] = {}
-    for cfg in resolve_recipes(base, recipes):
+    for cfg in configs:
         if echo:
-            echo(f"\n=== {cfg.recipe}: {RECIPES[cfg.recipe].__doc__.strip().splitlines()[0]} ===")
+            name, _, overrides = cfg.recipe.partition("+")  # "compiled+lr=0.002": a recipe with overrides
+            doc = RECIPES[name].__doc__.strip().splitlines()[0] if name in RECIPES else "custom run"
+            echo(f"\n=== {cfg.recipe}: {doc}{' (with overrides)' if overrides else ''} ===")
         results[cfg.recipe] = launch(cfg, echo=echo)
     return results
 

@@ -48,3 +48,14 @@ def make_path_fixture(kernel_name: str):
                 assert not tu.launch_counts
 
     return path
+
+
+def assert_low_precision_rule(names, ours, theirs, reference, dtype) -> None:
+    """The bf16/fp16 rule: each of our outputs/grads is within 2x PyTorch's own low-precision error + 1e-6.
+
+    ``ours`` and ``theirs`` (PyTorch's op in ``dtype``) are compared with the fp32 ``reference``; NaN never passes.
+    """
+    for name, o, t, e in zip(names, ours, theirs, reference):
+        assert not o.isnan().any(), name
+        err, torch_err = (o.float() - e).abs().max(), (t.float() - e).abs().max()
+        assert err <= 2 * torch_err + 1e-6, f"{name}: ours {err:.3g} vs torch {dtype} {torch_err:.3g}"
