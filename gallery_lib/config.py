@@ -118,6 +118,12 @@ class RunConfig:
     max_nonfinite_steps: int = 5
     """Stop (with a checkpoint) after this many non-finite losses in a row; each such step is skipped. 0 turns
     the check off, which also removes its per-step host sync (see ``train.py``)."""
+    max_bad_fraction: float = 0.1
+    """Stop with an error when more than this share of the image loads so far failed (judged every ``log_every``
+    steps, once 50 images were read); each bad file is skipped, logged with its path and counted. In (0, 1]."""
+    max_restarts: int = 0
+    """Times torchrun restarts the workers after a failure (``--max-restarts``); a restarted run resumes from the
+    latest checkpoint on its own, so set ``checkpoint_every`` too."""
 
     extra: dict[str, Any] = field(default_factory=dict)
     """Free-form notes carried into ``config.json`` (e.g. which profile filled which field)."""
@@ -139,6 +145,11 @@ class RunConfig:
         _check_int_range("checkpoint_every", self.checkpoint_every, 0, None, hint="0 disables checkpoints")
         _check_positive_int("keep_checkpoints", self.keep_checkpoints)
         _check_int_range("max_nonfinite_steps", self.max_nonfinite_steps, 0, None, hint="0 disables the check")
+        _check_int_range("max_restarts", self.max_restarts, 0, None, hint="0 disables restarts")
+        if isinstance(self.max_bad_fraction, bool) or not (
+                isinstance(self.max_bad_fraction, (int, float)) and 0 < self.max_bad_fraction <= 1):
+            raise ConfigError(f"max_bad_fraction={self.max_bad_fraction!r} is invalid: expected a number in (0, 1] "
+                              "(1 never stops for bad files).")
         if not isinstance(self.resume, bool):
             raise ConfigError(f"resume={self.resume!r} is invalid: expected true or false.")
         _check_choice("amp_level", self.amp_level, AMP_LEVELS)

@@ -17,6 +17,10 @@ default) every step has one host sync after backward (plus a one-element all-red
 distributed). On a GPU that costs the launch latency of the optimizer step, since the device
 drains before it is queued; fp16 runs already sync there in ``GradScaler.step``. Set
 ``max_nonfinite_steps=0`` for benchmark runs that must have no per-step sync.
+
+Bad data: unreadable images are skipped by the dataset; every ``log_every`` steps the run stops with an error if more
+than ``max_bad_fraction`` of the loads failed (a shared counter read, no device sync). Restarts: when torchrun
+restarts the workers (``max_restarts``) and the run has a checkpoint, the new workers resume from it on their own.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import math
+import os
 import random
 import sys
 import time
@@ -33,7 +38,7 @@ import numpy as np
 import torch
 
 from gallery_lib.accelerate import apply_accelerations
-from gallery_lib.checkpoint import Checkpointer
+from gallery_lib.checkpoint import LATEST, Checkpointer, checkpoint_dir
 from gallery_lib.config import RunConfig, validate_for_machine
 from gallery_lib.distributed import DistInfo, all_reduce_sum, init_distributed, shutdown
 from gallery_lib.metrics import MetricsWriter
@@ -85,6 +90,16 @@ def all_ranks_finite(loss: torch.Tensor, dist: DistInfo) -> bool:
     return all_reduce_sum(bad, dist) == 0
 
 
+def restart_count() -> int:
+    """How many times torchrun has restarted this job's workers (0 outside torchrun or on the first attempt)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
+
+
+def resumes_after_restart(cfg: RunConfig) -> bool:
+    """A torchrun restart of a run that has a checkpoint continues from it, as ``resume=True`` would."""
+    return restart_count() > 0 and (checkpoint_dir(cfg) / LATEST).is_file()
+
+
 def run(cfg: RunConfig, dist: DistInfo | None = None) -> dict:
     """Trains ``cfg`` and returns the summary record (also the last line of ``metrics.jsonl``)."""
     from timm.loss import SoftTargetCrossEntropy
@@ -122,15 +137,17 @@ def run(cfg: RunConfig, dist: DistInfo | None = None) -> dict:
 
     ckpt = Checkpointer(cfg, dist, model=accelerated.module, optimizer=optimizer, scheduler=scheduler,
                         precision=precision, loader=loader)
-    if cfg.resume:
+    resume = cfg.resume or resumes_after_restart(cfg)
+    if resume:
         start, counters = ckpt.restore()  # before iter(loader): the loader starts at the saved position
-        log(f"[gallery] resumed from step {start} ({ckpt.directory})")
+        how = f" after torchrun restart {restart_count()}" if not cfg.resume else ""
+        log(f"[gallery] resumed from step {start}{how} ({ckpt.directory})")
     else:
         ckpt.check_fresh_start()
         start, counters = 0, {"nonfinite_in_a_row": 0, "nonfinite_steps": 0}
     # A restarted process compiles and warms up again: its first steps are its warm-up.
     warmup_steps = min(cfg.warmup_steps, cfg.steps - start - 1)
-    writer = MetricsWriter(cfg.run_dir / "metrics.jsonl", mode="a" if cfg.resume else "w") if dist.is_main else None
+    writer = MetricsWriter(cfg.run_dir / "metrics.jsonl", mode="a" if resume else "w") if dist.is_main else None
     timer = StepTimer(dist.device)
     pending_losses: list[torch.Tensor] = []
     pending_lrs: list[float] = []
@@ -181,6 +198,7 @@ def run(cfg: RunConfig, dist: DistInfo | None = None) -> dict:
             log(f"[gallery] step {step + 1}/{cfg.steps} | loss {values[-1]:.4f} | "
                 f"{cfg.global_batch_size * 1e3 / times[-1]:.1f} img/s | {times[-1]:.1f} ms/step | "
                 f"peak {peak / 1024:.2f} GiB")
+            dataset.check_bad_fraction(cfg.max_bad_fraction)
         if save_now:
             path = ckpt.save(step + 1, counters)
             timer = StepTimer(dist.device)  # restart the clock: the save belongs to no step

@@ -3,9 +3,10 @@
 ``root/<split>/<class>/<image>``: class folders in sorted order are the labels (the timm / torchvision convention).
 Each sample is fully decoded inside a guarded block (PIL decodes lazily, so a truncated JPEG only fails at
 ``load()``), EXIF-rotated, and brought to 8-bit RGB. A file that cannot be read is logged, counted and replaced by
-the next index, the way timm's ``ImageDataset`` does it; too many failures in a row stop the run with an error.
+the next index, the way timm's ``ImageDataset`` does it; too many failures in a row stop the run with an error,
+and so does ``check_bad_fraction`` once too large a share of all loads has failed.
 
-The skip count lives in shared memory, so the main process sees the skips of all DataLoader workers.
+The skip and load counts live in shared memory, so the main process sees those of all DataLoader workers.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ _logger = logging.getLogger(__name__)
 # Extensions of the formats PIL can open (registered_extensions() also lists save-only ones such as .pdf).
 IMAGE_EXTENSIONS = frozenset(ext.lower() for ext, fmt in Image.registered_extensions().items() if fmt in Image.OPEN)
 _RECENT_SKIPS = 64  # how many skipped sample indices are kept for `skipped_paths`
+MIN_LOADS_FOR_FRACTION = 50  # loads before check_bad_fraction judges: one bad file among the first few is no trend
 _PREPARE_HINT = "run `gallery prepare --model ...` or pass --data-dir to an ImageNet-style folder"
 
 
@@ -57,6 +59,7 @@ class RobustImageFolder(torch.utils.data.Dataset):
         # the spawn context because a fork-context lock refuses to be pickled into a spawned worker.
         ctx = multiprocessing.get_context("spawn")
         self._skipped = ctx.Value("q", 0)
+        self._loads = ctx.Value("q", 0)
         self._recent = ctx.Array("q", _RECENT_SKIPS, lock=False)
 
     @property
@@ -67,6 +70,22 @@ class RobustImageFolder(torch.utils.data.Dataset):
     def skipped(self) -> int:
         """Failed sample loads so far, summed over this process and all worker processes."""
         return self._skipped.value
+
+    @property
+    def loads(self) -> int:
+        """Sample loads attempted so far (successful or skipped), over this process and all worker processes."""
+        return self._loads.value
+
+    def check_bad_fraction(self, max_fraction: float, min_loads: int = MIN_LOADS_FOR_FRACTION) -> None:
+        """Raises a RuntimeError when more than ``max_fraction`` of the loads so far failed (after ``min_loads``)."""
+        loads, skipped = self.loads, self.skipped
+        if loads >= min_loads and skipped > max_fraction * loads:
+            recent = "\n  ".join(str(p) for p in self.skipped_paths[-5:])
+            raise RuntimeError(
+                f"{skipped} of {loads} image loads from {self.root / self.split} failed ({skipped / loads:.1%}), more "
+                f"than max_bad_fraction={max_fraction:g}; the last bad files:\n  {recent}\nEvery skipped file is "
+                f"logged with its reason. Remove or re-encode the bad files, re-create the dataset ({_PREPARE_HINT}), "
+                "or raise max_bad_fraction if this share of bad files is expected.")
 
     @property
     def skipped_paths(self) -> list[pathlib.Path]:
@@ -84,6 +103,8 @@ class RobustImageFolder(torch.utils.data.Dataset):
         for attempt in range(min(self.max_consecutive_errors, len(self.samples))):
             i = (index + attempt) % len(self.samples)
             path, label = self.samples[i]
+            with self._loads.get_lock():
+                self._loads.value += 1
             try:
                 img = load_rgb(path)
             except Exception as exc:  # any decode error means "bad file", whatever the codec raises

@@ -1,0 +1,90 @@
+"""Find the largest batch size that fits in memory by backing off on out-of-memory errors.
+
+``find_batch_size`` calls a trial function at a batch size; on an out-of-memory error it frees what it can and
+tries again with ``floor(batch * factor)`` rounded down to a multiple of ``multiple_of``, so the sequence of tried
+sizes is a pure function of the arguments (128 -> 114 -> 102 -> 90 ... with the defaults). Any other error propagates
+unchanged. Each trial must run several training steps (``steps_per_trial``, at least three): torch.compile and
+kernel autotuning allocate differently on their first steps, so one step under-reports the peak.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+from typing import Callable
+
+import torch
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """Whether ``exc`` is an accelerator out-of-memory error (typed, or the older RuntimeError message)."""
+    oom_type = getattr(torch, "OutOfMemoryError", None) or getattr(torch.cuda, "OutOfMemoryError", None)
+    if oom_type is not None and isinstance(exc, oom_type):
+        return True
+    return isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower()
+
+
+def free_memory() -> None:
+    """Drop the failed trial's tensors and give cached blocks back to the driver."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def next_batch_size(batch: int, factor: float, multiple_of: int) -> int:
+    """``floor(batch * factor)`` rounded down to ``multiple_of``, always strictly below ``batch``."""
+    smaller = math.floor(batch * factor) // multiple_of * multiple_of
+    return min(smaller, batch - 1)
+
+
+def find_batch_size(
+    try_steps: Callable[[int], None],
+    start: int,
+    *,
+    minimum: int = 2,
+    factor: float = 0.9,
+    multiple_of: int = 2,
+    steps_per_trial: int = 3,
+    log: Callable[[str], None] = print,
+) -> int:
+    """Returns the first batch size, from ``start`` downwards, at which ``try_steps(batch)`` runs without OOM.
+
+    Args:
+        try_steps: Runs at least ``steps_per_trial`` training steps at the given batch size (forward, backward and
+            optimizer step, with compilation if the run compiles); raises on failure.
+        start: First batch size tried (rounded down to ``multiple_of``).
+        minimum: Smallest batch size worth trying; below it a RuntimeError says what to change.
+        factor: Multiplier applied after each out-of-memory error, in (0, 1).
+        multiple_of: Every tried size is a multiple of this (2 keeps Mixup/CutMix pairs whole).
+        steps_per_trial: How many steps ``try_steps`` must run; checked here, passed on to the log only.
+        log: Receives one line per trial.
+    """
+    if not 0 < factor < 1:
+        raise ValueError(f"factor={factor!r} is invalid: expected a number in (0, 1).")
+    for name, value in (("start", start), ("minimum", minimum), ("multiple_of", multiple_of)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}={value!r} is invalid: expected an integer >= 1.")
+    if isinstance(steps_per_trial, bool) or not isinstance(steps_per_trial, int) or steps_per_trial < 3:
+        raise ValueError(f"steps_per_trial={steps_per_trial!r} is invalid: expected an integer >= 3 (compilation "
+                         "and autotuning change peak memory over the first steps).")
+    batch = start // multiple_of * multiple_of
+    tried: list[int] = []
+    while batch >= minimum:
+        tried.append(batch)
+        log(f"[gallery] batch-size search: trying {batch} ({steps_per_trial} steps)")
+        try:
+            try_steps(batch)
+        except Exception as exc:
+            if not is_out_of_memory(exc):
+                raise
+        else:
+            log(f"[gallery] batch-size search: {batch} fits")
+            return batch
+        # Outside the except block, so the traceback (and the failed trial's tensors in its frames) is gone.
+        log(f"[gallery] batch-size search: {batch} ran out of memory")
+        free_memory()
+        batch = next_batch_size(batch, factor, multiple_of)
+    raise RuntimeError(
+        f"no batch size >= {minimum} fits in memory (tried {', '.join(map(str, tried)) or 'none'}, starting from "
+        f"{start}): lower image_size, turn on mixed precision (amp_level='O1' or 'O2'), use a smaller model, or "
+        f"lower minimum (now {minimum}).")

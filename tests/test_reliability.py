@@ -1,0 +1,245 @@
+"""Reliability under bad data, out-of-memory and worker crashes: the bad-fraction stop, the batch-size search and
+torchrun restarts that resume from the last checkpoint."""
+
+from __future__ import annotations
+
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from test_data import BAD, _expected_skips, messy_root  # noqa: F401  (messy_root is a fixture)
+
+import gallery_lib.launch
+from gallery_lib.batch_size import find_batch_size, is_out_of_memory, next_batch_size
+from gallery_lib.config import ConfigError, RunConfig
+from gallery_lib.data import RobustImageFolder
+from gallery_lib.launch import launch, torchrun_command
+from gallery_lib.metrics import read_metrics
+from gallery_lib.train import run
+
+
+def small_cfg(data, out, **kw) -> RunConfig:
+    values = dict(model="swin_micro", data_dir=str(data), output_dir=str(out), image_size=64, batch_size=8, steps=6,
+                  warmup_steps=1, log_every=2, lr=1e-3, lr_warmup_steps=1, num_workers=0, device="cpu",
+                  amp_level="O0", mixup_alpha=0, cutmix_alpha=0)
+    values.update(kw)
+    return RunConfig(**values)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Bad data
+
+
+@pytest.fixture(scope="module")
+def mostly_bad_root(tmp_path_factory):
+    """50 images in 2 classes, 20 of them (40%) unreadable; no two bad files are neighbours in scan order."""
+    root = tmp_path_factory.mktemp("mostly_bad")
+    rng = np.random.default_rng(0)
+    for cls in "ab":
+        (root / "train" / cls).mkdir(parents=True)
+        for i in range(25):
+            path = root / "train" / cls / f"{i:02d}.jpg"
+            if i % 5 == 1:
+                path.write_bytes(b"")
+            elif i % 5 == 3:
+                path.write_text("not an image\n")
+            else:
+                Image.fromarray(rng.integers(0, 256, (24, 24, 3), dtype=np.uint8)).save(path)
+    return root
+
+
+def test_messy_folder_run_completes_and_logs_every_skip(messy_root, tmp_path):  # noqa: F811
+    # 49 images, batch 7, 7 steps, no workers: every index is read exactly once, so the failed loads are known.
+    cfg = small_cfg(messy_root, tmp_path / "out", batch_size=7, steps=7, log_every=7)
+    result = launch(cfg, echo=None)
+    expected = _expected_skips(RobustImageFolder(messy_root, "train"), set(BAD))
+    assert expected == 4  # the truncated JPEG fails twice (its neighbour is the zero-byte file), the others once
+    assert result.summary["skipped_samples"] == expected
+    assert result.summary["steps"] == 7 and np.isfinite(result.summary["final_loss"])
+    log = (result.run_dir / "logs" / "rank0.log").read_text()
+    skip_lines = [line for line in log.splitlines() if "Skipped sample" in line]
+    assert len(skip_lines) == expected
+    for bad in BAD:
+        assert any(str(messy_root / "train" / bad) in line for line in skip_lines), bad
+
+
+def test_check_bad_fraction_waits_for_enough_loads(mostly_bad_root):
+    ds = RobustImageFolder(mostly_bad_root, "train")
+    for i in range(10):
+        ds[i]
+    assert ds.loads == 14 and ds.skipped == 4  # indices 1, 3, 6 and 8 fail, then their neighbours load
+    ds.check_bad_fraction(0.1)  # fewer than 50 loads: no judgement yet
+    with pytest.raises(RuntimeError, match="4 of 14 image loads"):
+        ds.check_bad_fraction(0.1, min_loads=10)
+    for i in range(10, len(ds)):
+        ds[i]
+    assert ds.loads == 70 and ds.skipped == 20
+    ds.check_bad_fraction(0.3)  # 28.6% failed
+    with pytest.raises(RuntimeError, match=r"20 of 70 .*\(28\.6%\), more than max_bad_fraction=0\.25"):
+        ds.check_bad_fraction(0.25)
+
+
+def test_run_stops_when_too_many_files_are_bad(mostly_bad_root, tmp_path):
+    cfg = small_cfg(mostly_bad_root, tmp_path, steps=12)
+    with pytest.raises(RuntimeError) as info:
+        run(cfg)
+    message = str(info.value)
+    assert "max_bad_fraction=0.1" in message and str(mostly_bad_root / "train") in message
+    assert "Remove or re-encode the bad files" in message
+    steps, summary = read_metrics(cfg.run_dir / "metrics.jsonl")
+    # Checks run every 2 steps: after 4 batches (32 images plus their failures, < 50 loads with this seed) none
+    # may judge yet; after 6 (48 images, ~19 failures) the first one does and stops the run.
+    assert summary is None and len(steps) == 6
+
+
+@pytest.mark.parametrize("value", [0, -0.1, 1.5, True, "0.2"])
+def test_max_bad_fraction_is_validated(value):
+    with pytest.raises(ConfigError, match="max_bad_fraction"):
+        RunConfig(model="swin_micro", max_bad_fraction=value)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Out-of-memory batch-size search
+
+
+class FakeTrainer:
+    """Runs 'steps' that raise an OOM above ``fits``; records every batch tried and every step run."""
+
+    def __init__(self, fits: int, error=None):
+        self.fits, self.error, self.tried = fits, error, []
+
+    def __call__(self, batch: int) -> None:
+        self.tried.append(batch)
+        for _ in range(3):
+            if batch > self.fits:
+                raise self.error or torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+
+def test_back_off_sequence_is_exact():
+    trainer = FakeTrainer(fits=70)
+    lines = []
+    assert find_batch_size(trainer, 128, log=lines.append) == 64
+    # floor(b * 0.9) rounded down to even: 128*0.9=115.2 -> 114, 102.6 -> 102, 91.8 -> 90, 81 -> 80, 72 -> 72, 64.8
+    assert trainer.tried == [128, 114, 102, 90, 80, 72, 64]
+    assert sum("ran out of memory" in line for line in lines) == 6 and lines[-1].endswith("64 fits")
+
+
+def test_back_off_with_other_factor_and_multiple():
+    trainer = FakeTrainer(fits=20, error=RuntimeError("CUDA error: out of memory"))
+    assert find_batch_size(trainer, 100, factor=0.5, multiple_of=8, log=lambda _: None) == 8
+    assert trainer.tried == [96, 48, 24, 8]  # 100 rounds down to 96 first; 0.5 * 24 = 12 rounds down to 8
+
+
+def test_small_sizes_always_shrink():
+    assert next_batch_size(3, 0.9, 1) == 2  # floor(2.7) = 2
+    assert next_batch_size(2, 0.9, 1) == 1  # floor(1.8) = 1
+    assert next_batch_size(2, 0.99, 2) == 0
+
+
+def test_memory_is_freed_between_trials(monkeypatch):
+    events = []
+    monkeypatch.setattr("gallery_lib.batch_size.free_memory", lambda: events.append("free"))
+    trainer = FakeTrainer(fits=100)
+    find_batch_size(lambda b: (events.append(b), trainer(b)), 128, log=lambda _: None)
+    assert events == [128, "free", 114, "free", 102, "free", 90]  # 90 fits: nothing to free after it
+
+
+def test_other_errors_propagate_unchanged():
+    error = ValueError("shape mismatch in layer 3")
+    trainer = FakeTrainer(fits=0, error=error)
+    with pytest.raises(ValueError) as info:
+        find_batch_size(trainer, 64, log=lambda _: None)
+    assert info.value is error and trainer.tried == [64]
+    trainer = FakeTrainer(fits=0, error=RuntimeError("CUDA error: an illegal memory access was encountered"))
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        find_batch_size(trainer, 64, log=lambda _: None)
+    assert trainer.tried == [64]
+
+
+def test_nothing_fits_gives_a_clear_error():
+    trainer = FakeTrainer(fits=1)
+    with pytest.raises(RuntimeError, match=r"no batch size >= 4 fits .*tried 8, 6, 4.*lower image_size"):
+        find_batch_size(trainer, 8, minimum=4, log=lambda _: None)
+    assert trainer.tried == [8, 6, 4]
+
+
+def test_is_out_of_memory():
+    assert is_out_of_memory(torch.OutOfMemoryError("CUDA out of memory"))
+    assert is_out_of_memory(RuntimeError("[enforce fail] DefaultCPUAllocator: can't allocate: out of memory"))
+    assert not is_out_of_memory(RuntimeError("expected scalar type Float"))
+    assert not is_out_of_memory(MemoryError())  # host memory: backing off the batch is not the fix
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(factor=1.0), "factor"), (dict(factor=0), "factor"), (dict(minimum=0), "minimum"),
+    (dict(multiple_of=0), "multiple_of"), (dict(steps_per_trial=1), "steps_per_trial")])
+def test_bad_search_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        find_batch_size(FakeTrainer(fits=100), 64, **kwargs)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# torchrun restarts
+
+
+def test_torchrun_command_passes_max_restarts(tmp_path):
+    cfg = RunConfig(model="swin_micro")
+    assert not any("max-restarts" in arg for arg in torchrun_command(cfg, tmp_path / "c.json"))
+    assert "--max-restarts=2" in torchrun_command(cfg.replace(max_restarts=2), tmp_path / "c.json")
+    with pytest.raises(ConfigError, match="max_restarts"):
+        cfg.replace(max_restarts=-1)
+
+
+CRASH_ONCE = textwrap.dedent("""
+    # Test-only entry point: the training module, except that the first attempt dies abruptly in step {crash_step}.
+    import os
+    import sys
+
+    import gallery_lib.train as train
+
+    calls = 0
+    finite_check = train.all_ranks_finite
+
+    def crash_in_first_attempt(loss, dist):  # called once per step, after backward
+        global calls
+        calls += 1
+        if calls == {crash_step} and train.restart_count() == 0:
+            os._exit(1)
+        return finite_check(loss, dist)
+
+    train.all_ranks_finite = crash_in_first_attempt
+    sys.exit(train.main(sys.argv[1:]))
+""")
+
+
+@pytest.mark.slow  # 25-40 s: a reference run plus torchrun starting the worker twice
+def test_torchrun_restart_resumes_from_the_last_checkpoint(smoke_data, tmp_path, monkeypatch):
+    values = dict(batch_size=16, steps=8, log_every=3, lr_warmup_steps=2, deterministic=True, checkpoint_every=2,
+                  mixup_alpha=0.8, cutmix_alpha=1.0)
+    reference = small_cfg(smoke_data, tmp_path / "reference", **values)
+    expected = run(reference)
+    ref_losses = {s["step"]: s["loss"] for s in read_metrics(reference.run_dir / "metrics.jsonl")[0]}
+
+    wrapper = tmp_path / "crash_once.py"
+    wrapper.write_text(CRASH_ONCE.format(crash_step=6))  # in step index 5: past the checkpoint after 4 steps
+
+    def crashing_command(cfg, config_path):
+        command = torchrun_command(cfg, config_path)
+        i = command.index("gallery_lib.train")
+        return command[:i - 1] + [str(wrapper)] + command[i + 1:]
+
+    monkeypatch.setattr(gallery_lib.launch, "torchrun_command", crashing_command)
+    monkeypatch.setenv("OMP_NUM_THREADS", str(torch.get_num_threads()))  # same CPU reduction order as `reference`
+    lines = []
+    cfg = small_cfg(smoke_data, tmp_path / "crashed", max_restarts=1, **values)
+    result = launch(cfg, echo=lines.append)
+
+    assert any("resumed from step 4 after torchrun restart 1" in line for line in lines), "\n".join(lines[-30:])
+    assert result.summary["resumed_from_step"] == 4
+    steps, _ = read_metrics(cfg.run_dir / "metrics.jsonl")
+    # The first attempt logged steps 0-3 (step 4 was still pending when it died); the restart appends steps 4-7.
+    assert [s["step"] for s in steps] == list(range(8))
+    assert {s["step"]: s["loss"] for s in steps} == ref_losses
+    assert result.summary["final_loss"] == expected["final_loss"]
