@@ -32,7 +32,7 @@ def accelerated(base: RunConfig) -> RunConfig:
     """Everything that measured faster than ``compiled`` on the GPU (for Swin-T today: nothing more)."""
     # Measured on an H200, Swin-T at batch 128, the training step alone (benchmarks/results/swin_*_h200.json):
     # compiled 4,213-4,258 img/s in four runs. SDPA window attention (fused_attention=True) ran at 4,831,
-    # 4,287, 3,863 and 3,896 img/s in four runs: -11% memory every time, but not reliably faster, and 8% slower
+    # 4,287, 3,863 (with channels_last too) and 3,896 img/s: -11% memory every time, not reliably faster, 8% slower
     # in the final same-run comparison. channels_last: +4% in one run, untested with the rest. O2: -4%.
     # max-autotune: autotuning did not finish in 8 minutes. So the switches stay off until a measurement keeps
     # them; the fused kernels, EMA and compile-hook work plug in here when they beat compiled.
