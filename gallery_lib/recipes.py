@@ -36,6 +36,8 @@ def accelerated(base: RunConfig) -> RunConfig:
     # in the final same-run comparison. channels_last: +4% in one run, untested with the rest. O2: -4%.
     # max-autotune: autotuning did not finish in 8 minutes. So the switches stay off until a measurement keeps
     # them; the fused kernels, EMA and compile-hook work plug in here when they beat compiled.
+    # Lead for the next measurement: in the final run SDPA steps went from 34-35 ms (steps 10-20) to 27.5-28.4 ms
+    # (steps 30-50) against compiled's flat 30.1 ms, so it may win once warm-up is longer than 16 steps.
     return compiled(base).replace(recipe="accelerated")
 
 
