@@ -56,7 +56,7 @@ def launch_all(configs: Sequence[RunConfig], *, echo: Callable[[str], None] | No
     return results
 
 
-def model_step_config(base: RunConfig, steps: int = 50) -> RunConfig:
+def model_step_config(base: RunConfig, steps: int = 60) -> RunConfig:
     """``base`` set to time the model step alone: one device-resident batch reused, output kept apart.
 
     With RandAugment on the CPU the data pipeline can set the pace before the GPU does; these runs show
@@ -65,7 +65,7 @@ def model_step_config(base: RunConfig, steps: int = 50) -> RunConfig:
     steps = min(base.steps, steps)
     # No per-step non-finite check here: it costs a host sync per step, and these runs only measure speed.
     return base.replace(reuse_batch=True, output_dir=str(Path(base.output_dir) / "model_step"), steps=steps,
-                        warmup_steps=min(base.warmup_steps, steps // 3), max_nonfinite_steps=0,
+                        warmup_steps=min(base.warmup_steps, steps // 2), max_nonfinite_steps=0,
                         checkpoint_every=0, resume=False)
 
 

@@ -119,3 +119,15 @@ def test_config_either_builds_valid_or_raises_config_error(batch, steps, warm, a
         return
     assert cfg.batch_size >= 1 and 0 <= cfg.warmup_steps < cfg.steps and cfg.amp_level in ("O0", "O1", "O2")
     assert cfg.mixup_alpha >= 0 and (cfg.batch_size % 2 == 0 or not cfg.uses_mixup)
+
+
+def test_model_step_config_times_the_step_alone_in_its_own_folder():
+    from gallery_lib.workflow import model_step_config
+
+    base = base_config("full", output_dir="out")
+    step = model_step_config(base)
+    assert step.reuse_batch and step.max_nonfinite_steps == 0 and not step.resume
+    assert step.run_dir.parts[:2] == ("out", "model_step") and step.run_dir != base.run_dir
+    assert (step.steps, step.warmup_steps) == (60, 30)  # SDPA needed ~25 steps to settle on the H200
+    assert step.replace(reuse_batch=False, output_dir="out", max_nonfinite_steps=5, steps=base.steps,
+                        warmup_steps=base.warmup_steps) == base
