@@ -5,8 +5,9 @@
 
 Every run goes through the same launcher as the notebooks (a torchrun subprocess, CUDA-event step
 timing, warm-up/compile reported apart), in one session on one machine, so the numbers compare.
-``--variant NAME:field=value,...`` adds a run of recipe NAME with config overrides (named
-``NAME+field=value``), for trying a switch before it goes into a recipe.
+``--variant NAME:field=value,...`` adds a run of recipe NAME with config overrides, named as the CLI
+names them (``NAME+field=value``; a switch shows as ``+field`` or ``+no-field``), for trying a switch
+before it goes into a recipe.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch
 from gallery_lib.config import parse_overrides
 from gallery_lib.launch import launch
 from gallery_lib.profiles import base_config
-from gallery_lib.recipes import apply_recipe
+from gallery_lib.recipes import apply_recipe, recipe_config
 from gallery_lib.workflow import prepare
 
 _KEYS = ("recipe", "samples_per_s", "median_step_time_ms", "p20_step_time_ms", "p80_step_time_ms", "warmup_time_s",
@@ -54,9 +55,7 @@ def main(argv: list[str] | None = None) -> int:
                        steps=args.steps, output_dir=args.output_dir)
     configs = [apply_recipe(name, base) for name in args.recipes.split(",") if name]
     for text in args.variant:
-        recipe, overrides = parse_variant(text)
-        label = "+".join(f"{k}={v}" for k, v in overrides.items())
-        configs.append(apply_recipe(recipe, base).replace(recipe=f"{recipe}+{label}", **overrides))
+        configs.append(recipe_config(base, *parse_variant(text)))
     start = time.perf_counter()
     prepare(base, progress=False)
     print(f"[bench] data ready in {time.perf_counter() - start:.1f} s", flush=True)

@@ -15,6 +15,7 @@ from typing import Any, Sequence
 from gallery_lib.config import (AMP_DTYPES, AMP_LEVELS, COMPILE_MODES, DEVICES, ConfigError, RunConfig,
                                 parse_overrides, validate_for_machine)
 from gallery_lib.profiles import PROFILES, base_config
+from gallery_lib.recipes import recipe_config
 
 DEFAULT_RECIPES = "baseline,compiled,accelerated"
 
@@ -67,16 +68,6 @@ def optimization_overrides(args: argparse.Namespace) -> dict[str, Any]:
     overrides = {field: getattr(args, flag) for flag, field in _OPT_FLAGS.items()
                  if getattr(args, flag, None) is not None}
     return {**overrides, **parse_overrides(getattr(args, "set", None) or [])}
-
-
-def recipe_config(base: RunConfig, recipe: str, overrides: dict[str, Any]) -> RunConfig:
-    from gallery_lib.recipes import apply_recipe
-
-    cfg = apply_recipe(recipe, base)
-    if overrides:
-        label = "+".join(f"{k}={v}" if not isinstance(v, bool) else k for k, v in overrides.items())
-        cfg = cfg.replace(recipe=f"{recipe}+{label}", **overrides)
-    return cfg
 
 
 def _recipe_list(text: str) -> list[str]:

@@ -11,7 +11,7 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 from gallery_lib.config import ConfigError, RunConfig
 
@@ -58,3 +58,13 @@ def apply_recipe(name: str, base: RunConfig) -> RunConfig:
 def describe(name: str) -> str:
     """The recipe's one-line explanation (its docstring), for notebooks and ``gallery --help``."""
     return (RECIPES[name].__doc__ or "").strip()
+
+
+def recipe_config(base: RunConfig, recipe: str, overrides: dict[str, Any]) -> RunConfig:
+    """Recipe ``recipe`` with explicit ``overrides`` on top, named after both (``baseline+amp_level=O2+compile``)
+    so an overridden run never writes over the plain recipe's results."""
+    cfg = apply_recipe(recipe, base)
+    if overrides:
+        label = "+".join(f"{k}={v}" if not isinstance(v, bool) else k for k, v in overrides.items())
+        cfg = cfg.replace(recipe=f"{recipe}+{label}", **overrides)
+    return cfg

@@ -106,8 +106,8 @@ def run(cfg: RunConfig, dist: DistInfo | None = None) -> dict:
 
     from gallery_lib.data import RobustImageFolder, build_train_loader
 
-    device_type = validate_for_machine(cfg)
-    dist = dist or init_distributed(device_type)
+    if dist is None:  # called in-process; under torchrun main() has validated and started the group
+        dist = init_distributed(validate_for_machine(cfg))
     setup_start = time.perf_counter()
     configure_backends(cfg)
     seed_everything(cfg.seed)  # identical init on every rank; the loader derives per-rank streams
