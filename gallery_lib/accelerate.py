@@ -36,7 +36,8 @@ class AcceleratedModel:
     notes: list[str] = field(default_factory=list)
 
 
-def apply_accelerations(model: torch.nn.Module, cfg: RunConfig, precision: Precision, dist: DistInfo) -> AcceleratedModel:
+def apply_accelerations(model: torch.nn.Module, cfg: RunConfig, precision: Precision,
+                        dist: DistInfo) -> AcceleratedModel:
     notes: list[str] = []
     if cfg.channels_last:
         model = model.to(memory_format=torch.channels_last)

@@ -33,7 +33,8 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
     _flag(g, "profile", choices=PROFILES, default="auto",
           help="smoke: tiny model on a CPU; full: the GPU benchmark; auto: full when a GPU is visible (default: auto)")
     _flag(g, "model", help="gallery model, see `gallery list` (default: the profile's)")
-    _flag(g, "data_dir", help="ImageNet-style folder with train/<class>/ images (default: data/imagenet_like_<profile>)")
+    _flag(g, "data_dir",
+          help="ImageNet-style folder with train/<class>/ images (default: data/imagenet_like_<profile>)")
     _flag(g, "output_dir", default="output", help="output root (default: output)")
     _flag(g, "batch_size", type=int, help="images per process per step")
     _flag(g, "steps", type=int, help="optimizer steps")

@@ -62,7 +62,8 @@ def launch(cfg: RunConfig, *, echo: Callable[[str], None] | None = print) -> Run
     cfg = cfg.replace(output_dir=str(Path(cfg.output_dir).resolve()), data_dir=str(Path(cfg.data_dir).resolve()))
     if not Path(cfg.data_dir, "train").is_dir():
         raise FileNotFoundError(f"no training data at {cfg.data_dir}/train: prepare it first with "
-                                f"`gallery prepare --model {cfg.model}` or pass --data-dir to an ImageNet-style folder.")
+                                f"`gallery prepare --model {cfg.model}` or pass --data-dir to an ImageNet-style "
+                                "folder.")
     config_path = cfg.save(run_dir / "config.json")
     if not cfg.resume:
         (run_dir / "metrics.jsonl").unlink(missing_ok=True)  # a re-run replaces the metrics; a resume appends

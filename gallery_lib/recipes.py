@@ -65,6 +65,7 @@ def recipe_config(base: RunConfig, recipe: str, overrides: dict[str, Any]) -> Ru
     so an overridden run never writes over the plain recipe's results."""
     cfg = apply_recipe(recipe, base)
     if overrides:
-        label = "+".join(f"{k}={v}" if not isinstance(v, bool) else k for k, v in overrides.items())
+        label = "+".join(f"{k}={v}" if not isinstance(v, bool) else (k if v else f"no-{k}")
+                         for k, v in overrides.items())
         cfg = cfg.replace(recipe=f"{recipe}+{label}", **overrides)
     return cfg

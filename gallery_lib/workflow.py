@@ -96,5 +96,6 @@ def summarize(report, reference: str = "baseline") -> str:
         text += f"; final loss {row['final_loss']:.3f}."
         lines.append(text)
     if any(row["device"] == "CPU" for row in rows.values()):
-        lines.append("These are CPU smoke numbers: they check the code path, not speed. Run on a GPU for the benchmark.")
+        lines.append("These are CPU smoke numbers: they check the code path, not speed. "
+                     "Run on a GPU for the benchmark.")
     return "\n".join(lines)

@@ -37,6 +37,8 @@ def test_set_overrides_any_field_and_names_the_run():
     cfg = recipe_config(base_from_args(args), args.recipe, optimization_overrides(args))
     assert cfg.fused_attention is True and cfg.lr == 0.002 and cfg.compile
     assert cfg.recipe == "compiled+fused_attention+lr=0.002"
+    off = recipe_config(base_from_args(args), "compiled", {"compile": False})
+    assert off.recipe == "compiled+no-compile" and not off.compile  # a switch turned off is named as such
 
 
 @pytest.mark.parametrize("argv, message", [
