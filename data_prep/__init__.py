@@ -6,7 +6,7 @@ Names are loaded on first use, so ``python -m data_prep.<module>`` runs without 
 
 from typing import Any
 
-__all__ = ["make_imagenet_like"]
+__all__ = ["make_caption_folder", "make_imagenet_like"]
 
 
 def __getattr__(name: str) -> Any:
@@ -14,4 +14,8 @@ def __getattr__(name: str) -> Any:
         from data_prep.imagenet_like import make_imagenet_like
 
         return make_imagenet_like
+    if name == "make_caption_folder":
+        from data_prep.captions import make_caption_folder
+
+        return make_caption_folder
     raise AttributeError(f"module 'data_prep' has no attribute {name!r}")

@@ -1,6 +1,8 @@
-"""Datasets and loaders of the gallery: robust class-folder images and the device-side training loader."""
+"""Datasets and loaders of the gallery: robust class-folder images, caption folders and the device-side loader."""
 
-from gallery_lib.data.image_folder import RobustImageFolder, load_rgb
+from gallery_lib.data.captions import CaptionFolder, caption_image_transform
+from gallery_lib.data.image_folder import RobustImageDataset, RobustImageFolder, load_rgb
 from gallery_lib.data.loader import TrainLoader, build_train_loader, smooth_one_hot
 
-__all__ = ["RobustImageFolder", "TrainLoader", "build_train_loader", "load_rgb", "smooth_one_hot"]
+__all__ = ["CaptionFolder", "RobustImageDataset", "RobustImageFolder", "TrainLoader", "build_train_loader",
+           "caption_image_transform", "load_rgb", "smooth_one_hot"]

@@ -7,6 +7,7 @@ the next index, the way timm's ``ImageDataset`` does it; too many failures in a 
 and so does ``check_bad_fraction`` once too large a share of all loads has failed.
 
 The skip and load counts live in shared memory, so the main process sees those of all DataLoader workers.
+``RobustImageDataset`` holds that machinery for every dataset of image files (the caption folder uses it too).
 """
 
 from __future__ import annotations
@@ -30,31 +31,24 @@ MIN_LOADS_FOR_FRACTION = 50  # loads before check_bad_fraction judges: one bad f
 _PREPARE_HINT = "run `gallery prepare --model ...` or pass --data-dir to an ImageNet-style folder"
 
 
-class RobustImageFolder(torch.utils.data.Dataset):
-    """Class-folder image dataset returning ``(transform(rgb_image), label)``.
+class RobustImageDataset(torch.utils.data.Dataset):
+    """Base of the image datasets that skip unreadable files: the skip / load counters and the replacement rule.
+
+    A subclass lists its samples, says where sample ``i`` lives (``_image_path``) and where the dataset is
+    (``_location``, for messages), and calls ``_load_image(index)`` in its ``__getitem__``: that returns the index
+    actually loaded and its RGB image, replacing a bad file by the next index.
 
     Args:
-        root: Dataset root holding one folder per split.
-        split: Split folder name, e.g. ``"train"`` or ``"val"``.
-        transform: Applied to the RGB PIL image; ``None`` returns the PIL image itself.
         max_consecutive_errors: Unreadable samples tolerated in a row before a RuntimeError.
     """
 
-    def __init__(
-        self,
-        root: str | os.PathLike,
-        split: str = "train",
-        transform: Callable | None = None,
-        max_consecutive_errors: int = 50,
-    ) -> None:
+    _prepare_hint = _PREPARE_HINT  # how to get a good dataset, quoted in the errors
+    _bad_files_note = ""  # appended to "remove the bad files" in the errors
+
+    def __init__(self, max_consecutive_errors: int = 50) -> None:
         if max_consecutive_errors < 1:
             raise ValueError(f"max_consecutive_errors must be >= 1, got {max_consecutive_errors}")
-        self.root = pathlib.Path(root)
-        self.split = split
-        self.transform = transform
         self.max_consecutive_errors = max_consecutive_errors
-        self.classes, self.samples = _scan(self.root, split)
-        self.class_to_idx = {name: i for i, name in enumerate(self.classes)}
         # Shared memory, inherited by forked DataLoader workers or pickled into spawned / forkserver ones. Built from
         # the spawn context because a fork-context lock refuses to be pickled into a spawned worker.
         ctx = multiprocessing.get_context("spawn")
@@ -62,9 +56,12 @@ class RobustImageFolder(torch.utils.data.Dataset):
         self._loads = ctx.Value("q", 0)
         self._recent = ctx.Array("q", _RECENT_SKIPS, lock=False)
 
+    def _image_path(self, i: int) -> pathlib.Path:
+        raise NotImplementedError
+
     @property
-    def num_classes(self) -> int:
-        return len(self.classes)
+    def _location(self) -> pathlib.Path:
+        raise NotImplementedError
 
     @property
     def skipped(self) -> int:
@@ -82,10 +79,10 @@ class RobustImageFolder(torch.utils.data.Dataset):
         if loads >= min_loads and skipped > max_fraction * loads:
             recent = "\n  ".join(str(p) for p in self.skipped_paths[-5:])
             raise RuntimeError(
-                f"{skipped} of {loads} image loads from {self.root / self.split} failed ({skipped / loads:.1%}), more "
+                f"{skipped} of {loads} image loads from {self._location} failed ({skipped / loads:.1%}), more "
                 f"than max_bad_fraction={max_fraction:g}; the last bad files:\n  {recent}\nEvery skipped file is "
-                f"logged with its reason. Remove or re-encode the bad files, re-create the dataset ({_PREPARE_HINT}), "
-                "or raise max_bad_fraction if this share of bad files is expected.")
+                f"logged with its reason. Remove or re-encode the bad files{self._bad_files_note}, re-create the "
+                f"dataset ({self._prepare_hint}), or raise max_bad_fraction if this share of bad files is expected.")
 
     @property
     def skipped_paths(self) -> list[pathlib.Path]:
@@ -93,35 +90,76 @@ class RobustImageFolder(torch.utils.data.Dataset):
         with self._skipped.get_lock():
             n = self._skipped.value
             recent = [self._recent[k % _RECENT_SKIPS] for k in range(max(0, n - _RECENT_SKIPS), n)]
-        return [self.samples[i][0] for i in recent]
+        return [self._image_path(i) for i in recent]
 
-    def __len__(self) -> int:
-        return len(self.samples)
-
-    def __getitem__(self, index: int):
+    def _load_image(self, index: int) -> tuple[int, Image.Image]:
+        """``(i, rgb_image)`` of the first readable sample from ``index`` on (wrapping around); counts every try."""
+        n = len(self)
         failures: list[str] = []
-        for attempt in range(min(self.max_consecutive_errors, len(self.samples))):
-            i = (index + attempt) % len(self.samples)
-            path, label = self.samples[i]
+        for attempt in range(min(self.max_consecutive_errors, n)):
+            i = (index + attempt) % n
+            path = self._image_path(i)
             with self._loads.get_lock():
                 self._loads.value += 1
             try:
-                img = load_rgb(path)
+                return i, load_rgb(path)
             except Exception as exc:  # any decode error means "bad file", whatever the codec raises
                 _logger.warning("Skipped sample %d (%s): %s", i, path, exc)
                 self._count_skip(i)
                 failures.append(f"{path}: {exc}")
-                continue
-            return (self.transform(img) if self.transform is not None else img), label
         raise RuntimeError(
-            f"{len(failures)} consecutive samples of {self.root / self.split} could not be read, the last ones:\n  "
+            f"{len(failures)} consecutive samples of {self._location} could not be read, the last ones:\n  "
             + "\n  ".join(failures[-5:])
-            + f"\nThe dataset looks broken: re-create it ({_PREPARE_HINT}), or remove the bad files.")
+            + f"\nThe dataset looks broken: re-create it ({self._prepare_hint}), or remove the bad files"
+            + f"{self._bad_files_note}.")
 
     def _count_skip(self, i: int) -> None:
         with self._skipped.get_lock():
             self._recent[self._skipped.value % _RECENT_SKIPS] = i
             self._skipped.value += 1
+
+
+class RobustImageFolder(RobustImageDataset):
+    """Class-folder image dataset returning ``(transform(rgb_image), label)``.
+
+    Args:
+        root: Dataset root holding one folder per split.
+        split: Split folder name, e.g. ``"train"`` or ``"val"``.
+        transform: Applied to the RGB PIL image; ``None`` returns the PIL image itself.
+        max_consecutive_errors: Unreadable samples tolerated in a row before a RuntimeError.
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike,
+        split: str = "train",
+        transform: Callable | None = None,
+        max_consecutive_errors: int = 50,
+    ) -> None:
+        super().__init__(max_consecutive_errors)
+        self.root = pathlib.Path(root)
+        self.split = split
+        self.transform = transform
+        self.classes, self.samples = _scan(self.root, split)
+        self.class_to_idx = {name: i for i, name in enumerate(self.classes)}
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.classes)
+
+    @property
+    def _location(self) -> pathlib.Path:
+        return self.root / self.split
+
+    def _image_path(self, i: int) -> pathlib.Path:
+        return self.samples[i][0]
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, index: int):
+        i, img = self._load_image(index)
+        return (self.transform(img) if self.transform is not None else img), self.samples[i][1]
 
 
 def load_rgb(path: str | os.PathLike) -> Image.Image:
