@@ -67,6 +67,12 @@ def _apply_kernels(model: torch.nn.Module) -> str:
 
 
 def _apply_fused_attention(model: torch.nn.Module) -> str:
+    if hasattr(model, "set_attn_processor"):  # a diffusers model: every attention layer through our backend registry
+        from gallery_lib.attention import hook_diffusers_attention
+
+        hook = hook_diffusers_attention(model, backend="auto")
+        return (f"fused attention: {len(hook.modules)} diffusers attention layers use the fastest measured backend "
+                "per shape (gallery_lib.attention)")
     from gallery_lib.models.swin import set_fused_window_attention
 
     count = set_fused_window_attention(model, True)

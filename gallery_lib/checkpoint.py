@@ -37,7 +37,8 @@ from gallery_lib.distributed import DistInfo
 from gallery_lib.precision import Precision
 
 FORMAT_VERSION = 1
-RESUME_FIELDS = ("model", "image_size", "batch_size", "nproc_per_node", "amp_level", "amp_dtype", "seed")
+RESUME_FIELDS = ("model", "image_size", "batch_size", "nproc_per_node", "amp_level", "amp_dtype", "seed",
+                 "prediction_type")
 """Config fields a resumed run must share with the saved one: they shape the state or the data stream."""
 LATEST = "latest"
 _STEP_FILE = re.compile(r"^step_(\d+)\.pt$")
@@ -144,6 +145,8 @@ class Checkpointer:
     scheduler: Any
     precision: Precision
     loader: Any
+    ema: Any = None
+    """The run's ``ModelEma`` (``None`` without EMA); its weights and update count are saved and restored."""
 
     @property
     def directory(self) -> Path:
@@ -180,6 +183,7 @@ class Checkpointer:
                 "scheduler": self.scheduler.state_dict(),
                 "scaler": self.precision.scaler.state_dict() if self.precision.scaler else None,
                 "master_params": masters or None,
+                "ema": self.ema.state_dict() if self.ema is not None else None,
                 "rng": gathered,
                 "data": self.loader.state_dict(),
                 "counters": dict(counters),
@@ -215,6 +219,11 @@ class Checkpointer:
             with torch.no_grad():
                 for master, saved in zip(masters, state["master_params"] or ()):
                     master.copy_(saved)  # in place: the optimizer holds these tensors
+            if (state.get("ema") is None) != (self.ema is None):
+                raise ValueError("one of the saved run and this run keeps an EMA of the weights and the other does "
+                                 "not (the ema setting differs)")
+            if self.ema is not None:
+                self.ema.load_state_dict(state["ema"])
             self.loader.load_state_dict(state["data"])
         except (RuntimeError, ValueError, KeyError) as exc:
             raise CheckpointError(f"checkpoint {path} does not fit this run: {exc}") from exc

@@ -21,6 +21,8 @@ AMP_LEVELS = ("O0", "O1", "O2")
 AMP_DTYPES = ("auto", "float16", "bfloat16")
 DEVICES = ("auto", "cuda", "cpu")
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+EMA_MODES = ("off", "loop", "foreach", "fused", "stream")
+PREDICTION_TYPES = ("epsilon", "v_prediction")
 # Compile modes that capture CUDA graphs: only meaningful with a GPU.
 CUDA_GRAPH_COMPILE_MODES = ("reduce-overhead", "max-autotune")
 
@@ -41,7 +43,12 @@ class RunConfig:
     """Profile the defaults came from (``smoke`` on a CPU, ``full`` on a GPU); informative only."""
 
     data_dir: str = "data/imagenet_like"
-    """ImageNet-style folder with ``train/<class>/*`` images."""
+    """Training data: an ImageNet-style folder with ``train/<class>/*`` images for classifiers, an imagefolder with
+    ``train/metadata.jsonl`` (``file_name``, ``text``) for text-to-image models."""
+    pretrained: str | None = None
+    """Start from these weights instead of a random init: a local folder (a timm checkpoint file for classifiers; the
+    diffusers layout ``unet/``, ``vae/``, ``text_encoder/``, ``tokenizer/`` for Stable Diffusion) or a hub id when
+    the machine has network."""
     output_dir: str = "output"
     """Root of the output tree; this run writes to ``<output_dir>/<model family>/<recipe>/``."""
     image_size: int = 224
@@ -57,7 +64,8 @@ class RunConfig:
     """Steps between host syncs: losses and timings are read back and written in batches of this size."""
 
     lr: float | None = None
-    """Peak learning rate; ``None`` scales the Swin reference rule 5e-4 * global_batch / 512."""
+    """Peak learning rate; ``None`` scales the Swin reference rule 5e-4 * global_batch / 512 (profiles of other
+    models set it)."""
     weight_decay: float = 0.05
     """AdamW weight decay (norms, biases and position tables are excluded, as in the Swin reference)."""
     lr_warmup_steps: int = 5
@@ -106,6 +114,22 @@ class RunConfig:
     """CutMix alpha (0 disables)."""
     label_smoothing: float = 0.1
     """Label smoothing applied to the (mixed) targets."""
+
+    ema: str = "off"
+    """EMA of the trained weights and how its update runs: ``off``, ``loop`` (a kernel per tensor, the diffusers
+    default), ``foreach`` (multi-tensor), ``fused`` (one Triton kernel), ``stream`` (fused, on a side CUDA stream).
+    ``fused``/``stream`` fall back to ``foreach`` on a CPU. See ``gallery_lib/ema.py``."""
+    ema_decay: float = 0.9999
+    """EMA decay, reached through diffusers' default warm-up ``min(decay, (1 + step) / (10 + step))``."""
+    prediction_type: str = "epsilon"
+    """Diffusion models: what the network predicts, ``epsilon`` (the noise; SD 1.x) or ``v_prediction``."""
+    cache_latents: bool = False
+    """Diffusion models: encode every image with the frozen VAE and every caption with the frozen text encoder once,
+    before training, and train from the cached latent distributions and embeddings (same function: a fresh latent
+    sample is drawn from the cached distribution every step). Images are center-cropped, not flipped."""
+    export_model: bool = True
+    """Save the trained model at the end of the run (Stable Diffusion: a diffusers pipeline folder in
+    ``<run_dir>/pipeline`` with the EMA UNet when ``ema`` is on)."""
 
     checkpoint_every: int = 0
     """Steps between checkpoints in ``<run_dir>/checkpoints/`` (0 disables periodic checkpoints). A run stopped
@@ -156,6 +180,17 @@ class RunConfig:
         _check_choice("amp_dtype", self.amp_dtype, AMP_DTYPES)
         _check_choice("compile_mode", self.compile_mode, COMPILE_MODES)
         _check_choice("device", self.device, DEVICES)
+        _check_choice("ema", self.ema, EMA_MODES)
+        _check_choice("prediction_type", self.prediction_type, PREDICTION_TYPES)
+        if isinstance(self.ema_decay, bool) or not (isinstance(self.ema_decay, (int, float)) and
+                                                    0 < self.ema_decay < 1):
+            raise ConfigError(f"ema_decay={self.ema_decay!r} is invalid: expected a number in (0, 1), e.g. 0.9999.")
+        for name in ("cache_latents", "export_model"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name}={getattr(self, name)!r} is invalid: expected true or false.")
+        if self.cache_latents and self.task != "text_to_image":
+            raise ConfigError(f"cache_latents=True applies to text-to-image models, not to {self.model!r}: "
+                              "set cache_latents=False.")
         if self.amp_level == "O2" and self.amp_dtype == "float16":
             raise ConfigError("amp_level='O2' with amp_dtype='float16' is not supported: O2 keeps bfloat16 weights "
                               "(no loss scaling needed). Use amp_dtype='bfloat16' or 'auto', or amp_level='O1'.")
@@ -178,6 +213,13 @@ class RunConfig:
             raise ConfigError(f"recipe={self.recipe!r} is invalid: expected a recipe name.")
 
     # ----- derived values -------------------------------------------------------------
+    @property
+    def task(self) -> str:
+        """What the model learns: ``classification`` or ``text_to_image`` (picks the task in ``gallery_lib.tasks``)."""
+        from gallery_lib.models import MODELS
+
+        return MODELS[self.model].task
+
     @property
     def family(self) -> str:
         """Model family: the folder name under ``output_dir`` and the notebook's name."""

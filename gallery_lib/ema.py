@@ -80,6 +80,8 @@ class ModelEma:
         update_after_step: updates up to this step (plus one) copy the weights instead of averaging.
         use_warmup: ramp the decay as ``1 - (1 + step / warmup_gamma) ** -warmup_power`` (timm, @crowsonkb):
             gamma 1, power 2/3 reaches 0.999 at 31.6K steps; power 3/4 reaches it at 10K steps.
+        ratio_warmup: ramp the decay as ``(1 + step) / (10 + step)`` (capped at ``decay``), what diffusers'
+            ``EMAModel`` does by default (without ``use_ema_warmup``): 0.9 after 80 updates, 0.99 after 890.
         mode: one of ``loop``, ``foreach``, ``fused``, ``stream`` (module docstring).
         device: keep the EMA on this device (e.g. ``"cpu"`` to save GPU memory); updates then copy each tensor over.
         stream_programs: in ``stream`` mode, the number of persistent Triton programs of the update kernel
@@ -96,6 +98,7 @@ class ModelEma:
         use_warmup: bool = False,
         warmup_gamma: float = 1.0,
         warmup_power: float = 2 / 3,
+        ratio_warmup: bool = False,
         mode: str = "foreach",
         device: torch.device | str | None = None,
         stream_programs: int | None = None,
@@ -108,6 +111,9 @@ class ModelEma:
         self.decay, self.min_decay = decay, min_decay
         self.update_after_step = update_after_step
         self.use_warmup, self.warmup_gamma, self.warmup_power = use_warmup, warmup_gamma, warmup_power
+        self.ratio_warmup = ratio_warmup
+        if use_warmup and ratio_warmup:
+            raise ValueError("ModelEma: use_warmup and ratio_warmup are two different ramps; choose one")
         self.mode = mode
         self.stream_programs = stream_programs
         self.step = 0  # number of updates applied (skipped steps excluded)
@@ -154,6 +160,8 @@ class ModelEma:
         step = max(0, step - self.update_after_step - 1)
         if step <= 0:
             return 0.0
+        if self.ratio_warmup:
+            return max(min((1.0 + step) / (10.0 + step), self.decay), self.min_decay)
         if not self.use_warmup:
             return self.decay
         decay = 1.0 - (1.0 + step / self.warmup_gamma) ** -self.warmup_power

@@ -1,12 +1,15 @@
 """Named recipes: each is ``base.replace(...)`` of one base config, so runs differ only where named.
 
-``baseline``    what a user runs today (the Swin reference code): eager, AMP O1 (float16 with a
-                GradScaler on a GPU), standard AdamW, DDP when several processes.
-``compiled``    the plain ``torch.compile`` peer: compile + bfloat16 autocast + fused AdamW.
-``accelerated`` the best this library can do, switch by switch as measurements keep them; for
-                Swin-T on an H200 that is still exactly ``compiled``. It grows as the kernel,
-                EMA and compile-hook work lands; every switch stays because a measurement kept it
-                (``benchmarks/results/``).
+``baseline``    what a user runs today (the Swin reference code, diffusers' ``train_text_to_image.py``):
+                eager, AMP O1 (float16 with a GradScaler on a GPU), standard AdamW, a per-tensor EMA loop
+                when the profile trains an EMA, DDP when several processes.
+``compiled``    the plain ``torch.compile`` peer: compile + bfloat16 autocast + fused AdamW + foreach EMA.
+``accelerated`` the best this library can do, switch by switch as measurements keep them, per task
+                (``_ACCELERATED``); for Swin-T on an H200 that is still exactly ``compiled``. Every switch
+                stays because a measurement kept it (``benchmarks/results/``).
+
+Whether a run keeps an EMA at all is the profile's choice (``ema`` on or ``off``); a recipe only picks how the
+update runs.
 """
 
 from __future__ import annotations
@@ -19,17 +22,19 @@ from gallery_lib.config import ConfigError, RunConfig
 def baseline(base: RunConfig) -> RunConfig:
     """Eager PyTorch with AMP O1 and standard AdamW: the reference everyone starts from."""
     return base.replace(recipe="baseline", amp_level="O1", amp_dtype="auto", compile=False, fused_optimizer=False,
-                        kernels=False, fused_attention=False, channels_last=False)
+                        kernels=False, fused_attention=False, channels_last=False, ema=_ema_mode(base, "loop"),
+                        cache_latents=False)
 
 
 def compiled(base: RunConfig) -> RunConfig:
-    """``torch.compile`` (default mode) with bfloat16 autocast and fused AdamW: what a user picks next."""
+    """``torch.compile`` (default mode) with bfloat16 autocast, fused AdamW and a foreach EMA: what a user picks next."""
     return base.replace(recipe="compiled", amp_level="O1", amp_dtype="bfloat16", compile=True, compile_mode="default",
-                        fused_optimizer=True, kernels=False, fused_attention=False, channels_last=False)
+                        fused_optimizer=True, kernels=False, fused_attention=False, channels_last=False,
+                        ema=_ema_mode(base, "foreach"), cache_latents=False)
 
 
 def accelerated(base: RunConfig) -> RunConfig:
-    """Everything that measured faster than ``compiled`` on the GPU (for Swin-T today: nothing more)."""
+    """Everything that measured faster than ``compiled`` on the GPU, for the model's task."""
     # Measured on an H200, Swin-T at batch 128, the training step alone (benchmarks/results/swin_*_h200.json):
     # compiled 4,213-4,258 img/s in four runs. SDPA window attention (fused_attention=True) ran at 4,831,
     # 4,287, 3,863 (with channels_last too) and 3,896 img/s: -11% memory every time, not reliably faster, 8% slower
@@ -38,7 +43,25 @@ def accelerated(base: RunConfig) -> RunConfig:
     # them; the fused kernels, EMA and compile-hook work plug in here when they beat compiled.
     # Lead for the next measurement: in the final run SDPA steps went from 34-35 ms (steps 10-20) to 27.5-28.4 ms
     # (steps 30-50) against compiled's flat 30.1 ms, so it may win once warm-up is longer than 16 steps.
-    return compiled(base).replace(recipe="accelerated")
+    cfg = compiled(base).replace(recipe="accelerated")
+    switches = dict(_ACCELERATED[base.task])
+    if "ema" in switches:
+        switches["ema"] = _ema_mode(base, switches["ema"])
+    return cfg.replace(**switches)
+
+
+_ACCELERATED: dict[str, dict[str, Any]] = {
+    "classification": {},
+    # Stable Diffusion (text_to_image): cached latents take the VAE encoder and the text encoder out of every step
+    # (the VAE encoder alone is ~46% of the UNet's training FLOPs at 512 px); the fused EMA kernel is the fastest
+    # update (4.3 ms vs 5.0 foreach for the 860M UNet, benchmarks/results/ema_compile_attention_h200.json).
+    "text_to_image": {"cache_latents": True, "ema": "fused"},
+}
+
+
+def _ema_mode(base: RunConfig, mode: str) -> str:
+    """``mode`` when the profile keeps an EMA, else ``off``."""
+    return "off" if base.ema == "off" else mode
 
 
 RECIPES: dict[str, Callable[[RunConfig], RunConfig]] = {

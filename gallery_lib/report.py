@@ -45,6 +45,7 @@ _COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("global_batch", "global batch", "{}"),
     ("img_per_s", "throughput (img/s)", "{:.1f}"),
     ("speedup", "speedup vs {reference} (x)", "{:.2f}x"),
+    ("mfu", "MFU", "{:.1%}"),
     ("median_step_ms", "step time median [p20-p80] (ms)", "{:.1f}"),
     ("warmup_s", "warm-up/compile (s)", "{:.1f}"),
     ("peak_mem_gib", "peak memory (GiB)", "{:.2f}"),
@@ -152,6 +153,8 @@ def comparison_table(runs: list[RunRecord], reference: str = "baseline") -> list
             "global_batch": s["global_batch_size"],
             "img_per_s": speed,
             "speedup": speed / ref_speed if speed is not None and ref_speed else None,
+            "mfu": mfu(speed, s["train_flops_per_sample"], s["matmul_tflops"]),
+            "cache_s": s["cache_time_s"],
             "median_step_ms": s["median_step_time_ms"],
             "p20_step_ms": s["p20_step_time_ms"],
             "p80_step_ms": s["p80_step_time_ms"],
@@ -180,7 +183,9 @@ def to_markdown(table: list[dict[str, Any]], reference: str = "baseline") -> str
             cells.append(text)
         lines.append("| " + " | ".join(cells) + " |")
     legend = ("Throughput is the median over the steady-state steps after warm-up (step time: median with p20-p80); "
-              "warm-up/compile time is reported separately and excluded from it. Peak memory is rank 0's.")
+              "warm-up/compile time is reported separately and excluded from it. Peak memory is rank 0's. MFU: "
+              "the trained model's forward+backward FLOPs per sample times throughput, over this GPU's measured "
+              "bf16 matmul rate (empty on a CPU).")
     if not all(row["finished"] for row in table):
         legend += " Unfinished runs (crashed or killed) show the figures of the steps they logged."
     return "\n".join(lines) + "\n\n" + legend + "\n"
@@ -242,6 +247,13 @@ def write_report(model_dir: str | os.PathLike, recipes: list[str] | None = None,
     return Report(table=table, markdown=markdown, figure=figure, paths=paths, runs=runs, _png=png)
 
 
+def mfu(samples_per_s: float | None, flops_per_sample: float | None, matmul_tflops: float | None) -> float | None:
+    """Model FLOPs utilisation: training FLOPs per second over the GPU's measured bf16 matmul rate (``flops.py``)."""
+    if not (samples_per_s and flops_per_sample and matmul_tflops):
+        return None
+    return samples_per_s * flops_per_sample / (matmul_tflops * 1e12)
+
+
 def _run_stats(run: RunRecord) -> dict[str, Any]:
     """The summary's figures; those it lacks (an unfinished run) are computed the same way from the step records."""
     steady = [s["step_time_ms"] for s in run.steps if not s.get("warmup") and s.get("step_time_ms") is not None]
@@ -263,6 +275,9 @@ def _run_stats(run: RunRecord) -> dict[str, Any]:
         "final_loss": run.steps[-1].get("loss") if run.steps else None,
         # Step records carry the running total of skipped samples; the summary holds the run's total.
         "skipped_samples": max((s.get("skipped_samples") or 0 for s in run.steps), default=0),
+        "train_flops_per_sample": None,
+        "matmul_tflops": None,
+        "cache_time_s": None,
     }
     if run.summary is not None:
         stats.update({k: v for k, v in run.summary.items() if k in stats})

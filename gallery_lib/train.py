@@ -42,9 +42,10 @@ from gallery_lib.checkpoint import LATEST, Checkpointer, checkpoint_dir
 from gallery_lib.config import RunConfig, validate_for_machine
 from gallery_lib.distributed import DistInfo, all_reduce_sum, init_distributed, shutdown
 from gallery_lib.metrics import MetricsWriter
-from gallery_lib.models import build_model
+from gallery_lib.flops import measured_matmul_tflops
 from gallery_lib.precision import Precision
 from gallery_lib.run_logging import rank_logging
+from gallery_lib.tasks import build_task
 from gallery_lib.timing import StepTimer, peak_memory_mb, summarize_times
 
 
@@ -64,7 +65,8 @@ def configure_backends(cfg: RunConfig) -> None:
 
 
 def build_optimizer(model: torch.nn.Module, cfg: RunConfig, precision: Precision) -> torch.optim.Optimizer:
-    """AdamW as the Swin reference configures it: no weight decay on norms, biases and position tables."""
+    """AdamW without weight decay on norms, biases and position tables (the Swin reference; diffusers decays every
+    UNet parameter, but the UNet's 1-D tensors are a rounding error of its 860M parameters)."""
     from timm.optim import param_groups_weight_decay
 
     no_decay = model.no_weight_decay() if hasattr(model, "no_weight_decay") else ()
@@ -72,6 +74,18 @@ def build_optimizer(model: torch.nn.Module, cfg: RunConfig, precision: Precision
     groups = precision.optimizer_params(groups)
     kwargs = {"fused": True} if cfg.fused_optimizer else {}
     return torch.optim.AdamW(groups, lr=cfg.peak_lr, betas=(0.9, 0.999), eps=1e-8, **kwargs)
+
+
+def build_ema(model: torch.nn.Module, cfg: RunConfig, optimizer: torch.optim.Optimizer):
+    """The EMA of ``model`` that ``cfg.ema`` asks for (``None`` when off), with diffusers' default decay ramp."""
+    if cfg.ema == "off":
+        return None
+    from gallery_lib.ema import ModelEma
+
+    ema = ModelEma(model, decay=cfg.ema_decay, ratio_warmup=True, mode=cfg.ema)
+    if ema.effective_mode == "stream":
+        ema.attach_optimizer(optimizer)  # the next optimizer step waits for the side-stream update
+    return ema
 
 
 def lr_lambda(cfg: RunConfig):
@@ -102,41 +116,36 @@ def resumes_after_restart(cfg: RunConfig) -> bool:
 
 def run(cfg: RunConfig, dist: DistInfo | None = None) -> dict:
     """Trains ``cfg`` and returns the summary record (also the last line of ``metrics.jsonl``)."""
-    from timm.loss import SoftTargetCrossEntropy
-
-    from gallery_lib.data import RobustImageFolder, build_train_loader
-
     if dist is None:  # called in-process; under torchrun main() has validated and started the group
         dist = init_distributed(validate_for_machine(cfg))
     setup_start = time.perf_counter()
     configure_backends(cfg)
     seed_everything(cfg.seed)  # identical init on every rank; the loader derives per-rank streams
 
-    dataset = RobustImageFolder(cfg.data_dir, split="train")
-    loader = build_train_loader(
-        dataset, batch_size=cfg.batch_size, image_size=cfg.image_size, device=dist.device,
-        num_workers=cfg.num_workers, seed=cfg.seed, world_size=dist.world_size, rank=dist.rank,
-        auto_augment=cfg.auto_augment, re_prob=cfg.re_prob, mixup_alpha=cfg.mixup_alpha,
-        cutmix_alpha=cfg.cutmix_alpha, label_smoothing=cfg.label_smoothing, channels_last=cfg.channels_last)
-    model = build_model(cfg.model, num_classes=dataset.num_classes, image_size=cfg.image_size).to(dist.device)
     precision = Precision.from_config(cfg, dist.device.type)
+    task = build_task(cfg, dist, precision)
+    model, loader, dataset = task.model, task.loader, task.dataset
+    flops_per_sample = task.train_flops_per_sample()
     accelerated = apply_accelerations(model, cfg, precision, dist)
     optimizer = build_optimizer(model, cfg, precision)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
-    criterion = SoftTargetCrossEntropy()
+    ema = build_ema(model, cfg, optimizer)
+    if ema is not None:
+        accelerated.notes.append(f"EMA of the weights: {ema.effective_mode} update, decay {cfg.ema_decay} "
+                                 "after diffusers' (1 + step) / (10 + step) warm-up")
     train_module = accelerated.train_module
     train_module.train()
 
     log = print if dist.is_main else (lambda *a, **k: None)
     log(f"[gallery] {cfg.model} | recipe {cfg.recipe} | {dist.world_size} x {dist.device.type} | "
         f"batch {cfg.batch_size}/process ({cfg.global_batch_size} global) | {cfg.steps} steps "
-        f"({cfg.warmup_steps} warm-up) | {len(dataset)} images, {dataset.num_classes} classes")
+        f"({cfg.warmup_steps} warm-up) | {task.describe()}")
     for note in accelerated.notes:
         log(f"[gallery]   {note}")
     setup_time = time.perf_counter() - setup_start
 
     ckpt = Checkpointer(cfg, dist, model=accelerated.module, optimizer=optimizer, scheduler=scheduler,
-                        precision=precision, loader=loader)
+                        precision=precision, loader=loader, ema=ema)
     resume = cfg.resume or resumes_after_restart(cfg)
     if resume:
         start, counters = ckpt.restore()  # before iter(loader): the loader starts at the saved position
@@ -158,10 +167,7 @@ def run(cfg: RunConfig, dist: DistInfo | None = None) -> dict:
     batches = itertools.repeat(next(iter(loader))) if cfg.reuse_batch else iter(loader)
     timer.mark()
     for step in range(start, cfg.steps):
-        images, targets = next(batches)
-        with precision.autocast():
-            output = train_module(images)
-        loss = criterion(output.float(), targets)
+        loss = task.loss(train_module, next(batches), precision)
         precision.backward(loss)
         pending_lrs.append(optimizer.param_groups[0]["lr"])
         skip = cfg.max_nonfinite_steps > 0 and not all_ranks_finite(loss, dist)
@@ -170,8 +176,14 @@ def run(cfg: RunConfig, dist: DistInfo | None = None) -> dict:
             counters["nonfinite_steps"] += 1
         else:
             counters["nonfinite_in_a_row"] = 0
+            scale_before = precision.scaler.get_scale() if ema is not None and precision.scaler else None
             precision.step(model, optimizer, cfg.clip_grad)
             scheduler.step()
+            if ema is not None:
+                if scale_before is None:
+                    ema.update(model)
+                else:  # a GradScaler that found inf/NaN skipped the optimizer step: the EMA must not move either
+                    ema.update_from_scaler(model, precision.scaler, scale_before)
         optimizer.zero_grad(set_to_none=True)
         pending_skips.append(skip)
         pending_losses.append(loss.detach())
@@ -224,9 +236,13 @@ def run(cfg: RunConfig, dist: DistInfo | None = None) -> dict:
         "peak_mem_kind": "cuda_max_allocated" if dist.device.type == "cuda" else "cpu_max_rss",
         "final_loss": losses[-1], "mean_loss_last_10": sum(losses[-10:]) / len(losses[-10:]),
         "skipped_samples": skipped, "nonfinite_steps": counters["nonfinite_steps"], "reuse_batch": cfg.reuse_batch,
-        "notes": accelerated.notes,
-        "torch_version": torch.__version__, "output_dir": str(cfg.run_dir),
+        "notes": accelerated.notes, "ema": cfg.ema, "train_flops_per_sample": flops_per_sample,
+        "matmul_tflops": measured_matmul_tflops(dist.device),
+        "torch_version": torch.__version__, "output_dir": str(cfg.run_dir), **task.summary(),
     }
+    if cfg.export_model and dist.is_main:
+        summary["exported_to"] = task.export(cfg.run_dir, ema)
+        log(f"[gallery] saved the trained model to {summary['exported_to']}")
     if writer:
         writer.write(summary)
         writer.close()

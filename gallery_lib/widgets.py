@@ -21,7 +21,8 @@ class ConfigControls:
         from gallery_lib.models import MODELS
         from gallery_lib.recipes import RECIPES
 
-        self.model = w.Dropdown(options=list(MODELS), value=cfg.model, description="model")
+        family_models = [name for name, spec in MODELS.items() if spec.family == cfg.family]
+        self.model = w.Dropdown(options=family_models, value=cfg.model, description="model")
         self.batch_size = w.BoundedIntText(value=cfg.batch_size, min=2, max=4096, step=2, description="batch/GPU")
         self.steps = w.BoundedIntText(value=cfg.steps, min=cfg.warmup_steps + 1, max=100000, description="steps")
         self.recipes = w.SelectMultiple(options=list(RECIPES), value=tuple(recipes), description="recipes")

@@ -16,14 +16,17 @@ from gallery_lib.recipes import RECIPES, apply_recipe
 
 
 def prepare(cfg: RunConfig, *, progress: bool = True, **spec_overrides) -> Path:
-    """Creates (or reuses) the mock ImageNet-like dataset at ``cfg.data_dir`` sized by ``cfg.profile``."""
+    """Creates (or reuses) the model's mock dataset at ``cfg.data_dir``, sized by ``cfg.profile``: ImageNet-like
+    class folders for classifiers, a captioned imagefolder for text-to-image models."""
+    profile = cfg.profile if cfg.profile in ("smoke", "full") else "smoke"
+    spec = data_spec(profile, cfg.family, **spec_overrides)
+    if cfg.task == "text_to_image":
+        from data_prep.captions import make_caption_folder
+
+        return make_caption_folder(cfg.data_dir, **spec, seed=cfg.seed, progress=progress)
     from data_prep.imagenet_like import make_imagenet_like
 
-    profile = cfg.profile if cfg.profile in ("smoke", "full") else "smoke"
-    spec = data_spec(profile, **spec_overrides)
-    return make_imagenet_like(cfg.data_dir, num_classes=spec.num_classes, train_per_class=spec.train_per_class,
-                              val_per_class=spec.val_per_class, image_size=spec.image_size, seed=cfg.seed,
-                              progress=progress)
+    return make_imagenet_like(cfg.data_dir, **spec, seed=cfg.seed, progress=progress)
 
 
 def resolve_recipes(base: RunConfig, recipes: Sequence[str]) -> list[RunConfig]:
@@ -66,7 +69,7 @@ def model_step_config(base: RunConfig, steps: int = 60) -> RunConfig:
     # No per-step non-finite check here: it costs a host sync per step, and these runs only measure speed.
     return base.replace(reuse_batch=True, output_dir=str(Path(base.output_dir) / "model_step"), steps=steps,
                         warmup_steps=min(base.warmup_steps, steps // 2), max_nonfinite_steps=0,
-                        checkpoint_every=0, resume=False)
+                        checkpoint_every=0, resume=False, export_model=False)
 
 
 def model_dir(cfg: RunConfig) -> Path:
@@ -92,7 +95,12 @@ def summarize(report, reference: str = "baseline") -> str:
         text = f"- {name}: {row['img_per_s']:.1f} img/s on {row['device']} (global batch {row['global_batch']})"
         if ref is not None and name != reference and row["speedup"] is not None:
             text += f", {row['speedup']:.2f}x the {reference}"
-        text += f"; warm-up/compile {row['warmup_s']:.1f} s; peak memory {row['peak_mem_gib']:.2f} GiB"
+        if row.get("mfu") is not None:
+            text += f", MFU {row['mfu']:.1%}"
+        text += f"; warm-up/compile {row['warmup_s']:.1f} s"
+        if row.get("cache_s") is not None:
+            text += f"; latent cache built in {row['cache_s']:.1f} s before training"
+        text += f"; peak memory {row['peak_mem_gib']:.2f} GiB"
         text += f"; final loss {row['final_loss']:.3f}."
         lines.append(text)
     if any(row["device"] == "CPU" for row in rows.values()):

@@ -103,7 +103,7 @@ def test_profiles():
     full = base_config("full", batch_size=None, steps=12)
     assert (full.model, full.image_size, full.batch_size, full.steps) == ("swin_tiny_patch4_window7_224", 224, 128, 12)
     assert full.warmup_steps == 4  # scaled down with the steps so timed steps remain
-    assert data_spec("smoke").num_classes == 10
+    assert data_spec("smoke")["num_classes"] == 10
     with pytest.raises(ConfigError, match="profile='huge' is not known"):
         base_config("huge")
 
@@ -130,4 +130,4 @@ def test_model_step_config_times_the_step_alone_in_its_own_folder():
     assert step.run_dir.parts[:2] == ("out", "model_step") and step.run_dir != base.run_dir
     assert (step.steps, step.warmup_steps) == (60, 30)  # SDPA needed ~25 steps to settle on the H200
     assert step.replace(reuse_batch=False, output_dir="out", max_nonfinite_steps=5, steps=base.steps,
-                        warmup_steps=base.warmup_steps) == base
+                        warmup_steps=base.warmup_steps, export_model=True) == base

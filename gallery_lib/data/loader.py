@@ -1,4 +1,8 @@
-"""The image-classification training loader: timm augmentation on the CPU, uint8 transfer, float work on the device.
+"""The endless, resumable training loader, and its image-classification form.
+
+``TrainLoader`` + ``sampled_loader`` are the parts every task shares (seeded sharded order, per-sample seeded
+augmentation, epoch rollover, a data position to resume from); ``build_train_loader`` builds the classification one:
+timm augmentation on the CPU, uint8 transfer, float work on the device.
 
 Workers run timm's training transforms up to a uint8 CHW tensor (``create_transform(use_prefetcher=True)``): no
 float conversion or normalisation on the CPU, and a quarter of the bytes over PCIe. On the device each batch is
@@ -19,7 +23,7 @@ from __future__ import annotations
 import copy
 import itertools
 import random
-from typing import Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
@@ -31,21 +35,22 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 
 class TrainLoader:
-    """Endless iterator of ``(images, soft_targets)`` on the device; see the module docstring.
+    """Endless iterator of finished batches on the device; see the module docstring.
+
+    Generic over what a batch holds: ``finish`` turns one collated host batch into what the training step consumes
+    (``ClassificationBatches`` here; the text-to-image task has its own).
 
     Attributes:
-        dataset: The dataset given to ``build_train_loader`` (``len(loader.dataset)`` images).
+        dataset: The dataset given to the builder (``len(loader.dataset)`` samples).
         sampler: The ``DistributedSampler`` (one replica when not distributed).
         steps_per_epoch: Batches per epoch on this process (incomplete batches are dropped).
         epoch: Epoch of the batch most recently yielded (starts at 0).
         batches_in_epoch: Batches of ``epoch`` yielded so far (``state_dict`` saves it to resume at the next one).
-        batch_size: Images per batch on this process.
-        num_classes: Width of the soft targets.
+        batch_size: Samples per batch on this process.
+        finish: Host batch -> device batch.
     """
 
-    def __init__(self, loader: DataLoader, dataset, *, device: torch.device, num_classes: int,
-                 label_smoothing: float, mixup: Mixup | None, random_erasing: RandomErasing | None,
-                 channels_last: bool) -> None:
+    def __init__(self, loader: DataLoader, dataset, *, finish: Callable[[Any], Any]) -> None:
         self._loader = loader
         self.dataset = dataset
         self.sampler: DistributedSampler = loader.sampler.sampler
@@ -54,29 +59,21 @@ class TrainLoader:
         self.epoch = 0
         self.batches_in_epoch = 0
         self._resume_offset = 0
-        self.device = device
-        self.num_classes = num_classes
-        self.label_smoothing = label_smoothing
-        self.mixup = mixup
-        self.random_erasing = random_erasing
-        self.channels_last = channels_last
-        # Scaled by 255 so uint8 input is normalised in one sub / div.
-        self._mean = torch.tensor([255 * m for m in IMAGENET_DEFAULT_MEAN], device=device).view(1, 3, 1, 1)
-        self._std = torch.tensor([255 * s for s in IMAGENET_DEFAULT_STD], device=device).view(1, 3, 1, 1)
+        self.finish = finish
 
     @property
     def skipped(self) -> int:
         """Unreadable samples skipped so far, over all workers (0 if the dataset does not count skips)."""
         return getattr(self.dataset, "skipped", 0)
 
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def __iter__(self) -> Iterator[Any]:
         while True:
             self.sampler.set_epoch(self.epoch)
             self.batches_in_epoch, self._resume_offset = self._resume_offset, 0
             self._loader.sampler.start = self.batches_in_epoch * self.batch_size
-            for images, labels in self._loader:
+            for batch in self._loader:
                 self.batches_in_epoch += 1
-                yield self.to_device(images, labels)
+                yield self.finish(batch)
             self.epoch += 1
 
     def state_dict(self) -> dict[str, int]:
@@ -100,8 +97,28 @@ class TrainLoader:
             epoch, done = epoch + 1, 0
         self.epoch, self.batches_in_epoch, self._resume_offset = epoch, done, done
 
-    def to_device(self, images: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Move one uint8 batch to the device and finish it there: float, normalise, erase, mix, layout."""
+    def to_device(self, *batch: Any) -> Any:
+        """Finishes one host batch (the collated fields, in order) on the device."""
+        return self.finish(batch)
+
+
+class ClassificationBatches:
+    """Finishes an ``(uint8 images, labels)`` batch on the device: float, normalise, erase, mix, layout."""
+
+    def __init__(self, *, device: torch.device, num_classes: int, label_smoothing: float, mixup: Mixup | None,
+                 random_erasing: RandomErasing | None, channels_last: bool) -> None:
+        self.device = device
+        self.num_classes = num_classes
+        self.label_smoothing = label_smoothing
+        self.mixup = mixup
+        self.random_erasing = random_erasing
+        self.channels_last = channels_last
+        # Scaled by 255 so uint8 input is normalised in one sub / div.
+        self._mean = torch.tensor([255 * m for m in IMAGENET_DEFAULT_MEAN], device=device).view(1, 3, 1, 1)
+        self._std = torch.tensor([255 * s for s in IMAGENET_DEFAULT_STD], device=device).view(1, 3, 1, 1)
+
+    def __call__(self, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        images, labels = batch
         images = images.to(self.device, non_blocking=True)
         labels = labels.to(self.device, non_blocking=True)
         images = images.float().sub_(self._mean).div_(self._std)
@@ -207,29 +224,39 @@ def build_train_loader(
         input_size=image_size, is_training=True, auto_augment=auto_augment, interpolation=interpolation,
         use_prefetcher=True)  # stops at a uint8 tensor: normalise and erase happen on the device
     _make_posterize_pillow_safe(train_set.transform)
-    # One seeded sampler for both cases: with a single replica it is a plain seeded shuffle with set_epoch.
-    # Each sample's augmentation is seeded from (seed, epoch, index), so a run sees the same crops and
-    # RandAugment ops whatever its number of workers (recipes that tune num_workers stay comparable).
-    sampler = _EpochTaggedSampler(DistributedSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True,
-                                                     seed=seed, drop_last=True))
-    train_set = _SampleSeeded(train_set, seed)
-    workers_kw = {}
-    if num_workers > 0:
-        workers_kw = {"persistent_workers": persistent_workers, "worker_init_fn": _seed_worker}
-        if prefetch_factor is not None:
-            workers_kw["prefetch_factor"] = prefetch_factor
-    loader = DataLoader(
-        train_set, batch_size=batch_size, sampler=sampler, num_workers=num_workers, drop_last=True,
-        pin_memory=device.type == "cuda" if pin_memory is None else pin_memory,
-        generator=torch.Generator().manual_seed(_rank_seed(seed, rank)), **workers_kw)
-
+    loader = sampled_loader(train_set, batch_size=batch_size, device=device, num_workers=num_workers, seed=seed,
+                            world_size=world_size, rank=rank, pin_memory=pin_memory,
+                            persistent_workers=persistent_workers, prefetch_factor=prefetch_factor)
     mixup = None
     if use_mixup:
         mixup = Mixup(mixup_alpha=mixup_alpha, cutmix_alpha=cutmix_alpha, label_smoothing=label_smoothing,
                       num_classes=num_classes)
     random_erasing = RandomErasing(re_prob, mode="pixel", device=device) if re_prob > 0 else None
-    return TrainLoader(loader, dataset, device=device, num_classes=num_classes, label_smoothing=label_smoothing,
-                       mixup=mixup, random_erasing=random_erasing, channels_last=channels_last)
+    finish = ClassificationBatches(device=device, num_classes=num_classes, label_smoothing=label_smoothing,
+                                   mixup=mixup, random_erasing=random_erasing, channels_last=channels_last)
+    return TrainLoader(loader, dataset, finish=finish)
+
+
+def sampled_loader(dataset: torch.utils.data.Dataset, *, batch_size: int, device: torch.device, num_workers: int,
+                   seed: int, world_size: int = 1, rank: int = 0, pin_memory: bool | None = None,
+                   persistent_workers: bool = True, prefetch_factor: int | None = None) -> DataLoader:
+    """A ``DataLoader`` over ``dataset`` for ``TrainLoader``: seeded, sharded, resumable, per-sample seeded.
+
+    One seeded sampler for both cases: with a single replica it is a plain seeded shuffle with set_epoch. Each
+    sample's augmentation is seeded from (seed, epoch, index), so a run sees the same crops and augmentations
+    whatever its number of workers (recipes that tune num_workers stay comparable).
+    """
+    sampler = _EpochTaggedSampler(DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True,
+                                                     seed=seed, drop_last=True))
+    workers_kw = {}
+    if num_workers > 0:
+        workers_kw = {"persistent_workers": persistent_workers, "worker_init_fn": _seed_worker}
+        if prefetch_factor is not None:
+            workers_kw["prefetch_factor"] = prefetch_factor
+    return DataLoader(
+        _SampleSeeded(dataset, seed), batch_size=batch_size, sampler=sampler, num_workers=num_workers,
+        drop_last=True, pin_memory=device.type == "cuda" if pin_memory is None else pin_memory,
+        generator=torch.Generator().manual_seed(_rank_seed(seed, rank)), **workers_kw)
 
 
 def _make_posterize_pillow_safe(transform) -> None:

@@ -1,0 +1,78 @@
+"""Sampling from a trained text-to-image run: load the exported diffusers pipeline and draw a grid of images.
+
+A run with ``export_model`` saves ``<run_dir>/pipeline`` (the EMA UNet when the run kept an EMA, the frozen VAE and
+text encoder, the tokenizer and the scheduler), a plain ``StableDiffusionPipeline`` folder; this module only loads
+it and arranges the images with their prompts, so what the notebook shows is what any diffusers user would get.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+
+def load_pipeline(run_dir: str | os.PathLike, device: str | torch.device | None = None):
+    """The pipeline a run exported, on ``device`` (default: CUDA when present), in bf16 on a GPU."""
+    from diffusers import StableDiffusionPipeline
+
+    path = Path(run_dir) / "pipeline"
+    if not (path / "model_index.json").is_file():
+        raise FileNotFoundError(f"{path} holds no exported pipeline: run the recipe with export_model=True "
+                                "(the default) to the end first.")
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    pipe = StableDiffusionPipeline.from_pretrained(path, torch_dtype=dtype)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe.to(device)
+
+
+def sample_grid(pipe, prompts: Sequence[str], *, steps: int = 25, guidance_scale: float = 5.0, seed: int = 0,
+                size: int | None = None):
+    """One image per prompt, tiled with the prompts as titles (a matplotlib figure); seeded, so a call repeats."""
+    if not prompts:
+        raise ValueError("sample_grid needs at least one prompt")
+    size = size or pipe.unet.config.sample_size * pipe.vae_scale_factor
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    images = pipe(list(prompts), num_inference_steps=steps, guidance_scale=guidance_scale, height=size, width=size,
+                  generator=generator).images
+    return image_grid(images, prompts)
+
+
+def dataset_preview(data_dir: str | os.PathLike, count: int = 8):
+    """The first ``count`` training images of a caption folder with their captions (a matplotlib figure)."""
+    from gallery_lib.data.captions import CaptionFolder
+
+    dataset = CaptionFolder(data_dir, split="train")
+    samples = [dataset[k] for k in range(min(count, len(dataset)))]
+    return image_grid([image for image, _ in samples], [meta["text"] for _, meta in samples])
+
+
+def image_grid(images: Sequence, titles: Sequence[str], columns: int = 4):
+    """Images (PIL or HWC arrays) in a grid, each titled; a matplotlib figure closed for pyplot, ready to display."""
+    import matplotlib.pyplot as plt
+
+    cols = min(columns, len(images))
+    rows = -(-len(images) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(3 * cols, 3.3 * rows), squeeze=False)
+    for ax in axes.flat:
+        ax.axis("off")
+    for ax, image, title in zip(axes.flat, images, titles):
+        ax.imshow(image)
+        ax.set_title(_wrap(title), fontsize=8)
+    fig.tight_layout()
+    plt.close(fig)  # returned for display; not left open in pyplot's global state
+    return fig
+
+
+def _wrap(text: str, width: int = 32) -> str:
+    lines, line = [], ""
+    for word in text.split():
+        if line and len(line) + 1 + len(word) > width:
+            lines.append(line)
+            line = word
+        else:
+            line = f"{line} {word}".strip()
+    return "\n".join(lines + [line])

@@ -1,0 +1,189 @@
+"""Text-to-image training of a latent diffusion model (Stable Diffusion 1.x), as diffusers' ``train_text_to_image.py``.
+
+Per step: encode the images with the frozen VAE (a sample of the latent distribution, times the VAE's scaling
+factor), encode the captions with the frozen CLIP text encoder, draw noise and a timestep per image, noise the
+latents with the DDPM schedule, and regress the UNet's prediction on the noise (``epsilon``) or on the velocity
+(``v_prediction``) with a mean-squared error. Only the UNet trains. As in diffusers, the frozen models are stored in
+the mixed-precision dtype and the UNet keeps fp32 weights under autocast.
+
+``cache_latents`` moves the frozen encoders out of the loop: before training, every image is encoded once (the mean
+and standard deviation of its latent distribution are kept) and every distinct caption once; each step then draws a
+fresh latent sample ``mean + std * randn`` from the cache, the very operation (and random draw) of the online path,
+so both train the same function. It saves the VAE encoder (about half the UNet's training FLOPs per image at 512 px),
+the text encoder and the image decoding, at the price of a one-off encoding pass reported as ``cache_time_s``.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from gallery_lib.config import RunConfig
+from gallery_lib.data.loader import TrainLoader, _SampleSeeded, sampled_loader
+from gallery_lib.distributed import DistInfo
+from gallery_lib.models import build_stable_diffusion
+from gallery_lib.models.stable_diffusion import assemble_pipeline, tokenize, training_target
+from gallery_lib.precision import Precision
+
+
+class TextToImageTask:
+    def __init__(self, cfg: RunConfig, dist: DistInfo, precision: Precision) -> None:
+        from gallery_lib.data.captions import CaptionFolder, caption_image_transform
+
+        self.cfg, self.device = cfg, dist.device
+        self.parts = build_stable_diffusion(cfg.model, pretrained=cfg.pretrained, prediction_type=cfg.prediction_type,
+                                            image_size=cfg.image_size)
+        # diffusers casts the frozen models to the mixed-precision dtype; the trained UNet keeps fp32 weights.
+        self.frozen_dtype = precision.dtype or torch.float32
+        self.parts.vae.to(self.device, dtype=self.frozen_dtype)
+        self.parts.text_encoder.to(self.device, dtype=self.frozen_dtype)
+        self.model = self.parts.unet.to(self.device).train()
+        self.noise_scheduler = self.parts.noise_scheduler
+        self.scaling_factor = self.parts.vae_scale_factor
+        self.dataset = CaptionFolder(cfg.data_dir, split="train",
+                                     transform=caption_image_transform(cfg.image_size, center_crop=True))
+        self.cache_time_s = None
+        source = _Tokenized(self.dataset, self.parts.tokenizer)
+        if cfg.cache_latents:
+            self._cache(source, batch_size=cfg.batch_size, num_workers=cfg.num_workers, seed=cfg.seed)
+            source = _Indices(len(self.dataset))
+        loader = sampled_loader(source, batch_size=cfg.batch_size, device=self.device,
+                                num_workers=0 if cfg.cache_latents else cfg.num_workers, seed=cfg.seed,
+                                world_size=dist.world_size, rank=dist.rank)
+        self.loader = TrainLoader(loader, self.dataset,
+                                  finish=self._from_cache if cfg.cache_latents else self._to_device)
+
+    # ----------------------------------------------------------------- batches
+    def _to_device(self, batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> dict[str, torch.Tensor]:
+        images, input_ids, _ = batch
+        pixels = images.to(self.device, non_blocking=True).to(self.frozen_dtype).div_(127.5).sub_(1.0)
+        if self.cfg.channels_last:
+            pixels = pixels.contiguous(memory_format=torch.channels_last)
+        return {"pixels": pixels, "input_ids": input_ids.to(self.device, non_blocking=True)}
+
+    def _from_cache(self, indices: torch.Tensor) -> dict[str, torch.Tensor]:
+        indices = indices.to(self.device, non_blocking=True)
+        return {"latent_mean": self._mean[indices], "latent_std": self._std[indices],
+                "context": self._context[self._caption_of[indices]]}
+
+    @torch.no_grad()
+    def _encode(self, pixels: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        dist = self.parts.vae.encode(pixels).latent_dist
+        context = self.parts.text_encoder(input_ids, return_dict=False)[0]
+        return dist.mean, dist.std, context
+
+    @torch.no_grad()
+    def _cache(self, source: _Tokenized, *, batch_size: int, num_workers: int, seed: int) -> None:
+        """Encodes every sample once (sample ``k`` as the loader would load it in epoch 0)."""
+        start = time.perf_counter()
+        keyed = _SampleSeeded(source, seed)
+        loader = torch.utils.data.DataLoader(keyed, batch_size=batch_size, sampler=[(k, 0) for k in range(len(source))],
+                                             num_workers=num_workers)
+        means, stds, caption_of, contexts, seen = [], [], [], [], {}
+        for images, input_ids, _ in loader:
+            batch = self._to_device((images, input_ids, None))
+            keys = [tuple(ids) for ids in input_ids.tolist()]
+            new = []  # first occurrences of a caption: each distinct caption is encoded and stored once
+            for i, key in enumerate(keys):
+                if key not in seen:
+                    seen[key] = len(seen)
+                    new.append(i)
+            mean, std, context = self._encode(batch["pixels"], batch["input_ids"])
+            means.append(mean)
+            stds.append(std)
+            contexts.append(context[new])
+            caption_of.extend(seen[key] for key in keys)
+        self._mean, self._std = torch.cat(means), torch.cat(stds)
+        self._context = torch.cat(contexts)
+        self._caption_of = torch.tensor(caption_of, device=self.device)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.cache_time_s = time.perf_counter() - start
+
+    # ----------------------------------------------------------------- the step
+    def loss(self, module: torch.nn.Module, batch: dict[str, torch.Tensor], precision: Precision) -> torch.Tensor:
+        if "pixels" in batch:
+            mean, std, context = self._encode(batch["pixels"], batch["input_ids"])
+        else:
+            mean, std, context = batch["latent_mean"], batch["latent_std"], batch["context"]
+        # DiagonalGaussianDistribution.sample(): the same draw whether the distribution was just computed or cached.
+        latents = (mean + std * torch.randn(mean.shape, device=mean.device, dtype=mean.dtype)) * self.scaling_factor
+        noise = torch.randn_like(latents)
+        timesteps = torch.randint(0, self.noise_scheduler.config.num_train_timesteps, (latents.shape[0],),
+                                  device=latents.device).long()
+        noisy = self.noise_scheduler.add_noise(latents, noise, timesteps)
+        target = training_target(self.noise_scheduler, latents, noise, timesteps)
+        if self.cfg.channels_last:
+            noisy = noisy.contiguous(memory_format=torch.channels_last)
+        with precision.autocast():
+            prediction = module(noisy, timesteps, context, return_dict=False)[0]
+        return F.mse_loss(prediction.float(), target.float(), reduction="mean")
+
+    # ----------------------------------------------------------------- reporting and export
+    def describe(self) -> str:
+        text = (f"{len(self.dataset)} captioned images at {self.cfg.image_size} px, {self.cfg.prediction_type} "
+                f"prediction, UNet from {self.parts.source}")
+        if self.parts.offline_tokenizer:
+            text += "; captions tokenized by the offline stand-in CLIP tokenizer (no downloaded vocabulary)"
+        if self.cache_time_s is not None:
+            text += f"; latents and text embeddings cached in {self.cache_time_s:.1f} s"
+        return text
+
+    def train_flops_per_sample(self) -> float | None:
+        """UNet forward + backward for one image (the frozen encoders are not counted, as in published SD MFU)."""
+        from gallery_lib.flops import train_flops_per_sample
+
+        unet = self.model
+        latent = self.cfg.image_size // self.parts.latent_downsample
+        context_shape = (1, self.parts.text_encoder.config.max_position_embeddings,
+                         self.parts.text_encoder.config.hidden_size)
+
+        def loss_of(model: torch.nn.Module) -> torch.Tensor:
+            sample = torch.randn(1, unet.config.in_channels, latent, latent)
+            return model(sample, torch.tensor([10]), torch.randn(context_shape), return_dict=False)[0].float().sum()
+        return train_flops_per_sample(lambda: type(unet).from_config(unet.config), loss_of)
+
+    def summary(self) -> dict[str, Any]:
+        return {"cache_time_s": self.cache_time_s, "prediction_type": self.cfg.prediction_type,
+                "offline_tokenizer": self.parts.offline_tokenizer}
+
+    def export(self, run_dir: str | Path, ema) -> str:
+        """Saves a diffusers pipeline (the EMA UNet when there is one) to ``<run_dir>/pipeline``; returns the path."""
+        unet = ema.module if ema is not None else self.model
+        unet.to(memory_format=torch.contiguous_format)  # safetensors stores contiguous tensors only
+        self.parts.vae.to(torch.float32)
+        self.parts.text_encoder.to(torch.float32)
+        path = Path(run_dir) / "pipeline"
+        assemble_pipeline(self.parts, unet=unet).save_pretrained(path)
+        return str(path)
+
+
+class _Tokenized(torch.utils.data.Dataset):
+    """Caption samples as ``(uint8 image, token ids, index)``; tokenizing happens in the loader workers."""
+
+    def __init__(self, dataset, tokenizer) -> None:
+        self.dataset, self.tokenizer = dataset, tokenizer
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, k: int):
+        image, meta = self.dataset[k]
+        return image, tokenize(self.tokenizer, [meta["text"]])[0], meta["index"]
+
+
+class _Indices(torch.utils.data.Dataset):
+    """Sample ``k`` is the number ``k``: with cached latents a batch is the indices into the cache."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, k: int) -> int:
+        return k
