@@ -346,3 +346,24 @@ def test_cuda_batches(mock_root):
         assert x.is_contiguous(memory_format=torch.channels_last)
         torch.testing.assert_close(y.sum(1), torch.ones(8, device="cuda"))
     assert loader.epoch == 1
+
+
+def test_loading_in_the_training_process_leaves_its_random_streams_alone(mock_root):
+    """With num_workers=0 each sample is seeded in the training process; its own streams (diffusion noise,
+    dropout, Python/numpy draws) must continue as if no data had been loaded."""
+    import random
+
+    import numpy as np
+
+    loader = build_train_loader(RobustImageFolder(mock_root), batch_size=8, image_size=24, device="cpu",
+                                num_workers=0)
+    batches = iter(loader)
+
+    def draws():
+        return torch.rand(3).tolist(), random.random(), float(np.random.rand())
+
+    torch.manual_seed(7), random.seed(7), np.random.seed(7)
+    expected = draws()
+    torch.manual_seed(7), random.seed(7), np.random.seed(7)
+    next(batches)
+    assert draws() == expected

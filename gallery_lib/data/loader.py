@@ -299,7 +299,12 @@ class _EpochTaggedSampler(torch.utils.data.Sampler):
 
 
 class _SampleSeeded(torch.utils.data.Dataset):
-    """Seeds python, numpy and torch from ``(seed, epoch, index)`` before loading each sample."""
+    """Seeds python, numpy and torch (CPU) from ``(seed, epoch, index)`` while loading each sample.
+
+    The previous random states are restored afterwards: with ``num_workers=0`` samples load in the training process,
+    whose random streams (the diffusion noise, dropout) must not depend on where the data was loaded. Only the CPU
+    generator is seeded: ``torch.manual_seed`` would also reseed every CUDA generator.
+    """
 
     def __init__(self, dataset, seed: int):
         self.dataset = dataset
@@ -311,10 +316,16 @@ class _SampleSeeded(torch.utils.data.Dataset):
     def __getitem__(self, key: tuple[int, int]):
         index, epoch = key
         sample_seed = int(np.random.SeedSequence([self.seed, epoch, index]).generate_state(1)[0])
+        saved = random.getstate(), np.random.get_state(), torch.random.get_rng_state()
         random.seed(sample_seed)
         np.random.seed(sample_seed)
-        torch.manual_seed(sample_seed)
-        return self.dataset[index]
+        torch.random.default_generator.manual_seed(sample_seed)
+        try:
+            return self.dataset[index]
+        finally:
+            random.setstate(saved[0])
+            np.random.set_state(saved[1])
+            torch.random.set_rng_state(saved[2])
 
 
 def _seed_worker(worker_id: int) -> None:
