@@ -12,6 +12,7 @@ the run fails if any notebook fails: none may fail silently.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
@@ -53,6 +54,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output", default=str(REPO / "output"), help="output root (default: <repo>/output)")
     parser.add_argument("--only", action="append", help="notebook name(s) to run (default: all)")
     parser.add_argument("--cell-timeout", type=int, default=1800, help="seconds per cell (default: 1800)")
+    parser.add_argument("-p", "--param", action="append", default=[], metavar="NAME=JSON",
+                        help='extra notebook parameter, the value in JSON (e.g. -p steps=40 -p \'recipes=["baseline"]\')')
     args = parser.parse_args(argv)
 
     notebooks = sorted(NOTEBOOKS.glob("*.ipynb"))
@@ -62,11 +65,20 @@ def main(argv: list[str] | None = None) -> int:
         if missing:
             parser.error(f"no notebook named {sorted(missing)} in {NOTEBOOKS}")
     output = Path(args.output).resolve()
+    extra = {}
+    for item in args.param:
+        name, sep, value = item.partition("=")
+        try:
+            extra[name] = json.loads(value)
+        except json.JSONDecodeError:
+            parser.error(f"-p {item!r}: the value must be JSON, e.g. 40, true, \"text\" or [\"a\", \"b\"]")
+        if not sep or not name:
+            parser.error(f"-p {item!r}: expected NAME=JSON")
     failures = []
     for nb in notebooks:
         start = time.perf_counter()
         params = {"profile": args.profile, "output_dir": str(output), "data_root": str(REPO / "data"),
-                  "interactive": False}
+                  "interactive": False, **extra}
         print(f"[notebooks] running {nb.name} with {params}", flush=True)
         try:
             out = run_notebook(nb, output / "notebooks", params, args.cell_timeout)

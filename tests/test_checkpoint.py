@@ -310,3 +310,24 @@ def test_cli_train_has_resume_flags():
     args = build_parser().parse_args(["train", "--resume", "--checkpoint_every", "5"])
     assert args.resume is True and args.checkpoint_every == 5
     assert build_parser().parse_args(["train"]).resume is False
+
+
+def test_device_guard_skips_nonfinite_steps_without_a_host_sync(smoke_data, tmp_path, monkeypatch):
+    """Fused AdamW without a GradScaler: the optimizer skips a NaN step on a device flag; the step is counted when
+    the flags are read at the next log, and a run of them stops the run there, with finite weights saved."""
+    from gallery_lib.precision import Precision
+    from gallery_lib.train import nonfinite_guard
+
+    cfg = resume_cfg(smoke_data, tmp_path, steps=12, checkpoint_every=0, log_every=4, max_nonfinite_steps=3,
+                     fused_optimizer=True)
+    assert nonfinite_guard(cfg, Precision.from_config(cfg, "cpu")) == "device"
+    nan_criterion(monkeypatch, {1} | set(range(3, 100)))
+    with pytest.raises(RuntimeError, match=r"not finite for 3 steps in a row \(steps 3-7\)"):
+        run(cfg)
+    state = read_checkpoint(latest_checkpoint(cfg.run_dir / "checkpoints"))
+    assert state["meta"]["step"] == 8 and state["counters"] == {"nonfinite_in_a_row": 5, "nonfinite_steps": 6}
+    assert all(torch.isfinite(t).all() for t in state["model"].values())  # NaN never reached the weights
+    adam_steps = {float(s["step"]) for s in state["optimizer"]["state"].values()}
+    assert adam_steps == {2.0}  # 8 steps, 6 skipped: Adam's own step count took only the 2 finite ones
+    steps, _ = read_metrics(cfg.run_dir / "metrics.jsonl")
+    assert [s["skipped_step"] for s in steps] == [False, True, False] + [True] * 5
