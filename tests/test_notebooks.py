@@ -63,3 +63,8 @@ def test_notebook_runs_headless_in_smoke_profile(path, tmp_path):
     assert step_summary["reuse_batch"] is True and (out_dir / "model_step" / family / "report.md").exists()
     text = "\n".join(o.get("text", "") for c in nb.cells for o in c.get("outputs", []) if o.output_type == "stream")
     assert "accelerated:" in text and "img/s" in text  # the summary cell printed this run's own numbers
+    if family == "stable_diffusion":  # trained parts exported as a diffusers pipeline and sampled from
+        assert (out_dir / family / "accelerated" / "pipeline" / "model_index.json").is_file()
+        images = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
+                  if "image/png" in o.get("data", {})]
+        assert len(images) >= 3  # data preview, report figure, sampled grid
