@@ -58,9 +58,10 @@ def test_notebook_runs_headless_in_smoke_profile(path, tmp_path):
         assert summary["type"] == "summary" and summary["recipe"] == recipe
         assert summary["output_dir"] == str(out_dir / family / recipe)  # each run carries its own path
         assert recipe in report.read_text()
-    step_summary = json.loads((out_dir / "model_step" / family / "accelerated" / "metrics.jsonl")
-                              .read_text().splitlines()[-1])
-    assert step_summary["reuse_batch"] is True and (out_dir / "model_step" / family / "report.md").exists()
+    if family == "swin_transformer":  # its section timing the training step alone
+        step_summary = json.loads((out_dir / "model_step" / family / "accelerated" / "metrics.jsonl")
+                                  .read_text().splitlines()[-1])
+        assert step_summary["reuse_batch"] is True and (out_dir / "model_step" / family / "report.md").exists()
     text = "\n".join(o.get("text", "") for c in nb.cells for o in c.get("outputs", []) if o.output_type == "stream")
     assert "accelerated:" in text and "img/s" in text  # the summary cell printed this run's own numbers
     if family == "stable_diffusion":  # trained parts exported as a diffusers pipeline and sampled from
