@@ -81,8 +81,10 @@ class TextToImageTask:
         """Encodes every sample once (sample ``k`` as the loader would load it in epoch 0)."""
         start = time.perf_counter()
         keyed = _SampleSeeded(source, seed)
+        # Its own generator: a DataLoader without one draws its worker seed from the global RNG, which would shift
+        # every later noise draw against a run that does not cache.
         loader = torch.utils.data.DataLoader(keyed, batch_size=batch_size, sampler=[(k, 0) for k in range(len(source))],
-                                             num_workers=num_workers)
+                                             num_workers=num_workers, generator=torch.Generator().manual_seed(seed))
         means, stds, caption_of, contexts, seen = [], [], [], [], {}
         for images, input_ids, _ in loader:
             batch = self._to_device((images, input_ids, None))
