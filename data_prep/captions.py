@@ -30,7 +30,7 @@ import numpy as np
 from PIL import Image, ImageDraw
 from tqdm.auto import tqdm
 
-from data_prep.imagenet_like import MANIFEST, _check_int, _remove_own_files, _write_manifest
+from data_prep.manifest import check_int, reuse_or_clear, write_manifest
 
 METADATA = "metadata.jsonl"
 _GENERATOR = "data_prep.captions"
@@ -76,26 +76,21 @@ def make_caption_folder(
         progress: Show a tqdm progress bar (rate-limited so papermill logs stay short).
     """
     params = {
-        "num_images": _check_int("num_images", num_images, 1),
-        "image_size": _check_int("image_size", image_size, 16),
-        "seed": _check_int("seed", seed, 0),
+        "num_images": check_int("num_images", num_images, 1),
+        "image_size": check_int("image_size", image_size, 16),
+        "seed": check_int("seed", seed, 0),
     }
     root = pathlib.Path(root)
-    old = _read_manifest(root)
-    if old is not None and old.get("params") == params and old.get("version") == _VERSION and old.get("complete"):
-        if all((root / rel).is_file() for rel in old["files"]):
-            return root
-    if old is not None:
-        _remove_own_files(root, old.get("files", []))
-    else:
-        _refuse_foreign_data(root)
+    if reuse_or_clear(root, generator=_GENERATOR, version=_VERSION, params=params, splits=(_SPLIT,),
+                      writer="make_caption_folder"):
+        return root
 
     names = [f"{i:05d}.png" for i in range(params["num_images"])]
     files = [f"{_SPLIT}/{name}" for name in names] + [f"{_SPLIT}/{METADATA}"]
     (root / _SPLIT).mkdir(parents=True, exist_ok=True)
     # Written first as incomplete: an interrupted run is recognised and cleaned up by the next call.
     manifest = {"generator": _GENERATOR, "version": _VERSION, "params": params, "complete": False, "files": files}
-    _write_manifest(root, manifest)
+    write_manifest(root, manifest)
     lines = []
     with tqdm(total=len(names), desc=f"captions -> {root}", unit="img", mininterval=5.0, disable=not progress) as bar:
         for i, name in enumerate(names):
@@ -104,7 +99,7 @@ def make_caption_folder(
             lines.append(json.dumps({"file_name": name, "text": caption}) + "\n")
             bar.update(1)
     (root / _SPLIT / METADATA).write_text("".join(lines))
-    _write_manifest(root, {**manifest, "complete": True})
+    write_manifest(root, {**manifest, "complete": True})
     return root
 
 
@@ -190,26 +185,8 @@ def _draw_shape(draw: ImageDraw.ImageDraw, shape: str, box: tuple[float, float, 
         draw.rectangle((x0, cy - t, x1, cy + t), fill=colour)
 
 
-def _read_manifest(root: pathlib.Path) -> dict | None:
-    path = root / MANIFEST
-    if not path.is_file():
-        return None
-    try:
-        manifest = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ValueError(f"{path} is not a readable manifest ({exc}); delete it, and the files it listed, "
-                         "or pick another --root") from exc
-    if not isinstance(manifest, dict) or manifest.get("generator") != _GENERATOR:
-        raise ValueError(f"{path} was not written by {_GENERATOR}; pick another --root")
-    return manifest
 
 
-def _refuse_foreign_data(root: pathlib.Path) -> None:
-    folder = root / _SPLIT
-    if folder.is_dir() and any(folder.iterdir()):
-        raise FileExistsError(
-            f"{folder} already holds data that make_caption_folder did not write (no {root / MANIFEST}). "
-            "Pick an empty or new --root so mock images are not mixed into a real dataset.")
 
 
 def main(argv: list[str] | None = None) -> None:

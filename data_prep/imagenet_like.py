@@ -20,16 +20,15 @@ from __future__ import annotations
 import argparse
 import colorsys
 import io
-import json
 import os
 import pathlib
-from typing import Any
 
 import numpy as np
 from PIL import Image, ImageDraw
 from tqdm.auto import tqdm
 
-MANIFEST = "manifest.json"
+from data_prep.manifest import check_int, reuse_or_clear, write_manifest
+
 _GENERATOR = "data_prep.imagenet_like"
 _VERSION = 1  # bump when the pictures change, so old folders are regenerated
 _SPLITS = ("train", "val")
@@ -60,28 +59,23 @@ def make_imagenet_like(
         progress: Show a tqdm progress bar (rate-limited so papermill logs stay short).
     """
     params = {
-        "num_classes": _check_int("num_classes", num_classes, 1),
-        "train_per_class": _check_int("train_per_class", train_per_class, 1),
-        "val_per_class": _check_int("val_per_class", val_per_class, 1),
-        "image_size": _check_int("image_size", image_size, 16),
-        "seed": _check_int("seed", seed, 0),
+        "num_classes": check_int("num_classes", num_classes, 1),
+        "train_per_class": check_int("train_per_class", train_per_class, 1),
+        "val_per_class": check_int("val_per_class", val_per_class, 1),
+        "image_size": check_int("image_size", image_size, 16),
+        "seed": check_int("seed", seed, 0),
     }
     root = pathlib.Path(root)
-    old = _read_manifest(root)
-    if old is not None and old.get("params") == params and old.get("version") == _VERSION and old.get("complete"):
-        if all((root / rel).is_file() for rel in old["files"]):
-            return root
-    if old is not None:
-        _remove_own_files(root, old.get("files", []))
-    else:
-        _refuse_foreign_data(root)
+    if reuse_or_clear(root, generator=_GENERATOR, version=_VERSION, params=params, splits=_SPLITS,
+                      writer="make_imagenet_like"):
+        return root
 
     plan = _plan(params)
     root.mkdir(parents=True, exist_ok=True)
     # Written first as incomplete: an interrupted run is recognised and cleaned up by the next call.
     manifest = {"generator": _GENERATOR, "version": _VERSION, "params": params, "complete": False,
                 "files": [rel for rel, _ in plan]}
-    _write_manifest(root, manifest)
+    write_manifest(root, manifest)
     with tqdm(total=len(plan), desc=f"imagenet-like -> {root}", unit="img", mininterval=5.0,
               disable=not progress) as bar:
         for rel, key in plan:
@@ -89,7 +83,7 @@ def make_imagenet_like(
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_bytes(_render_jpeg(params, *key))
             bar.update(1)
-    _write_manifest(root, {**manifest, "complete": True})
+    write_manifest(root, {**manifest, "complete": True})
     return root
 
 
@@ -99,12 +93,6 @@ def class_names(num_classes: int) -> list[str]:
     return [f"n{c:0{width}d}" for c in range(num_classes)]
 
 
-def _check_int(name: str, value: Any, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise ValueError(f"{name} must be an integer, got {value!r} ({type(value).__name__})")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return int(value)
 
 
 def _plan(params: dict[str, int]) -> list[tuple[str, tuple[int, int, int]]]:
@@ -168,51 +156,12 @@ def _draw_shape(draw: ImageDraw.ImageDraw, shape: str, box: tuple[float, float, 
         draw.ellipse(box, outline=colour, width=max(2, int(w / 7)))
 
 
-def _read_manifest(root: pathlib.Path) -> dict | None:
-    path = root / MANIFEST
-    if not path.is_file():
-        return None
-    try:
-        manifest = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ValueError(f"{path} is not a readable manifest ({exc}); delete it, and the files it listed, "
-                         "or pick another --root") from exc
-    if not isinstance(manifest, dict) or manifest.get("generator") != _GENERATOR:
-        raise ValueError(f"{path} was not written by {_GENERATOR}; pick another --root")
-    return manifest
 
 
-def _write_manifest(root: pathlib.Path, manifest: dict) -> None:
-    tmp = root / (MANIFEST + ".tmp")
-    tmp.write_text(json.dumps(manifest, indent=1))
-    os.replace(tmp, root / MANIFEST)
 
 
-def _remove_own_files(root: pathlib.Path, files: list[str]) -> None:
-    """Delete the files a previous run listed, then the folders that became empty; nothing else."""
-    dirs = set()
-    for rel in files:
-        if pathlib.PurePath(rel).is_absolute() or ".." in pathlib.PurePath(rel).parts:
-            continue  # never follow an edited manifest outside root
-        path = root / rel
-        path.unlink(missing_ok=True)
-        dirs.update(path.parents)
-    for d in sorted(dirs, key=lambda p: len(p.parts), reverse=True):
-        if d != root and root in d.parents:
-            try:
-                d.rmdir()
-            except OSError:  # not empty: it holds files we did not write
-                pass
-    (root / MANIFEST).unlink(missing_ok=True)
 
 
-def _refuse_foreign_data(root: pathlib.Path) -> None:
-    for split in _SPLITS:
-        folder = root / split
-        if folder.is_dir() and any(folder.iterdir()):
-            raise FileExistsError(
-                f"{folder} already holds data that make_imagenet_like did not write (no {root / MANIFEST}). "
-                "Pick an empty or new --root so mock images are not mixed into a real dataset.")
 
 
 def main(argv: list[str] | None = None) -> None:
