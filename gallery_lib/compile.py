@@ -93,18 +93,9 @@ def _matches(module: nn.Module, block_types: tuple) -> bool:
     return any(type(module).__name__ == t if isinstance(t, str) else isinstance(module, t) for t in block_types)
 
 
-def regional_compile(model: nn.Module, block_types: Iterable[type | str] | None = None, **compile_kwargs: Any
-                     ) -> list[str]:
-    """Compiles each repeated block of ``model`` in place (``module.compile(**compile_kwargs)``).
-
-    Args:
-        model: the model; its ``state_dict`` and parameters are untouched.
-        block_types: classes or class names to compile (default ``DEFAULT_BLOCK_TYPES``); the outermost match wins.
-        compile_kwargs: passed to ``torch.compile`` (``backend``, ``mode``, ``dynamic``, ...).
-
-    Returns:
-        The qualified names of the compiled modules.
-    """
+def block_names(model: nn.Module, block_types: Iterable[type | str] | None = None) -> list[str]:
+    """Qualified names of the blocks ``regional_compile`` compiles: outermost matches of ``block_types`` (default
+    ``DEFAULT_BLOCK_TYPES``), in module order."""
     types = tuple(block_types) if block_types is not None else DEFAULT_BLOCK_TYPES
     names: list[str] = []
 
@@ -112,7 +103,6 @@ def regional_compile(model: nn.Module, block_types: Iterable[type | str] | None 
         for child_name, child in module.named_children():
             full = f"{prefix}.{child_name}" if prefix else child_name
             if _matches(child, types):
-                child.compile(**compile_kwargs)
                 names.append(full)
             else:
                 visit(full, child)
@@ -121,7 +111,27 @@ def regional_compile(model: nn.Module, block_types: Iterable[type | str] | None 
     if not names:
         raise ValueError(f"regional_compile: no block of types {types} in {type(model).__name__}; "
                          "pass block_types=(YourBlockClass,) naming the repeated block of this model")
-    _raise_recompile_limit()
+    return names
+
+
+def regional_compile(model: nn.Module, block_types: Iterable[type | str] | None = None, **compile_kwargs: Any
+                     ) -> list[str]:
+    """Compiles each repeated block of ``model`` in place (``module.compile(**compile_kwargs)``).
+
+    Args:
+        model: the model; its ``state_dict`` and parameters are untouched.
+        block_types: classes or class names to compile (default ``DEFAULT_BLOCK_TYPES``); the outermost match wins.
+        compile_kwargs: passed to ``torch.compile`` (``backend``, ``mode``, ``dynamic``, ...). ``dynamic=False``
+            gives every block shape its own static graph (what whole-model compilation does); the default lets
+            Dynamo turn a block's changing sizes symbolic after its first recompile, which is slower at run time.
+
+    Returns:
+        The qualified names of the compiled modules.
+    """
+    names = block_names(model, block_types)
+    for name in names:
+        model.get_submodule(name).compile(**compile_kwargs)
+    raise_recompile_limit()
     return names
 
 
@@ -131,7 +141,8 @@ def undo_regional_compile(model: nn.Module, names: Iterable[str]) -> None:
         model.get_submodule(name)._compiled_call_impl = None
 
 
-def _raise_recompile_limit() -> None:
+def raise_recompile_limit() -> None:
+    """Lets one code object hold a graph per distinct block (the default limit, 8, is below SD's block shapes)."""
     cfg = torch._dynamo.config
     key = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
     if getattr(cfg, key) < _RECOMPILE_LIMIT:

@@ -1,0 +1,108 @@
+"""precompile_blocks(): worker processes fill Inductor's caches so that the run's own compilation only loads.
+
+Uses a small model with three block kinds (two widths, one block called at two sequence lengths) on the CPU with
+Inductor's C++ backend, in a fresh cache directory: the workers compile every distinct graph, and the run's compile
+of the same blocks then has no cache miss and computes what eager computes.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from gallery_lib.compile import regional_compile
+from gallery_lib.precompile import TensorSpec, _balance, precompile_blocks, record_block_calls
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.fc = nn.Linear(dim, dim)
+        self.register_buffer("index", torch.arange(dim).flip(0))  # an index buffer: must stay valid in workers
+
+    def forward(self, x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        return x + scale * torch.relu(self.fc(self.norm(x)))[..., self.index]
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.stem = nn.Linear(8, 8)  # so that a1's input requires grad, as a2's does (else two graphs)
+        self.a1, self.a2 = Block(8), Block(8)  # same graph twice
+        self.widen = nn.Linear(8, 12)
+        self.b1, self.b2 = Block(12), Block(12)
+        self.head = nn.Linear(12, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.a2(self.a1(self.stem(x)))
+        x = self.widen(x)
+        y = self.b1(x, scale=0.5)
+        z = self.b2(x[:, ::2].contiguous(), scale=0.5)  # same weights shape, shorter sequence: another graph
+        return self.head(y).mean() + self.head(z).mean()
+
+
+BLOCKS = ["a1", "a2", "b1", "b2"]
+
+
+def test_record_finds_distinct_graphs_and_keeps_rng():
+    model = Model()
+    x = torch.randn(2, 6, 8)
+    torch.manual_seed(5)
+    before = torch.get_rng_state()
+    calls, seen = record_block_calls(model, lambda: model(x) + torch.rand(()), BLOCKS)
+    assert seen == 4
+    assert sorted(c.name for c in calls) == ["a1", "b1", "b2"]  # a2 repeats a1's graph
+    assert torch.equal(torch.get_rng_state(), before)
+    b2 = next(c for c in calls if c.name == "b2")
+    assert b2.args == (TensorSpec((2, 3, 12), (36, 12, 1), torch.float32, True),) and b2.kwargs == {"scale": 0.5}
+
+
+def test_balance_spreads_largest_first():
+    calls, _ = record_block_calls(Model(), lambda m=Model(): None, [])
+    assert calls == []
+    from gallery_lib.precompile import BlockCall
+
+    made = [BlockCall(str(c), (), {}, (), True, cost=c) for c in (5, 1, 4, 2, 3)]
+    shares = _balance(made, 2)
+    assert [[c.cost for c in s] for s in shares] == [[5, 2, 1], [4, 3]]
+    assert len(_balance(made, 9)) == 5  # no empty shares
+
+
+def test_bad_worker_count():
+    with pytest.raises(ValueError, match="workers=0"):
+        precompile_blocks(Model(), lambda: None, BLOCKS, workers=0, compile_kwargs={})
+
+
+@pytest.mark.slow  # ~1 min on 2 cores: Inductor's C++ backend compiles 3 forward and 3 backward graphs
+def test_workers_fill_the_cache_the_run_then_hits():
+    from torch._dynamo.utils import counters
+    from torch._inductor.utils import fresh_cache
+
+    kwargs = {"backend": "inductor", "dynamic": False}
+    x = torch.randn(2, 6, 8)
+    expected_model = Model()
+    expected = expected_model(x)
+    expected.backward()
+    with fresh_cache():
+        torch._dynamo.reset()
+        model = Model()
+        lines = []
+        report = precompile_blocks(model, lambda: model(x), BLOCKS, workers=2, compile_kwargs=kwargs,
+                                   log=lines.append)
+        assert report.failures == [], report.failures
+        assert (report.blocks, report.graphs, report.workers) == (4, 3, 2)
+        assert "3 distinct block graphs (of 4 blocks) in 2 parallel processes" in lines[0]
+        counters.clear()
+        names = regional_compile(model, (Block,), **kwargs)
+        assert names == BLOCKS
+        out = model(x)
+        out.backward()
+        hits = counters["aot_autograd"]["autograd_cache_hit"] + counters["inductor"]["fxgraph_cache_hit"]
+        misses = counters["aot_autograd"]["autograd_cache_miss"] + counters["inductor"]["fxgraph_cache_miss"]
+        assert hits >= 3 and misses == 0, (dict(counters["aot_autograd"]), dict(counters["inductor"]))
+    torch.testing.assert_close(out, expected)
+    for (name, p), q in zip(model.named_parameters(), expected_model.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=name)
