@@ -1,4 +1,4 @@
-"""Shared pieces of the kernel tests: the interpreter child process and the Triton/fallback ``path`` fixture.
+"""Shared pieces of the kernel tests: the interpreter child, the Triton/fallback ``path`` fixture, the GPU rule.
 
 Triton's interpreter must be switched on (``TRITON_INTERPRET=1``) before ``import triton``, so each kernel
 test file re-runs its Triton-path cases in a child process that starts with the variable set; in the parent
@@ -12,6 +12,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from gallery_lib.kernels import _triton_utils as tu
 from gallery_lib.kernels import set_triton_enabled
@@ -20,7 +21,7 @@ INTERPRETER_ONLY = "Triton-path case: runs in the TRITON_INTERPRET=1 child of te
 
 
 def run_file_in_interpreter(test_file: str) -> None:
-    """Runs ``test_file``'s Triton-path cases in a fresh process with the interpreter on; fails on any failure or skip."""
+    """Runs ``test_file``'s Triton-path cases in a fresh interpreter process; fails on any failure or skip."""
     if tu.interpreter_ready():
         pytest.skip("this process already runs the Triton-path cases directly")
     assert tu.has_triton, "triton is not installed: the kernels cannot be tested"
@@ -50,12 +51,28 @@ def make_path_fixture(kernel_name: str):
     return path
 
 
-def assert_low_precision_rule(names, ours, theirs, reference, dtype) -> None:
-    """The bf16/fp16 rule: each of our outputs/grads is within 2x PyTorch's own low-precision error + 1e-6.
+# The GPU matrix of every kernel test; ids make ``-k fp32`` select one dtype.
+GPU_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
-    ``ours`` and ``theirs`` (PyTorch's op in ``dtype``) are compared with the fp32 ``reference``; NaN never passes.
+
+def gpu_matrix(test):
+    """Marks a GPU parity test (``gpu`` marker: conftest skips it without CUDA) and parametrizes its ``dtype``."""
+    return pytest.mark.gpu(pytest.mark.parametrize("dtype", GPU_DTYPES, ids=["fp32", "bf16", "fp16"])(test))
+
+
+def reference_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Dtype of the reference a GPU test measures errors against: fp64 for fp32 runs, fp32 for bf16/fp16."""
+    return torch.float64 if dtype == torch.float32 else torch.float32
+
+
+def assert_within_torch_error(names, ours, theirs, reference, dtype) -> None:
+    """The GPU parity rule: each of our outputs/grads is within 2x PyTorch's own error in ``dtype``, + 1e-6.
+
+    ``ours`` and ``theirs`` (PyTorch's op run in ``dtype``) are both compared with ``reference``, computed in
+    `reference_dtype` (fp64 for fp32: fp32 kernels round differently from PyTorch's, so a fixed tolerance either
+    fails real shapes or hides bugs; PyTorch's own error sets the scale). NaN never passes.
     """
     for name, o, t, e in zip(names, ours, theirs, reference):
         assert not o.isnan().any(), name
-        err, torch_err = (o.float() - e).abs().max(), (t.float() - e).abs().max()
+        err, torch_err = (o.double() - e.double()).abs().max(), (t.double() - e.double()).abs().max()
         assert err <= 2 * torch_err + 1e-6, f"{name}: ours {err:.3g} vs torch {dtype} {torch_err:.3g}"

@@ -4,13 +4,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernel_testing import assert_low_precision_rule, make_path_fixture, run_file_in_interpreter
+from kernel_testing import (assert_within_torch_error, gpu_matrix, make_path_fixture, reference_dtype,
+                            run_file_in_interpreter)
 
 from gallery_lib.kernels import _triton_utils as tu
 from gallery_lib.kernels import group_norm, set_triton_enabled
 from gallery_lib.kernels.group_norm import _Plan, group_norm_bwd, group_norm_fwd
-
-gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
 def test_interpreter_subprocess():
@@ -122,10 +121,8 @@ def test_bad_input_raises(bad, match):
 SD_SHAPES = [(8, 320, 64, 64), (8, 640, 32, 32), (8, 1280, 16, 16), (64, 1280, 8, 8), (16, 960, 32, 32)]
 
 
-@pytest.mark.gpu
-@gpu
+@gpu_matrix
 @pytest.mark.parametrize("shape", SD_SHAPES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("channels_last", [False, True])
 @pytest.mark.parametrize("activation", ["silu", None])
 def test_gpu_sd_shapes(shape, dtype, channels_last, activation):
@@ -135,12 +132,9 @@ def test_gpu_sd_shapes(shape, dtype, channels_last, activation):
     w = torch.randn(shape[1], device="cuda", generator=gen)
     b = torch.randn(shape[1], device="cuda", generator=gen)
     dy = torch.randn(shape, device="cuda", generator=gen)
-    ref = run(lambda x, w, b: reference(x, 32, w, b, 1e-5, activation), x, w, b, dy)
-    low = lambda t: t.to(dtype)  # noqa: E731
-    ours = run(lambda x, w, b: group_norm(x, 32, w, b, 1e-5, activation), low(x), w, b, low(dy))
-    if dtype == torch.float32:
-        for g, e in zip(ours, ref):
-            torch.testing.assert_close(g, e, atol=1e-4, rtol=1e-4)
-        return
-    theirs = run(lambda x, w, b: reference(x, 32, w.to(dtype), b.to(dtype), 1e-5, activation), low(x), w, b, low(dy))
-    assert_low_precision_rule(("out", "dx", "dweight", "dbias"), ours, theirs, ref, dtype)
+    torch_gn = lambda x, w, b: reference(x, 32, w, b, 1e-5, activation)  # noqa: E731
+    rd = reference_dtype(dtype)
+    ref = run(torch_gn, x.to(rd), w.to(rd), b.to(rd), dy.to(rd))
+    ours = run(lambda x, w, b: group_norm(x, 32, w, b, 1e-5, activation), x.to(dtype), w, b, dy.to(dtype))
+    theirs = run(torch_gn, x.to(dtype), w.to(dtype), b.to(dtype), dy.to(dtype))
+    assert_within_torch_error(("out", "dx", "dweight", "dbias"), ours, theirs, ref, dtype)

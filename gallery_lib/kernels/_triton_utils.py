@@ -10,7 +10,7 @@ Every op in this package has two paths: a Triton kernel and a PyTorch reference.
 * everything else (no Triton, CPU without the interpreter, `set_triton_enabled(False)`) runs the PyTorch reference.
 
 Each kernel is defined once with `kernel(fn)`, which keeps a `triton.jit` version (CUDA) and an interpreted version
-(CPU) of the same source, so one process can serve both devices.
+(CPU) of the same source, so one process can serve both devices; helpers they call use `device_function`.
 
 Launch cost matters as much as kernel speed at the small shapes of a training step (a 128x1000 loss, an 8x8 UNet
 level): a launch of plain tensors calls the jit function directly (no ``wrap_triton`` wrapper objects), the
@@ -161,6 +161,15 @@ def library_op(name: str) -> Callable[[Callable[..., Any]], Any]:
 def kernel(fn: Callable[..., Any]) -> TritonKernel:
     """Decorator for kernel sources (used instead of ``@triton.jit``)."""
     return TritonKernel(fn)
+
+
+def device_function(fn: Callable[..., Any]) -> Any:
+    """Decorator for helpers that kernels call (index set-up and the like); Triton inlines them into the kernel.
+
+    ``triton.jit`` already returns the interpreter's version when ``TRITON_INTERPRET=1`` is set at import, the only
+    case in which CPU tensors run kernels (see `interpreter_ready`), so one object serves both devices.
+    """
+    return triton.jit(fn) if has_triton else fn
 
 
 def next_power_of_2(n: int) -> int:

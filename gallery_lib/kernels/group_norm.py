@@ -27,9 +27,62 @@ import torch
 import torch.nn.functional as F
 
 from gallery_lib.kernels import _triton_utils as tu
-from gallery_lib.kernels._triton_utils import kernel, library_op, tl, triton, use_triton
+from gallery_lib.kernels._triton_utils import device_function, kernel, library_op, tl, triton, use_triton
 
 _ACTIVATIONS = (None, "silu")
+
+
+@device_function
+def _gn_program(C, HW, G, SPLIT, HW_PER, BLOCK_G: tl.constexpr):
+    """This program's sample ``n``, split ``s``, groups ``g1`` and their mask, sample offset and spatial range."""
+    # Program -> (sample n, split s, group block gb), gb fastest so neighbouring programs share pixel rows in L2.
+    pid = tl.program_id(0)
+    n_gb = tl.cdiv(G, BLOCK_G)
+    s = (pid // n_gb) % SPLIT
+    n = pid // (n_gb * SPLIT)
+    g1 = (pid % n_gb) * BLOCK_G + tl.arange(0, BLOCK_G)
+    hw_lo = s * HW_PER
+    return n, s, g1, g1 < G, n.to(tl.int64) * C * HW, hw_lo, tl.minimum(HW, hw_lo + HW_PER)
+
+
+@device_function
+def _gn_channels(g1, g_ok, c0, Cg, BLOCK_CG: tl.constexpr):
+    """Channel indices ``[BLOCK_G, BLOCK_CG]`` of the channel block at ``c0`` of groups ``g1``, and their mask."""
+    c1 = tl.arange(0, BLOCK_CG)[None, :]
+    return g1[:, None] * Cg + c0 + c1, g_ok[:, None] & (c0 + c1 < Cg)
+
+
+@device_function
+def _gn_tile(ch2, gc2, h0, hw_hi, C, HW, CL: tl.constexpr, BLOCK_HW: tl.constexpr):
+    """Offsets within a sample (NCHW or channels_last) and mask of the tile ``[groups, channels, positions h0..]``."""
+    hw = h0 + tl.arange(0, BLOCK_HW)[None, None, :]
+    ch = ch2[:, :, None]
+    if CL:
+        offs = hw * C + ch
+    else:
+        offs = ch * HW + hw
+    return offs, gc2[:, :, None] & (hw < hw_hi)
+
+
+@device_function
+def _gn_affine(W, B, ch2, gc2, HAS_W: tl.constexpr, HAS_B: tl.constexpr):
+    """fp32 weight and bias of channels ``ch2``; 1 and 0 where the module has none."""
+    if HAS_W:
+        w = tl.load(W + ch2, mask=gc2, other=0.0).to(tl.float32)
+    else:
+        w = tl.zeros(ch2.shape, dtype=tl.float32) + 1.0
+    if HAS_B:
+        b = tl.load(B + ch2, mask=gc2, other=0.0).to(tl.float32)
+    else:
+        b = tl.zeros(ch2.shape, dtype=tl.float32)
+    return w, b
+
+
+@device_function
+def _dsilu(dy, z):
+    """Gradient through ``silu(z)``: the pre-activation ``z`` is recomputed, never stored."""
+    sig = tl.sigmoid(z)
+    return dy * sig * (1.0 + z * (1.0 - sig))
 
 
 @kernel
@@ -37,34 +90,16 @@ def _gn_fwd_kernel(X, Y, W, B, Part, Mean, Rstd, C, HW, G, Cg, SPLIT, HW_PER, P,
                    STATS: tl.constexpr, APPLY: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
                    SILU: tl.constexpr, CL: tl.constexpr,
                    BLOCK_G: tl.constexpr, BLOCK_CG: tl.constexpr, BLOCK_HW: tl.constexpr):
-    # Program -> (sample n, split s, group block gb), gb fastest so neighbouring programs share pixel rows in L2.
-    pid = tl.program_id(0)
-    n_gb = tl.cdiv(G, BLOCK_G)
-    gb = pid % n_gb
-    s = (pid // n_gb) % SPLIT
-    n = pid // (n_gb * SPLIT)
-    g1 = gb * BLOCK_G + tl.arange(0, BLOCK_G)
-    g_ok = g1 < G
-    c1 = tl.arange(0, BLOCK_CG)
-    hw3 = tl.arange(0, BLOCK_HW)[None, None, :]
-    base = n.to(tl.int64) * C * HW
-    hw_lo = s * HW_PER
-    hw_hi = tl.minimum(HW, hw_lo + HW_PER)
+    n, s, g1, g_ok, base, hw_lo, hw_hi = _gn_program(C, HW, G, SPLIT, HW_PER, BLOCK_G)
     if STATS:
         # Per-lane Welford accumulators, merged across lanes at the end (stable in one read).
         acc_n = tl.zeros([BLOCK_G, BLOCK_CG, BLOCK_HW], dtype=tl.float32)
         acc_mean = tl.zeros([BLOCK_G, BLOCK_CG, BLOCK_HW], dtype=tl.float32)
         acc_m2 = tl.zeros([BLOCK_G, BLOCK_CG, BLOCK_HW], dtype=tl.float32)
         for c0 in range(0, Cg, BLOCK_CG):
-            ch = (g1[:, None] * Cg + c0 + c1[None, :])[:, :, None]
-            gc_mask = (g_ok[:, None] & (c0 + c1[None, :] < Cg))[:, :, None]
+            ch2, gc2 = _gn_channels(g1, g_ok, c0, Cg, BLOCK_CG)
             for h0 in range(hw_lo, hw_hi, BLOCK_HW):
-                hw = h0 + hw3
-                mask = gc_mask & (hw < hw_hi)
-                if CL:
-                    offs = hw * C + ch
-                else:
-                    offs = ch * HW + hw
+                offs, mask = _gn_tile(ch2, gc2, h0, hw_hi, C, HW, CL, BLOCK_HW)
                 x = tl.load(X + base + offs, mask=mask, other=0.0).to(tl.float32)
                 acc_n += mask.to(tl.float32)
                 delta = x - acc_mean
@@ -97,28 +132,13 @@ def _gn_fwd_kernel(X, Y, W, B, Part, Mean, Rstd, C, HW, G, Cg, SPLIT, HW_PER, P,
         tl.store(Mean + n * G + g1, mean, mask=g_ok & (s == 0))
         tl.store(Rstd + n * G + g1, rstd, mask=g_ok & (s == 0))
         for c0 in range(0, Cg, BLOCK_CG):
-            ch2 = g1[:, None] * Cg + c0 + c1[None, :]
-            gc2 = g_ok[:, None] & (c0 + c1[None, :] < Cg)
-            if HAS_W:
-                w = tl.load(W + ch2, mask=gc2, other=0.0).to(tl.float32)
-            else:
-                w = tl.full([BLOCK_G, BLOCK_CG], 1.0, tl.float32)
-            if HAS_B:
-                b = tl.load(B + ch2, mask=gc2, other=0.0).to(tl.float32)
-            else:
-                b = tl.zeros([BLOCK_G, BLOCK_CG], dtype=tl.float32)
+            ch2, gc2 = _gn_channels(g1, g_ok, c0, Cg, BLOCK_CG)
+            w, b = _gn_affine(W, B, ch2, gc2, HAS_W, HAS_B)
             scale = w * rstd[:, None]
             shift = (b - mean[:, None] * scale)[:, :, None]
             scale = scale[:, :, None]
-            ch = ch2[:, :, None]
-            gc_mask = gc2[:, :, None]
             for h0 in range(hw_lo, hw_hi, BLOCK_HW):
-                hw = h0 + hw3
-                mask = gc_mask & (hw < hw_hi)
-                if CL:
-                    offs = hw * C + ch
-                else:
-                    offs = ch * HW + hw
+                offs, mask = _gn_tile(ch2, gc2, h0, hw_hi, C, HW, CL, BLOCK_HW)
                 z = tl.load(X + base + offs, mask=mask, other=0.0).to(tl.float32) * scale + shift
                 if SILU:
                     z = z * tl.sigmoid(z)
@@ -130,18 +150,7 @@ def _gn_bwd_kernel(DY, X, W, B, Mean, Rstd, DX, Part, C, HW, G, Cg, SPLIT, HW_PE
                    STATS: tl.constexpr, APPLY: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
                    SILU: tl.constexpr, CL: tl.constexpr,
                    BLOCK_G: tl.constexpr, BLOCK_CG: tl.constexpr, BLOCK_HW: tl.constexpr):
-    pid = tl.program_id(0)
-    n_gb = tl.cdiv(G, BLOCK_G)
-    gb = pid % n_gb
-    s = (pid // n_gb) % SPLIT
-    n = pid // (n_gb * SPLIT)
-    g1 = gb * BLOCK_G + tl.arange(0, BLOCK_G)
-    g_ok = g1 < G
-    c1 = tl.arange(0, BLOCK_CG)
-    hw3 = tl.arange(0, BLOCK_HW)[None, None, :]
-    base = n.to(tl.int64) * C * HW
-    hw_lo = s * HW_PER
-    hw_hi = tl.minimum(HW, hw_lo + HW_PER)
+    n, s, g1, g_ok, base, hw_lo, hw_hi = _gn_program(C, HW, G, SPLIT, HW_PER, BLOCK_G)
     mean = tl.load(Mean + n * G + g1, mask=g_ok, other=0.0)[:, None, None]
     rstd = tl.load(Rstd + n * G + g1, mask=g_ok, other=0.0)[:, None, None]
     # Group sums of w*dz and w*dz*xhat (the mean terms of dx), built from per-channel sums of dz and dz*xhat.
@@ -150,35 +159,18 @@ def _gn_bwd_kernel(DY, X, W, B, Mean, Rstd, DX, Part, C, HW, G, Cg, SPLIT, HW_PE
     if STATS:
         row = (n * SPLIT + s) * C
         for c0 in range(0, Cg, BLOCK_CG):
-            ch2 = g1[:, None] * Cg + c0 + c1[None, :]
-            gc2 = g_ok[:, None] & (c0 + c1[None, :] < Cg)
-            if HAS_W:
-                w2 = tl.load(W + ch2, mask=gc2, other=0.0).to(tl.float32)
-            else:
-                w2 = tl.full([BLOCK_G, BLOCK_CG], 1.0, tl.float32)
-            if HAS_B:
-                b = tl.load(B + ch2, mask=gc2, other=0.0).to(tl.float32)[:, :, None]
-            else:
-                b = tl.zeros([BLOCK_G, BLOCK_CG, 1], dtype=tl.float32)
-            w = w2[:, :, None]
-            ch = ch2[:, :, None]
-            gc_mask = gc2[:, :, None]
+            ch2, gc2 = _gn_channels(g1, g_ok, c0, Cg, BLOCK_CG)
+            w2, b2 = _gn_affine(W, B, ch2, gc2, HAS_W, HAS_B)
+            w, b = w2[:, :, None], b2[:, :, None]
             acc_dzx = tl.zeros([BLOCK_G, BLOCK_CG, BLOCK_HW], dtype=tl.float32)
             acc_dz = tl.zeros([BLOCK_G, BLOCK_CG, BLOCK_HW], dtype=tl.float32)
             for h0 in range(hw_lo, hw_hi, BLOCK_HW):
-                hw = h0 + hw3
-                mask = gc_mask & (hw < hw_hi)
-                if CL:
-                    offs = hw * C + ch
-                else:
-                    offs = ch * HW + hw
+                offs, mask = _gn_tile(ch2, gc2, h0, hw_hi, C, HW, CL, BLOCK_HW)
                 x = tl.load(X + base + offs, mask=mask, other=0.0).to(tl.float32)
                 dz = tl.load(DY + base + offs, mask=mask, other=0.0).to(tl.float32)
                 xhat = tl.where(mask, (x - mean) * rstd, 0.0)
                 if SILU:
-                    z = xhat * w + b
-                    sig = tl.sigmoid(z)
-                    dz = dz * sig * (1.0 + z * (1.0 - sig))
+                    dz = _dsilu(dz, xhat * w + b)
                 acc_dzx += dz * xhat
                 acc_dz += dz
             dw_c = tl.sum(acc_dzx, axis=2)
@@ -193,44 +185,24 @@ def _gn_bwd_kernel(DY, X, W, B, Mean, Rstd, DX, Part, C, HW, G, Cg, SPLIT, HW_PE
             for s2 in range(0, SPLIT):
                 row = (n * SPLIT + s2) * C
                 for c0 in range(0, Cg, BLOCK_CG):
-                    ch2 = g1[:, None] * Cg + c0 + c1[None, :]
-                    gc2 = g_ok[:, None] & (c0 + c1[None, :] < Cg)
-                    if HAS_W:
-                        w2 = tl.load(W + ch2, mask=gc2, other=0.0).to(tl.float32)
-                    else:
-                        w2 = tl.full([BLOCK_G, BLOCK_CG], 1.0, tl.float32)
+                    ch2, gc2 = _gn_channels(g1, g_ok, c0, Cg, BLOCK_CG)
+                    w2, _ = _gn_affine(W, B, ch2, gc2, HAS_W, False)
                     sum_wdzx += tl.sum(w2 * tl.load(Part + row + ch2, mask=gc2, other=0.0), axis=1)
                     sum_wdz += tl.sum(w2 * tl.load(Part + P + row + ch2, mask=gc2, other=0.0), axis=1)
         inv_m = 1.0 / (Cg * 1.0 * HW)  # Cg or HW may arrive as a constexpr 1
         c_mean = (sum_wdz * inv_m)[:, None, None]
         c_xmean = (sum_wdzx * inv_m)[:, None, None]
         for c0 in range(0, Cg, BLOCK_CG):
-            ch2 = g1[:, None] * Cg + c0 + c1[None, :]
-            gc2 = g_ok[:, None] & (c0 + c1[None, :] < Cg)
-            if HAS_W:
-                w = tl.load(W + ch2, mask=gc2, other=0.0).to(tl.float32)[:, :, None]
-            else:
-                w = tl.full([BLOCK_G, BLOCK_CG, 1], 1.0, tl.float32)
-            if HAS_B:
-                b = tl.load(B + ch2, mask=gc2, other=0.0).to(tl.float32)[:, :, None]
-            else:
-                b = tl.zeros([BLOCK_G, BLOCK_CG, 1], dtype=tl.float32)
-            ch = ch2[:, :, None]
-            gc_mask = gc2[:, :, None]
+            ch2, gc2 = _gn_channels(g1, g_ok, c0, Cg, BLOCK_CG)
+            w2, b2 = _gn_affine(W, B, ch2, gc2, HAS_W, HAS_B)
+            w, b = w2[:, :, None], b2[:, :, None]
             for h0 in range(hw_lo, hw_hi, BLOCK_HW):
-                hw = h0 + hw3
-                mask = gc_mask & (hw < hw_hi)
-                if CL:
-                    offs = hw * C + ch
-                else:
-                    offs = ch * HW + hw
+                offs, mask = _gn_tile(ch2, gc2, h0, hw_hi, C, HW, CL, BLOCK_HW)
                 x = tl.load(X + base + offs, mask=mask, other=0.0).to(tl.float32)
                 dz = tl.load(DY + base + offs, mask=mask, other=0.0).to(tl.float32)
                 xhat = (x - mean) * rstd
                 if SILU:
-                    z = xhat * w + b
-                    sig = tl.sigmoid(z)
-                    dz = dz * sig * (1.0 + z * (1.0 - sig))
+                    dz = _dsilu(dz, xhat * w + b)
                 dx = rstd * (dz * w - c_mean - xhat * c_xmean)
                 tl.store(DX + base + offs, dx.to(DX.dtype.element_ty), mask=mask)
 
