@@ -36,6 +36,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--variants", default="eager,whole,blocks,blocks+p8,whole-warm")
     p.add_argument("--warmup-steps", type=int, default=3)
     p.add_argument("--timed-steps", type=int, default=20)
+    p.add_argument("--diagnose", action="store_true",
+                   help="also record host ms per step, steady ms with guard evaluation skipped, and GPU busy ms")
     p.add_argument("--variant", help=argparse.SUPPRESS)  # child mode: run one variant, print one JSON line
     return p.parse_args(argv)
 
@@ -97,10 +99,48 @@ def run_variant(args: argparse.Namespace) -> dict:
     result.update(steady_ms=statistics.median(ms), p20_ms=ms[len(ms) // 5], p80_ms=ms[4 * len(ms) // 5],
                   peak_gib=torch.cuda.max_memory_allocated() / 2**30,
                   cache={k: dict(v) for k, v in counters.items() if k in ("aot_autograd", "inductor") and v})
+    if args.diagnose:
+        result["diagnosis"] = diagnose(torch, step, model)
     result["compile_s"] = max(0.0, result["time_to_steady_s"] - args.warmup_steps * result["steady_ms"] / 1e3)
     for key in ("inductor", "aot_autograd"):  # keep only the cache counters
         result["cache"][key] = {k: v for k, v in result["cache"].get(key, {}).items() if "cache" in k}
     return result
+
+
+def diagnose(torch, step, model) -> dict:
+    """Where a step's time goes: host time to enqueue it, the same step with Dynamo's guard checks skipped, and the
+    GPU's busy time (sum of kernel times in a profile) against the step time."""
+    host = []
+    for _ in range(5):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        step(model)
+        host.append(1e3 * (time.perf_counter() - t))
+        torch.cuda.synchronize()
+    out = {"host_ms_per_step": statistics.median(host)}
+    try:
+        with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
+            step(model)
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            for _ in range(5):
+                step(model)
+            torch.cuda.synchronize()
+        out["steady_ms_skip_guards"] = 1e3 * (time.perf_counter() - t) / 5
+    except Exception as e:  # noqa: BLE001 - an older torch without the option
+        out["steady_ms_skip_guards"] = f"{type(e).__name__}: {e}"[:200]
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            step(model)
+        torch.cuda.synchronize()
+    events = prof.key_averages()
+    gpu_us = sum(e.self_device_time_total for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
+    out["gpu_busy_ms_per_step"] = gpu_us / 3e3
+    top = sorted(events, key=lambda e: -e.self_cpu_time_total)[:12]
+    out["top_self_cpu_ms_per_step"] = {e.key[:80]: round(e.self_cpu_time_total / 3e3, 2) for e in top}
+    return out
 
 
 def orchestrate(args: argparse.Namespace) -> None:
@@ -113,6 +153,7 @@ def orchestrate(args: argparse.Namespace) -> None:
         env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache, TRITON_CACHE_DIR=os.path.join(cache, "triton"))
         cmd = [sys.executable, __file__, "--variant", variant, "--batch", str(args.batch),
                "--warmup-steps", str(args.warmup_steps), "--timed-steps", str(args.timed_steps)]
+        cmd += ["--diagnose"] if args.diagnose else []
         t = time.perf_counter()
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
         lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
