@@ -5,15 +5,25 @@ tries again with ``floor(batch * factor)`` rounded down to a multiple of ``multi
 sizes is a pure function of the arguments (128 -> 114 -> 102 -> 90 ... with the defaults). Any other error propagates
 unchanged. Each trial must run several training steps (``steps_per_trial``, at least three): torch.compile and
 kernel autotuning allocate differently on their first steps, so one step under-reports the peak.
+
+``search_run_batch_size`` drives the search for a run (``RunConfig.find_batch_size``): each trial is the real
+pipeline (task, model, accelerations, optimizer, compile) trained for ``TRIAL_STEPS`` steps, writing into
+``<run_dir>/batch_size_search/batch_<N>/``.
 """
 
 from __future__ import annotations
 
 import gc
 import math
-from typing import Callable
+from typing import Any, Callable
 
 import torch
+
+from gallery_lib.config import RunConfig
+
+TRIAL_STEPS = 3
+"""Training steps per trial: the first steps compile and autotune, which changes peak memory."""
+SEARCH_DIR = "batch_size_search"
 
 
 def is_out_of_memory(exc: BaseException) -> bool:
@@ -88,3 +98,34 @@ def find_batch_size(
         f"no batch size >= {minimum} fits in memory (tried {', '.join(map(str, tried)) or 'none'}, starting from "
         f"{start}): lower image_size, turn on mixed precision (amp_level='O1' or 'O2'), use a smaller model, or "
         f"lower minimum (now {minimum}).")
+
+
+def trial_config(cfg: RunConfig, batch: int) -> RunConfig:
+    """``cfg`` cut down to one trial at ``batch``: ``TRIAL_STEPS`` steps, no checkpoint, no export, its own folder."""
+    return cfg.replace(batch_size=batch, steps=TRIAL_STEPS, warmup_steps=min(cfg.warmup_steps, TRIAL_STEPS - 1),
+                       find_batch_size=False, checkpoint_every=0, export_model=False,
+                       output_dir=str(cfg.run_dir / SEARCH_DIR / f"batch_{batch}"))
+
+
+def search_run_batch_size(cfg: RunConfig, train: Callable[[RunConfig], Any],
+                          log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Finds the batch size of ``cfg`` from ``cfg.batch_size`` down; returns ``{"tried": [...], "chosen": N}``.
+
+    ``train(trial_cfg)`` trains one trial config (``trial_config``) to the end. Between trials, and after the
+    search, compiled graphs are dropped and cached memory is released, so the next model starts from a clean slate.
+    """
+    import torch._dynamo
+
+    tried: list[int] = []
+
+    def trial(batch: int) -> None:
+        tried.append(batch)
+        try:
+            train(trial_config(cfg, batch))
+        finally:
+            # Compiled graphs and their guards keep the trial's model (and its memory) alive.
+            torch._dynamo.reset()
+
+    chosen = find_batch_size(trial, cfg.batch_size, steps_per_trial=TRIAL_STEPS, log=log)
+    free_memory()
+    return {"tried": tried, "chosen": chosen}

@@ -61,6 +61,14 @@ def config_hash(cfg: RunConfig) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+def check_fresh_start(cfg: RunConfig) -> None:
+    """A fresh run that writes checkpoints refuses to mix them with those of an earlier run."""
+    directory = checkpoint_dir(cfg)
+    if cfg.checkpoint_every > 0 and (directory / LATEST).exists():
+        raise CheckpointError(f"{directory} holds checkpoints of an earlier run: set resume=True (--resume) "
+                              "to continue it, or delete that folder to start over.")
+
+
 def latest_checkpoint(directory: str | os.PathLike) -> Path:
     """The checkpoint file ``<directory>/latest`` names; ``CheckpointError`` if there is none."""
     directory = Path(directory)
@@ -157,10 +165,7 @@ class Checkpointer:
         return self.cfg.checkpoint_every > 0 and step % self.cfg.checkpoint_every == 0
 
     def check_fresh_start(self) -> None:
-        """A fresh run that writes checkpoints refuses to mix them with those of an earlier run."""
-        if self.cfg.checkpoint_every > 0 and (self.directory / LATEST).exists():
-            raise CheckpointError(f"{self.directory} holds checkpoints of an earlier run: set resume=True (--resume) "
-                                  "to continue it, or delete that folder to start over.")
+        check_fresh_start(self.cfg)
 
     def save(self, step: int, counters: dict[str, int]) -> Path | None:
         """Writes the state after ``step`` completed steps; returns the file on rank 0, ``None`` elsewhere."""

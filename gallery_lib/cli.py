@@ -37,6 +37,9 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
           help="ImageNet-style folder with train/<class>/ images (default: data/imagenet_like_<profile>)")
     _flag(g, "output_dir", default="output", help="output root (default: output)")
     _flag(g, "batch_size", type=int, help="images per process per step")
+    _flag(g, "find_batch_size", action="store_true", default=None,
+          help="search for the largest batch that fits, from --batch_size down (x0.9 per out-of-memory), then train "
+               "at it (single process only)")
     _flag(g, "steps", type=int, help="optimizer steps")
     _flag(g, "warmup_steps", type=int, help="steps excluded from speed figures")
     _flag(g, "image_size", type=int, help="training crop size")
@@ -55,8 +58,8 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
           help="any other RunConfig field, e.g. --set fused_attention=true (repeatable)")
 
 
-_SIZE_FIELDS = ("model", "data_dir", "output_dir", "batch_size", "steps", "warmup_steps", "image_size",
-                "nproc_per_node", "num_workers", "device", "lr", "seed")
+_SIZE_FIELDS = ("model", "data_dir", "output_dir", "batch_size", "find_batch_size", "steps", "warmup_steps",
+                "image_size", "nproc_per_node", "num_workers", "device", "lr", "seed")
 _OPT_FLAGS = {"amp_level": "amp_level", "amp_dtype": "amp_dtype", "compiler_opt": "compile",
               "compile_mode": "compile_mode", "kernel_opt": "kernels"}
 

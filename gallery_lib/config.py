@@ -56,6 +56,12 @@ class RunConfig:
 
     batch_size: int = 128
     """Images per process per step (the global batch is ``batch_size * nproc_per_node``)."""
+    find_batch_size: bool = False
+    """Search for the largest batch that fits: ``batch_size`` is then the largest size tried (rounded down to even),
+    backed off x0.9 on out-of-memory. Each trial runs 3 real training steps of this config (compiled when the recipe
+    compiles: compilation and autotuning change peak memory). The run then trains from scratch at the chosen size,
+    which its summary (``batch_size_search``) and ``config.json`` record. With ``lr=None`` the learning rate scales
+    with the chosen batch. Single-process only (``nproc_per_node=1``), and not with ``resume``."""
     steps: int = 50
     """Optimizer steps to run."""
     warmup_steps: int = 10
@@ -176,6 +182,16 @@ class RunConfig:
                               "(1 never stops for bad files).")
         if not isinstance(self.resume, bool):
             raise ConfigError(f"resume={self.resume!r} is invalid: expected true or false.")
+        if not isinstance(self.find_batch_size, bool):
+            raise ConfigError(f"find_batch_size={self.find_batch_size!r} is invalid: expected true or false.")
+        if self.find_batch_size and self.nproc_per_node > 1:
+            # Ranks would have to agree on an OOM raised mid-collective (Lightning's batch-size finder has the
+            # same limit).
+            raise ConfigError(f"find_batch_size=True is invalid with nproc_per_node={self.nproc_per_node}: run the "
+                              "search with nproc_per_node=1, then set batch_size to the size it chose.")
+        if self.find_batch_size and self.resume:
+            raise ConfigError("find_batch_size=True is invalid with resume=True: a resumed run keeps the batch size "
+                              "of its checkpoint. Drop find_batch_size and set batch_size to the saved run's value.")
         _check_choice("amp_level", self.amp_level, AMP_LEVELS)
         _check_choice("amp_dtype", self.amp_dtype, AMP_DTYPES)
         _check_choice("compile_mode", self.compile_mode, COMPILE_MODES)

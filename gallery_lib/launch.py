@@ -81,7 +81,8 @@ def launch(cfg: RunConfig, *, echo: Callable[[str], None] | None = print) -> Run
     _, summary = read_metrics(run_dir / "metrics.jsonl")
     if summary is None:
         raise RunFailed(f"run in {run_dir} exited cleanly but wrote no summary line to metrics.jsonl")
-    return RunResult(config=cfg, run_dir=run_dir, summary=summary)
+    # Re-read: the run rewrites its config.json when a batch-size search picked the size it trained at.
+    return RunResult(config=RunConfig.load(config_path), run_dir=run_dir, summary=summary)
 
 
 def _failure_message(run_dir: Path, code: int, console_tail: list[str]) -> str:

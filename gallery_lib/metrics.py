@@ -15,6 +15,10 @@ include compilation and autotuning and are excluded from the summary's speed fig
 ``skipped_step`` marks a step whose loss was not finite (its optimizer step was skipped). The summary
 adds ``nonfinite_steps`` and ``resumed_from_step`` (0 for a run that did not resume).
 
+A run resumed from step ``k`` trains steps ``k...`` again, so ``supersede_steps`` first moves the records of
+steps ``>= k`` (logged after the checkpoint by the stopped run) and any old summary into ``metrics.superseded.jsonl``
+beside the file: ``metrics.jsonl`` then holds each step once, in order, and nothing logged is lost.
+
 ``summary`` (the last line of a finished run)::
 
     {"type": "summary", "model": "swin_tiny_patch4_window7_224", "recipe": "compiled",
@@ -83,3 +87,50 @@ def read_metrics(path: str | os.PathLike) -> tuple[list[dict[str, Any]], dict[st
             elif record.get("type") == "summary":
                 summary = record
     return steps, summary
+
+
+SUPERSEDED_SUFFIX = ".superseded.jsonl"
+
+
+def superseded_path(path: str | os.PathLike) -> Path:
+    """``metrics.jsonl`` -> ``metrics.superseded.jsonl``, beside it."""
+    path = Path(path)
+    return path.with_name(path.stem + SUPERSEDED_SUFFIX)
+
+
+def supersede_steps(path: str | os.PathLike, first_step: int) -> int:
+    """Keeps in ``path`` only the step records of steps ``< first_step``; returns how many lines were moved out.
+
+    The other lines (later steps, a summary, a line truncated by a kill) are appended to ``superseded_path(path)``
+    first and ``path`` is then replaced atomically, so a kill at any point loses no line (at worst a line is in
+    both files). A missing ``path`` is left missing.
+    """
+    path = Path(path)
+    if not path.is_file():
+        return 0
+    kept: list[str] = []
+    moved: list[str] = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            if not line.strip():
+                continue
+            line = line if line.endswith("\n") else line + "\n"
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                record = None
+            earlier = isinstance(record, dict) and record.get("type") == "step" and isinstance(record.get("step"), int)
+            (kept if earlier and record["step"] < first_step else moved).append(line)
+    if not moved:
+        return 0
+    with open(superseded_path(path), "a", encoding="utf-8") as f:
+        f.writelines(moved)
+        f.flush()
+        os.fsync(f.fileno())
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.writelines(kept)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return len(moved)

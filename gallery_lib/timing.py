@@ -49,6 +49,13 @@ def peak_memory_mb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def reset_peak_memory(device: torch.device) -> None:
+    """Starts a new CUDA peak, so a run reports its own even after others in the same process (a batch-size
+    search's trials); a CPU's peak resident set size cannot be reset."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
 def summarize_times(times_ms: list[float]) -> dict[str, float]:
     """Median and 20th/80th percentiles (``statistics.quantiles`` with inclusive method)."""
     if not times_ms:

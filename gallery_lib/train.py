@@ -24,6 +24,10 @@ checkpoint. Two ways to decide (``nonfinite_guard``):
 
 ``max_nonfinite_steps=0`` turns the check off.
 
+Out of memory: with ``find_batch_size`` the run first searches for the largest batch that fits, each trial a
+short real run (``batch_size.search_run_batch_size``), then trains from scratch at the chosen size. Resume: the
+metrics lines logged after the checkpoint by the stopped run move to ``metrics.superseded.jsonl``.
+
 Bad data: unreadable images are skipped by the dataset; every ``log_every`` steps the run stops with an error if more
 than ``max_bad_fraction`` of the loads failed (a shared counter read, no device sync). Restarts: when torchrun
 restarts the workers (``max_restarts``) and the run has a checkpoint, the new workers resume from it on their own.
@@ -44,15 +48,16 @@ import numpy as np
 import torch
 
 from gallery_lib.accelerate import apply_accelerations
-from gallery_lib.checkpoint import LATEST, Checkpointer, checkpoint_dir
+from gallery_lib.batch_size import search_run_batch_size
+from gallery_lib.checkpoint import LATEST, Checkpointer, check_fresh_start, checkpoint_dir
 from gallery_lib.config import RunConfig, validate_for_machine
 from gallery_lib.distributed import DistInfo, all_reduce_sum, init_distributed, shutdown
-from gallery_lib.metrics import MetricsWriter
+from gallery_lib.metrics import MetricsWriter, superseded_path, supersede_steps
 from gallery_lib.flops import measured_matmul_tflops
 from gallery_lib.precision import Precision
 from gallery_lib.run_logging import rank_logging
 from gallery_lib.tasks import build_task
-from gallery_lib.timing import StepTimer, peak_memory_mb, summarize_times
+from gallery_lib.timing import StepTimer, peak_memory_mb, reset_peak_memory, summarize_times
 
 
 def seed_everything(seed: int) -> None:
@@ -116,7 +121,8 @@ def nonfinite_flag(loss: torch.Tensor, dist: DistInfo) -> torch.Tensor:
     """A 0-d float tensor on the loss's device, > 0 when the loss is not finite on some rank (no sync)."""
     flag = (~torch.isfinite(loss.detach())).float().reshape(())
     if dist.world_size > 1:
-        torch.distributed.all_reduce(flag)
+        # MAX, not SUM: fused AdamW skips only when found_inf == 1.0 exactly; a 2.0 (two bad ranks) would step.
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
     return flag
 
 
@@ -137,10 +143,30 @@ def resumes_after_restart(cfg: RunConfig) -> bool:
 
 
 def run(cfg: RunConfig, dist: DistInfo | None = None) -> dict:
-    """Trains ``cfg`` and returns the summary record (also the last line of ``metrics.jsonl``)."""
+    """Trains ``cfg`` and returns the summary record (also the last line of ``metrics.jsonl``).
+
+    With ``cfg.find_batch_size`` the batch size is searched first; the run's ``config.json`` is then (re)written with
+    the chosen size and the summary gets ``batch_size_search: {"tried": [...], "chosen": N}``.
+    """
     if dist is None:  # called in-process; under torchrun main() has validated and started the group
         dist = init_distributed(validate_for_machine(cfg))
+    if not cfg.find_batch_size:
+        return _train(cfg, dist)
+    check_fresh_start(cfg)  # now, rather than after the search
+    log = print if dist.is_main else (lambda *a, **k: None)
+    search = search_run_batch_size(cfg, lambda trial: _train(trial, dist), log=log)
+    cfg = cfg.replace(batch_size=search["chosen"], find_batch_size=False,
+                      extra={**cfg.extra, "batch_size_search": search})
+    if dist.is_main:
+        cfg.save(cfg.run_dir / "config.json")  # says what trained; a torchrun restart reloads it without searching
+    log(f"[gallery] batch-size search: training at {search['chosen']} (tried {search['tried']}), from step 0")
+    return _train(cfg, dist, extra_summary={"batch_size_search": search})
+
+
+def _train(cfg: RunConfig, dist: DistInfo, extra_summary: dict | None = None) -> dict:
+    """One training run of ``cfg`` at its batch size; ``extra_summary`` is merged into the summary record."""
     setup_start = time.perf_counter()
+    reset_peak_memory(dist.device)
     configure_backends(cfg)
     seed_everything(cfg.seed)  # identical init on every rank; the loader derives per-rank streams
 
@@ -173,6 +199,11 @@ def run(cfg: RunConfig, dist: DistInfo | None = None) -> dict:
         start, counters = ckpt.restore()  # before iter(loader): the loader starts at the saved position
         how = f" after torchrun restart {restart_count()}" if not cfg.resume else ""
         log(f"[gallery] resumed from step {start}{how} ({ckpt.directory})")
+        if dist.is_main:  # steps >= start are trained again: their old records must not appear twice
+            moved = supersede_steps(cfg.run_dir / "metrics.jsonl", start)
+            if moved:
+                log(f"[gallery] {moved} metrics line(s) of the stopped run from step {start} on are superseded: "
+                    f"moved to {superseded_path(cfg.run_dir / 'metrics.jsonl')}")
     else:
         ckpt.check_fresh_start()
         start, counters = 0, {"nonfinite_in_a_row": 0, "nonfinite_steps": 0}
@@ -280,6 +311,7 @@ def run(cfg: RunConfig, dist: DistInfo | None = None) -> dict:
         "notes": accelerated.notes, "ema": cfg.ema, "train_flops_per_sample": flops_per_sample,
         "matmul_tflops": measured_matmul_tflops(dist.device),
         "torch_version": torch.__version__, "output_dir": str(cfg.run_dir), **task.summary(),
+        **(extra_summary or {}),
     }
     if cfg.export_model and dist.is_main:
         summary["exported_to"] = task.export(cfg.run_dir, ema)

@@ -3,6 +3,7 @@ and the non-finite-loss guard of the training loop."""
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import shutil
@@ -331,3 +332,53 @@ def test_device_guard_skips_nonfinite_steps_without_a_host_sync(smoke_data, tmp_
     assert adam_steps == {2.0}  # 8 steps, 6 skipped: Adam's own step count took only the 2 finite ones
     steps, _ = read_metrics(cfg.run_dir / "metrics.jsonl")
     assert [s["skipped_step"] for s in steps] == [False, True, False] + [True] * 5
+
+
+def test_resume_supersedes_metrics_logged_after_the_checkpoint(reference, smoke_data, tmp_path, monkeypatch, capsys):
+    """A run stopped after logging steps 4-5 past its step-4 checkpoint: on resume those lines move to
+    metrics.superseded.jsonl and metrics.jsonl holds each step once, equal to the uninterrupted run."""
+    from gallery_lib.tasks.classification import ClassificationTask
+
+    calls = []
+    loss = ClassificationTask.loss
+
+    def crash_in_step_7(self, module, batch, precision):
+        calls.append(None)
+        if len(calls) == 8:  # only in the first run: the resumed one starts counting at call 9
+            raise RuntimeError("mocked crash in step 7")
+        return loss(self, module, batch, precision)
+
+    monkeypatch.setattr(ClassificationTask, "loss", crash_in_step_7)
+    cfg = resume_cfg(smoke_data, tmp_path, checkpoint_every=4, log_every=2)
+    with pytest.raises(RuntimeError, match="mocked crash"):
+        run(cfg)
+    path = cfg.run_dir / "metrics.jsonl"
+    assert [s["step"] for s in read_metrics(path)[0]] == [0, 1, 2, 3, 4, 5]  # step 6 was pending, never logged
+    capsys.readouterr()
+
+    summary = run(cfg.replace(resume=True))
+    assert summary["resumed_from_step"] == 4
+    assert "2 metrics line(s) of the stopped run from step 4 on are superseded" in capsys.readouterr().out
+    steps, stored = read_metrics(path)
+    assert [s["step"] for s in steps] == list(range(STEPS)) and stored == summary
+    assert [s["loss"] for s in steps] == [step_losses(reference)[n] for n in range(STEPS)]
+    superseded, old_summary = read_metrics(path.with_name("metrics.superseded.jsonl"))
+    assert [s["step"] for s in superseded] == [4, 5] and old_summary is None
+    assert [s["loss"] for s in superseded] == [step_losses(reference)[n] for n in (4, 5)]  # nothing lost
+
+
+def test_supersede_steps_moves_later_steps_summary_and_broken_lines(tmp_path):
+    from gallery_lib.metrics import supersede_steps
+
+    path = tmp_path / "metrics.jsonl"
+    lines = [json.dumps({"type": "step", "step": n, "loss": float(n)}) for n in range(4)]
+    lines += [json.dumps({"type": "summary", "final_loss": 3.0}), json.dumps({"type": "step", "step": 2}),
+              '{"type": "step", "st']  # a second attempt's step 2, then a line cut short by a kill
+    path.write_text("\n".join(lines))
+    assert supersede_steps(path, 2) == 5
+    assert path.read_text().splitlines() == lines[:2]
+    moved = tmp_path / "metrics.superseded.jsonl"
+    assert moved.read_text().splitlines() == lines[2:]
+    assert supersede_steps(path, 2) == 0 and moved.read_text().splitlines() == lines[2:]  # nothing left to move
+    assert supersede_steps(tmp_path / "missing.jsonl", 0) == 0 and not (tmp_path / "missing.jsonl").exists()
+    assert not list(tmp_path.glob("*.tmp"))

@@ -243,3 +243,78 @@ def test_torchrun_restart_resumes_from_the_last_checkpoint(smoke_data, tmp_path,
     assert [s["step"] for s in steps] == list(range(8))
     assert {s["step"]: s["loss"] for s in steps} == ref_losses
     assert result.summary["final_loss"] == expected["final_loss"]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# A non-finite loss on some ranks of a multi-process run
+
+NAN_ON_SOME_RANKS = textwrap.dedent("""
+    # Test-only entry point: the training module, except that the loss is NaN on the ranks NAN_AT names for a
+    # step, and each rank saves its model's final state_dict to PARAMS_DIR/rank<N>.pt.
+    import os
+    import sys
+
+    import torch
+
+    import gallery_lib.train as train
+    from gallery_lib.tasks.classification import ClassificationTask
+
+    RANK = int(os.environ["RANK"])
+    NAN_AT = NAN_AT_VALUE  # step -> ranks whose loss is NaN in it
+    calls = []
+    models = []
+    task_loss = ClassificationTask.loss
+    build_optimizer = train.build_optimizer
+
+    def loss(self, module, batch, precision):  # called once per step
+        value = task_loss(self, module, batch, precision)
+        calls.append(None)
+        return value * float("nan") if RANK in NAN_AT.get(len(calls) - 1, ()) else value
+
+    def keep_model(model, cfg, precision):
+        models.append(model)
+        return build_optimizer(model, cfg, precision)
+
+    ClassificationTask.loss = loss
+    train.build_optimizer = keep_model
+    code = train.main(sys.argv[1:])
+    torch.save(models[0].state_dict(), os.path.join(PARAMS_DIR_VALUE, f"rank{RANK}.pt"))
+    sys.exit(code)
+""")
+
+
+@pytest.mark.parametrize("guard, options", [
+    ("host", dict(amp_level="O1")),  # the default: bf16 autocast on a CPU, no GradScaler, standard AdamW
+    ("device", dict(fused_optimizer=True, amp_level="O0")),
+])
+def test_nonfinite_loss_on_some_ranks_skips_the_step_on_every_rank(smoke_data, tmp_path, monkeypatch, guard,
+                                                                   options):
+    """Two gloo processes: in step 2 only rank 1's loss is NaN, in step 4 both ranks' are. Both steps are skipped
+    on both ranks (rank 0 counts step 2 though its own loss was finite) and the ranks end with the same, finite
+    weights. Step 4 caught a bug of the device guard: the flags were summed, and fused AdamW skips only when
+    found_inf == 1, so two bad ranks (found_inf 2) let NaN into the weights."""
+    from gallery_lib.precision import Precision
+    from gallery_lib.train import nonfinite_guard
+
+    cfg = small_cfg(smoke_data, tmp_path / "out", nproc_per_node=2, batch_size=4, log_every=3, **options)
+    assert nonfinite_guard(cfg, Precision.from_config(cfg, "cpu")) == guard
+    wrapper = tmp_path / "nan_on_some_ranks.py"
+    wrapper.write_text(NAN_ON_SOME_RANKS.replace("NAN_AT_VALUE", repr({2: (1,), 4: (0, 1)}))
+                       .replace("PARAMS_DIR_VALUE", repr(str(tmp_path))))
+
+    def wrapped_command(cfg, config_path):
+        command = torchrun_command(cfg, config_path)
+        i = command.index("gallery_lib.train")
+        return command[:i - 1] + [str(wrapper)] + command[i + 1:]
+
+    monkeypatch.setattr(gallery_lib.launch, "torchrun_command", wrapped_command)
+    result = launch(cfg, echo=None)
+
+    assert result.summary["world_size"] == 2 and result.summary["nonfinite_steps"] == 2
+    steps, _ = read_metrics(result.metrics_path)
+    assert [s["skipped_step"] for s in steps] == [False, False, True, False, True, False]
+    assert steps[2]["loss"] is not None and steps[4]["loss"] is None  # rank 0's own loss: finite in step 2 only
+    rank0, rank1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in (0, 1))
+    assert rank0.keys() == rank1.keys()
+    for name, value in rank0.items():
+        assert torch.isfinite(value).all() and torch.equal(value, rank1[name]), name
