@@ -83,8 +83,10 @@ def _ln_bwd_kernel(DY, X, W, Mean, Rstd, DX, Part, R, D, n_blocks, P,
     part = pid.to(tl.int64) * D
     DWp = Part
     DBp = Part + P
-    acc_dw = tl.zeros([BLOCK_D], dtype=tl.float32)
-    acc_db = tl.zeros([BLOCK_D], dtype=tl.float32)
+    # Per-element accumulators, reduced over rows once at the end: a column sum per row block would cost a
+    # cross-warp reduction (shared memory and a barrier) in every iteration of the loop.
+    acc_dw = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    acc_db = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     if SINGLE:
         if HAS_W:
             w_row = tl.load(W + cols, mask=cols < D, other=0.0).to(tl.float32)[None, :]
@@ -107,8 +109,8 @@ def _ln_bwd_kernel(DY, X, W, Mean, Rstd, DX, Part, R, D, n_blocks, P,
             c2 = tl.sum(wdy, axis=1) / D
             dx = (wdy - xhat * c1[:, None] - c2[:, None]) * rstd[:, None]
             tl.store(DX + row_base + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
-            acc_dw += tl.sum(dy * xhat, axis=0)
-            acc_db += tl.sum(dy, axis=0)
+            acc_dw += dy * xhat
+            acc_db += dy
         else:
             # Row sums of w*dy*xhat and w*dy (the mean terms of dx), then a second pass for dx.
             s_xhat = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -144,8 +146,8 @@ def _ln_bwd_kernel(DY, X, W, Mean, Rstd, DX, Part, R, D, n_blocks, P,
                 tl.store(DWp + part + c, dw_old + tl.sum(dy * xhat, axis=0), mask=c_mask)
                 tl.store(DBp + part + c, db_old + tl.sum(dy, axis=0), mask=c_mask)
     if SINGLE:
-        tl.store(DWp + part + cols, acc_dw, mask=cols < D)
-        tl.store(DBp + part + cols, acc_db, mask=cols < D)
+        tl.store(DWp + part + cols, tl.sum(acc_dw, axis=0), mask=cols < D)
+        tl.store(DBp + part + cols, tl.sum(acc_db, axis=0), mask=cols < D)
 
 
 def _ptr(t: Optional[torch.Tensor], dummy: torch.Tensor) -> torch.Tensor:
