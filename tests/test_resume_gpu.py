@@ -5,16 +5,15 @@ Run on the GPU machine with ``pytest tests/test_resume_gpu.py -m gpu -s`` (``-s`
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
 
-from gallery_lib.checkpoint import LATEST, read_checkpoint
+from gallery_lib.checkpoint import read_checkpoint
 from gallery_lib.config import RunConfig
 from gallery_lib.metrics import read_metrics
 from gallery_lib.recipes import apply_recipe
 from gallery_lib.train import run
+from resume_testing import resume_from_copy
 
 STEPS = 8
 LOSS_RTOL = 1e-2
@@ -52,11 +51,7 @@ def test_compiled_bf16_resume_on_gpu_matches_the_straight_run(smoke_data, tmp_pa
     assert straight.compile and straight.amp_dtype == "bfloat16" and straight.fused_optimizer
     run(straight)
 
-    resumed = straight.replace(output_dir=str(tmp_path / "resumed"), resume=True)
-    ckpt_dir = resumed.run_dir / "checkpoints"
-    ckpt_dir.mkdir(parents=True)
-    shutil.copy(straight.run_dir / "checkpoints" / "step_4.pt", ckpt_dir)
-    (ckpt_dir / LATEST).write_text("step_4.pt\n")
+    resumed = resume_from_copy(straight, 4, tmp_path / "resumed")
     torch._dynamo.reset()  # compile again from scratch, as a new process would
     summary = run(resumed)
     assert summary["resumed_from_step"] == 4
@@ -67,7 +62,7 @@ def test_compiled_bf16_resume_on_gpu_matches_the_straight_run(smoke_data, tmp_pa
     loss_rel = max(abs(a[n] - b[n]) / abs(a[n]) for n in b)
     start = flat_params(straight.run_dir / "checkpoints" / "step_4.pt")
     p_a = flat_params(straight.run_dir / "checkpoints" / f"step_{STEPS}.pt")
-    p_b = flat_params(ckpt_dir / f"step_{STEPS}.pt")
+    p_b = flat_params(resumed.run_dir / "checkpoints" / f"step_{STEPS}.pt")
     max_abs = (p_a - p_b).abs().max().item()
     scale = p_a.abs().max().item()
     update_rel = ((p_b - start) - (p_a - start)).norm().item() / (p_a - start).norm().item()

@@ -10,6 +10,7 @@ from gallery_lib.metrics import read_metrics
 from gallery_lib.profiles import base_config
 from gallery_lib.recipes import apply_recipe
 from gallery_lib.train import run
+from resume_testing import resume_from_copy
 
 pytest.importorskip("diffusers")
 
@@ -99,23 +100,17 @@ def test_export_gives_a_diffusers_pipeline_with_the_ema_unet(caption_data, tmp_p
 
 def test_resume_continues_the_ema_exactly(caption_data, tmp_path):
     """A run stopped after its step-3 checkpoint and resumed ends in the uninterrupted run's state, EMA included."""
-    import shutil
-
-    from gallery_lib.checkpoint import LATEST, read_checkpoint
+    from gallery_lib.checkpoint import read_checkpoint
 
     whole = tiny(caption_data, tmp_path / "whole", steps=6, amp_level="O0", ema="foreach", checkpoint_every=3,
                  deterministic=True)
     run(whole)
-    resumed = whole.replace(output_dir=str(tmp_path / "resumed"), resume=True)
-    ckpt_dir = resumed.run_dir / "checkpoints"
-    ckpt_dir.mkdir(parents=True)
-    shutil.copy(whole.run_dir / "checkpoints" / "step_3.pt", ckpt_dir)
-    (ckpt_dir / LATEST).write_text("step_3.pt\n")
+    resumed = resume_from_copy(whole, 3, tmp_path / "resumed")
     lines = (whole.run_dir / "metrics.jsonl").read_text().splitlines()[:3]
     (resumed.run_dir / "metrics.jsonl").write_text("\n".join(lines) + "\n")
     run(resumed)
     a = read_checkpoint(whole.run_dir / "checkpoints" / "step_6.pt")
-    b = read_checkpoint(ckpt_dir / "step_6.pt")
+    b = read_checkpoint(resumed.run_dir / "checkpoints" / "step_6.pt")
     assert a["ema"]["step"] == b["ema"]["step"] == 6
     for key, value in a["ema"]["module"].items():
         assert torch.equal(b["ema"]["module"][key], value), key
