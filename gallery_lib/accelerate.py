@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from gallery_lib.config import RunConfig
+from gallery_lib.config import KERNEL_OPS, RunConfig
 from gallery_lib.distributed import DistInfo, wrap_ddp
 from gallery_lib.precision import Precision
 
@@ -43,7 +43,7 @@ def apply_accelerations(model: torch.nn.Module, cfg: RunConfig, precision: Preci
         model = model.to(memory_format=torch.channels_last)
         notes.append("channels_last: images and conv weights in NHWC layout")
     if cfg.kernels:
-        notes.append(_apply_kernels(model))
+        notes.append(_apply_kernels(model, cfg.kernel_op_names))
     if cfg.fused_attention:
         notes.append(_apply_fused_attention(model))
     precision.cast_model(model)
@@ -57,12 +57,12 @@ def apply_accelerations(model: torch.nn.Module, cfg: RunConfig, precision: Preci
     return AcceleratedModel(module=model, train_module=train_module, notes=notes)
 
 
-def _apply_kernels(model: torch.nn.Module) -> str:
+def _apply_kernels(model: torch.nn.Module, ops: tuple[str, ...]) -> str:
     try:
         from gallery_lib.patch import apply_kernels
     except ImportError as exc:  # the kernels package is optional for the core loop
         raise RuntimeError(f"kernels=True needs gallery_lib.patch, which failed to import: {exc}") from exc
-    report = apply_kernels(model)
+    report = apply_kernels(model, **{op: op in ops for op in KERNEL_OPS})
     return f"fused kernels: {report.summary()}"
 
 

@@ -23,6 +23,7 @@ DEVICES = ("auto", "cuda", "cpu")
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 EMA_MODES = ("off", "loop", "foreach", "fused", "stream")
 PREDICTION_TYPES = ("epsilon", "v_prediction")
+KERNEL_OPS = ("group_norm_silu", "layer_norm", "geglu")
 # Compile modes that capture CUDA graphs: only meaningful with a GPU.
 CUDA_GRAPH_COMPILE_MODES = ("reduce-overhead", "max-autotune")
 
@@ -91,6 +92,9 @@ class RunConfig:
     """``torch.compile`` mode (``max-autotune-no-cudagraphs`` autotunes matmuls without CUDA graphs)."""
     kernels: bool = False
     """Swap in the fused Triton kernels of ``gallery_lib.kernels`` where they apply (``--kernel-opt``)."""
+    kernel_ops: str = "all"
+    """Which kernels ``kernels=True`` swaps in: ``all`` or a comma list of ``group_norm_silu``, ``layer_norm``,
+    ``geglu`` (recipes keep only those that measured faster than torch.compile's own code)."""
     fused_attention: bool = False
     """Run window/self attention through ``scaled_dot_product_attention`` instead of explicit matmuls."""
     channels_last: bool = False
@@ -180,6 +184,10 @@ class RunConfig:
                 isinstance(self.max_bad_fraction, (int, float)) and 0 < self.max_bad_fraction <= 1):
             raise ConfigError(f"max_bad_fraction={self.max_bad_fraction!r} is invalid: expected a number in (0, 1] "
                               "(1 never stops for bad files).")
+        if not isinstance(self.kernel_ops, str) or not self.kernel_op_names or any(
+                op not in KERNEL_OPS for op in self.kernel_op_names):
+            raise ConfigError(f"kernel_ops={self.kernel_ops!r} is invalid: expected 'all' or a comma list of "
+                              f"{', '.join(KERNEL_OPS)}.")
         if not isinstance(self.resume, bool):
             raise ConfigError(f"resume={self.resume!r} is invalid: expected true or false.")
         if not isinstance(self.find_batch_size, bool):
@@ -247,6 +255,13 @@ class RunConfig:
     def run_dir(self) -> Path:
         """Where this run writes ``config.json``, ``metrics.jsonl`` and ``logs/``."""
         return Path(self.output_dir) / self.family / self.recipe
+
+    @property
+    def kernel_op_names(self) -> tuple[str, ...]:
+        """``kernel_ops`` as names: every op for ``all``."""
+        if self.kernel_ops == "all":
+            return KERNEL_OPS
+        return tuple(op.strip() for op in self.kernel_ops.split(",") if op.strip())
 
     @property
     def global_batch_size(self) -> int:

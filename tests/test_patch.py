@@ -132,3 +132,23 @@ def test_resnet_block_scale_shift_keeps_norm2_unfused():
 def test_rejects_non_module():
     with pytest.raises(TypeError, match="nn.Module"):
         apply_kernels(lambda x: x)
+
+
+def test_config_kernel_ops_choose_what_the_run_swaps():
+    from gallery_lib.accelerate import apply_accelerations
+    from gallery_lib.config import ConfigError, RunConfig
+    from gallery_lib.distributed import DistInfo
+    from gallery_lib.precision import Precision
+
+    cfg = RunConfig(model="sd_tiny", device="cpu", amp_level="O0", kernels=True, kernel_ops="geglu")
+    assert cfg.kernel_op_names == ("geglu",)
+    model = tiny_unet()
+    dist = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+    notes = apply_accelerations(model, cfg, Precision.from_config(cfg, "cpu"), dist).notes
+    kinds = {type(m) for m in model.modules()}
+    assert FusedGEGLU in kinds and FusedGroupNorm not in kinds and FusedLayerNorm not in kinds
+    assert any("geglu=" in note and "group_norm" not in note.split("\n")[0] for note in notes), notes
+    assert RunConfig(model="sd_tiny").kernel_op_names == ("group_norm_silu", "layer_norm", "geglu")
+    for bad in ("", "geglu,softmax", 3):
+        with pytest.raises(ConfigError, match="kernel_ops"):
+            RunConfig(model="sd_tiny", kernel_ops=bad)
