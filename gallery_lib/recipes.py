@@ -58,7 +58,10 @@ _ACCELERATED: dict[str, dict[str, Any]] = {
     # fastest update (4.3 ms vs 5.0 foreach for the 860M UNet, ema_compile_attention_h200.json). channels_last:
     # +0.6% at batch 32 (131.0 -> 131.8 img/s), within noise, so it stays off. The batch size is the run's: at the
     # largest batch that fits comfortably (64, 62 GiB) accelerated reaches 140.0 img/s, 45% MFU.
-    "text_to_image": {"cache_latents": True, "ema": "fused"},
+    # Fused kernels: only GEGLU beat torch.compile's own code at every SD shape (kernels_h200_v3.json); in the UNet
+    # step at batch 32 it gave 133.3 against 130.8 img/s, same run, no overlap of p20-p80, same memory
+    # (sd15_geglu_kernel_b32_h200.json). GroupNorm+SiLU and LayerNorm stay with Inductor.
+    "text_to_image": {"cache_latents": True, "ema": "fused", "kernels": True, "kernel_ops": "geglu"},
 }
 
 

@@ -40,6 +40,7 @@ def test_recipes_resolve_the_sd_switches(caption_data, tmp_path):
     assert (baseline.ema, baseline.cache_latents, baseline.compile) == ("loop", False, False)
     assert (compiled.ema, compiled.cache_latents, compiled.compile) == ("foreach", False, True)
     assert accelerated.cache_latents and accelerated.compile and accelerated.ema == "fused"
+    assert accelerated.kernels and accelerated.kernel_op_names == ("geglu",)
     no_ema = apply_recipe("accelerated", base.replace(ema="off"))
     assert no_ema.ema == "off"  # the profile decides whether there is an EMA; the recipe only how it runs
     with pytest.raises(ConfigError, match="cache_latents=True applies to text-to-image models"):
