@@ -79,7 +79,8 @@ def run_variant(args: argparse.Namespace) -> dict:
             report = precompile_blocks(unet, forward, block_names(unet), workers=int(args.variant.split("+p")[1]),
                                        compile_kwargs=kwargs)
             result["precompile"] = {"seconds": report.seconds, "graphs": report.graphs, "blocks": report.blocks,
-                                    "workers": report.workers, "failures": report.failures}
+                                    "workers": report.workers, "failures": report.failures,
+                                    "graph_seconds": report.graph_seconds}
         result["regions"] = len(regional_compile(unet, **kwargs))
     from torch._dynamo.utils import counters
 

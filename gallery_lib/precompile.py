@@ -37,6 +37,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map
 
 _AUTOCAST_DEVICES = ("cuda", "cpu")
+_DONE = "compiled "
 
 
 @dataclass(frozen=True)
@@ -84,6 +85,8 @@ class PrecompileReport:
     workers: int
     seconds: float
     failures: list[str] = field(default_factory=list)
+    graph_seconds: dict[str, float] = field(default_factory=dict)
+    """Per representative block: seconds its worker spent compiling it (forward and backward)."""
 
     def describe(self) -> str:
         failed = f"; {len(self.failures)} worker(s) failed, their graphs compile in the run" if self.failures else ""
@@ -180,6 +183,7 @@ def precompile_blocks(model: nn.Module, forward: Callable[[], Any], names: Itera
     device = next(iter(model.parameters())).device
     shares = _balance(calls, workers)
     failures: list[str] = []
+    graph_seconds: dict[str, float] = {}
     # The workers unpickle the blocks: their classes must import there as here (a notebook's or a test's own module).
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
     # Each worker would start a Triton compile pool as large as the machine: share the cores out instead.
@@ -206,10 +210,15 @@ def precompile_blocks(model: nn.Module, forward: Callable[[], Any], names: Itera
                 proc.kill()
                 proc.wait()
                 code = "timeout"
+            for line in log_path.read_text(errors="replace").splitlines():
+                if line.startswith(_DONE):  # "compiled NAME in SECONDS s", written by compile_share
+                    name, _, seconds = line[len(_DONE):].rpartition(" in ")
+                    graph_seconds[name] = float(seconds.rstrip(" s"))
             if code != 0:
                 tail = " | ".join(log_path.read_text(errors="replace").strip().splitlines()[-3:])
                 failures.append(f"worker {i} ({code}): {tail}"[:500])
-    report = PrecompileReport(len(names), len(calls), len(shares), time.perf_counter() - start, failures)
+    report = PrecompileReport(len(names), len(calls), len(shares), time.perf_counter() - start, failures,
+                              graph_seconds)
     log(f"[gallery] {report.describe()}")
     for failure in failures:
         log(f"[gallery]   precompile {failure}")
@@ -270,7 +279,7 @@ def compile_share(path: str) -> None:
     for call in share["calls"]:
         t = time.perf_counter()
         _compile_call(call, device, share["compile_kwargs"])
-        print(f"compiled {call.name} in {time.perf_counter() - t:.1f} s", flush=True)
+        print(f"{_DONE}{call.name} in {time.perf_counter() - t:.1f} s", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -94,6 +94,7 @@ def test_workers_fill_the_cache_the_run_then_hits():
                                    log=lines.append)
         assert report.failures == [], report.failures
         assert (report.blocks, report.graphs, report.workers) == (4, 3, 2)
+        assert sorted(report.graph_seconds) == ["a1", "b1", "b2"] and min(report.graph_seconds.values()) > 0
         assert "3 distinct block graphs (of 4 blocks) in 2 parallel processes" in lines[0]
         counters.clear()
         names = regional_compile(model, (Block,), **kwargs)
