@@ -57,10 +57,7 @@ class CaptionFolder(RobustImageDataset):
         caption_column: str = "text",
         max_consecutive_errors: int = 50,
     ) -> None:
-        super().__init__(max_consecutive_errors)
-        self.root = pathlib.Path(root)
-        self.split = split
-        self.transform = transform
+        super().__init__(root, split, transform, max_consecutive_errors)
         self.image_column = image_column
         self.caption_column = caption_column
         self.folder = _find_folder(self.root, split)

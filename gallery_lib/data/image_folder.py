@@ -39,13 +39,20 @@ class RobustImageDataset(torch.utils.data.Dataset):
     actually loaded and its RGB image, replacing a bad file by the next index.
 
     Args:
+        root: Dataset folder.
+        split: Split folder under ``root`` (``train``, ``val``).
+        transform: Applied to each loaded image (``None``: the PIL image).
         max_consecutive_errors: Unreadable samples tolerated in a row before a RuntimeError.
     """
 
     _prepare_hint = _PREPARE_HINT  # how to get a good dataset, quoted in the errors
     _bad_files_note = ""  # appended to "remove the bad files" in the errors
 
-    def __init__(self, max_consecutive_errors: int = 50) -> None:
+    def __init__(self, root: str | os.PathLike, split: str, transform: Callable | None,
+                 max_consecutive_errors: int = 50) -> None:
+        self.root = pathlib.Path(root)
+        self.split = split
+        self.transform = transform
         if max_consecutive_errors < 1:
             raise ValueError(f"max_consecutive_errors must be >= 1, got {max_consecutive_errors}")
         self.max_consecutive_errors = max_consecutive_errors
@@ -136,10 +143,7 @@ class RobustImageFolder(RobustImageDataset):
         transform: Callable | None = None,
         max_consecutive_errors: int = 50,
     ) -> None:
-        super().__init__(max_consecutive_errors)
-        self.root = pathlib.Path(root)
-        self.split = split
-        self.transform = transform
+        super().__init__(root, split, transform, max_consecutive_errors)
         self.classes, self.samples = _scan(self.root, split)
         self.class_to_idx = {name: i for i, name in enumerate(self.classes)}
 
