@@ -10,11 +10,15 @@ compiles the same blocks, it finds every graph there and only traces and loads.
 1. record: the caller's forward runs once eagerly (RNG states restored afterwards) with pre-hooks on the blocks; each
    call's inputs are kept as specs (shape, stride, dtype, requires_grad; other arguments by value) with the autocast
    state of the call.
-2. group: calls of the same block class, with the same parameter, buffer and input metadata, compile to the same graph:
-   one representative each, spread over the workers by parameter count.
-3. workers (``python -m gallery_lib.precompile SPEC``): each gets meta-device copies of its blocks (real buffers,
-   since index buffers must stay valid), runs forward and backward on random inputs of the recorded specs through
-   ``module.compile(**compile_kwargs)``, and exits.
+2. group: calls of the same block class, with the same parameter, buffer and input metadata and the same plain
+   attributes (Dynamo guards on those too: SD's mid-block ResNets differ from their neighbours only in
+   ``output_scale_factor``), compile to the same graph: one representative each.
+3. workers (``python -m gallery_lib.precompile QUEUE DEVICE``) start before the recording, so that their imports,
+   CUDA context and Inductor compile pool (several seconds each) come up meanwhile; then they all read meta-device
+   copies of every representative (real buffers, since index buffers must stay valid), ordered largest first. Each worker claims the next unclaimed
+   graph (an exclusive file create: no scheduler, no IPC), runs forward and backward on random inputs of the
+   recorded specs through ``module.compile(**compile_kwargs)``, and takes the next, so a slow graph never leaves
+   other graphs waiting behind it while a worker sits idle.
 
 Numerics are unchanged: a cache hit loads the code the training process would have generated itself, and a graph the
 workers missed (or a failed worker) is simply compiled by the training process as usual.
@@ -23,6 +27,8 @@ workers missed (or a failed worker) is simply compiled by the training process a
 from __future__ import annotations
 
 import copy
+import importlib
+import json
 import os
 import subprocess
 import sys
@@ -38,6 +44,9 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 _AUTOCAST_DEVICES = ("cuda", "cpu")
 _DONE = "compiled "
+_READY = "ready: "
+_T0_ENV = "GALLERY_PRECOMPILE_T0"
+_IMPORTS_ENV = "GALLERY_PRECOMPILE_IMPORTS"
 
 
 @dataclass(frozen=True)
@@ -87,6 +96,10 @@ class PrecompileReport:
     failures: list[str] = field(default_factory=list)
     graph_seconds: dict[str, float] = field(default_factory=dict)
     """Per representative block: seconds its worker spent compiling it (forward and backward)."""
+    record_seconds: float = float("nan")
+    """The recording forward pass (the workers start up meanwhile)."""
+    startup_seconds: dict[str, float] = field(default_factory=dict)
+    """When the slowest worker was done with each start-up phase (python, imports, cuda, pool), from the start."""
 
     def describe(self) -> str:
         failed = f"; {len(self.failures)} worker(s) failed, their graphs compile in the run" if self.failures else ""
@@ -102,10 +115,26 @@ def _autocast_state() -> tuple[tuple[str, bool, torch.dtype], ...]:
     return tuple((d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in _AUTOCAST_DEVICES)
 
 
+_PLAIN = (bool, int, float, str, type(None))
+
+
+def _plain_attributes(module: nn.Module) -> tuple:
+    """The public scalar attributes of ``module`` and its children: Dynamo specializes a graph on their values."""
+    found = []
+    for prefix, m in module.named_modules():
+        for name, value in sorted(vars(m).items()):
+            if name.startswith("_"):
+                continue
+            if isinstance(value, _PLAIN) or (isinstance(value, (tuple, list))
+                                             and all(isinstance(v, _PLAIN) for v in value)):
+                found.append((prefix, name, repr(value)))
+    return tuple(found)
+
+
 def _graph_key(module: nn.Module, call: BlockCall) -> tuple:
     tensors = tuple((n, TensorSpec.of(t)) for n, t in (*module.named_parameters(), *module.named_buffers()))
-    return (type(module).__qualname__, repr(module), tensors, repr(call.args), repr(sorted(call.kwargs.items())),
-            call.autocast, call.training)
+    return (type(module).__qualname__, repr(module), _plain_attributes(module), tensors, repr(call.args),
+            repr(sorted(call.kwargs.items())), call.autocast, call.training)
 
 
 def record_block_calls(model: nn.Module, forward: Callable[[], Any], names: Iterable[str]) -> tuple[list[BlockCall],
@@ -143,15 +172,18 @@ def _meta_copy(module: nn.Module) -> tuple[nn.Module, dict[str, torch.Tensor]]:
     return copy.deepcopy(module, memo), buffers
 
 
-def _balance(calls: list[BlockCall], workers: int) -> list[list[BlockCall]]:
-    """Largest first onto the least-loaded worker; empty shares dropped."""
-    shares: list[list[BlockCall]] = [[] for _ in range(max(1, workers))]
-    loads = [0] * len(shares)
-    for call in sorted(calls, key=lambda c: -c.cost):
-        i = loads.index(min(loads))
-        shares[i].append(call)
-        loads[i] += max(1, call.cost)
-    return [s for s in shares if s]
+def _largest_first(calls: list[BlockCall]) -> list[BlockCall]:
+    """The queue's order: by parameter count, which tracks a block's compile time (wide blocks compile slowest)."""
+    return sorted(calls, key=lambda c: -c.cost)
+
+
+def _claim(claims: Path, index: int) -> bool:
+    """True for exactly one worker per ``index``: whoever creates the claim file first compiles that graph."""
+    try:
+        os.close(os.open(claims / str(index), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        return True
+    except FileExistsError:
+        return False
 
 
 def _backend_flags() -> dict[str, Any]:
@@ -170,59 +202,82 @@ def precompile_blocks(model: nn.Module, forward: Callable[[], Any], names: Itera
         model: the model whose blocks the run will compile with ``module.compile(**compile_kwargs)``.
         forward: runs the model's forward once as the training step does (same batch shape, autocast, train mode).
         names: qualified names of the blocks (``regional_compile``'s return value).
-        workers: how many processes compile at the same time (each holds its blocks' weights and one call's
-            activations in device memory).
+        workers: how many processes compile at the same time (each holds one block's weights and one call's
+            activations in device memory at a time); one with nothing left to claim exits.
         compile_kwargs: exactly what the run passes to ``module.compile`` (a different option is a different graph).
-        timeout_s: a worker still running after this long is stopped; its graphs compile in the run.
+        timeout_s: a worker still running after this long is stopped; graphs it had not finished compile in the run.
     """
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         raise ValueError(f"workers={workers!r} is invalid: expected an integer >= 1.")
     start = time.perf_counter()
     names = list(names)
-    calls, seen = record_block_calls(model, forward, names)
     device = next(iter(model.parameters())).device
-    shares = _balance(calls, workers)
+    # The workers unpickle the blocks: their classes must import there as here (a notebook's or a test's own module).
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p), **{
+        _T0_ENV: repr(time.time()),
+        _IMPORTS_ENV: ",".join(sorted({type(model.get_submodule(n)).__module__ for n in names}))})
+    # Each worker would start a Triton compile pool as large as the machine: share the cores out instead.
+    env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", str(max(1, (os.cpu_count() or 1) // workers)))
     failures: list[str] = []
     graph_seconds: dict[str, float] = {}
-    # The workers unpickle the blocks: their classes must import there as here (a notebook's or a test's own module).
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-    # Each worker would start a Triton compile pool as large as the machine: share the cores out instead.
-    env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", str(max(1, (os.cpu_count() or 1) // len(shares))))
+    startup: dict[str, float] = {}
     with tempfile.TemporaryDirectory(prefix="gallery_precompile_") as tmp:
+        path = Path(tmp) / "queue.pt"
+        (Path(tmp) / "claims").mkdir()
+        # Workers start first: their imports, CUDA context and compile pool come up while this process records.
         procs = []
-        for i, share in enumerate(shares):
-            for call in share:
-                call.module, call.buffers = _meta_copy(model.get_submodule(call.name))
-            path = Path(tmp) / f"share{i}.pt"
-            torch.save({"calls": share, "compile_kwargs": compile_kwargs, "device": str(device),
-                        "flags": _backend_flags()}, path)
-            for call in share:
-                call.module, call.buffers = None, {}
-            log_path = Path(tmp) / f"share{i}.log"
+        for i in range(workers):
+            log_path = Path(tmp) / f"worker{i}.log"
             with open(log_path, "w") as out:
-                procs.append((subprocess.Popen([sys.executable, "-m", "gallery_lib.precompile", str(path)],
+                procs.append((subprocess.Popen([sys.executable, "-m", "gallery_lib.precompile", str(path), str(device)],
                                                stdout=out, stderr=subprocess.STDOUT, env=env), log_path))
-        deadline = time.monotonic() + timeout_s
-        for i, (proc, log_path) in enumerate(procs):
-            try:
-                code = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-                code = "timeout"
-            for line in log_path.read_text(errors="replace").splitlines():
-                if line.startswith(_DONE):  # "compiled NAME in SECONDS s", written by compile_share
-                    name, _, seconds = line[len(_DONE):].rpartition(" in ")
-                    graph_seconds[name] = float(seconds.rstrip(" s"))
-            if code != 0:
-                tail = " | ".join(log_path.read_text(errors="replace").strip().splitlines()[-3:])
-                failures.append(f"worker {i} ({code}): {tail}"[:500])
-    report = PrecompileReport(len(names), len(calls), len(shares), time.perf_counter() - start, failures,
-                              graph_seconds)
+        try:
+            calls, _ = record_block_calls(model, forward, names)
+            record_seconds = time.perf_counter() - start
+            _write_queue(path, _largest_first(calls), model, compile_kwargs)
+            _warm_compile_pool(wait=False)  # this process loads the compiled kernels next: its pool must be up
+            deadline = time.monotonic() + timeout_s
+            for i, (proc, log_path) in enumerate(procs):
+                try:
+                    code = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+                    code = "timeout"
+                for line in log_path.read_text(errors="replace").splitlines():
+                    if line.startswith(_DONE):  # "compiled NAME in SECONDS s", written by compile_queue
+                        name, _, seconds = line[len(_DONE):].rpartition(" in ")
+                        graph_seconds[name] = float(seconds.rstrip(" s"))
+                    elif line.startswith(_READY):
+                        for phase, seconds in json.loads(line[len(_READY):]).items():
+                            startup[phase] = max(startup.get(phase, 0.0), seconds)
+                if code != 0:
+                    tail = " | ".join(log_path.read_text(errors="replace").strip().splitlines()[-3:])
+                    failures.append(f"worker {i} ({code}): {tail}"[:500])
+        finally:  # an error here (in the caller's forward, say) must not leave workers waiting for a queue
+            for proc, _ in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+    report = PrecompileReport(len(names), len(calls), workers, time.perf_counter() - start, failures,
+                              graph_seconds, record_seconds, startup)
     log(f"[gallery] {report.describe()}")
     for failure in failures:
         log(f"[gallery]   precompile {failure}")
     return report
+
+
+def _write_queue(path: Path, queue: list[BlockCall], model: nn.Module, compile_kwargs: dict[str, Any]) -> None:
+    """Saves the queue with meta copies of its blocks, then renames it into place: workers never see half a file."""
+    device = next(iter(model.parameters())).device
+    for call in queue:
+        call.module, call.buffers = _meta_copy(model.get_submodule(call.name))
+    partial = path.with_suffix(".partial")
+    torch.save({"calls": queue, "compile_kwargs": compile_kwargs, "device": str(device),
+                "flags": _backend_flags()}, partial)
+    for call in queue:
+        call.module, call.buffers = None, {}
+    os.replace(partial, path)
 
 
 def _apply_flags(flags: dict[str, Any]) -> None:
@@ -266,31 +321,82 @@ def _compile_call(call: BlockCall, device: torch.device, compile_kwargs: dict[st
             torch.autograd.backward(grads_for, [torch.randn_like(t) for t in grads_for])
 
 
-def compile_share(path: str) -> None:
-    """The worker's job: compile every call of one share file written by ``precompile_blocks``."""
-    share = torch.load(path, weights_only=False)
-    _apply_flags(share["flags"])
+def _since_start() -> float:
+    return time.time() - float(os.environ.get(_T0_ENV, time.time()))
+
+
+def _warm_up(device: torch.device, imports: list[str]) -> dict[str, float]:
+    """What every worker's first compile would otherwise wait for: the blocks' modules, the CUDA context and
+    Inductor's pool of compile processes. Returns when each phase ended, in seconds since ``precompile_blocks``
+    started (a worker that is slow to start shows which phase it waited on)."""
+    marks = {"python": _since_start()}
+    for module in imports:
+        importlib.import_module(module)
+    marks["imports"] = _since_start()
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        torch.cuda.init()
+    marks["cuda"] = _since_start()
+    _warm_compile_pool(wait=True)
+    marks["pool"] = _since_start()
+    return marks
+
+
+def _warm_compile_pool(wait: bool) -> None:
+    """Starts Inductor's pool of compile processes now rather than at the first compile (a private API: if it
+    changes, the compile starts the pool itself, later)."""
+    try:
+        importlib.import_module("torch._inductor.compile_fx")
+        from torch._inductor.async_compile import AsyncCompile
+
+        AsyncCompile.warm_pool()
+        if wait:
+            AsyncCompile.wait_pool_ready()
+    except Exception as exc:  # noqa: BLE001
+        print(f"compile pool warm-up skipped: {type(exc).__name__}: {exc}", flush=True)
+
+
+def _wait_for(path: Path, poll_s: float = 0.02) -> bool:
+    """Waits for the queue file; False when the parent process went away first."""
+    parent = os.getppid()
+    while not path.exists():
+        if os.getppid() != parent:
+            return False
+        time.sleep(poll_s)
+    return True
+
+
+def compile_queue(path: str, device: str) -> None:
+    """The worker's job: warm up, wait for the queue file written by ``precompile_blocks``, then claim and compile
+    its graphs until none is left unclaimed."""
+    marks = _warm_up(torch.device(device), [m for m in os.environ.get(_IMPORTS_ENV, "").split(",") if m])
+    print(_READY + json.dumps(marks), flush=True)
+    if not _wait_for(Path(path)):
+        return
+    queue = torch.load(path, weights_only=False)
+    _apply_flags(queue["flags"])
     from gallery_lib.compile import raise_recompile_limit
 
     raise_recompile_limit()
-    device = torch.device(share["device"])
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    for call in share["calls"]:
+    claims = Path(path).parent / "claims"
+    for index, call in enumerate(queue["calls"]):
+        if not _claim(claims, index):
+            continue
         t = time.perf_counter()
-        _compile_call(call, device, share["compile_kwargs"])
+        _compile_call(call, torch.device(queue["device"]), queue["compile_kwargs"])
         print(f"{_DONE}{call.name} in {time.perf_counter() - t:.1f} s", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
-    if len(args) != 1:
-        print("usage: python -m gallery_lib.precompile SHARE.pt  (written by precompile_blocks)", file=sys.stderr)
+    if len(args) != 2:
+        print("usage: python -m gallery_lib.precompile QUEUE.pt DEVICE  (started by precompile_blocks)",
+              file=sys.stderr)
         return 2
     # Through the importable module, not __main__: the pickled specs refer to gallery_lib.precompile's classes.
-    from gallery_lib.precompile import compile_share as run_share
+    from gallery_lib.precompile import compile_queue as run_queue
 
-    run_share(args[0])
+    run_queue(args[0], args[1])
     return 0
 
 

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from gallery_lib.compile import regional_compile
-from gallery_lib.precompile import TensorSpec, _balance, precompile_blocks, record_block_calls
+from gallery_lib.precompile import TensorSpec, precompile_blocks, record_block_calls
 
 
 class Block(nn.Module):
@@ -60,15 +60,44 @@ def test_record_finds_distinct_graphs_and_keeps_rng():
     assert b2.args == (TensorSpec((2, 3, 12), (36, 12, 1), torch.float32, True),) and b2.kwargs == {"scale": 0.5}
 
 
-def test_balance_spreads_largest_first():
+def test_queue_is_largest_first_and_each_graph_claimed_once(tmp_path):
     calls, _ = record_block_calls(Model(), lambda m=Model(): None, [])
     assert calls == []
-    from gallery_lib.precompile import BlockCall
+    from gallery_lib.precompile import BlockCall, _claim, _largest_first
 
     made = [BlockCall(str(c), (), {}, (), True, cost=c) for c in (5, 1, 4, 2, 3)]
-    shares = _balance(made, 2)
-    assert [[c.cost for c in s] for s in shares] == [[5, 2, 1], [4, 3]]
-    assert len(_balance(made, 9)) == 5  # no empty shares
+    assert [c.cost for c in _largest_first(made)] == [5, 4, 3, 2, 1]
+    assert [_claim(tmp_path, i) for i in (0, 1, 0, 1, 2)] == [True, True, False, False, True]
+
+
+class Scaled(nn.Module):
+    """A block whose forward reads a plain attribute: Dynamo guards on its value, so it is part of the graph."""
+
+    def __init__(self, scale: float):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.output_scale = scale
+
+    def forward(self, x):
+        return self.fc(x) / self.output_scale
+
+
+def test_blocks_differing_only_in_a_plain_attribute_are_distinct_graphs():
+    model = nn.Sequential(nn.Linear(4, 4), Scaled(1.0), Scaled(1.0), Scaled(2.0))
+    calls, seen = record_block_calls(model, lambda: model(torch.randn(3, 4)), ["1", "2", "3"])
+    assert seen == 3 and sorted(c.name for c in calls) == ["1", "3"]
+
+
+def test_an_error_in_the_recording_forward_stops_the_workers():
+    import time
+
+    def forward():
+        raise RuntimeError("broken forward")
+
+    start = time.perf_counter()
+    with pytest.raises(RuntimeError, match="broken forward"):
+        precompile_blocks(Model(), forward, BLOCKS, workers=2, compile_kwargs={})
+    assert time.perf_counter() - start < 60  # the workers were killed, not waited for
 
 
 def test_bad_worker_count():
@@ -95,6 +124,9 @@ def test_workers_fill_the_cache_the_run_then_hits():
         assert report.failures == [], report.failures
         assert (report.blocks, report.graphs, report.workers) == (4, 3, 2)
         assert sorted(report.graph_seconds) == ["a1", "b1", "b2"] and min(report.graph_seconds.values()) > 0
+        assert 0 < report.record_seconds < report.seconds
+        assert list(report.startup_seconds) == ["python", "imports", "cuda", "pool"]
+        assert 0 < report.startup_seconds["pool"] < report.seconds
         assert "3 distinct block graphs (of 4 blocks) in 2 parallel processes" in lines[0]
         counters.clear()
         names = regional_compile(model, (Block,), **kwargs)
