@@ -8,6 +8,8 @@ the UNet (random weights, 859.5M parameters), and runs the accelerated recipe's 
 - ``whole``: ``torch.compile(unet)``, the compiled recipe today;
 - ``blocks``: ``regional_compile(unet, dynamic=False)``: each distinct Transformer2DModel / ResnetBlock2D graph;
 - ``blocks+pN``: the same after ``precompile_blocks`` compiled the distinct block graphs in N parallel processes;
+- ``blocks-cg`` / ``blocks-cg+pN``: the blocks with ``mode="reduce-overhead"`` (each block's forward and backward
+  replayed as CUDA graphs: fewer host launches where the step is host-bound);
 - ``whole-warm``: ``whole`` again in ``whole``'s cache folder (what a second run on the same machine sees).
 
 ``time_to_steady_s`` runs from the start of compilation (precompile included) to the end of the warm-up steps;
@@ -58,6 +60,12 @@ def run_variant(args: argparse.Namespace) -> dict:
     unet = build_sd15_unet(device)
     opt = torch.optim.AdamW(unet.parameters(), lr=1e-5, fused=True)
     step = make_step(torch, args.batch, device, opt)
+    if "-cg" in args.variant:  # CUDA-graph trees: a new training step starts a new generation of graph outputs
+        plain_step = step
+
+        def step(model):
+            torch.compiler.cudagraph_mark_step_begin()
+            plain_step(model)
     result: dict = {"variant": args.variant, "batch": args.batch}
     kind = args.variant.split("+")[0]
     torch.cuda.synchronize()
@@ -65,8 +73,10 @@ def run_variant(args: argparse.Namespace) -> dict:
     model = unet
     if kind in ("whole", "whole-warm"):
         model = torch.compile(unet)
-    elif kind == "blocks":
+    elif kind in ("blocks", "blocks-cg"):
         kwargs = {"backend": "inductor", "dynamic": False}
+        if kind == "blocks-cg":
+            kwargs["mode"] = "reduce-overhead"
         if "+p" in args.variant:
             latents = torch.randn(args.batch, 4, 64, 64, device=device)
             text = torch.randn(args.batch, 77, 768, device=device)
@@ -80,13 +90,18 @@ def run_variant(args: argparse.Namespace) -> dict:
                                        compile_kwargs=kwargs)
             result["precompile"] = {"seconds": report.seconds, "graphs": report.graphs, "blocks": report.blocks,
                                     "workers": report.workers, "failures": report.failures,
-                                    "graph_seconds": report.graph_seconds}
+                                    "graph_seconds": report.graph_seconds,
+                                    "record_seconds": report.record_seconds,
+                                    "startup_seconds": report.startup_seconds}
         result["regions"] = len(regional_compile(unet, **kwargs))
     from torch._dynamo.utils import counters
 
     counters.clear()
-    for _ in range(args.warmup_steps):
+    for i in range(args.warmup_steps):
         step(model)
+        if i == 0:
+            torch.cuda.synchronize()
+            result["first_step_s"] = time.perf_counter() - t0
     torch.cuda.synchronize()
     result["time_to_steady_s"] = time.perf_counter() - t0
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
