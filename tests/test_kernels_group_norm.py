@@ -9,7 +9,7 @@ from kernel_testing import (assert_within_torch_error, gpu_matrix, make_path_fix
 
 from gallery_lib.kernels import _triton_utils as tu
 from gallery_lib.kernels import group_norm, set_triton_enabled
-from gallery_lib.kernels.group_norm import _Plan, group_norm_bwd, group_norm_fwd
+from gallery_lib.kernels.group_norm import _plan, group_norm_bwd, group_norm_fwd
 
 
 def test_interpreter_subprocess():
@@ -42,6 +42,14 @@ CASES = [
     ((2, 7, 11), 7, False, "silu", True, 4),
     ((2, 13, 3, 5), 1, True, "silu", False, 8),
     ((4, 8, 1, 1), 4, False, None, True, 4096),
+    # SD-like 10 channels per group: windows of 8 channels straddle groups, several splits (both layouts), and
+    # the fused plan's windows of 3 groups (30 channels in 32 lanes) and of 6 (120 in 128, 16-byte aligned rows),
+    # each with a partial last window.
+    ((2, 40, 6, 6), 4, True, "silu", True, 16),
+    ((2, 40, 6, 6), 4, False, "silu", False, 16),
+    ((3, 40, 3, 3), 4, True, "silu", True, 4096),
+    ((2, 160, 3, 3), 8, True, None, True, 4096),
+    ((2, 24, 2, 2), 2, False, None, True, 8),
 ]
 
 
@@ -58,11 +66,11 @@ def test_forward_and_grads_match_torch(path, shape, groups, channels_last, activ
     expected = run(lambda x, w, b: reference(x, groups, w, b, 1e-5, activation), x, weight, bias, dy)
     with tu.set_max_block(max_block):
         got = run(lambda x, w, b: group_norm(x, groups, w, b, 1e-5, activation), x, weight, bias, dy)
-    if path == "triton":  # the cases cover both plans: one fused launch, and split statistics + normalize launches
+    if path == "triton":  # the cases cover both plans: one fused launch, and statistics + normalize launches
         with tu.set_max_block(max_block):
-            split = _Plan(x, groups, channels_last).split
-        assert tu.launch_counts["_gn_fwd_kernel"] == (2 if split > 1 else 1)
-        assert tu.launch_counts["_gn_bwd_kernel"] == (2 if split > 1 else 1)
+            fused = _plan(x, groups, channels_last).fused
+        assert tu.launch_counts["_gn_fwd_kernel"] == (1 if fused else 2)
+        assert tu.launch_counts["_gn_bwd_kernel"] == (1 if fused else 2)
     if channels_last:
         assert got[0].is_contiguous(memory_format=torch.channels_last)
     for name, g, e in zip(("out", "dx", "dweight", "dbias"), got, expected):
@@ -72,10 +80,11 @@ def test_forward_and_grads_match_torch(path, shape, groups, channels_last, activ
         torch.testing.assert_close(g, e, atol=1e-4, rtol=1e-4, msg=lambda m: f"{name}: {m}")
 
 
-def test_large_mean_is_stable(path):
-    """Welford statistics: a mean 1e4 times the spread must not cancel into a wrong variance."""
+@pytest.mark.parametrize("max_block", [8, 4096])  # split and fused plans
+def test_large_mean_is_stable(path, max_block):
+    """Shifted statistics: a mean 1e4 times the spread must not cancel into a wrong variance."""
     x = torch.randn(2, 4, 6, 6, generator=torch.Generator().manual_seed(1)) + 1e4
-    with tu.set_max_block(8):
+    with tu.set_max_block(max_block):
         got = group_norm(x, 2)
     torch.testing.assert_close(got, F.group_norm(x.double(), 2).float(), atol=5e-3, rtol=0)
 

@@ -2,25 +2,39 @@
 
 Design (and why):
 
-* The work unit is a tile ``[BLOCK_G groups, BLOCK_CG channels, BLOCK_HW positions]`` of one sample. NCHW takes one
-  group per tile, whose channels are contiguous runs of HW positions. Channels_last takes every group of the
-  sample per tile, so a tile is a band of whole ``C``-long pixel rows: contiguous, coalesced memory, instead of
-  ``C/G``-element slivers at a stride of ``C`` (the old strided access read 5x more sectors than it used).
-* One program per (sample, group) gives only N*G programs (256 at batch 8): one or two 8-warp programs per SM
-  cannot keep enough loads in flight. The spatial axis is therefore split over ``SPLIT`` programs per group so
-  that about 4 programs per SM run. Forward: a statistics launch writes per-split Welford partials (count,
-  mean, M2: stable for means far from zero, unlike sum/sum-of-squares), then the normalize launch combines the
-  few partials of its groups (Chan's formula) and writes ``silu(x * scale + shift)``; its read of ``x`` mostly
-  hits L2. When one program per group already fills the GPU (SPLIT = 1) both phases run in one launch.
-* Backward needs, per group, ``sum(w*dz)`` and ``sum(w*dz*xhat)``, which are ``sum_c w_c * dbias_c`` and
-  ``sum_c w_c * dweight_c``: the first launch writes only per-channel partial sums of ``dz`` and ``dz*xhat``
-  (also the weight/bias gradient partials), the second combines them per group and writes ``dx``, and one
-  ``sum`` over the (sample, split) rows finishes dweight/dbias: deterministic, no atomics. ``dz`` (the SiLU
-  gradient) is recomputed from ``x`` and the saved mean/rstd, so the pre-activation never reaches memory.
-* Per call: forward 1-2 launches, reads ``x`` (twice when split, the second mostly from L2), writes ``y`` and
-  2*N*G floats; backward 3 launches, reads ``x`` and ``dy`` (twice when split), writes ``dx`` and small partials.
+* Every tile is dense and contiguous: a program takes a *window* of channels of one sample and a range of spatial
+  positions, and loads tiles ``[channels, positions]`` in NCHW (a channel's positions are one contiguous row) or
+  ``[positions, channels]`` in channels_last (a pixel's channels are contiguous). Statistics are reduced per
+  channel, along the positions. SD's groups hold 10, 20 or 40 channels; a tile of whole groups padded to a power
+  of two (the old ``[groups, next_pow2(C/G), positions]`` tile) masked ~37% of its lanes, and in channels_last its
+  20-byte runs ruled out 16-byte loads.
+* Per-channel partials: the statistics phase writes, per (sample, split, channel), the mean and M2 (sum of squared
+  deviations) of its positions. They come from sums of ``x - shift`` and its square, ``shift`` being the
+  channel's mean over the program's first tile: one subtraction and one FMA per element where per-element Welford
+  costs a division, and stable for means far from zero because the shift removes them before squaring.
+* Group combine: the normalize phase loads the few partials of the groups its window overlaps (a
+  ``[groups, C/G]`` tile per split), merges them with Chan's formula (equal counts within a split, exact weights
+  across splits), saves (mean, rstd) of shape (N, G) and maps them back to its channels with a one-hot select
+  (registers cannot be gathered). Weight and bias are per-channel loads, so ``scale``/``shift`` are per channel.
+* Two plans (`_Plan`). Split: windows of 64 channels (a power of two dividing C where possible: a full 128-byte
+  line of a bf16 pixel row) or, in NCHW, as many channels as fill a ``MAX_BLOCK`` tile; the positions are split
+  over ``SPLIT`` programs so that about 4 programs per SM run; the statistics and the normalize phases are two
+  launches. Fused: windows of whole groups (`_groups_per_window`: 120 of 128 lanes for SD's groups) with no
+  split, when those programs fill the GPU or a window is only a few tiles long (the 8x8..16x16 UNet levels, where
+  launches, not bytes, cost the time): one launch, the program reading back its own partials after a barrier.
+* Backward: per channel, the sums of ``dz`` and ``dz*xhat`` (``dz`` is ``dy`` through the SiLU, whose input is
+  recomputed from ``x``: the pre-activation never reaches memory) ARE the partials of dbias/dweight, and the group
+  terms of dx are ``sum_c w_c * dbias_c`` and ``sum_c w_c * dweight_c``; then
+  ``dx = rstd * (dz * w - c1 - xhat * c2)``. Split plan: launch 1 writes the partials, launch 2 writes ``dx``
+  and its first-sample programs sum the partial rows into dweight/dbias. Fused plan: one launch writes the
+  partials and ``dx``, and a ``sum`` over the sample rows finishes dweight/dbias. Deterministic, no atomics.
+* Per call: forward 1 launch (fused) or 2 (split), reads ``x`` twice (fused: the second read from L1/L2; split:
+  from L2 when ``x`` fits there), writes ``y``, the (N, G) statistics and 2*N*SPLIT*C floats of partials; backward
+  2 launches, reads ``x`` and ``dy`` twice, writes ``dx`` and the partials. Plans are cached per shape, so a small
+  call costs little host time.
 """
 
+import functools
 from typing import Optional, Tuple
 
 import torch
@@ -30,181 +44,287 @@ from gallery_lib.kernels import _triton_utils as tu
 from gallery_lib.kernels._triton_utils import device_function, kernel, library_op, tl, triton, use_triton
 
 _ACTIVATIONS = (None, "silu")
+# Channels per program of the split plan in channels_last: 128 bytes of a bf16 pixel row, a whole cache line.
+_CL_CHANNELS = 64
+# The fused plan also runs when a window spans at most this many tiles of positions: its second read then hits L1/L2
+# and one launch less saves more than the missing split would give.
+_FUSED_MAX_HW_BLOCKS = 4
 
 
 @device_function
-def _gn_program(C, HW, G, SPLIT, HW_PER, BLOCK_G: tl.constexpr):
-    """This program's sample ``n``, split ``s``, groups ``g1`` and their mask, sample offset and spatial range."""
-    # Program -> (sample n, split s, group block gb), gb fastest so neighbouring programs share pixel rows in L2.
+def _gn_program(C, HW, SPLIT, HW_PER, WIN: tl.constexpr, BLOCK_C: tl.constexpr):
+    """This program's sample ``n``, split ``s``, window start ``c_lo``, channels ``c`` and their mask, sample offset
+    and spatial range ``hw_lo..hw_hi``."""
+    # Program -> (sample n, split s, window w), w fastest so neighbouring programs share pixel rows in L2.
     pid = tl.program_id(0)
-    n_gb = tl.cdiv(G, BLOCK_G)
-    s = (pid // n_gb) % SPLIT
-    n = pid // (n_gb * SPLIT)
-    g1 = (pid % n_gb) * BLOCK_G + tl.arange(0, BLOCK_G)
+    n_win = tl.cdiv(C, WIN)
+    s = (pid // n_win) % SPLIT
+    n = pid // (n_win * SPLIT)
+    c_lo = (pid % n_win) * WIN
+    lane = tl.arange(0, BLOCK_C)
+    c = c_lo + lane
     hw_lo = s * HW_PER
-    return n, s, g1, g1 < G, n.to(tl.int64) * C * HW, hw_lo, tl.minimum(HW, hw_lo + HW_PER)
+    return n, s, c_lo, c, (lane < WIN) & (c < C), n.to(tl.int64) * C * HW, hw_lo, tl.minimum(HW, hw_lo + HW_PER)
 
 
 @device_function
-def _gn_channels(g1, g_ok, c0, Cg, BLOCK_CG: tl.constexpr):
-    """Channel indices ``[BLOCK_G, BLOCK_CG]`` of the channel block at ``c0`` of groups ``g1``, and their mask."""
-    c1 = tl.arange(0, BLOCK_CG)[None, :]
-    return g1[:, None] * Cg + c0 + c1, g_ok[:, None] & (c0 + c1 < Cg)
-
-
-@device_function
-def _gn_tile(ch2, gc2, h0, hw_hi, C, HW, CL: tl.constexpr, BLOCK_HW: tl.constexpr):
-    """Offsets within a sample (NCHW or channels_last) and mask of the tile ``[groups, channels, positions h0..]``."""
-    hw = h0 + tl.arange(0, BLOCK_HW)[None, None, :]
-    ch = ch2[:, :, None]
+def _tile(c, c_ok, h0, hw_hi, C, HW, CL: tl.constexpr, BLOCK_HW: tl.constexpr):
+    """Offsets within a sample and mask of the tile of channels ``c`` at positions ``h0..``: ``[positions, channels]``
+    in channels_last, ``[channels, positions]`` in NCHW (the contiguous axis last either way)."""
+    hw = h0 + tl.arange(0, BLOCK_HW)
     if CL:
-        offs = hw * C + ch
+        offs = hw[:, None] * C + c[None, :]
+        mask = (hw < hw_hi)[:, None] & c_ok[None, :]
     else:
-        offs = ch * HW + hw
-    return offs, gc2[:, :, None] & (hw < hw_hi)
+        offs = c[:, None] * HW + hw[None, :]
+        mask = c_ok[:, None] & (hw < hw_hi)[None, :]
+    return offs, mask
 
 
 @device_function
-def _gn_affine(W, B, ch2, gc2, HAS_W: tl.constexpr, HAS_B: tl.constexpr):
-    """fp32 weight and bias of channels ``ch2``; 1 and 0 where the module has none."""
+def _chan(v, CL: tl.constexpr):
+    """A per-channel vector shaped to broadcast over a tile."""
+    if CL:
+        t = v[None, :]
+    else:
+        t = v[:, None]
+    return t
+
+
+@device_function
+def _hw_sum(t, CL: tl.constexpr):
+    """Per-channel sums of a tile: the reduction over positions."""
+    if CL:
+        v = tl.sum(t, axis=0)
+    else:
+        v = tl.sum(t, axis=1)
+    return v
+
+
+@device_function
+def _tile_zeros(CL: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_HW: tl.constexpr):
+    """fp32 zeros of the tile's shape (per-lane accumulators)."""
+    if CL:
+        z = tl.zeros([BLOCK_HW, BLOCK_C], dtype=tl.float32)
+    else:
+        z = tl.zeros([BLOCK_C, BLOCK_HW], dtype=tl.float32)
+    return z
+
+
+@device_function
+def _gn_affine(W, B, c, c_ok, HAS_W: tl.constexpr, HAS_B: tl.constexpr):
+    """fp32 weight and bias of channels ``c``; 1 and 0 where the module has none."""
     if HAS_W:
-        w = tl.load(W + ch2, mask=gc2, other=0.0).to(tl.float32)
+        w = tl.load(W + c, mask=c_ok, other=0.0).to(tl.float32)
     else:
-        w = tl.zeros(ch2.shape, dtype=tl.float32) + 1.0
+        w = tl.zeros(c.shape, dtype=tl.float32) + 1.0
     if HAS_B:
-        b = tl.load(B + ch2, mask=gc2, other=0.0).to(tl.float32)
+        b = tl.load(B + c, mask=c_ok, other=0.0).to(tl.float32)
     else:
-        b = tl.zeros(ch2.shape, dtype=tl.float32)
+        b = tl.zeros(c.shape, dtype=tl.float32)
     return w, b
 
 
 @device_function
-def _dsilu(dy, z):
-    """Gradient through ``silu(z)``: the pre-activation ``z`` is recomputed, never stored."""
-    sig = tl.sigmoid(z)
-    return dy * sig * (1.0 + z * (1.0 - sig))
+def _window_groups(c_lo, C, G, Cg, WIN: tl.constexpr, BLOCK_GW: tl.constexpr):
+    """The groups overlapping the window ``c_lo..c_lo+WIN``: first group, indices and mask."""
+    g_lo = c_lo // Cg
+    g = g_lo + tl.arange(0, BLOCK_GW)
+    return g_lo, g, (g < G) & (g * Cg < tl.minimum(C, c_lo + WIN))
+
+
+@device_function
+def _group_tile(g, g_ok, j0, Cg, BLOCK_CG: tl.constexpr):
+    """Channel indices ``[groups, BLOCK_CG]`` of channels ``j0..`` within groups ``g``, and their mask."""
+    j = j0 + tl.arange(0, BLOCK_CG)[None, :]
+    return g[:, None] * Cg + j, g_ok[:, None] & (j < Cg)
+
+
+@device_function
+def _to_channels(v, c, g_lo, Cg, BLOCK_GW: tl.constexpr):
+    """The per-group vector ``v`` (groups ``g_lo..``) per channel ``c``: a one-hot select, as registers cannot be
+    gathered (``BLOCK_C * BLOCK_GW`` compares, once per program)."""
+    hit = (c // Cg - g_lo)[:, None] == tl.arange(0, BLOCK_GW)[None, :]
+    return tl.sum(tl.where(hit, v[None, :], 0.0), axis=1)
+
+
+@device_function
+def _channel_moments(X, base, c, c_ok, hw_lo, hw_hi, C, HW, CL: tl.constexpr, BLOCK_HW: tl.constexpr):
+    """Mean and M2 of each channel ``c`` over positions ``hw_lo..hw_hi`` (see the module docstring)."""
+    offs, mask = _tile(c, c_ok, hw_lo, hw_hi, C, HW, CL, BLOCK_HW)
+    x = tl.load(X + base + offs, mask=mask, other=0.0).to(tl.float32)
+    shift = _hw_sum(x, CL) / tl.maximum(tl.minimum(hw_hi - hw_lo, BLOCK_HW), 1).to(tl.float32)
+    shift_t = _chan(shift, CL)
+    # Per-lane sums (one cross-lane reduction at the end, not one per tile); the first tile is already loaded.
+    d = tl.where(mask, x - shift_t, 0.0)
+    s1 = d
+    s2 = d * d
+    for h0 in range(hw_lo + BLOCK_HW, hw_hi, BLOCK_HW):
+        offs, mask = _tile(c, c_ok, h0, hw_hi, C, HW, CL, BLOCK_HW)
+        x = tl.load(X + base + offs, mask=mask, other=0.0).to(tl.float32)
+        d = tl.where(mask, x - shift_t, 0.0)
+        s1 += d
+        s2 += d * d
+    cnt = tl.maximum(hw_hi - hw_lo, 1).to(tl.float32)
+    sum1 = _hw_sum(s1, CL)
+    return shift + sum1 / cnt, tl.maximum(_hw_sum(s2, CL) - sum1 * sum1 / cnt, 0.0)
+
+
+@device_function
+def _group_moments(Part, P, n, g, g_ok, C, Cg, HW, SPLIT, HW_PER,
+                   BLOCK_GW: tl.constexpr, BLOCK_CG: tl.constexpr):
+    """Mean and variance of groups ``g`` of sample ``n`` from the per-channel partials of every split.
+
+    A piece is a split's partials of up to ``BLOCK_CG`` channels: equal counts, so its mean is the mean of the channel
+    means and its M2 adds their spread; pieces are merged with Chan's formula.
+    """
+    cnt = tl.zeros([BLOCK_GW], dtype=tl.float32)
+    mean = tl.zeros([BLOCK_GW], dtype=tl.float32)
+    m2 = tl.zeros([BLOCK_GW], dtype=tl.float32)
+    for s in range(0, SPLIT):
+        row = Part + (n * SPLIT + s) * C
+        cnt_s = (tl.minimum(HW, (s + 1) * HW_PER) - s * HW_PER).to(tl.float32)
+        for j0 in range(0, Cg, BLOCK_CG):
+            ch, ok = _group_tile(g, g_ok, j0, Cg, BLOCK_CG)
+            k = tl.minimum(Cg - j0, BLOCK_CG).to(tl.float32)
+            m = tl.load(row + ch, mask=ok, other=0.0)
+            mean_b = tl.sum(m, axis=1) / k
+            dm = tl.where(ok, m - mean_b[:, None], 0.0)
+            m2_b = tl.sum(tl.load(row + P + ch, mask=ok, other=0.0), axis=1) + cnt_s * tl.sum(dm * dm, axis=1)
+            cnt_b = cnt_s * k
+            delta = mean_b - mean
+            total = cnt + cnt_b
+            mean += delta * (cnt_b / total)
+            m2 += m2_b + delta * delta * (cnt * cnt_b / total)
+            cnt = total
+    return mean, m2 / tl.maximum(cnt, 1.0)
+
+
+@device_function
+def _group_dots(Part, P, W, n, g, g_ok, C, Cg, SPLIT, HAS_W: tl.constexpr,
+                BLOCK_GW: tl.constexpr, BLOCK_CG: tl.constexpr):
+    """``sum_c w_c * dweight_c`` and ``sum_c w_c * dbias_c`` of groups ``g`` of sample ``n``, over every split."""
+    sum_dzx = tl.zeros([BLOCK_GW], dtype=tl.float32)
+    sum_dz = tl.zeros([BLOCK_GW], dtype=tl.float32)
+    for j0 in range(0, Cg, BLOCK_CG):
+        ch, ok = _group_tile(g, g_ok, j0, Cg, BLOCK_CG)
+        acc_dzx = tl.zeros([BLOCK_GW, BLOCK_CG], dtype=tl.float32)
+        acc_dz = tl.zeros([BLOCK_GW, BLOCK_CG], dtype=tl.float32)
+        for s in range(0, SPLIT):
+            row = Part + (n * SPLIT + s) * C
+            acc_dzx += tl.load(row + ch, mask=ok, other=0.0)
+            acc_dz += tl.load(row + P + ch, mask=ok, other=0.0)
+        if HAS_W:
+            w = tl.load(W + ch, mask=ok, other=0.0).to(tl.float32)
+            acc_dzx = acc_dzx * w
+            acc_dz = acc_dz * w
+        sum_dzx += tl.sum(acc_dzx, axis=1)
+        sum_dz += tl.sum(acc_dz, axis=1)
+    return sum_dzx, sum_dz
+
+
+@device_function
+def _xhat_dz(X, DY, base, offs, mask, mean, rstd, w, b, SILU: tl.constexpr):
+    """``xhat`` and ``dz`` of one tile; ``dz`` is ``dy`` through the SiLU, whose input is recomputed, never stored."""
+    x = tl.load(X + base + offs, mask=mask, other=0.0).to(tl.float32)
+    dz = tl.load(DY + base + offs, mask=mask, other=0.0).to(tl.float32)
+    xhat = tl.where(mask, (x - mean) * rstd, 0.0)
+    if SILU:
+        z = xhat * w + b
+        sig = tl.sigmoid(z)
+        dz = dz * sig * (1.0 + z * (1.0 - sig))
+    return xhat, dz
+
+
+@device_function
+def _sum_rows(Part, P, DWB, c, c_ok, R, C, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr):
+    """dweight and dbias of channels ``c``: the sums of the ``R`` (sample, split) partial rows, in a fixed order."""
+    r = tl.arange(0, BLOCK_R)[:, None]
+    acc_w = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)
+    acc_b = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)
+    for r0 in range(0, R, BLOCK_R):
+        offs = (r0 + r) * C + c[None, :]
+        ok = (r0 + r < R) & c_ok[None, :]
+        acc_w += tl.load(Part + offs, mask=ok, other=0.0)
+        acc_b += tl.load(Part + P + offs, mask=ok, other=0.0)
+    tl.store(DWB + c, tl.sum(acc_w, axis=0), mask=c_ok)
+    tl.store(DWB + C + c, tl.sum(acc_b, axis=0), mask=c_ok)
 
 
 @kernel
 def _gn_fwd_kernel(X, Y, W, B, Part, Mean, Rstd, C, HW, G, Cg, SPLIT, HW_PER, P, eps,
                    STATS: tl.constexpr, APPLY: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
-                   SILU: tl.constexpr, CL: tl.constexpr,
-                   BLOCK_G: tl.constexpr, BLOCK_CG: tl.constexpr, BLOCK_HW: tl.constexpr):
-    n, s, g1, g_ok, base, hw_lo, hw_hi = _gn_program(C, HW, G, SPLIT, HW_PER, BLOCK_G)
+                   SILU: tl.constexpr, CL: tl.constexpr, WIN: tl.constexpr, BLOCK_C: tl.constexpr,
+                   BLOCK_HW: tl.constexpr, BLOCK_GW: tl.constexpr, BLOCK_CG: tl.constexpr):
+    # Part is (2, N * SPLIT, C): plane 0 the per-channel means, plane 1 (offset P) the M2s.
+    n, s, c_lo, c, c_ok, base, hw_lo, hw_hi = _gn_program(C, HW, SPLIT, HW_PER, WIN, BLOCK_C)
     if STATS:
-        # Per-lane Welford accumulators, merged across lanes at the end (stable in one read).
-        acc_n = tl.zeros([BLOCK_G, BLOCK_CG, BLOCK_HW], dtype=tl.float32)
-        acc_mean = tl.zeros([BLOCK_G, BLOCK_CG, BLOCK_HW], dtype=tl.float32)
-        acc_m2 = tl.zeros([BLOCK_G, BLOCK_CG, BLOCK_HW], dtype=tl.float32)
-        for c0 in range(0, Cg, BLOCK_CG):
-            ch2, gc2 = _gn_channels(g1, g_ok, c0, Cg, BLOCK_CG)
-            for h0 in range(hw_lo, hw_hi, BLOCK_HW):
-                offs, mask = _gn_tile(ch2, gc2, h0, hw_hi, C, HW, CL, BLOCK_HW)
-                x = tl.load(X + base + offs, mask=mask, other=0.0).to(tl.float32)
-                acc_n += mask.to(tl.float32)
-                delta = x - acc_mean
-                acc_mean += tl.where(mask, delta / tl.maximum(acc_n, 1.0), 0.0)
-                acc_m2 += tl.where(mask, delta * (x - acc_mean), 0.0)
-        cnt = tl.sum(tl.sum(acc_n, axis=2), axis=1)
-        mean = tl.sum(tl.sum(acc_mean * acc_n, axis=2), axis=1) / tl.maximum(cnt, 1.0)
-        diff = acc_mean - mean[:, None, None]
-        m2 = tl.sum(tl.sum(acc_m2 + acc_n * diff * diff, axis=2), axis=1)
-        if not APPLY:  # first phase of a split group: publish this split's partial statistics
-            slot = (n * SPLIT + s) * G + g1
-            tl.store(Part + slot, cnt, mask=g_ok)
-            tl.store(Part + P + slot, mean, mask=g_ok)
-            tl.store(Part + 2 * P + slot, m2, mask=g_ok)
+        mean_c, m2_c = _channel_moments(X, base, c, c_ok, hw_lo, hw_hi, C, HW, CL, BLOCK_HW)
+        row = (n * SPLIT + s) * C
+        tl.store(Part + row + c, mean_c, mask=c_ok)
+        tl.store(Part + P + row + c, m2_c, mask=c_ok)
+        if APPLY:  # fused plan: the window holds whole groups, whose partials this program has just stored
+            tl.debug_barrier()
     if APPLY:
-        if not STATS:  # combine the splits' partials (Chan et al.), a few floats per group
-            cnt = tl.zeros([BLOCK_G], dtype=tl.float32)
-            mean = tl.zeros([BLOCK_G], dtype=tl.float32)
-            m2 = tl.zeros([BLOCK_G], dtype=tl.float32)
-            for s2 in range(0, SPLIT):
-                slot = (n * SPLIT + s2) * G + g1
-                cb = tl.load(Part + slot, mask=g_ok, other=0.0)
-                delta = tl.load(Part + P + slot, mask=g_ok, other=0.0) - mean
-                total = cnt + cb
-                frac = cb / tl.maximum(total, 1.0)
-                mean += delta * frac
-                m2 += tl.load(Part + 2 * P + slot, mask=g_ok, other=0.0) + delta * delta * cnt * frac
-                cnt = total
-        rstd = 1.0 / tl.sqrt(m2 / tl.maximum(cnt, 1.0) + eps)
-        tl.store(Mean + n * G + g1, mean, mask=g_ok & (s == 0))
-        tl.store(Rstd + n * G + g1, rstd, mask=g_ok & (s == 0))
-        for c0 in range(0, Cg, BLOCK_CG):
-            ch2, gc2 = _gn_channels(g1, g_ok, c0, Cg, BLOCK_CG)
-            w, b = _gn_affine(W, B, ch2, gc2, HAS_W, HAS_B)
-            scale = w * rstd[:, None]
-            shift = (b - mean[:, None] * scale)[:, :, None]
-            scale = scale[:, :, None]
-            for h0 in range(hw_lo, hw_hi, BLOCK_HW):
-                offs, mask = _gn_tile(ch2, gc2, h0, hw_hi, C, HW, CL, BLOCK_HW)
-                z = tl.load(X + base + offs, mask=mask, other=0.0).to(tl.float32) * scale + shift
-                if SILU:
-                    z = z * tl.sigmoid(z)
-                tl.store(Y + base + offs, z.to(Y.dtype.element_ty), mask=mask)
+        g_lo, g, g_ok = _window_groups(c_lo, C, G, Cg, WIN, BLOCK_GW)
+        mean_g, var_g = _group_moments(Part, P, n, g, g_ok, C, Cg, HW, SPLIT, HW_PER, BLOCK_GW, BLOCK_CG)
+        rstd_g = 1.0 / tl.sqrt(var_g + eps)
+        # Saved once per group: by the first split of the window that holds the group's first channel.
+        own = g_ok & (g * Cg >= c_lo) & (s == 0)
+        tl.store(Mean + n * G + g, mean_g, mask=own)
+        tl.store(Rstd + n * G + g, rstd_g, mask=own)
+        w, b = _gn_affine(W, B, c, c_ok, HAS_W, HAS_B)
+        scale = w * _to_channels(rstd_g, c, g_lo, Cg, BLOCK_GW)
+        shift = _chan(b - _to_channels(mean_g, c, g_lo, Cg, BLOCK_GW) * scale, CL)
+        scale = _chan(scale, CL)
+        for h0 in range(hw_lo, hw_hi, BLOCK_HW):
+            offs, mask = _tile(c, c_ok, h0, hw_hi, C, HW, CL, BLOCK_HW)
+            z = tl.load(X + base + offs, mask=mask, other=0.0).to(tl.float32) * scale + shift
+            if SILU:
+                z = z * tl.sigmoid(z)
+            tl.store(Y + base + offs, z.to(Y.dtype.element_ty), mask=mask)
 
 
 @kernel
-def _gn_bwd_kernel(DY, X, W, B, Mean, Rstd, DX, Part, C, HW, G, Cg, SPLIT, HW_PER, P,
+def _gn_bwd_kernel(DY, X, W, B, Mean, Rstd, DX, Part, DWB, C, HW, G, Cg, SPLIT, HW_PER, P, R,
                    STATS: tl.constexpr, APPLY: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
-                   SILU: tl.constexpr, CL: tl.constexpr,
-                   BLOCK_G: tl.constexpr, BLOCK_CG: tl.constexpr, BLOCK_HW: tl.constexpr):
-    n, s, g1, g_ok, base, hw_lo, hw_hi = _gn_program(C, HW, G, SPLIT, HW_PER, BLOCK_G)
-    mean = tl.load(Mean + n * G + g1, mask=g_ok, other=0.0)[:, None, None]
-    rstd = tl.load(Rstd + n * G + g1, mask=g_ok, other=0.0)[:, None, None]
-    # Group sums of w*dz and w*dz*xhat (the mean terms of dx), built from per-channel sums of dz and dz*xhat.
-    sum_wdz = tl.zeros([BLOCK_G], dtype=tl.float32)
-    sum_wdzx = tl.zeros([BLOCK_G], dtype=tl.float32)
+                   SILU: tl.constexpr, CL: tl.constexpr, WIN: tl.constexpr, BLOCK_C: tl.constexpr,
+                   BLOCK_HW: tl.constexpr, BLOCK_GW: tl.constexpr, BLOCK_CG: tl.constexpr, BLOCK_R: tl.constexpr):
+    # Part is (2, R = N * SPLIT, C): plane 0 the per-channel sums of dz*xhat (dweight), plane 1 those of dz (dbias).
+    n, s, c_lo, c, c_ok, base, hw_lo, hw_hi = _gn_program(C, HW, SPLIT, HW_PER, WIN, BLOCK_C)
+    mean = _chan(tl.load(Mean + n * G + c // Cg, mask=c_ok, other=0.0), CL)
+    rstd = _chan(tl.load(Rstd + n * G + c // Cg, mask=c_ok, other=0.0), CL)
+    w_c, b_c = _gn_affine(W, B, c, c_ok, HAS_W, HAS_B)
+    w, b = _chan(w_c, CL), _chan(b_c, CL)
     if STATS:
+        acc_dzx = _tile_zeros(CL, BLOCK_C, BLOCK_HW)
+        acc_dz = _tile_zeros(CL, BLOCK_C, BLOCK_HW)
+        for h0 in range(hw_lo, hw_hi, BLOCK_HW):
+            offs, mask = _tile(c, c_ok, h0, hw_hi, C, HW, CL, BLOCK_HW)
+            xhat, dz = _xhat_dz(X, DY, base, offs, mask, mean, rstd, w, b, SILU)
+            acc_dzx += dz * xhat
+            acc_dz += dz
         row = (n * SPLIT + s) * C
-        for c0 in range(0, Cg, BLOCK_CG):
-            ch2, gc2 = _gn_channels(g1, g_ok, c0, Cg, BLOCK_CG)
-            w2, b2 = _gn_affine(W, B, ch2, gc2, HAS_W, HAS_B)
-            w, b = w2[:, :, None], b2[:, :, None]
-            acc_dzx = tl.zeros([BLOCK_G, BLOCK_CG, BLOCK_HW], dtype=tl.float32)
-            acc_dz = tl.zeros([BLOCK_G, BLOCK_CG, BLOCK_HW], dtype=tl.float32)
-            for h0 in range(hw_lo, hw_hi, BLOCK_HW):
-                offs, mask = _gn_tile(ch2, gc2, h0, hw_hi, C, HW, CL, BLOCK_HW)
-                x = tl.load(X + base + offs, mask=mask, other=0.0).to(tl.float32)
-                dz = tl.load(DY + base + offs, mask=mask, other=0.0).to(tl.float32)
-                xhat = tl.where(mask, (x - mean) * rstd, 0.0)
-                if SILU:
-                    dz = _dsilu(dz, xhat * w + b)
-                acc_dzx += dz * xhat
-                acc_dz += dz
-            dw_c = tl.sum(acc_dzx, axis=2)
-            db_c = tl.sum(acc_dz, axis=2)
-            # Weight/bias gradient partials of this (sample, split): summed over rows by the launcher.
-            tl.store(Part + row + ch2, dw_c, mask=gc2)
-            tl.store(Part + P + row + ch2, db_c, mask=gc2)
-            sum_wdzx += tl.sum(w2 * dw_c, axis=1)
-            sum_wdz += tl.sum(w2 * db_c, axis=1)
+        tl.store(Part + row + c, _hw_sum(acc_dzx, CL), mask=c_ok)
+        tl.store(Part + P + row + c, _hw_sum(acc_dz, CL), mask=c_ok)
+        if APPLY:  # fused plan: the window holds whole groups, whose partials this program has just stored
+            tl.debug_barrier()
     if APPLY:
-        if not STATS:
-            for s2 in range(0, SPLIT):
-                row = (n * SPLIT + s2) * C
-                for c0 in range(0, Cg, BLOCK_CG):
-                    ch2, gc2 = _gn_channels(g1, g_ok, c0, Cg, BLOCK_CG)
-                    w2, _ = _gn_affine(W, B, ch2, gc2, HAS_W, False)
-                    sum_wdzx += tl.sum(w2 * tl.load(Part + row + ch2, mask=gc2, other=0.0), axis=1)
-                    sum_wdz += tl.sum(w2 * tl.load(Part + P + row + ch2, mask=gc2, other=0.0), axis=1)
+        g_lo, g, g_ok = _window_groups(c_lo, C, G, Cg, WIN, BLOCK_GW)
+        sum_wdzx, sum_wdz = _group_dots(Part, P, W, n, g, g_ok, C, Cg, SPLIT, HAS_W, BLOCK_GW, BLOCK_CG)
         inv_m = 1.0 / (Cg * 1.0 * HW)  # Cg or HW may arrive as a constexpr 1
-        c_mean = (sum_wdz * inv_m)[:, None, None]
-        c_xmean = (sum_wdzx * inv_m)[:, None, None]
-        for c0 in range(0, Cg, BLOCK_CG):
-            ch2, gc2 = _gn_channels(g1, g_ok, c0, Cg, BLOCK_CG)
-            w2, b2 = _gn_affine(W, B, ch2, gc2, HAS_W, HAS_B)
-            w, b = w2[:, :, None], b2[:, :, None]
-            for h0 in range(hw_lo, hw_hi, BLOCK_HW):
-                offs, mask = _gn_tile(ch2, gc2, h0, hw_hi, C, HW, CL, BLOCK_HW)
-                x = tl.load(X + base + offs, mask=mask, other=0.0).to(tl.float32)
-                dz = tl.load(DY + base + offs, mask=mask, other=0.0).to(tl.float32)
-                xhat = (x - mean) * rstd
-                if SILU:
-                    dz = _dsilu(dz, xhat * w + b)
-                dx = rstd * (dz * w - c_mean - xhat * c_xmean)
-                tl.store(DX + base + offs, dx.to(DX.dtype.element_ty), mask=mask)
+        c_xmean = _chan(_to_channels(sum_wdzx, c, g_lo, Cg, BLOCK_GW) * inv_m, CL)
+        c_mean = _chan(_to_channels(sum_wdz, c, g_lo, Cg, BLOCK_GW) * inv_m, CL)
+        for h0 in range(hw_lo, hw_hi, BLOCK_HW):
+            offs, mask = _tile(c, c_ok, h0, hw_hi, C, HW, CL, BLOCK_HW)
+            xhat, dz = _xhat_dz(X, DY, base, offs, mask, mean, rstd, w, b, SILU)
+            dx = rstd * (dz * w - c_mean - xhat * c_xmean)
+            tl.store(DX + base + offs, dx.to(DX.dtype.element_ty), mask=mask)
+        if not STATS:
+            # Split plan: every partial row is complete (previous launch); the first sample's first-split programs
+            # finish dweight/dbias, one window each.
+            if (n == 0) & (s == 0):
+                _sum_rows(Part, P, DWB, c, c_ok, R, C, BLOCK_C, BLOCK_R)
 
 
 def _channels_last(x: torch.Tensor) -> bool:
@@ -220,26 +340,71 @@ def _ptr(t: Optional[torch.Tensor], dummy: torch.Tensor) -> torch.Tensor:
     return t if t is not None else dummy
 
 
-class _Plan:
-    """Tile and split of one launch: see the module docstring."""
+def _groups_per_window(cg: int, groups: int, cap: int, align: int) -> int:
+    """Groups per program of the fused plan: the fewest whose channels fill >= 3/4 of their power-of-two block and
+    are a multiple of ``align`` (channels_last: 8, so that bf16 pixel runs stay 16-byte aligned; SD's 10/20/40
+    channels per group give windows of 120 channels in 128 lanes); else the fewest that fill 3/4, else 1; 0 when
+    one group does not fit in ``cap`` lanes."""
+    unaligned = 0
+    for gw in range(1, groups + 1):
+        lanes = tu.next_power_of_2(gw * cg)
+        if lanes > cap:
+            break
+        if 4 * gw * cg >= 3 * lanes:
+            if gw * cg % align == 0:
+                return gw
+            unaligned = unaligned or gw
+    return unaligned or (1 if tu.next_power_of_2(cg) <= cap else 0)
 
-    def __init__(self, x: torch.Tensor, groups: int, channels_last: bool) -> None:
-        n, c = x.shape[0], x.shape[1]
-        self.hw = x.numel() // max(1, n * c)
+
+def _split_channels(c: int, hw: int, channels_last: bool, cap: int) -> int:
+    """Channels per program of the split plan: a power of two dividing ``c`` (dense, aligned tiles); a masked tail
+    only when ``c`` has no such divisor of useful size (odd counts)."""
+    limit = min(_CL_CHANNELS, cap) if channels_last else max(1, cap // min(tu.next_power_of_2(hw), cap))
+    block = min(c & -c, limit)
+    if block < min(8, tu.next_power_of_2(c), limit):
+        block = min(tu.next_power_of_2(c), limit)
+    return block
+
+
+class _Plan:
+    """Windows, tiles and split of one call: see the module docstring."""
+
+    def __init__(self, n: int, c: int, hw: int, groups: int, channels_last: bool, target: int, cap: int) -> None:
+        self.hw = hw
         cg = c // groups
-        cap = tu.MAX_BLOCK
-        self.block_cg = min(tu.next_power_of_2(cg), cap)
-        # Channels_last: all groups of a pixel row in one tile (contiguous); NCHW: one group (its rows are contiguous).
-        self.block_g = min(tu.next_power_of_2(groups), max(1, cap // self.block_cg)) if channels_last else 1
-        self.block_hw = min(tu.next_power_of_2(self.hw), max(1, cap // (self.block_g * self.block_cg)))
-        tiles = n * triton.cdiv(groups, self.block_g)
-        hw_blocks = triton.cdiv(self.hw, self.block_hw)
-        split = max(1, min(hw_blocks, triton.cdiv(tu.num_programs_target(x, per_sm=4), tiles)))
-        self.hw_per = triton.cdiv(hw_blocks, split) * self.block_hw
-        self.split = triton.cdiv(self.hw, self.hw_per) if self.hw else 1
+        gw = _groups_per_window(cg, groups, cap, 8 if channels_last else 1)
+        self.fused = False
+        if gw:  # fused plan: windows of whole groups, no split
+            win = gw * cg
+            block_c = tu.next_power_of_2(win)
+            block_hw = min(tu.next_power_of_2(hw), max(1, cap // block_c))
+            tiles, hw_blocks = n * triton.cdiv(c, win), triton.cdiv(hw, block_hw)
+            self.fused = tiles >= target or hw_blocks <= _FUSED_MAX_HW_BLOCKS
+            block_gw, split = gw, 1
+        if not self.fused:
+            win = block_c = _split_channels(c, hw, channels_last, cap)
+            block_hw = min(tu.next_power_of_2(hw), max(1, cap // block_c))
+            tiles, hw_blocks = n * triton.cdiv(c, win), triton.cdiv(hw, block_hw)
+            split = max(1, min(hw_blocks, triton.cdiv(target, tiles)))
+            block_gw = min(groups, (win - 1) // cg + 2)  # the most groups a window of `win` channels overlaps
+        self.hw_per = triton.cdiv(hw_blocks, split) * block_hw
+        self.split = triton.cdiv(hw, self.hw_per) if hw else 1
         self.grid = (tiles * self.split,)
-        self.meta = dict(CL=channels_last, BLOCK_G=self.block_g, BLOCK_CG=self.block_cg, BLOCK_HW=self.block_hw,
-                         num_warps=tu.num_warps_for(self.block_g * self.block_cg * self.block_hw))
+        self.block_r = max(1, min(tu.next_power_of_2(n * self.split), cap // block_c))
+        self.meta = dict(CL=channels_last, WIN=win, BLOCK_C=block_c, BLOCK_HW=block_hw,
+                         BLOCK_GW=tu.next_power_of_2(block_gw), BLOCK_CG=min(tu.next_power_of_2(cg), cap),
+                         num_warps=tu.num_warps_for(block_c * block_hw))
+
+
+_cached_plan = functools.lru_cache(maxsize=256)(_Plan)
+
+
+def _plan(x: torch.Tensor, groups: int, channels_last: bool) -> _Plan:
+    """The plan of ``x``, cached: at the 8x8 UNet levels a call's host time is comparable to its GPU time."""
+    n, c = x.shape[0], x.shape[1]
+    return _cached_plan(n, c, x.numel() // max(1, n * c), groups, channels_last,
+                        tu.num_programs_target(x, per_sm=4), tu.MAX_BLOCK)
 
 
 def _fwd(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor], num_groups: int, eps: float,
@@ -248,18 +413,19 @@ def _fwd(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.T
     cl = _channels_last(x)
     x = _as_layout(x, cl)
     if use_triton(x):
-        plan = _Plan(x, num_groups, cl)
+        plan = _plan(x, num_groups, cl)
         y = torch.empty_like(x)
         mean = torch.empty((n, num_groups), device=x.device, dtype=torch.float32)
         rstd = torch.empty_like(mean)
-        p = n * plan.split * num_groups
-        part = torch.empty((3, p), device=x.device, dtype=torch.float32) if plan.split > 1 else mean
+        part = torch.empty((2, n * plan.split, c), device=x.device, dtype=torch.float32)
         args = (x, y, _ptr(weight, x), _ptr(bias, x), part, mean, rstd, c, plan.hw, num_groups, c // num_groups,
-                plan.split, plan.hw_per, p, eps)
+                plan.split, plan.hw_per, part[0].numel(), eps)
         flags = dict(HAS_W=weight is not None, HAS_B=bias is not None, SILU=silu, **plan.meta)
-        if plan.split > 1:
+        if plan.fused:
+            _gn_fwd_kernel[plan.grid](*args, STATS=True, APPLY=True, **flags)
+        else:
             _gn_fwd_kernel[plan.grid](*args, STATS=True, APPLY=False, **flags)
-        _gn_fwd_kernel[plan.grid](*args, STATS=plan.split == 1, APPLY=True, **flags)
+            _gn_fwd_kernel[plan.grid](*args, STATS=False, APPLY=True, **flags)
         return y, mean, rstd
     var, mean = torch.var_mean(x.float().reshape(n, num_groups, -1), dim=-1, unbiased=False)
     rstd = torch.rsqrt(var + eps)
@@ -276,20 +442,21 @@ def _bwd(dy: torch.Tensor, x: torch.Tensor, weight: Optional[torch.Tensor], bias
     cl = _channels_last(x)
     x, dy = _as_layout(x, cl), _as_layout(dy, cl)
     if use_triton(x):
-        plan = _Plan(x, num_groups, cl)
+        plan = _plan(x, num_groups, cl)
         dx = torch.empty_like(x)
-        p = n * plan.split * c
-        part = torch.empty((2, n * plan.split, c), device=x.device, dtype=torch.float32)
-        args = (dy, x, _ptr(weight, x), _ptr(bias, x), mean, rstd, dx, part, c, plan.hw, num_groups,
-                c // num_groups, plan.split, plan.hw_per, p)
-        flags = dict(HAS_W=weight is not None, HAS_B=bias is not None, SILU=silu, **plan.meta)
-        if plan.split > 1:
-            _gn_bwd_kernel[plan.grid](*args, STATS=True, APPLY=False, **flags)
-            _gn_bwd_kernel[plan.grid](*args, STATS=False, APPLY=True, **flags)
-        else:
+        rows = n * plan.split
+        part = torch.empty((2, rows, c), device=x.device, dtype=torch.float32)
+        # Split plan: the normalize launch writes dweight/dbias; fused plan: a sum over the sample rows below.
+        dwb = part if plan.fused else torch.empty((2, c), device=x.device, dtype=torch.float32)
+        args = (dy, x, _ptr(weight, x), _ptr(bias, x), mean, rstd, dx, part, dwb, c, plan.hw, num_groups,
+                c // num_groups, plan.split, plan.hw_per, rows * c, rows)
+        flags = dict(HAS_W=weight is not None, HAS_B=bias is not None, SILU=silu, BLOCK_R=plan.block_r, **plan.meta)
+        if plan.fused:
             _gn_bwd_kernel[plan.grid](*args, STATS=True, APPLY=True, **flags)
-        # Second stage of the weight/bias reduction: one sum over the (sample, split) rows, deterministic.
-        return dx, part.sum(1)
+            return dx, part.sum(1)
+        _gn_bwd_kernel[plan.grid](*args, STATS=True, APPLY=False, **flags)
+        _gn_bwd_kernel[plan.grid](*args, STATS=False, APPLY=True, **flags)
+        return dx, dwb
     w = _affine(weight, c, x, 1.0)
     xhat = _xhat_reference(x, mean, rstd, num_groups)
     dz = dy.float()
