@@ -108,8 +108,15 @@ def test_triton_path_same_loss_curve():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_same_loss_curve():
+    # Full fp32 matmuls and convolutions, whatever an earlier test set: TF32 rounds their inputs to 10 mantissa bits,
+    # which turns the kernels' 1e-7 reordering differences into 1e-4 jumps in the loss.
+    precision, cudnn_tf32 = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
+    torch.set_float32_matmul_precision("highest")
+    torch.backends.cudnn.allow_tf32 = False
     torch.set_default_device("cuda")
     try:
         check_same_curve()
     finally:
         torch.set_default_device("cpu")
+        torch.set_float32_matmul_precision(precision)
+        torch.backends.cudnn.allow_tf32 = cudnn_tf32
