@@ -13,10 +13,11 @@ compiles the same blocks, it finds every graph there and only traces and loads.
 2. group: calls of the same block class, with the same parameter, buffer and input metadata and the same plain
    attributes (Dynamo guards on those too: SD's mid-block ResNets differ from their neighbours only in
    ``output_scale_factor``), compile to the same graph: one representative each.
-3. workers (``python -m gallery_lib.precompile QUEUE DEVICE``) start before the recording, so that their imports,
-   CUDA context and Inductor compile pool (several seconds each) come up meanwhile; then they all read meta-device
-   copies of every representative (real buffers, since index buffers must stay valid), ordered largest first. Each worker claims the next unclaimed
-   graph (an exclusive file create: no scheduler, no IPC), runs forward and backward on random inputs of the
+3. workers (``python -m gallery_lib.precompile QUEUE DEVICE``, ``CompileWorkers``) start before the recording,
+   so that their imports, CUDA context and Inductor compile pool (10-30 s together on a busy machine) come up
+   meanwhile; a training run starts them before it even builds the model. Then they all read meta-device copies of
+   every representative (real buffers, since index buffers must stay valid), ordered largest first. Each worker
+   claims the next unclaimed graph (an exclusive file create: no scheduler, no IPC), runs forward and backward on random inputs of the
    recorded specs through ``module.compile(**compile_kwargs)``, and takes the next, so a slow graph never leaves
    other graphs waiting behind it while a worker sits idle.
 
@@ -47,6 +48,7 @@ _DONE = "compiled "
 _READY = "ready: "
 _T0_ENV = "GALLERY_PRECOMPILE_T0"
 _IMPORTS_ENV = "GALLERY_PRECOMPILE_IMPORTS"
+_TIMEOUT_ENV = "GALLERY_PRECOMPILE_TIMEOUT"
 
 
 @dataclass(frozen=True)
@@ -99,12 +101,20 @@ class PrecompileReport:
     record_seconds: float = float("nan")
     """The recording forward pass (the workers start up meanwhile)."""
     startup_seconds: dict[str, float] = field(default_factory=dict)
-    """When the slowest worker was done with each start-up phase (python, imports, cuda, pool), from the start."""
+    """When the slowest worker was done with each start-up phase (python, imports, cuda, pool), from its start."""
 
     def describe(self) -> str:
         failed = f"; {len(self.failures)} worker(s) failed, their graphs compile in the run" if self.failures else ""
+        where = []  # where the wall time went: worker start-up, the recording forward, the slowest graph
+        if self.startup_seconds:
+            where.append(f"workers ready after {max(self.startup_seconds.values()):.1f} s")
+        if self.record_seconds == self.record_seconds:  # not NaN
+            where.append(f"recording {self.record_seconds:.1f} s")
+        if self.graph_seconds:
+            where.append(f"slowest graph {max(self.graph_seconds.values()):.1f} s, "
+                         f"all graphs {sum(self.graph_seconds.values()):.0f} s of worker time")
         return (f"pre-compiled {self.graphs} distinct block graphs (of {self.blocks} blocks) in {self.workers} "
-                f"parallel processes in {self.seconds:.1f} s{failed}")
+                f"parallel processes in {self.seconds:.1f} s" + (f" ({'; '.join(where)})" if where else "") + failed)
 
 
 def _spec(value: Any) -> Any:
@@ -193,9 +203,54 @@ def _backend_flags() -> dict[str, Any]:
             "deterministic": torch.are_deterministic_algorithms_enabled()}
 
 
-def precompile_blocks(model: nn.Module, forward: Callable[[], Any], names: Iterable[str], *, workers: int,
-                      compile_kwargs: dict[str, Any], log: Callable[[str], Any] = print,
-                      timeout_s: float = 1800.0) -> PrecompileReport:
+class CompileWorkers:
+    """The worker processes of ``precompile_blocks``, which can start before it: a training run starts them first, so
+    that their imports, CUDA context and compile pool come up while it builds the model and loads the data.
+
+    A context manager: leaving it (or ``close()``) stops any worker still running. Workers that never get a queue
+    exit on their own once ``timeout_s`` has passed or this process is gone.
+    """
+
+    def __init__(self, count: int, device: torch.device | str, imports: Iterable[str] = (),
+                 timeout_s: float = 1800.0) -> None:
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise ValueError(f"workers={count!r} is invalid: expected an integer >= 1.")
+        self.count = count
+        self.started = time.perf_counter()
+        self._tmp = tempfile.TemporaryDirectory(prefix="gallery_precompile_")
+        self.queue_path = Path(self._tmp.name) / "queue.pt"
+        (Path(self._tmp.name) / "claims").mkdir()
+        # The workers unpickle the blocks: their classes must import there as here (a notebook's or a test's module).
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p), **{
+            _T0_ENV: repr(time.time()), _IMPORTS_ENV: ",".join(sorted(set(imports))),
+            _TIMEOUT_ENV: repr(timeout_s)})
+        # Each worker would start a Triton compile pool as large as the machine: share the cores out instead.
+        env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", str(max(1, (os.cpu_count() or 1) // count)))
+        self.procs: list[tuple[subprocess.Popen, Path]] = []
+        for i in range(count):
+            log_path = Path(self._tmp.name) / f"worker{i}.log"
+            with open(log_path, "w") as out:
+                self.procs.append((subprocess.Popen(
+                    [sys.executable, "-m", "gallery_lib.precompile", str(self.queue_path), str(torch.device(device))],
+                    stdout=out, stderr=subprocess.STDOUT, env=env), log_path))
+
+    def close(self) -> None:
+        for proc, _ in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        self._tmp.cleanup()
+
+    def __enter__(self) -> "CompileWorkers":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def precompile_blocks(model: nn.Module, forward: Callable[[], Any], names: Iterable[str], *,
+                      workers: int | CompileWorkers, compile_kwargs: dict[str, Any],
+                      log: Callable[[str], Any] = print, timeout_s: float = 1800.0) -> PrecompileReport:
     """Compiles the distinct graphs of the named blocks in ``workers`` parallel processes into the on-disk caches.
 
     Args:
@@ -203,63 +258,45 @@ def precompile_blocks(model: nn.Module, forward: Callable[[], Any], names: Itera
         forward: runs the model's forward once as the training step does (same batch shape, autocast, train mode).
         names: qualified names of the blocks (``regional_compile``'s return value).
         workers: how many processes compile at the same time (each holds one block's weights and one call's
-            activations in device memory at a time); one with nothing left to claim exits.
+            activations in device memory at a time; one with nothing left to claim exits), or ``CompileWorkers``
+            started earlier. Either way they are stopped when this returns.
         compile_kwargs: exactly what the run passes to ``module.compile`` (a different option is a different graph).
         timeout_s: a worker still running after this long is stopped; graphs it had not finished compile in the run.
     """
-    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
-        raise ValueError(f"workers={workers!r} is invalid: expected an integer >= 1.")
     start = time.perf_counter()
     names = list(names)
     device = next(iter(model.parameters())).device
-    # The workers unpickle the blocks: their classes must import there as here (a notebook's or a test's own module).
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p), **{
-        _T0_ENV: repr(time.time()),
-        _IMPORTS_ENV: ",".join(sorted({type(model.get_submodule(n)).__module__ for n in names}))})
-    # Each worker would start a Triton compile pool as large as the machine: share the cores out instead.
-    env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", str(max(1, (os.cpu_count() or 1) // workers)))
+    if not isinstance(workers, CompileWorkers):
+        # Started now, their imports, CUDA context and compile pool come up while this process records.
+        workers = CompileWorkers(workers, device, {type(model.get_submodule(n)).__module__ for n in names},
+                                 timeout_s)
     failures: list[str] = []
     graph_seconds: dict[str, float] = {}
     startup: dict[str, float] = {}
-    with tempfile.TemporaryDirectory(prefix="gallery_precompile_") as tmp:
-        path = Path(tmp) / "queue.pt"
-        (Path(tmp) / "claims").mkdir()
-        # Workers start first: their imports, CUDA context and compile pool come up while this process records.
-        procs = []
-        for i in range(workers):
-            log_path = Path(tmp) / f"worker{i}.log"
-            with open(log_path, "w") as out:
-                procs.append((subprocess.Popen([sys.executable, "-m", "gallery_lib.precompile", str(path), str(device)],
-                                               stdout=out, stderr=subprocess.STDOUT, env=env), log_path))
-        try:
-            calls, _ = record_block_calls(model, forward, names)
-            record_seconds = time.perf_counter() - start
-            _write_queue(path, _largest_first(calls), model, compile_kwargs)
-            _warm_compile_pool(wait=False)  # this process loads the compiled kernels next: its pool must be up
-            deadline = time.monotonic() + timeout_s
-            for i, (proc, log_path) in enumerate(procs):
-                try:
-                    code = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
-                    code = "timeout"
-                for line in log_path.read_text(errors="replace").splitlines():
-                    if line.startswith(_DONE):  # "compiled NAME in SECONDS s", written by compile_queue
-                        name, _, seconds = line[len(_DONE):].rpartition(" in ")
-                        graph_seconds[name] = float(seconds.rstrip(" s"))
-                    elif line.startswith(_READY):
-                        for phase, seconds in json.loads(line[len(_READY):]).items():
-                            startup[phase] = max(startup.get(phase, 0.0), seconds)
-                if code != 0:
-                    tail = " | ".join(log_path.read_text(errors="replace").strip().splitlines()[-3:])
-                    failures.append(f"worker {i} ({code}): {tail}"[:500])
-        finally:  # an error here (in the caller's forward, say) must not leave workers waiting for a queue
-            for proc, _ in procs:
-                if proc.poll() is None:
-                    proc.kill()
-                    proc.wait()
-    report = PrecompileReport(len(names), len(calls), workers, time.perf_counter() - start, failures,
+    with workers:  # an error in here (in the caller's forward, say) must not leave workers waiting for a queue
+        calls, _ = record_block_calls(model, forward, names)
+        record_seconds = time.perf_counter() - start
+        _write_queue(workers.queue_path, _largest_first(calls), model, compile_kwargs)
+        _warm_compile_pool(wait=False)  # this process loads the compiled kernels next: its pool must be up
+        deadline = time.monotonic() + timeout_s
+        for i, (proc, log_path) in enumerate(workers.procs):
+            try:
+                code = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+                code = "timeout"
+            for line in log_path.read_text(errors="replace").splitlines():
+                if line.startswith(_DONE):  # "compiled NAME in SECONDS s", written by compile_queue
+                    name, _, seconds = line[len(_DONE):].rpartition(" in ")
+                    graph_seconds[name] = float(seconds.rstrip(" s"))
+                elif line.startswith(_READY):
+                    for phase, seconds in json.loads(line[len(_READY):]).items():
+                        startup[phase] = max(startup.get(phase, 0.0), seconds)
+            if code != 0:
+                tail = " | ".join(log_path.read_text(errors="replace").strip().splitlines()[-3:])
+                failures.append(f"worker {i} ({code}): {tail}"[:500])
+    report = PrecompileReport(len(names), len(calls), workers.count, time.perf_counter() - start, failures,
                               graph_seconds, record_seconds, startup)
     log(f"[gallery] {report.describe()}")
     for failure in failures:
@@ -356,11 +393,12 @@ def _warm_compile_pool(wait: bool) -> None:
         print(f"compile pool warm-up skipped: {type(exc).__name__}: {exc}", flush=True)
 
 
-def _wait_for(path: Path, poll_s: float = 0.02) -> bool:
-    """Waits for the queue file; False when the parent process went away first."""
+def _wait_for(path: Path, timeout_s: float, poll_s: float = 0.02) -> bool:
+    """Waits for the queue file; False when the parent process went away or ``timeout_s`` passed first."""
     parent = os.getppid()
+    deadline = time.monotonic() + timeout_s
     while not path.exists():
-        if os.getppid() != parent:
+        if os.getppid() != parent or time.monotonic() > deadline:
             return False
         time.sleep(poll_s)
     return True
@@ -371,7 +409,7 @@ def compile_queue(path: str, device: str) -> None:
     its graphs until none is left unclaimed."""
     marks = _warm_up(torch.device(device), [m for m in os.environ.get(_IMPORTS_ENV, "").split(",") if m])
     print(_READY + json.dumps(marks), flush=True)
-    if not _wait_for(Path(path)):
+    if not _wait_for(Path(path), float(os.environ.get(_TIMEOUT_ENV, "1800"))):
         return
     queue = torch.load(path, weights_only=False)
     _apply_flags(queue["flags"])

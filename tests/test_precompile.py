@@ -100,6 +100,21 @@ def test_an_error_in_the_recording_forward_stops_the_workers():
     assert time.perf_counter() - start < 60  # the workers were killed, not waited for
 
 
+def test_workers_started_early_exit_on_their_own_without_a_queue():
+    """A run that fails before its precompile (a bad data folder, say) must not leave workers behind, even when the
+    caller never closes them: they give up after their timeout."""
+    from gallery_lib.precompile import CompileWorkers
+
+    workers = CompileWorkers(1, "cpu", timeout_s=2.0)
+    try:
+        (proc, log_path), = workers.procs
+        assert proc.wait(timeout=90) == 0, log_path.read_text()
+        assert "ready: " in log_path.read_text()
+    finally:
+        workers.close()
+    assert not workers.queue_path.parent.exists()  # its folder is removed
+
+
 def test_bad_worker_count():
     with pytest.raises(ValueError, match="workers=0"):
         precompile_blocks(Model(), lambda: None, BLOCKS, workers=0, compile_kwargs={})
