@@ -8,16 +8,20 @@ Every run goes through the same launcher as the notebooks (a torchrun subprocess
 timing, warm-up/compile reported apart), in one session on one machine, so the numbers compare.
 ``--variant NAME:field=value,...`` adds a run of recipe NAME with config overrides, named as the CLI
 names them (``NAME+field=value``; a switch shows as ``+field`` or ``+no-field``), for trying a switch
-before it goes into a recipe. ``--set field=value`` changes the base config of every run. The result file is
-rewritten after each run, so a run killed by a time limit keeps the runs before it.
+before it goes into a recipe. ``--set field=value`` changes the base config of every run. ``--cold-compile``
+gives every run its own empty Inductor and Triton caches, so each run's compile time is what a first run on a fresh
+machine sees (otherwise a later run loads what an earlier one compiled). The result file is rewritten after each
+run, so a run killed by a time limit keeps the runs before it.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -31,8 +35,8 @@ from gallery_lib.report import mfu
 from gallery_lib.workflow import prepare
 
 _KEYS = ("recipe", "samples_per_s", "median_step_time_ms", "p20_step_time_ms", "p80_step_time_ms", "warmup_time_s",
-         "setup_time_s", "peak_mem_mb", "final_loss", "mean_loss_last_10", "global_batch_size", "world_size",
-         "device_name", "notes", "skipped_samples", "train_flops_per_sample", "matmul_tflops", "cache_time_s",
+         "setup_time_s", "precompile_time_s", "peak_mem_mb", "final_loss", "mean_loss_last_10", "global_batch_size",
+         "world_size", "device_name", "notes", "skipped_samples", "train_flops_per_sample", "matmul_tflops", "cache_time_s",
          "ema")
 
 
@@ -55,6 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output-dir", default="output/bench")
     parser.add_argument("--data-root", default="data")
     parser.add_argument("--out", required=True, help="JSON result file")
+    parser.add_argument("--cold-compile", action="store_true",
+                        help="an empty Inductor/Triton cache per run (compile times as on a fresh machine)")
     args = parser.parse_args(argv)
 
     base = base_config(args.profile, data_root=args.data_root, model=args.model, batch_size=args.batch_size,
@@ -75,10 +81,14 @@ def main(argv: list[str] | None = None) -> int:
         "steps": base.steps, "warmup_steps": base.warmup_steps,
         "timing": "CUDA events per step after warm-up; median with p20/p80; includes data loading unless "
                   "config.reuse_batch",
+        "cold_compile": args.cold_compile,
         "results": [],
     }
     for cfg in configs:
         print(f"\n[bench] === {cfg.recipe} ===", flush=True)
+        if args.cold_compile:  # the launcher's processes inherit the environment
+            cache = Path(tempfile.mkdtemp(prefix="bench_compile_cache_"))
+            os.environ.update(TORCHINDUCTOR_CACHE_DIR=str(cache / "inductor"), TRITON_CACHE_DIR=str(cache / "triton"))
         try:
             summary = launch(cfg).summary
             row = {k: summary.get(k) for k in _KEYS}

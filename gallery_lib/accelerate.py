@@ -9,9 +9,10 @@ The order matters and is the same for every model and recipe:
 3. attention backend - same reason, and it changes what the compiler will see;
 4. precision (O2) - fp32 master copies are taken from the final modules, then weights are cast;
 5. distributed wrapper (DDP) - wraps the module that is trained;
-6. compile - last, on the DDP-wrapped module, so TorchDynamo's DDPOptimizer can split graphs at
-   gradient-bucket boundaries and overlap communication with the backward pass (PyTorch's
-   recommended order for DDP; FSDP2 will compile per block before sharding, as torchtitan does).
+6. compile - last. The whole model (``compile_scope='model'``) is compiled on the DDP-wrapped module, so
+   TorchDynamo's DDPOptimizer can split graphs at gradient-bucket boundaries and overlap communication
+   with the backward pass (PyTorch's recommended order for DDP). The blocks (``compile_scope='blocks'``)
+   are compiled in place inside whatever wraps them, as torchtitan compiles per block.
 
 Each step appends a line to ``notes``; the training log prints them so a run says what it did.
 """
@@ -34,6 +35,10 @@ class AcceleratedModel:
     train_module: torch.nn.Module
     """What the loop calls: possibly DDP-wrapped and compiled."""
     notes: list[str] = field(default_factory=list)
+    compiled_blocks: list[str] = field(default_factory=list)
+    """Qualified names of the blocks compiled in place (``compile_scope='blocks'``), for ``precompile_blocks``."""
+    compile_kwargs: dict = field(default_factory=dict)
+    """What those blocks were compiled with."""
 
 
 def apply_accelerations(model: torch.nn.Module, cfg: RunConfig, precision: Precision,
@@ -51,8 +56,20 @@ def apply_accelerations(model: torch.nn.Module, cfg: RunConfig, precision: Preci
     train_module = wrap_ddp(model, dist)
     if train_module is not model:
         notes.append(f"DDP over {dist.world_size} processes")
+    mode = None if cfg.compile_mode == "default" else cfg.compile_mode
+    if cfg.compile and cfg.compile_scope == "blocks":
+        from gallery_lib.compile import regional_compile
+
+        # Static shapes, as whole-model compilation has: each block shape gets its own graph.
+        kwargs = {"backend": "inductor", "mode": mode, "dynamic": False}
+        names = regional_compile(model, **kwargs)
+        notes.append(f"torch.compile(mode={cfg.compile_mode!r}) of {len(names)} repeated blocks in place"
+                     + (f", precompiled by {cfg.precompile_workers} processes before the first step"
+                        if cfg.precompile_workers else "; compilation happens in the first warm-up steps"))
+        return AcceleratedModel(module=model, train_module=train_module, notes=notes, compiled_blocks=names,
+                                compile_kwargs=kwargs)
     if cfg.compile:
-        train_module = torch.compile(train_module, mode=None if cfg.compile_mode == "default" else cfg.compile_mode)
+        train_module = torch.compile(train_module, mode=mode)
         notes.append(f"torch.compile(mode={cfg.compile_mode!r}); compilation happens in the first warm-up steps")
     return AcceleratedModel(module=model, train_module=train_module, notes=notes)
 

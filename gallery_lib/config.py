@@ -21,6 +21,7 @@ AMP_LEVELS = ("O0", "O1", "O2")
 AMP_DTYPES = ("auto", "float16", "bfloat16")
 DEVICES = ("auto", "cuda", "cpu")
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+COMPILE_SCOPES = ("model", "blocks")
 EMA_MODES = ("off", "loop", "foreach", "fused", "stream")
 PREDICTION_TYPES = ("epsilon", "v_prediction")
 KERNEL_OPS = ("group_norm_silu", "layer_norm", "geglu")
@@ -90,6 +91,14 @@ class RunConfig:
     """Wrap the model in ``torch.compile``."""
     compile_mode: str = "default"
     """``torch.compile`` mode (``max-autotune-no-cudagraphs`` autotunes matmuls without CUDA graphs)."""
+    compile_scope: str = "model"
+    """What ``compile`` compiles: ``model`` (the whole model, one graph) or ``blocks`` (each repeated block in place,
+    ``gallery_lib.compile.regional_compile``: blocks of one shape share a graph, so there is less to compile; with a
+    CUDA-graph ``compile_mode`` each block replays as CUDA graphs)."""
+    precompile_workers: int = 0
+    """With ``compile_scope='blocks'``: compile the distinct block graphs in this many parallel processes before the
+    first step (``gallery_lib.precompile``), so the warm-up steps only load them. 0 compiles them in the warm-up
+    steps, one after another."""
     kernels: bool = False
     """Swap in the fused Triton kernels of ``gallery_lib.kernels`` where they apply (``--kernel-opt``)."""
     kernel_ops: str = "all"
@@ -203,6 +212,12 @@ class RunConfig:
         _check_choice("amp_level", self.amp_level, AMP_LEVELS)
         _check_choice("amp_dtype", self.amp_dtype, AMP_DTYPES)
         _check_choice("compile_mode", self.compile_mode, COMPILE_MODES)
+        _check_choice("compile_scope", self.compile_scope, COMPILE_SCOPES)
+        _check_positive_int("precompile_workers", self.precompile_workers, minimum=0)
+        if self.precompile_workers and not (self.compile and self.compile_scope == "blocks"):
+            raise ConfigError(f"precompile_workers={self.precompile_workers} needs compile=True and "
+                              f"compile_scope='blocks' (got compile={self.compile}, compile_scope="
+                              f"{self.compile_scope!r}): set both, or precompile_workers=0.")
         _check_choice("device", self.device, DEVICES)
         _check_choice("ema", self.ema, EMA_MODES)
         _check_choice("prediction_type", self.prediction_type, PREDICTION_TYPES)

@@ -36,6 +36,7 @@ restarts the workers (``max_restarts``) and the run has a checkpoint, the new wo
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import math
 import os
@@ -50,7 +51,7 @@ import torch
 from gallery_lib.accelerate import apply_accelerations
 from gallery_lib.batch_size import search_run_batch_size
 from gallery_lib.checkpoint import LATEST, Checkpointer, check_fresh_start, checkpoint_dir
-from gallery_lib.config import RunConfig, validate_for_machine
+from gallery_lib.config import CUDA_GRAPH_COMPILE_MODES, RunConfig, validate_for_machine
 from gallery_lib.distributed import DistInfo, all_reduce_sum, init_distributed, shutdown
 from gallery_lib.metrics import MetricsWriter, superseded_path, supersede_steps
 from gallery_lib.flops import measured_matmul_tflops
@@ -132,6 +133,18 @@ def all_ranks_finite(loss: torch.Tensor, dist: DistInfo) -> bool:
     return all_reduce_sum(bad, dist) == 0
 
 
+def precompile(accelerated, task, batch, precision: Precision, workers, log) -> float:
+    """Compiles the model's distinct block graphs in the ``workers`` (``CompileWorkers``) from one recorded forward
+    on ``batch`` (``gallery_lib.precompile``); returns the seconds it took. The warm-up steps then load them."""
+    from gallery_lib.precompile import precompile_blocks
+
+    # The plain model, not a DDP wrapper: a forward without its backward would leave DDP's reducer waiting.
+    report = precompile_blocks(accelerated.module, lambda: task.loss(accelerated.module, batch, precision),
+                               accelerated.compiled_blocks, workers=workers,
+                               compile_kwargs=accelerated.compile_kwargs, log=log)
+    return report.seconds
+
+
 def restart_count() -> int:
     """How many times torchrun has restarted this job's workers (0 outside torchrun or on the first attempt)."""
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
@@ -166,6 +179,24 @@ def run(cfg: RunConfig, dist: DistInfo | None = None) -> dict:
 def _train(cfg: RunConfig, dist: DistInfo, extra_summary: dict | None = None) -> dict:
     """One training run of ``cfg`` at its batch size; ``extra_summary`` is merged into the summary record."""
     setup_start = time.perf_counter()
+    with _compile_workers(cfg, dist) as workers:  # they warm up while the model and the data are set up
+        return _train_from(setup_start, cfg, dist, workers, extra_summary)
+
+
+def _compile_workers(cfg: RunConfig, dist: DistInfo):
+    """``precompile_workers`` processes for this rank (the machine's share), or nothing to precompile with."""
+    if not (cfg.precompile_workers and cfg.compile and cfg.compile_scope == "blocks"):
+        return contextlib.nullcontext(None)
+    from gallery_lib.models import MODELS
+    from gallery_lib.precompile import CompileWorkers
+
+    # Every rank compiles the same graphs for its own device: the machine's workers are shared out.
+    return CompileWorkers(max(1, cfg.precompile_workers // dist.world_size), dist.device,
+                          imports=MODELS[cfg.model].block_modules)
+
+
+def _train_from(setup_start: float, cfg: RunConfig, dist: DistInfo, workers, extra_summary: dict | None) -> dict:
+    """``_train`` after the compile workers (``None``: none) were started."""
     reset_peak_memory(dist.device)
     configure_backends(cfg)
     seed_everything(cfg.seed)  # identical init on every rank; the loader derives per-rank streams
@@ -218,9 +249,17 @@ def _train(cfg: RunConfig, dist: DistInfo, extra_summary: dict | None = None) ->
     losses: list[float] = []
     # reuse_batch isolates the model step from the loader (benchmarks); normal runs stream the loader.
     batches = itertools.repeat(next(iter(loader))) if cfg.reuse_batch else iter(loader)
+    precompile_time = 0.0
+    if workers is not None and accelerated.compiled_blocks:
+        first_batch = next(batches)
+        batches = itertools.chain([first_batch], batches)
+        precompile_time = precompile(accelerated, task, first_batch, precision, workers, log)
+    cuda_graphs = cfg.compile and cfg.compile_mode in CUDA_GRAPH_COMPILE_MODES
     timer.mark()
     guard = nonfinite_guard(cfg, precision)
     for step in range(start, cfg.steps):
+        if cuda_graphs:  # CUDA-graph trees: outputs of the previous step's graphs may now be overwritten
+            torch.compiler.cudagraph_mark_step_begin()
         loss = task.loss(train_module, next(batches), precision)
         precision.backward(loss)
         pending_lrs.append(optimizer.param_groups[0]["lr"])
@@ -302,7 +341,7 @@ def _train(cfg: RunConfig, dist: DistInfo, extra_summary: dict | None = None) ->
         "device_name": torch.cuda.get_device_name(dist.device) if dist.device.type == "cuda" else "CPU",
         "world_size": dist.world_size, "global_batch_size": cfg.global_batch_size, "image_size": cfg.image_size,
         "steps": cfg.steps, "warmup_steps": warmup_steps, "resumed_from_step": start, "setup_time_s": setup_time,
-        "warmup_time_s": sum(step_times[:warmup_steps]) / 1e3, **timing,
+        "precompile_time_s": precompile_time, "warmup_time_s": sum(step_times[:warmup_steps]) / 1e3, **timing,
         "samples_per_s": cfg.global_batch_size * 1e3 / timing["median_step_time_ms"],
         "peak_mem_mb": peak_memory_mb(dist.device),
         "peak_mem_kind": "cuda_max_allocated" if dist.device.type == "cuda" else "cpu_max_rss",
@@ -319,8 +358,9 @@ def _train(cfg: RunConfig, dist: DistInfo, extra_summary: dict | None = None) ->
     if writer:
         writer.write(summary)
         writer.close()
+    after = f" after {precompile_time:.1f} s of precompilation" if precompile_time else ""
     log(f"[gallery] done: {summary['samples_per_s']:.1f} img/s (median of {len(steady)} steps after warm-up), "
-        f"warm-up {summary['warmup_time_s']:.1f} s, peak {summary['peak_mem_mb'] / 1024:.2f} GiB, "
+        f"warm-up {summary['warmup_time_s']:.1f} s{after}, peak {summary['peak_mem_mb'] / 1024:.2f} GiB, "
         f"final loss {summary['final_loss']:.4f}")
     return summary
 

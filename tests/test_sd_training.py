@@ -34,13 +34,20 @@ def losses_of(cfg: RunConfig) -> list[float]:
     return [s["loss"] for s in read_metrics(cfg.run_dir / "metrics.jsonl")[0]]
 
 
-def test_recipes_resolve_the_sd_switches(caption_data, tmp_path):
+def test_recipes_resolve_the_sd_switches(caption_data, tmp_path, monkeypatch):
     base = tiny(caption_data, tmp_path)
     baseline, compiled, accelerated = (apply_recipe(r, base) for r in ("baseline", "compiled", "accelerated"))
     assert (baseline.ema, baseline.cache_latents, baseline.compile) == ("loop", False, False)
     assert (compiled.ema, compiled.cache_latents, compiled.compile) == ("foreach", False, True)
     assert accelerated.cache_latents and accelerated.compile and accelerated.ema == "fused"
     assert accelerated.kernels and accelerated.kernel_op_names == ("geglu",)
+    # Blocks compiled in place; on a GPU they replay as CUDA graphs, precompiled by half the cores (at most 8).
+    assert (accelerated.compile_scope, accelerated.compile_mode, accelerated.precompile_workers) == (
+        "blocks", "default", 0)
+    for cores, workers in ((16, 8), (64, 8), (6, 3), (2, 0)):
+        monkeypatch.setattr("os.cpu_count", lambda cores=cores: cores)
+        gpu = apply_recipe("accelerated", base.replace(device="cuda"))
+        assert (gpu.compile_mode, gpu.precompile_workers) == ("reduce-overhead", workers), cores
     no_ema = apply_recipe("accelerated", base.replace(ema="off"))
     assert no_ema.ema == "off"  # the profile decides whether there is an EMA; the recipe only how it runs
     with pytest.raises(ConfigError, match="cache_latents=True applies to text-to-image models"):
@@ -118,3 +125,23 @@ def test_resume_continues_the_ema_exactly(caption_data, tmp_path):
     for key, value in a["model"].items():
         assert torch.equal(b["model"][key], value), key
     assert losses_of(whole) == losses_of(resumed)
+
+
+@pytest.mark.slow
+def test_precompiled_blocks_train_like_the_baseline_and_only_load_in_the_run(caption_data, tmp_path):
+    """The accelerated recipe with its blocks precompiled by 2 worker processes: the training process finds every
+    block graph in Inductor's cache (no graph compiled by the run itself), and the losses are the baseline's."""
+    from torch._dynamo.utils import counters
+
+    base = tiny(caption_data, tmp_path, steps=8, amp_level="O0")
+    accelerated = apply_recipe("accelerated", base).replace(amp_level="O0", precompile_workers=2)
+    assert accelerated.compile_scope == "blocks"
+    run(baseline := apply_recipe("baseline", base).replace(amp_level="O0"))
+    counters.clear()
+    summary = run(accelerated)
+    assert summary["precompile_time_s"] > 0
+    assert any("precompiled by 2 processes" in note for note in summary["notes"])
+    assert counters["inductor"]["fxgraph_cache_hit"] > 0
+    assert counters["inductor"]["fxgraph_cache_miss"] == 0, dict(counters["inductor"])
+    torch.testing.assert_close(torch.tensor(losses_of(accelerated)), torch.tensor(losses_of(baseline)),
+                               rtol=1e-4, atol=1e-5)

@@ -25,6 +25,8 @@ class ModelSpec:
     description: str
     task: str = "classification"
     """``classification`` (images -> class scores) or ``text_to_image`` (a latent diffusion model)."""
+    block_modules: tuple[str, ...] = ()
+    """Modules that define the model's repeated blocks: precompile workers import them while the run sets up."""
 
 
 def _stable_diffusion(variant: str) -> Callable[..., object]:
@@ -35,18 +37,24 @@ def _stable_diffusion(variant: str) -> Callable[..., object]:
     return build
 
 
+_SD_BLOCK_MODULES = ("diffusers.models.unets.unet_2d_blocks", "gallery_lib.patch")
+_SWIN_BLOCK_MODULES = ("gallery_lib.models.swin",)
+
 MODELS: dict[str, ModelSpec] = {
     spec.name: spec
     for spec in (
         ModelSpec("swin_tiny_patch4_window7_224", "swin_transformer", swin.build_swin_tiny, 224, False,
-                  "Swin-T (timm), 28M parameters, 4.5 GFLOP/image forward at 224 px"),
+                  "Swin-T (timm), 28M parameters, 4.5 GFLOP/image forward at 224 px",
+                  block_modules=_SWIN_BLOCK_MODULES),
         ModelSpec("swin_micro", "swin_transformer", swin.build_swin_micro, 64, True,
-                  "a 2-stage Swin with the same blocks (shifted windows, relative position bias) for CPU smoke runs"),
+                  "a 2-stage Swin with the same blocks (shifted windows, relative position bias) for CPU smoke runs",
+                  block_modules=_SWIN_BLOCK_MODULES),
         ModelSpec("sd15", "stable_diffusion", _stable_diffusion("sd15"), 512, False,
                   "Stable Diffusion 1.5: UNet (860M parameters, trained), VAE and CLIP ViT-L/14 text encoder (frozen)",
-                  task="text_to_image"),
+                  task="text_to_image", block_modules=_SD_BLOCK_MODULES),
         ModelSpec("sd_tiny", "stable_diffusion", _stable_diffusion("sd_tiny"), 32, True,
-                  "the same three diffusers/transformers classes at CPU-smoke size", task="text_to_image"),
+                  "the same three diffusers/transformers classes at CPU-smoke size", task="text_to_image",
+                  block_modules=_SD_BLOCK_MODULES),
     )
 }
 
