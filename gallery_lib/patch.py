@@ -19,8 +19,8 @@ forwards. diffusers and timm are never imported here: their classes are looked u
 
 from __future__ import annotations
 
+import functools
 import sys
-import types
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable
@@ -131,7 +131,9 @@ class _Patcher:
                     self.report._undo_steps.append(lambda p=parent, a=attr, c=child: p._modules.__setitem__(a, c))
 
     def override_forward(self, module: nn.Module, forward: Callable[..., torch.Tensor]) -> None:
-        module.forward = types.MethodType(forward, module)
+        # A partial of a module-level function, not a bound method: a bound method pickles as getattr(module,
+        # "_resnet_block_forward"), which fails to load (precompile workers and checkpoints of whole modules).
+        module.forward = functools.partial(forward, module)
         self.report._undo_steps.append(lambda m=module: vars(m).pop("forward", None))
 
 

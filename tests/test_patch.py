@@ -1,5 +1,7 @@
 """apply_kernels: what it swaps, outputs and grads unchanged, state_dict strict round trips, undo restores exactly."""
 
+import pickle
+
 import pytest
 import torch
 from torch import nn
@@ -70,6 +72,9 @@ def test_unet_swap_report_state_dict_and_undo():
     assert unet.conv_norm_out.weight is originals["conv_norm_out"].weight  # parameters are shared, not copied
     assert list(unet.state_dict()) == keys
     assert_same_function(unet, run, baseline)
+    # The patched blocks survive pickling (precompile workers load them so; whole-module torch.save too).
+    copied = pickle.loads(pickle.dumps(unet))
+    torch.testing.assert_close(run(copied), baseline[0], atol=1e-5, rtol=1e-5)
 
     fresh = tiny_unet()
     fresh.load_state_dict(unet.state_dict(), strict=True)  # patched checkpoint -> baseline model
