@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import sys
 import tempfile
 import time
@@ -41,9 +42,11 @@ _KEYS = ("recipe", "samples_per_s", "median_step_time_ms", "p20_step_time_ms", "
 
 
 def parse_variant(text: str) -> tuple[str, dict]:
-    """``"compiled:fused_attention=true,lr=1e-3"`` -> ``("compiled", {"fused_attention": True, "lr": 0.001})``."""
+    """``"compiled:fused_attention=true,lr=1e-3"`` -> ``("compiled", {"fused_attention": True, "lr": 0.001})``;
+    ``"accelerated:kernel_ops=geglu,layer_norm"`` -> ``("accelerated", {"kernel_ops": "geglu,layer_norm"})``."""
     recipe, _, assignments = text.partition(":")
-    return recipe, parse_overrides([a for a in assignments.split(",") if a])
+    # A comma starts a new assignment only before "field=": values may hold commas (kernel_ops=geglu,layer_norm).
+    return recipe, parse_overrides([a for a in re.split(r",(?=\w+=)", assignments) if a])
 
 
 def main(argv: list[str] | None = None) -> int:
