@@ -13,6 +13,7 @@ from torch import nn
 
 from gallery_lib.compile import regional_compile
 from gallery_lib.precompile import TensorSpec, precompile_blocks, record_block_calls
+from compile_testing import compile_cache_counts, describe_counters
 
 
 class Block(nn.Module):
@@ -148,9 +149,8 @@ def test_workers_fill_the_cache_the_run_then_hits():
         assert names == BLOCKS
         out = model(x)
         out.backward()
-        hits = counters["aot_autograd"]["autograd_cache_hit"] + counters["inductor"]["fxgraph_cache_hit"]
-        misses = counters["aot_autograd"]["autograd_cache_miss"] + counters["inductor"]["fxgraph_cache_miss"]
-        assert hits >= 3 and misses == 0, (dict(counters["aot_autograd"]), dict(counters["inductor"]))
+        hits, misses = compile_cache_counts()
+        assert hits >= 3 and misses == 0, describe_counters()
     torch.testing.assert_close(out, expected)
     for (name, p), q in zip(model.named_parameters(), expected_model.parameters()):
         torch.testing.assert_close(p.grad, q.grad, msg=name)

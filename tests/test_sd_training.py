@@ -10,6 +10,7 @@ from gallery_lib.metrics import read_metrics
 from gallery_lib.profiles import base_config
 from gallery_lib.recipes import apply_recipe
 from gallery_lib.train import run
+from compile_testing import compile_cache_counts, describe_counters
 from resume_testing import resume_from_copy
 
 pytest.importorskip("diffusers")
@@ -141,7 +142,7 @@ def test_precompiled_blocks_train_like_the_baseline_and_only_load_in_the_run(cap
     summary = run(accelerated)
     assert summary["precompile_time_s"] > 0
     assert any("precompiled by 2 processes" in note for note in summary["notes"])
-    assert counters["inductor"]["fxgraph_cache_hit"] > 0
-    assert counters["inductor"]["fxgraph_cache_miss"] == 0, dict(counters["inductor"])
+    hits, misses = compile_cache_counts()
+    assert hits > 0 and misses == 0, describe_counters()
     torch.testing.assert_close(torch.tensor(losses_of(accelerated)), torch.tensor(losses_of(baseline)),
                                rtol=1e-4, atol=1e-5)
