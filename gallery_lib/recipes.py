@@ -66,7 +66,8 @@ _ACCELERATED: dict[str, dict[str, Any]] = {
     # (sd15_geglu_kernel_b32_h200.json). GroupNorm+SiLU and LayerNorm stay with Inductor: the redesigned GroupNorm+SiLU
     # kernel beats compiled GroupNorm alone at 18 of 20 shape/direction cases (kernels_gn_h200_v5.json), yet in the step
     # at batch 8 it ran at 86.0 ms against 84.8 (sd15_gn_kernel_b8_h200.json), probably because Inductor fuses the
-    # time-embedding add and the casts around its own norm, which an opaque custom op prevents (not profiled).
+    # time-embedding add and the casts around its own norm, which an opaque custom op prevents (not profiled); a
+    # second, cold-cache run gave 86.7 ms (sd15_gn_kernel_precompile_b8_h200.json).
     # Compilation, cold caches, the whole recipe at batch 8 (sd15_accelerated_compile_scope_b8_h200.json): with
     # torch.compile of the whole UNet the warm-up takes 134 s and the step 100.8 ms (p20-p80 94.6-111.5). Compiling
     # the 38 repeated blocks in place (19 distinct graphs), each replayed as CUDA graphs (the batch-8 step is
