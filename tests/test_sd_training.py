@@ -138,6 +138,9 @@ def test_precompiled_blocks_train_like_the_baseline_and_only_load_in_the_run(cap
     accelerated = apply_recipe("accelerated", base).replace(amp_level="O0", precompile_workers=2)
     assert accelerated.compile_scope == "blocks"
     run(baseline := apply_recipe("baseline", base).replace(amp_level="O0"))
+    # A run is a fresh process; in this one an earlier test may have compiled the same blocks, and Dynamo would reuse
+    # that code without looking at any cache. Forget it, so the run must trace and go to the on-disk caches.
+    torch._dynamo.reset()
     counters.clear()
     summary = run(accelerated)
     assert summary["precompile_time_s"] > 0
