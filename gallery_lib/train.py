@@ -185,7 +185,7 @@ def _train(cfg: RunConfig, dist: DistInfo, extra_summary: dict | None = None) ->
 
 def _compile_workers(cfg: RunConfig, dist: DistInfo):
     """``precompile_workers`` processes for this rank (the machine's share), or nothing to precompile with."""
-    if not (cfg.precompile_workers and cfg.compile and cfg.compile_scope == "blocks"):
+    if not cfg.precompile_workers:  # RunConfig allows it only with compile=True and compile_scope='blocks'
         return contextlib.nullcontext(None)
     from gallery_lib.models import MODELS
     from gallery_lib.precompile import CompileWorkers
