@@ -365,18 +365,27 @@ def _parse_value(text: str) -> Any:
     return text
 
 
+def visible_cuda_devices() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def resolve_device(requested: str, cuda_devices: int) -> str:
+    """``cuda`` or ``cpu`` for a ``RunConfig.device`` value: ``auto`` takes the GPU when one is visible."""
+    return requested if requested != "auto" else ("cuda" if cuda_devices else "cpu")
+
+
 def validate_for_machine(cfg: RunConfig, *, cuda_devices: int | None = None, cpu_count: int | None = None) -> str:
     """Checks the options that depend on this machine and returns the resolved device (``cuda``/``cpu``).
 
     Raises ``ConfigError`` naming the fix when a GPU-only option is asked for on a CPU machine, or
     when more processes are asked for than the machine has devices for.
     """
-    import torch
-
     if cuda_devices is None:
-        cuda_devices = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        cuda_devices = visible_cuda_devices()
     cpu_count = cpu_count or os.cpu_count() or 1
-    device = cfg.device if cfg.device != "auto" else ("cuda" if cuda_devices else "cpu")
+    device = resolve_device(cfg.device, cuda_devices)
     if device == "cuda":
         if cuda_devices == 0:
             raise ConfigError("device='cuda' was asked for but no CUDA GPU is visible: use device='auto' or 'cpu' "

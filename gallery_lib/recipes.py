@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 from typing import Any, Callable
 
-from gallery_lib.config import ConfigError, RunConfig
+from gallery_lib.config import ConfigError, RunConfig, resolve_device, visible_cuda_devices
 
 
 def baseline(base: RunConfig) -> RunConfig:
@@ -80,9 +80,7 @@ _ACCELERATED: dict[str, dict[str, Any]] = {
 
 
 def _runs_on_gpu(base: RunConfig) -> bool:
-    import torch
-
-    return base.device == "cuda" or (base.device == "auto" and torch.cuda.is_available())
+    return resolve_device(base.device, visible_cuda_devices()) == "cuda"
 
 
 def _precompile_workers() -> int:
