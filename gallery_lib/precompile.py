@@ -276,7 +276,7 @@ def precompile_blocks(model: nn.Module, forward: Callable[[], Any], names: Itera
     with workers:  # an error in here (in the caller's forward, say) must not leave workers waiting for a queue
         calls, _ = record_block_calls(model, forward, names)
         record_seconds = time.perf_counter() - start
-        _write_queue(workers.queue_path, _largest_first(calls), model, compile_kwargs)
+        _write_queue(workers.queue_path, _largest_first(calls), model, device, compile_kwargs)
         _warm_compile_pool(wait=False)  # this process loads the compiled kernels next: its pool must be up
         deadline = time.monotonic() + timeout_s
         for i, (proc, log_path) in enumerate(workers.procs):
@@ -304,9 +304,9 @@ def precompile_blocks(model: nn.Module, forward: Callable[[], Any], names: Itera
     return report
 
 
-def _write_queue(path: Path, queue: list[BlockCall], model: nn.Module, compile_kwargs: dict[str, Any]) -> None:
+def _write_queue(path: Path, queue: list[BlockCall], model: nn.Module, device: torch.device,
+                 compile_kwargs: dict[str, Any]) -> None:
     """Saves the queue with meta copies of its blocks, then renames it into place: workers never see half a file."""
-    device = next(iter(model.parameters())).device
     for call in queue:
         call.module, call.buffers = _meta_copy(model.get_submodule(call.name))
     partial = path.with_suffix(".partial")
