@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import sys
 from dataclasses import dataclass
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -55,3 +58,20 @@ def all_reduce_sum(value: float, info: DistInfo) -> float:
 def shutdown() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def exit_process(code: int) -> NoReturn:
+    """Ends a torchrun worker: runs the ``atexit`` handlers and flushes output, then exits without Python's
+    interpreter finalization.
+
+    ``destroy_process_group()`` does not free a gloo group that DDP has used (pytorch/pytorch#107298), so its
+    worker threads outlive ``shutdown()``. A worker thread that drops its last reference to a finished collective
+    while the interpreter is finalizing needs the GIL, cannot take it, and aborts the process: a finished run then
+    exits with SIGABRT (seen in CI, on a loaded 2-core machine). Finalization has no other work left to do here.
+    """
+    try:
+        atexit._run_exitfuncs()  # multiprocessing reaps loader workers, logging flushes its handlers
+        sys.stdout.flush()
+        sys.stderr.flush()
+    finally:
+        os._exit(code)

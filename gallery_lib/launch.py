@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -69,15 +70,15 @@ def launch(cfg: RunConfig, *, echo: Callable[[str], None] | None = print) -> Run
         (run_dir / "metrics.jsonl").unlink(missing_ok=True)  # a re-run replaces the metrics; a resume appends
     proc = subprocess.Popen(torchrun_command(cfg, config_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, bufsize=1, env=_child_env(cfg, device), cwd=os.getcwd())
-    tail: list[str] = []
+    tail: deque[str] = deque(maxlen=200)  # room for torchrun's own traceback and summary
     assert proc.stdout is not None
     for line in proc.stdout:
-        tail = (tail + [line.rstrip("\n")])[-40:]
+        tail.append(line.rstrip("\n"))
         if echo:
             echo(line.rstrip("\n"))
     code = proc.wait()
     if code != 0:
-        raise RunFailed(_failure_message(run_dir, code, tail))
+        raise RunFailed(_failure_message(run_dir, code, list(tail)))
     _, summary = read_metrics(run_dir / "metrics.jsonl")
     if summary is None:
         raise RunFailed(f"run in {run_dir} exited cleanly but wrote no summary line to metrics.jsonl")
@@ -95,5 +96,20 @@ def _failure_message(run_dir: Path, code: int, console_tail: list[str]) -> str:
             parts.append(f"--- last lines of {path.name} ---\n" + "\n".join(lines[-15:]))
             break
     else:
-        parts.append("--- console tail ---\n" + "\n".join(console_tail[-15:]))
+        parts.append("--- console tail ---\n" + "\n".join(_console_excerpt(console_tail)))
     return "\n".join(parts)
+
+
+def _console_excerpt(lines: list[str]) -> list[str]:
+    """The workers' last console lines and torchrun's root-cause block, without torchrun's traceback between them.
+
+    A worker killed by a signal (a C++ abort, the OOM killer) leaves no Python error in its rank log: the reason
+    (``terminate called ...``) is on the console just before torchrun's traceback and failure summary, which alone
+    fill the last 30 lines.
+    """
+    starts = [i for i, line in enumerate(lines) if line.startswith("Traceback (most recent call last):")
+              and any("torch/distributed/run.py" in later for later in lines[i + 1:i + 6])]
+    if not starts:
+        return lines[-15:]
+    root_cause = next((i for i in range(starts[-1], len(lines)) if lines[i].startswith("Root Cause")), len(lines))
+    return lines[:starts[-1]][-15:] + lines[root_cause:]

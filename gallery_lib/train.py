@@ -41,8 +41,8 @@ import itertools
 import math
 import os
 import random
-import sys
 import time
+import traceback
 from pathlib import Path
 
 import numpy as np
@@ -52,7 +52,7 @@ from gallery_lib.accelerate import apply_accelerations
 from gallery_lib.batch_size import search_run_batch_size
 from gallery_lib.checkpoint import LATEST, Checkpointer, check_fresh_start, checkpoint_dir
 from gallery_lib.config import CUDA_GRAPH_COMPILE_MODES, RunConfig, validate_for_machine
-from gallery_lib.distributed import DistInfo, all_reduce_sum, init_distributed, shutdown
+from gallery_lib.distributed import DistInfo, all_reduce_sum, exit_process, init_distributed, shutdown
 from gallery_lib.metrics import MetricsWriter, superseded_path, supersede_steps
 from gallery_lib.flops import measured_matmul_tflops
 from gallery_lib.precision import Precision
@@ -354,7 +354,8 @@ def _train_from(setup_start: float, cfg: RunConfig, dist: DistInfo, workers, ext
     }
     if cfg.export_model and dist.is_main:
         summary["exported_to"] = task.export(cfg.run_dir, ema)
-        log(f"[gallery] saved the trained model to {summary['exported_to']}")
+        if summary["exported_to"]:  # classifiers export nothing: their checkpoints are the model
+            log(f"[gallery] saved the trained model to {summary['exported_to']}")
     if writer:
         writer.write(summary)
         writer.close()
@@ -381,4 +382,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_code = 1
+    try:
+        exit_code = main()
+    except SystemExit as stop:  # argparse's usage errors (it printed the message)
+        exit_code = stop.code if isinstance(stop.code, int) else 1
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        exit_process(exit_code)

@@ -163,3 +163,85 @@ def test_kernel_opt_trains_the_same_function(smoke_data, tmp_path):
     a = [s["loss"] for s in read_metrics(plain.run_dir / "metrics.jsonl")[0]]
     b = [s["loss"] for s in read_metrics(fused.run_dir / "metrics.jsonl")[0]]
     assert b == pytest.approx(a, rel=1e-5)
+
+
+# What torchrun printed when a worker aborted in C++ after a finished run (CI, 2026-11-23), shortened.
+ABORTED_WORKER_CONSOLE = """\
+[gallery] step 4/4 | loss 2.2526 | 278.1 img/s | 28.8 ms/step | peak 0.75 GiB
+[gallery] done: 231.8 img/s (median of 3 steps after warm-up), warm-up 0.1 s, peak 0.75 GiB, final loss 2.2526
+terminate called without an active exception
+W1123 03:25:17.275000 1351 torch/distributed/elastic/multiprocessing/api.py:1028] Sending process 1356 closing signal SIGTERM
+E1123 03:25:17.348000 1351 torch/distributed/elastic/multiprocessing/api.py:1002] failed (exitcode: -6) local_rank: 1
+Traceback (most recent call last):
+  File "<frozen runpy>", line 198, in _run_module_as_main
+  File "<frozen runpy>", line 88, in _run_code
+  File "/venv/lib/python3.11/site-packages/torch/distributed/run.py", line 1142, in <module>
+    main()
+  File "/venv/lib/python3.11/site-packages/torch/distributed/launcher/api.py", line 386, in launch_agent
+    raise ChildFailedError(
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+======================================================
+gallery_lib.train FAILED
+------------------------------------------------------
+Failures:
+[1]:
+  rank      : 0 (local_rank: 0)
+  exitcode  : -15 (pid: 1356)  (SIGTERM)
+------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  rank      : 1 (local_rank: 1)
+  exitcode  : -6 (pid: 1357)  (SIGABRT)
+======================================================""".splitlines()
+
+
+def test_failure_message_shows_why_a_worker_died_without_a_python_error(tmp_path):
+    from gallery_lib.launch import _failure_message
+
+    (tmp_path / "logs").mkdir()
+    for rank in (0, 1):  # the rank logs hold no error: the abort happened in C++
+        (tmp_path / f"logs/rank{rank}.log").write_text("[gallery] step 4/4 | loss 2.2526\n")
+    message = _failure_message(tmp_path, 1, ABORTED_WORKER_CONSOLE)
+    assert "terminate called without an active exception" in message
+    assert "Root Cause" in message and "(SIGABRT)" in message
+    assert "launch_agent" not in message  # torchrun's own traceback says nothing about the worker
+
+
+def test_training_process_exit_codes(tmp_path):
+    """``python -m gallery_lib.train`` leaves through ``exit_process``: usage errors keep argparse's code 2, a
+    failing run prints its traceback and exits 1."""
+    import subprocess
+    import sys
+
+    usage = subprocess.run([sys.executable, "-m", "gallery_lib.train"], capture_output=True, text=True)
+    assert usage.returncode == 2 and "--config" in usage.stderr
+    missing = subprocess.run([sys.executable, "-m", "gallery_lib.train", "--config", str(tmp_path / "none.json")],
+                             capture_output=True, text=True)
+    assert missing.returncode == 1
+    assert "Traceback" in missing.stderr and "none.json" in missing.stderr
+
+
+EXIT_WITH_A_LIVE_GLOO_GROUP = """
+import atexit, sys, torch, torch.distributed as dist
+from gallery_lib.distributed import exit_process, shutdown
+dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
+model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 4))
+model(torch.randn(2, 4)).sum().backward()
+dist.all_reduce(torch.ones(1))
+shutdown()
+atexit.register(lambda: open(sys.argv[2], "w").write("atexit ran"))
+print("trained", end="")  # no newline: the flush before os._exit must write it
+exit_process(3)
+"""
+
+
+def test_exit_process_runs_atexit_flushes_and_keeps_the_code(tmp_path):
+    import subprocess
+    import sys
+
+    marker = tmp_path / "marker"
+    done = subprocess.run([sys.executable, "-c", EXIT_WITH_A_LIVE_GLOO_GROUP, str(tmp_path / "store"), str(marker)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 3, done.stderr
+    assert done.stdout == "trained"
+    assert marker.read_text() == "atexit ran"
