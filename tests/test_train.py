@@ -112,6 +112,19 @@ def test_launch_two_process_ddp_with_gloo(smoke_data, tmp_path):
     assert saved["nproc_per_node"] == 2 and saved["recipe"] == "baseline"
 
 
+@pytest.mark.gpu
+def test_launch_two_gpu_ddp_with_nccl_exits_cleanly(smoke_data, tmp_path):
+    """The NCCL twin of the gloo test, three times in a row: every run ends with exit code 0 through
+    ``exit_process`` (process group destroyed first, no abort at exit)."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 CUDA GPUs (the nvidia-h200-x2 machine)")
+    for attempt in range(3):
+        cfg = micro_cfg(smoke_data, tmp_path / str(attempt), nproc_per_node=2, steps=6, device="cuda")
+        lines: list[str] = []
+        result = launch(cfg, echo=lines.append)
+        assert result.summary["world_size"] == 2 and result.summary["global_batch_size"] == 8
+        assert not any("destroy_process_group() was not called" in line for line in lines)
+
 def test_launch_errors_before_starting(tmp_path, smoke_data):
     with pytest.raises(FileNotFoundError, match="gallery prepare"):
         launch(micro_cfg(tmp_path / "missing", tmp_path))
