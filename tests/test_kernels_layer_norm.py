@@ -108,3 +108,18 @@ def test_gpu_real_shapes(shape, dtype):
     ours = run(lambda x, w, b: layer_norm(x, w, b), (x.to(dtype), w, b), dy.to(dtype))
     theirs = run(torch_ln, (x.to(dtype), w.to(dtype), b.to(dtype)), dy.to(dtype))
     assert_within_torch_error(("out", "dx", "dweight", "dbias"), ours, theirs, ref, dtype)
+
+
+def test_streaming_eviction_rule():
+    """Forward loads are marked evict-first only on a GPU where the input fits in L2, unless a knob forces it."""
+    x = torch.randn(4, 8)
+    assert tu.streaming_eviction(x) == ""  # no GPU, no hint
+    assert tu.streaming_eviction(x, True) == "evict_first" and tu.streaming_eviction(x, False) == ""
+
+
+@pytest.mark.gpu
+def test_streaming_eviction_follows_l2_size():
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    small = torch.empty(l2 // 2, dtype=torch.uint8, device="cuda")
+    large = torch.empty(2 * l2, dtype=torch.uint8, device="cuda")
+    assert tu.streaming_eviction(small) == "evict_first" and tu.streaming_eviction(large) == ""

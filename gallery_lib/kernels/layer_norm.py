@@ -6,7 +6,7 @@ Design (and why):
   one write of ``y`` plus 8 bytes of statistics per row, one launch. A program takes ``BLOCK_M`` rows so that
   narrow rows (Swin's 96) still give each program a few KiB to load. Wider rows loop over column blocks (Welford
   statistics, then a second pass).
-* Backward: one launch of about four programs per SM; each strides over row blocks, writes ``dx`` for its rows
+* Backward: one launch of two programs per SM; each strides over row blocks, writes ``dx`` for its rows
   and keeps its weight/bias gradient partials in registers (the weight is loaded once, outside the loop), then
   stores one fp32 row of partials. A single ``sum`` over the programs' rows finishes dweight and dbias together
   (two stages, deterministic, no atomics). Per call: reads ``x`` and ``dy`` once, writes ``dx``, two launches
@@ -26,7 +26,7 @@ from gallery_lib.kernels._triton_utils import kernel, library_op, tl, triton, us
 @kernel
 def _ln_fwd_kernel(X, Y, W, B, Mean, Rstd, R, D, eps,
                    HAS_W: tl.constexpr, HAS_B: tl.constexpr, SINGLE: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+                   BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, EVICT: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     r_mask = rows < R
     row_base = rows.to(tl.int64)[:, None] * D
@@ -34,7 +34,7 @@ def _ln_fwd_kernel(X, Y, W, B, Mean, Rstd, R, D, eps,
     if SINGLE:  # the whole row block lives in registers: one read, one write
         c_mask = cols < D
         mask = r_mask[:, None] & c_mask[None, :]
-        x = tl.load(X + row_base + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        x = tl.load(X + row_base + cols[None, :], mask=mask, other=0.0, eviction_policy=EVICT).to(tl.float32)
         mean = tl.sum(x, axis=1) / D
         xc = tl.where(mask, x - mean[:, None], 0.0)
         rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=1) / D + eps)
@@ -155,15 +155,33 @@ def _ptr(t: Optional[torch.Tensor], dummy: torch.Tensor) -> torch.Tensor:
     return t if t is not None else dummy
 
 
-def _blocks(rows: int, width: int) -> tuple[int, int, bool]:
+# Launch plan: elements (rows x padded width) a program handles per step, forward and backward; backward
+# programs per SM (few and long-lived: their weight-gradient partials stay in registers across row blocks); warps
+# per program (None: one warp per 1024 tile elements). Module-level so that benchmarks/sweep_kernel_plans.py can
+# time alternatives; the values are its winners on the H100 (kernel_plans_h100_v1.json, _v2.json), within a few
+# percent of the best plan at every Swin-T and SD width.
+FWD_TILE = 4096
+BWD_TILE = 4096
+BWD_PROGRAMS_PER_SM = 2
+FWD_WARPS: Optional[int] = None
+BWD_WARPS: Optional[int] = None
+# The forward's loads of x hint that it is read once and may leave L2 first (None: when x fits in L2).
+FWD_EVICT_FIRST: Optional[bool] = None
+
+
+def _blocks(rows: int, width: int, tile: int) -> tuple[int, int, bool]:
     block_d = tu.reduction_block(width)
-    block_m = min(tu.next_power_of_2(rows), max(1, tu.MAX_BLOCK // block_d))
+    block_m = min(tu.next_power_of_2(rows), max(1, tile // block_d))
     return block_m, block_d, block_d >= width
+
+
+def _warps(fixed: Optional[int], block_m: int, block_d: int) -> int:
+    return fixed or max(1, min(16, block_m * block_d // 1024))
 
 
 def _n_programs(x: torch.Tensor, n_blocks: int) -> int:
     if x.is_cuda:
-        return max(1, min(n_blocks, tu.num_programs_target(x, per_sm=4)))
+        return max(1, min(n_blocks, tu.num_programs_target(x, per_sm=BWD_PROGRAMS_PER_SM)))
     return max(1, min(n_blocks, 3))  # the interpreter: still more than one program, so the strided loop is exercised
 
 
@@ -176,11 +194,12 @@ def _fwd(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.T
         y = torch.empty_like(x)
         mean = torch.empty(x.shape[:-1], device=x.device, dtype=torch.float32)
         rstd = torch.empty_like(mean)
-        block_m, block_d, single = _blocks(rows, d)
+        block_m, block_d, single = _blocks(rows, d, FWD_TILE)
         _ln_fwd_kernel[(triton.cdiv(rows, block_m),)](
             x, y, _ptr(weight, x), _ptr(bias, x), mean, rstd, rows, d, eps,
             HAS_W=weight is not None, HAS_B=bias is not None,
-            SINGLE=single, BLOCK_M=block_m, BLOCK_D=block_d, num_warps=tu.num_warps_for(block_m * block_d))
+            SINGLE=single, BLOCK_M=block_m, BLOCK_D=block_d, EVICT=tu.streaming_eviction(x, FWD_EVICT_FIRST),
+            num_warps=_warps(FWD_WARPS, block_m, block_d))
         return y, mean, rstd
     var, mean = torch.var_mean(x.float(), dim=-1, unbiased=False)
     rstd = torch.rsqrt(var + eps)
@@ -200,7 +219,7 @@ def _bwd(dy: torch.Tensor, x: torch.Tensor, weight: Optional[torch.Tensor], mean
     rows = x.numel() // max(d, 1)
     if use_triton(x):
         dx = torch.empty_like(x)
-        block_m, block_d, single = _blocks(rows, d)
+        block_m, block_d, single = _blocks(rows, d, BWD_TILE)
         n_blocks = triton.cdiv(rows, block_m)
         progs = _n_programs(x, n_blocks)
         # The single-block kernel writes every program's partial row; the multi-block one accumulates into it.
@@ -208,7 +227,7 @@ def _bwd(dy: torch.Tensor, x: torch.Tensor, weight: Optional[torch.Tensor], mean
         part = alloc((2, progs, d), device=x.device, dtype=torch.float32)
         _ln_bwd_kernel[(progs,)](
             dy, x, _ptr(weight, x), mean, rstd, dx, part, rows, d, n_blocks, progs * d, HAS_W=weight is not None,
-            SINGLE=single, BLOCK_M=block_m, BLOCK_D=block_d, num_warps=tu.num_warps_for(block_m * block_d))
+            SINGLE=single, BLOCK_M=block_m, BLOCK_D=block_d, num_warps=_warps(BWD_WARPS, block_m, block_d))
         return dx, part.sum(1)
     xhat = (x.float() - mean[..., None]) * rstd[..., None]
     dyf = dy.float()
