@@ -32,8 +32,11 @@ def run(fn, h, dy):
     return y, h.grad
 
 
-# (shape of h, max_block): one row, an odd half-width, several column blocks per row, a leading batch of dims.
-CASES = [((1, 2), 4096), ((5, 46), 4096), ((3, 7, 74), 4096), ((4, 74), 8), ((2, 3, 2 * 1031), 4096)]
+# (shape of h, max_block): one row, an odd half-width, several column blocks per row, a leading batch of dims,
+# several row tiles with a partial last one (300 rows in 64-row tiles of a masked 64-wide block for d=48), and
+# exact column blocks that divide the width (d=96 in three 32-wide blocks, 130 rows in two tiles).
+CASES = [((1, 2), 4096), ((5, 46), 4096), ((3, 7, 74), 4096), ((4, 74), 8), ((2, 3, 2 * 1031), 4096),
+         ((300, 2 * 48), 4096), ((130, 2 * 96), 32)]
 
 
 @pytest.mark.parametrize("shape,max_block", CASES)
@@ -85,3 +88,11 @@ def test_gpu_real_shapes(shape, dtype):
     ours = run(geglu, h.to(dtype), dy.to(dtype))
     theirs = run(reference, h.to(dtype), dy.to(dtype))
     assert_within_torch_error(("out", "dh"), ours, theirs, ref, dtype)
+
+
+def test_column_block_divides_sd_widths():
+    """SD's half-widths get unmasked column blocks; widths with no wide power-of-two divisor get a masked one."""
+    from gallery_lib.kernels.geglu import _column_block
+
+    assert [_column_block(d) for d in (1280, 2560, 5120, 320)] == [256, 512, 1024, 64]
+    assert _column_block(1031) == 1024 and _column_block(23) == 32 and _column_block(1) == 1
