@@ -15,13 +15,19 @@ Backward is one kernel that reads the upstream gradient from device memory (no h
 gradients for the saved per-row statistics.
 """
 
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 
 from gallery_lib.kernels import _triton_utils as tu
 from gallery_lib.kernels._triton_utils import kernel, library_op, tl, use_triton
+
+# Warps per row program (None: from the row block). Module-level so that benchmarks/sweep_kernel_plans.py can time
+# alternatives; the values are its winners on the H100 (kernel_plans_h100_v2.json: backward 2.9 -> 2.4 us at
+# 128x1000 with 8 warps; the forward did not move with any count).
+FWD_WARPS: Optional[int] = None
+BWD_WARPS: Optional[int] = 8
 
 
 @kernel
@@ -97,7 +103,8 @@ def _fwd(logits: torch.Tensor, target: torch.Tensor,
         counter = torch.zeros(1, device=logits.device, dtype=torch.int32)
         block = tu.reduction_block(v)
         _ce_fwd_kernel[(n,)](logits, target, loss, loss_rows, lse, t_mass, counter, n, v, label_smoothing,
-                             BLOCK=block, BLOCK_N=min(tu.next_power_of_2(n), 1024), num_warps=tu.num_warps_for(block))
+                             BLOCK=block, BLOCK_N=min(tu.next_power_of_2(n), 1024),
+                             num_warps=FWD_WARPS or tu.num_warps_for(block))
         return loss, lse, t_mass
     x, t = logits.float(), target.float()
     lse = torch.logsumexp(x, dim=-1)
@@ -127,7 +134,7 @@ def _bwd(grad: torch.Tensor, logits: torch.Tensor, target: torch.Tensor, lse: to
         dt = torch.empty_like(target) if target_grad else target.new_empty((0,))
         block = tu.reduction_block(v)
         _ce_bwd_kernel[(n,)](grad, logits, target, lse, t_mass, dx, dt, v, label_smoothing, 1.0 / n,
-                             TARGET_GRAD=target_grad, BLOCK=block, num_warps=tu.num_warps_for(block))
+                             TARGET_GRAD=target_grad, BLOCK=block, num_warps=BWD_WARPS or tu.num_warps_for(block))
         return dx, dt
     x, t = logits.float(), target.float()
     scale = grad.float() / n
