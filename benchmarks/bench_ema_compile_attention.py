@@ -11,7 +11,7 @@ Parts:
   (warm-up beyond steady cost) apart from the steady ms/step. Inductor's cache goes to a fresh folder unless
   ``--warm-cache``, so compile times are cold.
 - ``attention``: forward+backward ms of every eligible backend for SD shapes (batch 8, 8 heads) and Swin-T window
-  shapes (with the additive bias), and what ``auto`` picked.
+  shapes (with the additive bias), what ``auto`` picked, and what plain SDPA (PyTorch choosing) costs and picks.
 
 The whole script stays under 8 minutes on one H100/H200 (about 3 with ``--quick``); it prints progress as it goes.
 """
@@ -202,12 +202,37 @@ def bench_attention(torch, args, device, out_dir):
             except Exception as e:  # noqa: BLE001
                 row["skipped"][name] = f"{type(e).__name__}: {str(e)[:200]}"
         row["auto"] = sel.select(q_shape, bf16, device, has_bias, kv_shape)
+        row["sdpa_default"] = _sdpa_default(torch, A, q_shape, kv_shape, bf16, device, has_bias)
         res["shapes"].append(row)
         times = ", ".join(f"{n} {ms:.3f}" for n, ms in sorted(row["ms"].items(), key=lambda x: x[1]))
-        log(f"attention: {label}: auto={row['auto']}  ({times} ms)")
+        default = row["sdpa_default"]
+        log(f"attention: {label}: auto={row['auto']}  ({times} ms); plain SDPA picks {default.get('picks')} "
+            f"({default.get('ms', float('nan')):.3f} ms)")
     res["describe"] = A.describe(sel)
     os.remove(sel.cache_path)
     return res
+
+
+def _sdpa_default(torch, A, q_shape, kv_shape, dtype, device, has_bias) -> dict:
+    """What a diffusers or timm model gets without our hook: plain ``scaled_dot_product_attention``, PyTorch choosing
+    the kernel. Its time, and the kernel it picks (``torch._fused_sdp_choice``, a private helper: None if absent)."""
+    import types
+
+    import torch.nn.functional as F
+
+    plain = types.SimpleNamespace(run=lambda q, k, v, bias, scale: F.scaled_dot_product_attention(q, k, v, bias))
+    out = {}
+    try:
+        out["ms"] = A.benchmark_backend(plain, q_shape, kv_shape, dtype, device, has_bias, reps=20)
+        q = torch.randn(*q_shape, device=device, dtype=dtype, requires_grad=True)
+        k = torch.randn(*kv_shape, device=device, dtype=dtype, requires_grad=True)
+        bias = torch.zeros(q_shape[0], q_shape[1], q_shape[2], kv_shape[2], device=device, dtype=dtype) \
+            if has_bias else None
+        choice = getattr(torch, "_fused_sdp_choice", None)
+        out["picks"] = A.SDPBackend(choice(q, k, k, bias)).name.lower() if choice and A.SDPBackend else None
+    except Exception as e:  # noqa: BLE001 - a record, not a requirement
+        out["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+    return out
 
 
 def main() -> None:
