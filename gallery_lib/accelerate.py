@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from gallery_lib.config import KERNEL_OPS, RunConfig
+from gallery_lib.config import KERNEL_OPS, ConfigError, RunConfig
 from gallery_lib.distributed import DistInfo, wrap_ddp
 from gallery_lib.precision import Precision
 
@@ -90,9 +90,12 @@ def _apply_fused_attention(model: torch.nn.Module) -> str:
         hook = hook_diffusers_attention(model, backend="auto")
         return (f"fused attention: {len(hook.modules)} diffusers attention layers use the fastest measured backend "
                 "per shape (gallery_lib.attention)")
-    from gallery_lib.models.swin import set_fused_window_attention
+    from gallery_lib.attention import hook_swin_attention
 
-    count = set_fused_window_attention(model, True)
-    if count == 0:
-        return "fused attention: no window-attention modules in this model (nothing changed)"
-    return f"fused attention: {count} window-attention modules run scaled_dot_product_attention with the bias as mask"
+    try:
+        hook = hook_swin_attention(model, backend="auto")
+    except ValueError as exc:  # no timm WindowAttention, or attention dropout the kernels do not apply
+        raise ConfigError(f"fused_attention=True cannot apply to {type(model).__name__}: {exc}; "
+                          "run without it (--set fused_attention=false)") from exc
+    return (f"fused attention: {len(hook.modules)} Swin window-attention modules through gallery_lib.attention "
+            "(auto: the fastest measured backend that takes the relative-position bias and shift mask)")

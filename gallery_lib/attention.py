@@ -133,8 +133,23 @@ BACKENDS: dict[str, AttentionBackend] = {
 
 
 # --------------------------------------------------------------------- selection
+# (name, capability) per CUDA device index, read once. Traced code must not call CUDA's device queries (each is a
+# graph break: in a compiled Swin step the breaks and the recompiles behind them halved the speed on an H100), so the
+# hooks fill this before compilation and the selector only looks it up.
+_DEVICE_INFO: dict[int, tuple[str, tuple[int, int]]] = {}
+
+
 def _device_info(device: torch.device) -> tuple[str, tuple[int, int]]:
-    return torch.cuda.get_device_name(device), torch.cuda.get_device_capability(device)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _DEVICE_INFO:
+        _DEVICE_INFO[index] = (torch.cuda.get_device_name(index), torch.cuda.get_device_capability(index))
+    return _DEVICE_INFO[index]
+
+
+def _remember_devices(model: nn.Module) -> None:
+    """Reads the device info of the GPUs holding ``model`` now, outside any compilation (see ``_DEVICE_INFO``)."""
+    for device in {p.device for p in model.parameters() if p.is_cuda}:
+        _device_info(device)
 
 
 def benchmark_backend(backend: AttentionBackend, q_shape: Sequence[int], kv_shape: Sequence[int],
@@ -200,7 +215,7 @@ class BackendSelector:
             return self.cache[key]["backend"]
         eligible = [BACKENDS[n] for n, why in self.eligible(q_shape, dtype, device, has_bias).items() if why is None]
         if _cannot_benchmark():  # inside torch.compile tracing or CUDA-graph capture: rule, not cached
-            return next((b.name for b in eligible if b.name in ("flash", "efficient")), "math")
+            return rule_choice(eligible, self.device_info(device)[1])
         timings, failed = {}, {}
         for backend in eligible:
             try:
@@ -222,6 +237,16 @@ class BackendSelector:
         with open(tmp, "w", encoding="utf-8") as f:
             json.dump(self.cache, f, indent=1, sort_keys=True)
         os.replace(tmp, self.cache_path)
+
+
+def rule_choice(eligible: Sequence[AttentionBackend], capability: tuple[int, int]) -> str:
+    """The backend ``auto`` takes where it cannot time candidates (inside ``torch.compile`` tracing or CUDA-graph
+    capture, with no cached measurement): the measured winners as a rule. On Hopper (H100 and H200,
+    ``attention_h100.json``, ``ema_compile_attention_h200.json``) cuDNN was fastest or within noise at every SD
+    shape without a bias; with a bias only ``efficient`` and ``math`` apply, and ``efficient`` was 3x faster."""
+    order = ("cudnn", "flash", "efficient") if capability >= (9, 0) else ("flash", "efficient")
+    names = {b.name for b in eligible}
+    return next((name for name in order if name in names), "math")
 
 
 def _cannot_benchmark() -> bool:
@@ -255,7 +280,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Ten
     elif backend not in BACKENDS:
         raise ValueError(f"attention: unknown backend {backend!r}; use 'auto' or one of {list(BACKENDS)}")
     else:
-        capability = torch.cuda.get_device_capability(q.device) if q.is_cuda else None
+        capability = _device_info(q.device)[1] if q.is_cuda else None
         why = BACKENDS[backend].why_not(q.shape, q.dtype, q.device.type, bias is not None, capability)
         if why:
             raise ValueError(f"attention: backend {backend!r} cannot run this call: {why}; use backend='auto'")
@@ -360,6 +385,7 @@ def hook_diffusers_attention(model: nn.Module, backend: str = "auto",
     if not hasattr(model, "attn_processors") or not hasattr(model, "set_attn_processor"):
         raise TypeError(f"hook_diffusers_attention: {type(model).__name__} has no attn_processors; pass a diffusers "
                         "model such as UNet2DConditionModel")
+    _remember_devices(model)
     saved = dict(model.attn_processors)
     model.set_attn_processor(GalleryAttnProcessor(backend, selector))
     return AttentionHook(sorted(saved), lambda: model.set_attn_processor(dict(saved)))
@@ -398,6 +424,7 @@ def hook_swin_attention(model: nn.Module, backend: str = "auto",
         if m.attn_drop.p > 0:
             raise ValueError(f"hook_swin_attention: {name} has attention dropout {m.attn_drop.p}; the hooked "
                              "kernels run without it, so build the model with attn_drop_rate=0")
+    _remember_devices(model)
     previous = {}
     for name, m in found:
         previous[name] = m.__dict__.get("forward")

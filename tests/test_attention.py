@@ -5,8 +5,9 @@ import json
 import pytest
 import torch
 
+from gallery_lib import attention as attention_module
 from gallery_lib.attention import (BACKENDS, BackendSelector, attention, describe, hook_diffusers_attention,
-                                   hook_swin_attention, select_backend)
+                                   hook_swin_attention, rule_choice, select_backend)
 
 H100 = ("NVIDIA H100 80GB HBM3", (9, 0))
 BF16 = torch.bfloat16
@@ -249,3 +250,54 @@ def test_gpu_every_eligible_backend_matches_math():
                 err = (attention(q, k, v, backend=name).float() - ref).abs().max().item()
                 assert err < 2e-2, (name, shape, err)
         assert select_backend(shape, BF16, "cuda", False) in BACKENDS
+
+
+def test_rule_without_timing_follows_the_measured_table():
+    """Where auto cannot time (compile tracing, graph capture): cuDNN first on Hopper without a bias, flash first
+    before Hopper, efficient with a bias, math when nothing else applies."""
+    def eligible(shape, has_bias, capability, dtype=BF16):
+        return [b for b in BACKENDS.values() if b.why_not(shape, dtype, "cuda", has_bias, capability) is None]
+
+    assert rule_choice(eligible((8, 8, 4096, 40), False, (9, 0)), (9, 0)) == "cudnn"
+    assert rule_choice(eligible((8, 8, 4096, 40), False, (8, 0)), (8, 0)) == "flash"
+    assert rule_choice(eligible((512, 12, 49, 32), True, (9, 0)), (9, 0)) == "efficient"
+    assert rule_choice([BACKENDS["math"]], (9, 0)) == "math"
+
+
+def test_selector_uses_the_rule_while_tracing_and_caches_nothing(monkeypatch):
+    sel = _fake_selector()
+    monkeypatch.setattr(attention_module, "_cannot_benchmark", lambda: True)
+    assert sel.select((8, 8, 4096, 40), BF16, "cuda", False) == "cudnn"
+    assert sel.select((512, 12, 49, 32), BF16, "cuda", True) == "efficient"
+    assert sel.timer.calls == [] and sel.cache == {}
+
+
+def test_auto_traces_without_graph_breaks_once_the_device_is_known(monkeypatch):
+    """Inside torch.compile the selector must not query CUDA (each query is a graph break): with the device info
+    remembered, selecting for a CUDA shape is plain Python that Dynamo traces into one graph."""
+    monkeypatch.setitem(attention_module._DEVICE_INFO, 0, H100)
+
+    def step(x):
+        choice = select_backend((512, 12, 49, 32), BF16, torch.device("cuda", 0), True)
+        return x * 2 if choice == "efficient" else x
+
+    explained = torch._dynamo.explain(step)(torch.randn(3))
+    assert explained.graph_break_count == 0 and explained.graph_count == 1
+    assert torch.compile(step, backend="eager", fullgraph=True)(torch.ones(3)).tolist() == [2.0, 2.0, 2.0]
+
+
+@pytest.mark.gpu
+def test_gpu_hooked_swin_compiles_into_one_graph():
+    """On a GPU the hooked window attention traces without graph breaks (fullgraph) and matches timm's own path."""
+    from gallery_lib.models.swin import build_swin_micro
+
+    torch.manual_seed(0)
+    model = build_swin_micro(num_classes=10).cuda()
+    reference = build_swin_micro(num_classes=10).cuda()
+    reference.load_state_dict(model.state_dict())
+    x = torch.randn(4, 3, 64, 64, device="cuda")
+    with hook_swin_attention(model, "auto"):
+        torch._dynamo.reset()
+        out = torch.compile(model, backend="aot_eager", fullgraph=True)(x)
+        out.float().sum().backward()
+    torch.testing.assert_close(out, reference(x), atol=2e-4, rtol=2e-4)

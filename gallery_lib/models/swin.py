@@ -1,9 +1,8 @@
 """Swin Transformer models from timm: Swin-T for GPU runs and a micro variant for CPU smoke runs.
 
-Also holds the Swin-specific switch for fused window attention: timm's ``WindowAttention`` can
-run ``scaled_dot_product_attention`` with the relative-position bias and shift mask as an additive
-mask (timm enables it only with ``TIMM_FUSED_ATTN=2``); we flip it per instance instead of through
-the process-wide environment variable.
+Fused window attention (``fused_attention=True``) is `gallery_lib.attention.hook_swin_attention`, not timm's own
+SDPA switch (``TIMM_FUSED_ATTN=2``): with the bias as a mask, plain SDPA picks cuDNN on an H100, 1.8-3.4x slower
+than the memory-efficient kernel the registry picks (``benchmarks/results/attention_h100.json``).
 """
 
 from __future__ import annotations
@@ -30,15 +29,3 @@ def build_swin_micro(*, num_classes: int, image_size: int = 64, pretrained_file:
         raise ValueError("swin_micro is a CPU smoke-test model with no pretrained weights; drop pretrained_file.")
     return SwinTransformer(img_size=image_size, patch_size=4, window_size=4, embed_dim=32, depths=(2, 2),
                            num_heads=(2, 4), num_classes=num_classes, drop_path_rate=0.0)
-
-
-def set_fused_window_attention(model: torch.nn.Module, enabled: bool = True) -> int:
-    """Switches every timm ``WindowAttention`` in ``model`` to (or from) the SDPA path; returns how many."""
-    from timm.models.swin_transformer import WindowAttention
-
-    count = 0
-    for module in model.modules():
-        if isinstance(module, WindowAttention):
-            module.fused_attn = enabled
-            count += 1
-    return count
