@@ -193,6 +193,8 @@ class BackendSelector:
         self.timer = timer or benchmark_backend
         self.device_info = device_info or _device_info
         self.cache: dict[str, dict[str, Any]] = {}
+        self.chosen: dict[str, str] = {}
+        """What ``select`` answered in this process, per call key, and how (measured, rule): for the run log."""
         if cache_path and os.path.exists(cache_path):
             with open(cache_path, encoding="utf-8") as f:
                 self.cache = json.load(f)
@@ -206,16 +208,20 @@ class BackendSelector:
     def select(self, q_shape: Sequence[int], dtype: torch.dtype, device: torch.device | str, has_bias: bool,
                kv_shape: Sequence[int] | None = None) -> str:
         device = torch.device(device)
-        if device.type != "cuda":
-            return "math"
         kv_shape = tuple(kv_shape or q_shape)
-        name = self.device_info(device)[0]
+        name = self.device_info(device)[0] if device.type == "cuda" else "CPU"
         key = f"{tuple(q_shape)}|{kv_shape}|{str(dtype).replace('torch.', '')}|{name}|bias={bool(has_bias)}"
+        if device.type != "cuda":
+            self.chosen[key] = "math (the CPU rule)"
+            return "math"
         if key in self.cache:
+            self.chosen[key] = f"{self.cache[key]['backend']} (measured)"
             return self.cache[key]["backend"]
         eligible = [BACKENDS[n] for n, why in self.eligible(q_shape, dtype, device, has_bias).items() if why is None]
         if _cannot_benchmark():  # inside torch.compile tracing or CUDA-graph capture: rule, not cached
-            return rule_choice(eligible, self.device_info(device)[1])
+            rule = rule_choice(eligible, self.device_info(device)[1])
+            self.chosen[key] = f"{rule} (rule: chosen while compiling, where nothing can be timed)"
+            return rule
         timings, failed = {}, {}
         for backend in eligible:
             try:
@@ -227,6 +233,7 @@ class BackendSelector:
                 timings[backend.name] = ms
         best = min(timings, key=timings.get) if timings else "math"
         self.cache[key] = {"backend": best, "timings_ms": timings, "failed": failed}
+        self.chosen[key] = f"{best} (measured)"
         self._save()
         return best
 
@@ -259,6 +266,11 @@ _selector = BackendSelector(cache_path=os.environ.get("GALLERY_ATTN_CACHE"))
 
 def default_selector() -> BackendSelector:
     return _selector
+
+
+def chosen_backends(selector: BackendSelector | None = None) -> dict[str, str]:
+    """Per attention call key (shapes, dtype, GPU, bias), what ``auto`` ran in this process and how it decided."""
+    return dict((selector or _selector).chosen)
 
 
 def select_backend(q_shape: Sequence[int], dtype: torch.dtype, device: torch.device | str, has_bias: bool, *,

@@ -352,6 +352,12 @@ def _train_from(setup_start: float, cfg: RunConfig, dist: DistInfo, workers, ext
         "torch_version": torch.__version__, "output_dir": str(cfg.run_dir), **task.summary(),
         **(extra_summary or {}),
     }
+    if cfg.fused_attention:  # what the registry's auto ran for each attention shape, for the notebook's log
+        from gallery_lib.attention import chosen_backends
+
+        summary["attention"] = chosen_backends()
+        for key, choice in summary["attention"].items():
+            log(f"[gallery] attention {key}: {choice}")
     if cfg.export_model and dist.is_main:
         summary["exported_to"] = task.export(cfg.run_dir, ema)
         if summary["exported_to"]:  # classifiers export nothing: their checkpoints are the model

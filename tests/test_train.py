@@ -98,6 +98,11 @@ def test_recipe_switches_learn_the_same_function(smoke_data, tmp_path):
     steps, summary = read_metrics(fast.run_dir / "metrics.jsonl")
     assert [s["loss"] for s in steps] == pytest.approx(a, rel=1e-4)
     assert any("4 Swin window-attention modules through gallery_lib.attention" in n for n in summary["notes"])
+    # the run says what auto ran per attention shape: micro Swin's two stages (batch x 16 or 4 windows of 4x4 tokens,
+    # 2 or 4 heads of 16), each with the relative-position bias, on the CPU rule
+    keys = [f"({w}, {h}, 16, 16)|({w}, {h}, 16, 16)|float32|CPU|bias=True"
+            for w, h in ((fast.batch_size * 16, 2), (fast.batch_size * 4, 4))]
+    assert summary["attention"] == dict.fromkeys(keys, "math (the CPU rule)")
 
 
 def test_launch_two_process_ddp_with_gloo(smoke_data, tmp_path):
