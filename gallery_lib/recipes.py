@@ -5,8 +5,8 @@
                 when the profile trains an EMA, DDP when several processes.
 ``compiled``    the plain ``torch.compile`` peer: compile + bfloat16 autocast + fused AdamW + foreach EMA.
 ``accelerated`` the best this library can do, switch by switch as measurements keep them, per task
-                (``_ACCELERATED``); for Swin-T on an H200 that is still exactly ``compiled``. Every switch
-                stays because a measurement kept it (``benchmarks/results/``).
+                (``_ACCELERATED``): for Swin-T, ``compiled`` plus window attention through the backend
+                registry. Every switch stays because a measurement kept it (``benchmarks/results/``).
 
 Whether a run keeps an EMA at all is the profile's choice (``ema`` on or ``off``); a recipe only picks how the
 update runs.
@@ -36,14 +36,7 @@ def compiled(base: RunConfig) -> RunConfig:
 
 def accelerated(base: RunConfig) -> RunConfig:
     """Everything that measured faster than ``compiled`` on the GPU, for the model's task."""
-    # Measured on an H200, Swin-T at batch 128, the training step alone (benchmarks/results/swin_*_h200.json):
-    # compiled 4,213-4,258 img/s in four runs. SDPA window attention (fused_attention=True) ran at 4,831,
-    # 4,287, 3,863 (with channels_last too) and 3,896 img/s: -11% memory every time, not reliably faster, 8% slower
-    # in the final same-run comparison. channels_last: +4% in one run, untested with the rest. O2: -4%.
-    # max-autotune: autotuning did not finish in 8 minutes. So the switches stay off until a measurement keeps
-    # them; the fused kernels, EMA and compile-hook work plug in here when they beat compiled.
-    # Lead for the next measurement: in the final run SDPA steps went from 34-35 ms (steps 10-20) to 27.5-28.4 ms
-    # (steps 30-50) against compiled's flat 30.1 ms, so it may win once warm-up is longer than 16 steps.
+    # Per task, the switches that measured faster than compiled, with the measurements beside them (_ACCELERATED).
     cfg = compiled(base).replace(recipe="accelerated")
     switches = dict(_ACCELERATED[base.task])
     if "ema" in switches:
@@ -54,7 +47,14 @@ def accelerated(base: RunConfig) -> RunConfig:
 
 
 _ACCELERATED: dict[str, dict[str, Any]] = {
-    "classification": {},
+    # Swin-T at batch 128, the training step alone, one H100 (swin_fused_attention_step_h100_v2.json): window
+    # attention through gallery_lib.attention (auto picks the memory-efficient SDPA kernel, the fastest that takes
+    # the relative-position bias: 1.37 ms vs plain SDPA's cuDNN pick at 2.50 ms for stage 1, attention_h100.json)
+    # ran at 4,061 against 3,794 img/s, median 31.5 vs 33.7 ms/step, 10% less memory, same losses. Its steps are
+    # bimodal (p20 28.6 ms, p80 34.1 ms) where compiled's are flat. timm's own SDPA switch (cuDNN with a mask) had
+    # swung between +15% and -8% on an H200. Not kept, all on an H200: channels_last (+4% in one run), AMP O2 (-4%),
+    # max-autotune (autotuning did not finish in 8 minutes).
+    "classification": {"fused_attention": True},
     # Stable Diffusion (text_to_image), measured on an H200 at 512 px, batch 8, EMA on (benchmarks/results/sd15_*):
     # compiled 51.8 img/s, accelerated 88.3 img/s (1.70x). Cached latents take the VAE encoder (~46% of the UNet's
     # training FLOPs per image), the text encoder and PNG decoding out of every step; the fused EMA kernel is the
