@@ -20,6 +20,7 @@ Each step appends a line to ``notes``; the training log prints them so a run say
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -39,18 +40,23 @@ class AcceleratedModel:
     """Qualified names of the blocks compiled in place (``compile_scope='blocks'``), for ``precompile_blocks``."""
     compile_kwargs: dict = field(default_factory=dict)
     """What those blocks were compiled with."""
+    attention: Any = None
+    """The attention hook (``gallery_lib.attention.AttentionHook``) when ``fused_attention``: its ``selector.chosen``
+    says what each attention shape ran."""
 
 
 def apply_accelerations(model: torch.nn.Module, cfg: RunConfig, precision: Precision,
                         dist: DistInfo) -> AcceleratedModel:
     notes: list[str] = []
+    attention = None
     if cfg.channels_last:
         model = model.to(memory_format=torch.channels_last)
         notes.append("channels_last: images and conv weights in NHWC layout")
     if cfg.kernels:
         notes.append(_apply_kernels(model, cfg.kernel_op_names))
     if cfg.fused_attention:
-        notes.append(_apply_fused_attention(model))
+        note, attention = _apply_fused_attention(model)
+        notes.append(note)
     precision.cast_model(model)
     notes.append(f"precision: {precision.describe()}")
     train_module = wrap_ddp(model, dist)
@@ -67,11 +73,11 @@ def apply_accelerations(model: torch.nn.Module, cfg: RunConfig, precision: Preci
                      + (f", precompiled by {cfg.precompile_workers} processes before the first step"
                         if cfg.precompile_workers else "; compilation happens in the first warm-up steps"))
         return AcceleratedModel(module=model, train_module=train_module, notes=notes, compiled_blocks=names,
-                                compile_kwargs=kwargs)
+                                compile_kwargs=kwargs, attention=attention)
     if cfg.compile:
         train_module = torch.compile(train_module, mode=mode)
         notes.append(f"torch.compile(mode={cfg.compile_mode!r}); compilation happens in the first warm-up steps")
-    return AcceleratedModel(module=model, train_module=train_module, notes=notes)
+    return AcceleratedModel(module=model, train_module=train_module, notes=notes, attention=attention)
 
 
 def _apply_kernels(model: torch.nn.Module, ops: tuple[str, ...]) -> str:
@@ -83,13 +89,13 @@ def _apply_kernels(model: torch.nn.Module, ops: tuple[str, ...]) -> str:
     return f"fused kernels: {report.summary()}"
 
 
-def _apply_fused_attention(model: torch.nn.Module) -> str:
+def _apply_fused_attention(model: torch.nn.Module) -> tuple[str, Any]:
     if hasattr(model, "set_attn_processor"):  # a diffusers model: every attention layer through our backend registry
         from gallery_lib.attention import hook_diffusers_attention
 
         hook = hook_diffusers_attention(model, backend="auto")
         return (f"fused attention: {len(hook.modules)} diffusers attention layers use the fastest measured backend "
-                "per shape (gallery_lib.attention)")
+                "per shape (gallery_lib.attention)"), hook
     from gallery_lib.attention import hook_swin_attention
 
     try:
@@ -98,4 +104,4 @@ def _apply_fused_attention(model: torch.nn.Module) -> str:
         raise ConfigError(f"fused_attention=True cannot apply to {type(model).__name__}: {exc}; "
                           "run without it (--set fused_attention=false)") from exc
     return (f"fused attention: {len(hook.modules)} Swin window-attention modules through gallery_lib.attention "
-            "(auto: the fastest measured backend that takes the relative-position bias and shift mask)")
+            "(auto: the fastest measured backend that takes the relative-position bias and shift mask)"), hook

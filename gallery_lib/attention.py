@@ -20,6 +20,7 @@ position bias and shift mask become an additive bias, so only backends that acce
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
@@ -194,10 +195,17 @@ class BackendSelector:
         self.device_info = device_info or _device_info
         self.cache: dict[str, dict[str, Any]] = {}
         self.chosen: dict[str, str] = {}
-        """What ``select`` answered in this process, per call key, and how (measured, rule): for the run log."""
+        """What ``select`` answered, per call key, and how it decided (measured, rule): for the run log."""
         if cache_path and os.path.exists(cache_path):
             with open(cache_path, encoding="utf-8") as f:
                 self.cache = json.load(f)
+
+    def sharing_measurements(self) -> BackendSelector:
+        """A selector that reads and adds to this one's measurements (cache, file, timer) but keeps its own record of
+        choices: a hook's ``chosen`` then says what its own model ran, whatever else the process did."""
+        view = copy.copy(self)
+        view.chosen = {}
+        return view
 
     def eligible(self, q_shape, dtype, device, has_bias) -> dict[str, str | None]:
         """Every backend with ``None`` (eligible) or the reason it cannot run this call."""
@@ -266,11 +274,6 @@ _selector = BackendSelector(cache_path=os.environ.get("GALLERY_ATTN_CACHE"))
 
 def default_selector() -> BackendSelector:
     return _selector
-
-
-def chosen_backends(selector: BackendSelector | None = None) -> dict[str, str]:
-    """Per attention call key (shapes, dtype, GPU, bias), what ``auto`` ran in this process and how it decided."""
-    return dict((selector or _selector).chosen)
 
 
 def select_backend(q_shape: Sequence[int], dtype: torch.dtype, device: torch.device | str, has_bias: bool, *,
@@ -371,10 +374,13 @@ class GalleryAttnProcessor:
 
 
 class AttentionHook:
-    """A reversible attention patch; ``remove()`` (or leaving the ``with`` block) restores the model."""
+    """A reversible attention patch; ``remove()`` (or leaving the ``with`` block) restores the model.
 
-    def __init__(self, modules: list[str], undo: Callable[[], None]):
-        self.modules, self._undo = modules, undo
+    ``selector.chosen`` records what the hooked modules ran per attention shape, and how ``auto`` decided.
+    """
+
+    def __init__(self, modules: list[str], undo: Callable[[], None], selector: BackendSelector):
+        self.modules, self._undo, self.selector = modules, undo, selector
 
     def remove(self) -> None:
         if self._undo is not None:
@@ -398,9 +404,10 @@ def hook_diffusers_attention(model: nn.Module, backend: str = "auto",
         raise TypeError(f"hook_diffusers_attention: {type(model).__name__} has no attn_processors; pass a diffusers "
                         "model such as UNet2DConditionModel")
     _remember_devices(model)
+    selector = selector or _selector.sharing_measurements()
     saved = dict(model.attn_processors)
     model.set_attn_processor(GalleryAttnProcessor(backend, selector))
-    return AttentionHook(sorted(saved), lambda: model.set_attn_processor(dict(saved)))
+    return AttentionHook(sorted(saved), lambda: model.set_attn_processor(dict(saved)), selector)
 
 
 # --------------------------------------------------------------------- timm Swin hook
@@ -437,6 +444,7 @@ def hook_swin_attention(model: nn.Module, backend: str = "auto",
             raise ValueError(f"hook_swin_attention: {name} has attention dropout {m.attn_drop.p}; the hooked "
                              "kernels run without it, so build the model with attn_drop_rate=0")
     _remember_devices(model)
+    selector = selector or _selector.sharing_measurements()
     previous = {}
     for name, m in found:
         previous[name] = m.__dict__.get("forward")
@@ -450,4 +458,4 @@ def hook_swin_attention(model: nn.Module, backend: str = "auto",
                 m.forward = previous[name]
             del m._gallery_backend, m._gallery_selector
 
-    return AttentionHook([n for n, _ in found], undo)
+    return AttentionHook([n for n, _ in found], undo, selector)

@@ -352,10 +352,8 @@ def _train_from(setup_start: float, cfg: RunConfig, dist: DistInfo, workers, ext
         "torch_version": torch.__version__, "output_dir": str(cfg.run_dir), **task.summary(),
         **(extra_summary or {}),
     }
-    if cfg.fused_attention:  # what the registry's auto ran for each attention shape, for the notebook's log
-        from gallery_lib.attention import chosen_backends
-
-        summary["attention"] = chosen_backends()
+    if accelerated.attention is not None:  # what the registry's auto ran per attention shape, for the notebook's log
+        summary["attention"] = dict(accelerated.attention.selector.chosen)
         for key, choice in summary["attention"].items():
             log(f"[gallery] attention {key}: {choice}")
     if cfg.export_model and dist.is_main:

@@ -301,3 +301,20 @@ def test_gpu_hooked_swin_compiles_into_one_graph():
         out = torch.compile(model, backend="aot_eager", fullgraph=True)(x)
         out.float().sum().backward()
     torch.testing.assert_close(out, reference(x), atol=2e-4, rtol=2e-4)
+
+
+def test_each_hook_records_its_own_choices_and_shares_measurements():
+    """A hook's record says what its model ran, not what the process ran before; measurements stay shared."""
+    from gallery_lib.attention import default_selector
+    from gallery_lib.models.swin import build_swin_micro
+
+    select_backend((2, 3, 10, 16), torch.float32, "cpu", True)  # a choice made elsewhere in the process
+    first, second = build_swin_micro(num_classes=10), build_swin_micro(num_classes=10, image_size=32)
+    with hook_swin_attention(first) as hook_a, hook_swin_attention(second) as hook_b:
+        first(torch.randn(1, 3, 64, 64))
+        second(torch.randn(1, 3, 32, 32))
+    assert set(hook_a.selector.chosen) == {"(16, 2, 16, 16)|(16, 2, 16, 16)|float32|CPU|bias=True",
+                                           "(4, 4, 16, 16)|(4, 4, 16, 16)|float32|CPU|bias=True"}
+    assert set(hook_b.selector.chosen) == {"(4, 2, 16, 16)|(4, 2, 16, 16)|float32|CPU|bias=True",
+                                           "(1, 4, 16, 16)|(1, 4, 16, 16)|float32|CPU|bias=True"}
+    assert hook_a.selector.cache is hook_b.selector.cache is default_selector().cache
