@@ -47,13 +47,14 @@ def accelerated(base: RunConfig) -> RunConfig:
 
 
 _ACCELERATED: dict[str, dict[str, Any]] = {
-    # Swin-T at batch 128, the training step alone, one H100 (swin_fused_attention_step_h100_v2.json): window
-    # attention through gallery_lib.attention (auto picks the memory-efficient SDPA kernel, the fastest that takes
-    # the relative-position bias: 1.37 ms vs plain SDPA's cuDNN pick at 2.50 ms for stage 1, attention_h100.json)
-    # ran at 4,061 against 3,794 img/s, median 31.5 vs 33.7 ms/step, 10% less memory, same losses. Its steps are
-    # bimodal (p20 28.6 ms, p80 34.1 ms) where compiled's are flat. timm's own SDPA switch (cuDNN with a mask) had
-    # swung between +15% and -8% on an H200. Not kept, all on an H200: channels_last (+4% in one run), AMP O2 (-4%),
-    # max-autotune (autotuning did not finish in 8 minutes).
+    # Swin-T at batch 128, the training step alone, one H100: window attention through gallery_lib.attention (auto
+    # picks the memory-efficient SDPA kernel, the fastest that takes the relative-position bias: 1.37 ms vs plain
+    # SDPA's cuDNN pick at 2.50 ms for stage 1, attention_h100.json). The recipes as committed, same run
+    # (swin_accelerated_step_h100.json): 4,479 against 3,790 img/s, 28.6 vs 33.8 ms/step in every 10-step window,
+    # 6.96 vs 7.72 GiB, same losses. A first run of the switch (swin_fused_attention_step_h100_v2.json) gave 4,061
+    # against 3,794 img/s with bimodal steps (p20 28.6 ms, p80 34.1 ms). timm's own SDPA switch (cuDNN with a mask)
+    # had swung between +15% and -8% on an H200. Not kept, all on an H200: channels_last (+4% in one run), AMP O2
+    # (-4%), max-autotune (autotuning did not finish in 8 minutes).
     "classification": {"fused_attention": True},
     # Stable Diffusion (text_to_image), measured on an H200 at 512 px, batch 8, EMA on (benchmarks/results/sd15_*):
     # compiled 51.8 img/s, accelerated 88.3 img/s (1.70x). Cached latents take the VAE encoder (~46% of the UNet's
