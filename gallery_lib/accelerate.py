@@ -20,13 +20,16 @@ Each step appends a line to ``notes``; the training log prints them so a run say
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from gallery_lib.config import KERNEL_OPS, ConfigError, RunConfig
 from gallery_lib.distributed import DistInfo, wrap_ddp
 from gallery_lib.precision import Precision
+
+if TYPE_CHECKING:  # imported where fused_attention is on: the core loop does not need the registry
+    from gallery_lib.attention import AttentionHook
 
 
 @dataclass
@@ -40,9 +43,8 @@ class AcceleratedModel:
     """Qualified names of the blocks compiled in place (``compile_scope='blocks'``), for ``precompile_blocks``."""
     compile_kwargs: dict = field(default_factory=dict)
     """What those blocks were compiled with."""
-    attention: Any = None
-    """The attention hook (``gallery_lib.attention.AttentionHook``) when ``fused_attention``: its ``selector.chosen``
-    says what each attention shape ran."""
+    attention: AttentionHook | None = None
+    """The attention hook when ``fused_attention``: its ``selector.chosen`` says what each attention shape ran."""
 
 
 def apply_accelerations(model: torch.nn.Module, cfg: RunConfig, precision: Precision,
@@ -89,7 +91,7 @@ def _apply_kernels(model: torch.nn.Module, ops: tuple[str, ...]) -> str:
     return f"fused kernels: {report.summary()}"
 
 
-def _apply_fused_attention(model: torch.nn.Module) -> tuple[str, Any]:
+def _apply_fused_attention(model: torch.nn.Module) -> tuple[str, AttentionHook]:
     if hasattr(model, "set_attn_processor"):  # a diffusers model: every attention layer through our backend registry
         from gallery_lib.attention import hook_diffusers_attention
 
