@@ -99,6 +99,9 @@ class RunConfig:
     """With ``compile_scope='blocks'``: compile the distinct block graphs in this many parallel processes before the
     first step (``gallery_lib.precompile``), so the warm-up steps only load them. 0 compiles them in the warm-up
     steps, one after another."""
+    precompile_overlap: bool = True
+    """With ``precompile_workers``: the training process loads each block graph as soon as a worker has compiled it,
+    while the others still compile (False: its first training step loads them all, after the last worker)."""
     kernels: bool = False
     """Swap in the fused Triton kernels of ``gallery_lib.kernels`` where they apply (``--kernel-opt``)."""
     kernel_ops: str = "all"
@@ -224,7 +227,7 @@ class RunConfig:
         if isinstance(self.ema_decay, bool) or not (isinstance(self.ema_decay, (int, float)) and
                                                     0 < self.ema_decay < 1):
             raise ConfigError(f"ema_decay={self.ema_decay!r} is invalid: expected a number in (0, 1), e.g. 0.9999.")
-        for name in ("cache_latents", "export_model"):
+        for name in ("cache_latents", "export_model", "precompile_overlap"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name}={getattr(self, name)!r} is invalid: expected true or false.")
         if self.cache_latents and self.task != "text_to_image":

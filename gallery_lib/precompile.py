@@ -21,6 +21,13 @@ compiles the same blocks, it finds every graph there and only traces and loads.
    recorded specs through ``module.compile(**compile_kwargs)``, and takes the next, so a slow graph never leaves
    other graphs waiting behind it while a worker sits idle.
 
+4. load as they land: meanwhile this process follows the workers' logs, and as soon as a graph is done it runs that
+   graph once itself (a throwaway copy of the block, random inputs of the recorded specs, RNG states restored). That
+   is the Dynamo trace, the cache loads and the first run (cuDNN's autotuning included) which the first training
+   step would otherwise do for every graph after the last worker finished; now it overlaps with the workers'
+   compiling. Dynamo keeps compiled code per code object with guards on tensor metadata, not on the module object,
+   so the run's own blocks of that graph find it ready.
+
 Numerics are unchanged: a cache hit loads the code the training process would have generated itself, and a graph the
 workers missed (or a failed worker) is simply compiled by the training process as usual.
 """
@@ -42,6 +49,8 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map
+
+from gallery_lib.side_forward import side_forward
 
 _AUTOCAST_DEVICES = ("cuda", "cpu")
 _DONE = "compiled "
@@ -102,10 +111,17 @@ class PrecompileReport:
     """The recording forward pass (the workers start up meanwhile)."""
     startup_seconds: dict[str, float] = field(default_factory=dict)
     """When the slowest worker was done with each start-up phase (python, imports, cuda, pool), from its start."""
+    load_seconds: dict[str, float] = field(default_factory=dict)
+    """Per representative block: seconds this process spent loading and first running its graph (step 4)."""
+    workers_done_seconds: float = float("nan")
+    """When the last worker finished, from the start; ``seconds`` minus this is the loading left after it."""
+    load_failures: list[str] = field(default_factory=list)
 
     def describe(self) -> str:
         failed = f"; {len(self.failures)} worker(s) failed, their graphs compile in the run" if self.failures else ""
-        where = []  # where the wall time went: worker start-up, the recording forward, the slowest graph
+        if self.load_failures:
+            failed += f"; {len(self.load_failures)} graph(s) failed to load here, the run compiles them"
+        where = []  # where the wall time went: worker start-up, the recording forward, the slowest graph, loading
         if self.startup_seconds:
             where.append(f"workers ready after {max(self.startup_seconds.values()):.1f} s")
         if self.record_seconds == self.record_seconds:  # not NaN
@@ -113,6 +129,10 @@ class PrecompileReport:
         if self.graph_seconds:
             where.append(f"slowest graph {max(self.graph_seconds.values()):.1f} s, "
                          f"all graphs {sum(self.graph_seconds.values()):.0f} s of worker time")
+        if self.load_seconds:
+            where.append(f"{len(self.load_seconds)} graphs loaded here as they landed in "
+                         f"{sum(self.load_seconds.values()):.1f} s, "
+                         f"{max(0.0, self.seconds - self.workers_done_seconds):.1f} s of it after the last worker")
         return (f"pre-compiled {self.graphs} distinct block graphs (of {self.blocks} blocks) in {self.workers} "
                 f"parallel processes in {self.seconds:.1f} s" + (f" ({'; '.join(where)})" if where else "") + failed)
 
@@ -163,9 +183,8 @@ def record_block_calls(model: nn.Module, forward: Callable[[], Any], names: Iter
 
     handles = [model.get_submodule(n).register_forward_pre_hook(
         lambda m, a, k, n=n: hook(m, a, k, n), with_kwargs=True) for n in names]
-    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
     try:
-        with torch.random.fork_rng(devices=devices), torch.compiler.set_stance("force_eager"):
+        with side_forward():
             forward()
     finally:
         for h in handles:
@@ -250,7 +269,8 @@ class CompileWorkers:
 
 def precompile_blocks(model: nn.Module, forward: Callable[[], Any], names: Iterable[str], *,
                       workers: int | CompileWorkers, compile_kwargs: dict[str, Any],
-                      log: Callable[[str], Any] = print, timeout_s: float = 1800.0) -> PrecompileReport:
+                      log: Callable[[str], Any] = print, timeout_s: float = 1800.0,
+                      load: bool = True) -> PrecompileReport:
     """Compiles the distinct graphs of the named blocks in ``workers`` parallel processes into the on-disk caches.
 
     Args:
@@ -262,6 +282,8 @@ def precompile_blocks(model: nn.Module, forward: Callable[[], Any], names: Itera
             started earlier. Either way they are stopped when this returns.
         compile_kwargs: exactly what the run passes to ``module.compile`` (a different option is a different graph).
         timeout_s: a worker still running after this long is stopped; graphs it had not finished compile in the run.
+        load: load each graph in this process as soon as a worker has it (step 4); ``False`` leaves all the loading
+            to the first training step.
     """
     start = time.perf_counter()
     names = list(names)
@@ -276,16 +298,16 @@ def precompile_blocks(model: nn.Module, forward: Callable[[], Any], names: Itera
     with workers:  # an error in here (in the caller's forward, say) must not leave workers waiting for a queue
         calls, _ = record_block_calls(model, forward, names)
         record_seconds = time.perf_counter() - start
-        _write_queue(workers.queue_path, _largest_first(calls), model, device, compile_kwargs)
+        queue = _largest_first(calls)
+        _write_queue(workers.queue_path, queue, model, device, compile_kwargs)
         _warm_compile_pool(wait=False)  # this process loads the compiled kernels next: its pool must be up
-        deadline = time.monotonic() + timeout_s
+        loading = _Loader(queue if load else [], device, compile_kwargs)
+        killed = _follow_workers(workers, loading, deadline=time.monotonic() + timeout_s)
+        workers_done = loading.workers_done - start
+        for call in queue:
+            call.module, call.buffers = None, {}
         for i, (proc, log_path) in enumerate(workers.procs):
-            try:
-                code = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-                code = "timeout"
+            code = "timeout" if proc in killed else proc.returncode
             for line in log_path.read_text(errors="replace").splitlines():
                 if line.startswith(_DONE):  # "compiled NAME in SECONDS s", written by compile_queue
                     name, _, seconds = line[len(_DONE):].rpartition(" in ")
@@ -297,23 +319,86 @@ def precompile_blocks(model: nn.Module, forward: Callable[[], Any], names: Itera
                 tail = " | ".join(log_path.read_text(errors="replace").strip().splitlines()[-3:])
                 failures.append(f"worker {i} ({code}): {tail}"[:500])
     report = PrecompileReport(len(names), len(calls), workers.count, time.perf_counter() - start, failures,
-                              graph_seconds, record_seconds, startup)
+                              graph_seconds, record_seconds, startup, loading.seconds, workers_done,
+                              loading.failures)
     log(f"[gallery] {report.describe()}")
     for failure in failures:
         log(f"[gallery]   precompile {failure}")
+    for failure in loading.failures:
+        log(f"[gallery]   precompile: loading {failure}")
     return report
+
+
+def _finished_graphs(log_path: Path) -> list[str]:
+    """The names a worker has reported as compiled so far ("compiled NAME in SECONDS s" lines of its log)."""
+    try:
+        text = log_path.read_text(errors="replace")
+    except FileNotFoundError:
+        return []
+    complete = text.split("\n")[:-1]  # a line still being written has no newline yet
+    return [line[len(_DONE):].rpartition(" in ")[0] for line in complete if line.startswith(_DONE)]
+
+
+class _Loader:
+    """Step 4: runs each graph of ``queue`` once in this process as soon as a worker has compiled it."""
+
+    def __init__(self, queue: list[BlockCall], device: torch.device, compile_kwargs: dict[str, Any]) -> None:
+        self.waiting = {call.name: call for call in queue}
+        self.device = device
+        self.compile_kwargs = compile_kwargs
+        self.seconds: dict[str, float] = {}
+        self.failures: list[str] = []
+        self.workers_done = float("nan")
+        """``time.perf_counter()`` when no worker was running any more."""
+
+    def load(self, finished: Iterable[str]) -> bool:
+        """Loads the finished graphs not loaded yet; False when there was none."""
+        ready = [self.waiting.pop(name) for name in finished if name in self.waiting]
+        for call in ready:
+            start = time.perf_counter()
+            devices = [self.device] if self.device.type == "cuda" else []
+            try:
+                with torch.random.fork_rng(devices=devices):
+                    _compile_call(call, self.device, self.compile_kwargs)
+            except Exception as exc:  # noqa: BLE001 - the run then compiles this graph itself, as without workers
+                self.failures.append(f"{call.name}: {type(exc).__name__}: {str(exc).strip()[:300]}")
+            else:
+                self.seconds[call.name] = time.perf_counter() - start
+            call.module, call.buffers = None, {}  # the copy's weights on the device are no longer needed
+        return bool(ready)
+
+
+def _follow_workers(workers: CompileWorkers, loading: _Loader, deadline: float,
+                    poll_s: float = 0.05) -> list[subprocess.Popen]:
+    """Waits for every worker to exit, loading graphs as they land; kills those still running at ``deadline`` and
+    returns them."""
+    killed: list[subprocess.Popen] = []
+    while True:
+        running = [proc for proc, _ in workers.procs if proc.poll() is None]
+        if not running and not (loading.workers_done == loading.workers_done):  # first time all are done: not NaN
+            loading.workers_done = time.perf_counter()
+        # Read after the poll: a worker seen exited has written all its lines, so none is missed on the last pass.
+        loaded = loading.load(name for _, log_path in workers.procs for name in _finished_graphs(log_path))
+        if not running and not loaded:
+            return killed
+        if running and time.monotonic() > deadline:
+            for proc in running:
+                proc.kill()
+                proc.wait()
+            killed += running
+            continue
+        if not loaded:
+            time.sleep(poll_s)
 
 
 def _write_queue(path: Path, queue: list[BlockCall], model: nn.Module, device: torch.device,
                  compile_kwargs: dict[str, Any]) -> None:
     """Saves the queue with meta copies of its blocks, then renames it into place: workers never see half a file."""
-    for call in queue:
+    for call in queue:  # the copies stay on the calls: this process loads from them too (step 4)
         call.module, call.buffers = _meta_copy(model.get_submodule(call.name))
     partial = path.with_suffix(".partial")
     torch.save({"calls": queue, "compile_kwargs": compile_kwargs, "device": str(device),
                 "flags": _backend_flags()}, partial)
-    for call in queue:
-        call.module, call.buffers = None, {}
     os.replace(partial, path)
 
 

@@ -121,8 +121,31 @@ def test_bad_worker_count():
         precompile_blocks(Model(), lambda: None, BLOCKS, workers=0, compile_kwargs={})
 
 
-@pytest.mark.slow  # ~1 min on 2 cores: Inductor's C++ backend compiles 3 forward and 3 backward graphs
-def test_workers_fill_the_cache_the_run_then_hits():
+def test_finished_graphs_read_from_worker_logs_ignore_partial_lines(tmp_path):
+    from gallery_lib.precompile import _finished_graphs
+
+    log = tmp_path / "worker0.log"
+    assert _finished_graphs(log) == []  # not written yet
+    log.write_text('ready: {"python": 1.0}\ncompiled a1 in 2.5 s\ncompiled b1 in 0.7 s\ncompiled b2 i')
+    assert _finished_graphs(log) == ["a1", "b1"]
+
+
+def test_a_graph_that_fails_to_load_is_reported_and_left_to_the_run():
+    from gallery_lib.precompile import BlockCall, _Loader
+
+    broken = BlockCall("a1", (), {}, (), True, cost=1)  # no module to load: _compile_call raises
+    loader = _Loader([broken], torch.device("cpu"), {"backend": "inductor"})
+    assert loader.load(["not_queued"]) is False
+    assert loader.load(["a1"]) is True
+    assert loader.seconds == {} and len(loader.failures) == 1 and loader.failures[0].startswith("a1: ")
+    assert loader.load(["a1"]) is False  # never tried twice
+
+
+@pytest.mark.slow  # ~1 min each on 2 cores: Inductor's C++ backend compiles 3 forward and 3 backward graphs
+@pytest.mark.parametrize("load", [True, False], ids=["loaded-as-they-land", "loaded-by-the-run"])
+def test_workers_fill_the_cache_the_run_then_hits(load):
+    """With ``load`` this process loads every graph while the workers compile, and the run then traces nothing; without
+    it the run's first call traces and finds every graph in the caches."""
     from torch._dynamo.utils import counters
     from torch._inductor.utils import fresh_cache
 
@@ -133,24 +156,33 @@ def test_workers_fill_the_cache_the_run_then_hits():
     expected.backward()
     with fresh_cache():
         torch._dynamo.reset()
+        counters.clear()
         model = Model()
         lines = []
+        rng = torch.get_rng_state()
         report = precompile_blocks(model, lambda: model(x), BLOCKS, workers=2, compile_kwargs=kwargs,
-                                   log=lines.append)
-        assert report.failures == [], report.failures
+                                   log=lines.append, load=load)
+        assert torch.equal(torch.get_rng_state(), rng)  # the loads ran on random inputs, the run's stream is kept
+        assert report.failures == [] and report.load_failures == [], (report.failures, report.load_failures)
         assert (report.blocks, report.graphs, report.workers) == (4, 3, 2)
         assert sorted(report.graph_seconds) == ["a1", "b1", "b2"] and min(report.graph_seconds.values()) > 0
-        assert 0 < report.record_seconds < report.seconds
+        assert 0 < report.record_seconds < report.workers_done_seconds <= report.seconds
         assert list(report.startup_seconds) == ["python", "imports", "cuda", "pool"]
         assert 0 < report.startup_seconds["pool"] < report.seconds
         assert "3 distinct block graphs (of 4 blocks) in 2 parallel processes" in lines[0]
-        counters.clear()
+        assert sorted(report.load_seconds) == (["a1", "b1", "b2"] if load else [])
+        loaded_here = compile_cache_counts()
+        traced_before_run = counters["stats"]["unique_graphs"]
         names = regional_compile(model, (Block,), **kwargs)
         assert names == BLOCKS
         out = model(x)
         out.backward()
         hits, misses = compile_cache_counts()
-        assert hits >= 3 and misses == 0, describe_counters()
+        if load:
+            assert loaded_here[0] >= 3 and loaded_here[1] == 0, describe_counters()
+            assert traced_before_run == 3 and counters["stats"]["unique_graphs"] == 3  # the run traced nothing
+        else:
+            assert traced_before_run == 0 and hits >= 3 and misses == 0, describe_counters()
     torch.testing.assert_close(out, expected)
     for (name, p), q in zip(model.named_parameters(), expected_model.parameters()):
         torch.testing.assert_close(p.grad, q.grad, msg=name)
