@@ -217,8 +217,8 @@ class BackendSelector:
                kv_shape: Sequence[int] | None = None) -> str:
         device = torch.device(device)
         kv_shape = tuple(kv_shape or q_shape)
-        name = self.device_info(device)[0] if device.type == "cuda" else "CPU"
-        key = f"{tuple(q_shape)}|{kv_shape}|{str(dtype).replace('torch.', '')}|{name}|bias={bool(has_bias)}"
+        key = call_key(q_shape, kv_shape, dtype, self.device_info(device)[0] if device.type == "cuda" else "CPU",
+                       has_bias)
         if device.type != "cuda":
             self.chosen[key] = "math (the CPU rule)"
             return "math"
@@ -252,6 +252,12 @@ class BackendSelector:
         with open(tmp, "w", encoding="utf-8") as f:
             json.dump(self.cache, f, indent=1, sort_keys=True)
         os.replace(tmp, self.cache_path)
+
+
+def call_key(q_shape: Sequence[int], kv_shape: Sequence[int], dtype: torch.dtype, device_name: str,
+             has_bias: bool) -> str:
+    """How selections and run logs name one kind of attention call."""
+    return f"{tuple(q_shape)}|{tuple(kv_shape)}|{str(dtype).replace('torch.', '')}|{device_name}|bias={bool(has_bias)}"
 
 
 def rule_choice(eligible: Sequence[AttentionBackend], capability: tuple[int, int]) -> str:
@@ -320,6 +326,69 @@ def describe(selector: BackendSelector | None = None) -> str:
     else:
         lines.append("auto: nothing chosen yet (CPU calls use math)")
     return "\n".join(lines)
+
+
+# --------------------------------------------------------------------- what PyTorch itself picks
+_SDPA_NAMES = {"CUDNN_ATTENTION": "cudnn", "FLASH_ATTENTION": "flash", "EFFICIENT_ATTENTION": "efficient",
+               "MATH": "math"}
+
+
+def sdpa_choice(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None = None,
+                dropout_p: float = 0.0, is_causal: bool = False, **kwargs: Any) -> str:
+    """The kernel that plain ``F.scaled_dot_product_attention`` runs for these arguments in a training step (inputs
+    that require grad), in this registry's names; ``unknown`` where PyTorch lacks its private helper for this
+    (``torch._fused_sdp_choice``) or it fails."""
+    choose = getattr(torch, "_fused_sdp_choice", None)
+    if choose is None or SDPBackend is None:
+        return "unknown"
+    try:
+        with torch.enable_grad():  # the dispatch rules differ when inputs need gradients, as in training
+            q, k, v = (t.detach().requires_grad_(t.is_floating_point()) for t in (query, key, value))
+            picked = SDPBackend(choose(q, k, v, attn_mask, dropout_p, is_causal, **kwargs)).name
+    except Exception:  # noqa: BLE001 - a report, never a reason to stop a run
+        return "unknown"
+    return _SDPA_NAMES.get(picked, picked.lower())
+
+
+class _SdpaRecorder(torch.overrides.TorchFunctionMode):
+    """Records, per kind of call, what each ``F.scaled_dot_product_attention`` call dispatches to."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.chosen: dict[str, str] = {}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal")
+            call = {**dict(zip(names, args)), **kwargs}
+            q, k, mask = call["query"], call["key"], call.get("attn_mask")
+            device_name = _device_info(q.device)[0] if q.is_cuda else "CPU"
+            self.chosen.setdefault(call_key(q.shape, k.shape, q.dtype, device_name, mask is not None),
+                                   f"{sdpa_choice(**call)} (PyTorch's own SDPA choice)")
+        return func(*args, **kwargs)
+
+
+def record_sdpa_choices(model: nn.Module, forward: Callable[[], Any]) -> dict[str, str]:
+    """What plain ``F.scaled_dot_product_attention`` runs, per kind of attention call in ``forward()``: for a model
+    without this registry's hooks, a run's log says which kernel PyTorch chose (a model without attention: empty).
+
+    ``forward`` runs once eagerly without gradients (compiled parts too); the choices are those of a training step.
+    Nothing changes (``gallery_lib.side_forward``), and ``model``'s buffers (BatchNorm statistics) are restored.
+    """
+    _remember_devices(model)  # outside any compilation, before the recorder asks for device names
+    from gallery_lib.side_forward import side_forward
+
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    recorder = _SdpaRecorder()
+    try:
+        with side_forward(), torch.no_grad(), recorder:
+            forward()
+    finally:
+        with torch.no_grad():
+            for buffer, saved in buffers:
+                buffer.copy_(saved)
+    return recorder.chosen
 
 
 # --------------------------------------------------------------------- diffusers hook

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import itertools
 import math
 import os
@@ -133,16 +134,27 @@ def all_ranks_finite(loss: torch.Tensor, dist: DistInfo) -> bool:
     return all_reduce_sum(bad, dist) == 0
 
 
-def precompile(accelerated, task, batch, precision: Precision, workers, log) -> float:
+def precompile(accelerated, task, batch, precision: Precision, workers, overlap: bool, log):
     """Compiles the model's distinct block graphs in the ``workers`` (``CompileWorkers``) from one recorded forward
-    on ``batch`` (``gallery_lib.precompile``); returns the seconds it took. The warm-up steps then load them."""
+    on ``batch`` (``gallery_lib.precompile``) and returns its ``PrecompileReport``. With ``overlap`` this process
+    loads each graph as it lands; otherwise the warm-up steps load them."""
     from gallery_lib.precompile import precompile_blocks
 
     # The plain model, not a DDP wrapper: a forward without its backward would leave DDP's reducer waiting.
-    report = precompile_blocks(accelerated.module, lambda: task.loss(accelerated.module, batch, precision),
-                               accelerated.compiled_blocks, workers=workers,
-                               compile_kwargs=accelerated.compile_kwargs, log=log)
-    return report.seconds
+    return precompile_blocks(accelerated.module, lambda: task.loss(accelerated.module, batch, precision),
+                             accelerated.compiled_blocks, workers=workers,
+                             compile_kwargs=accelerated.compile_kwargs, log=log, load=overlap)
+
+
+def attention_choices(accelerated, task, batch, precision: Precision) -> dict[str, str]:
+    """For a model without the attention registry's hook: what PyTorch's own SDPA dispatch runs per attention call
+    (one eager forward without gradients; nothing in the run changes). With the hook: empty here, its selector says
+    at the end what ``auto`` ran."""
+    if accelerated.attention is not None:
+        return {}
+    from gallery_lib.attention import record_sdpa_choices
+
+    return record_sdpa_choices(accelerated.module, lambda: task.loss(accelerated.module, batch, precision))
 
 
 def restart_count() -> int:
@@ -249,11 +261,13 @@ def _train_from(setup_start: float, cfg: RunConfig, dist: DistInfo, workers, ext
     losses: list[float] = []
     # reuse_batch isolates the model step from the loader (benchmarks); normal runs stream the loader.
     batches = itertools.repeat(next(iter(loader))) if cfg.reuse_batch else iter(loader)
-    precompile_time = 0.0
+    first_batch = next(batches)
+    batches = itertools.chain([first_batch], batches)
+    attention = attention_choices(accelerated, task, first_batch, precision)
+    precompile_time, precompile_record = 0.0, {}
     if workers is not None and accelerated.compiled_blocks:
-        first_batch = next(batches)
-        batches = itertools.chain([first_batch], batches)
-        precompile_time = precompile(accelerated, task, first_batch, precision, workers, log)
+        report = precompile(accelerated, task, first_batch, precision, workers, cfg.precompile_overlap, log)
+        precompile_time, precompile_record = report.seconds, {"precompile": dataclasses.asdict(report)}
     cuda_graphs = cfg.compile and cfg.compile_mode in CUDA_GRAPH_COMPILE_MODES
     timer.mark()
     guard = nonfinite_guard(cfg, precision)
@@ -342,6 +356,7 @@ def _train_from(setup_start: float, cfg: RunConfig, dist: DistInfo, workers, ext
         "world_size": dist.world_size, "global_batch_size": cfg.global_batch_size, "image_size": cfg.image_size,
         "steps": cfg.steps, "warmup_steps": warmup_steps, "resumed_from_step": start, "setup_time_s": setup_time,
         "precompile_time_s": precompile_time, "warmup_time_s": sum(step_times[:warmup_steps]) / 1e3, **timing,
+        "warmup_step_times_ms": step_times[:warmup_steps], **precompile_record,
         "samples_per_s": cfg.global_batch_size * 1e3 / timing["median_step_time_ms"],
         "peak_mem_mb": peak_memory_mb(dist.device),
         "peak_mem_kind": "cuda_max_allocated" if dist.device.type == "cuda" else "cpu_max_rss",
@@ -352,10 +367,15 @@ def _train_from(setup_start: float, cfg: RunConfig, dist: DistInfo, workers, ext
         "torch_version": torch.__version__, "output_dir": str(cfg.run_dir), **task.summary(),
         **(extra_summary or {}),
     }
-    if accelerated.attention is not None:  # what the registry's auto ran per attention shape, for the notebook's log
-        summary["attention"] = dict(accelerated.attention.selector.chosen)
-        for key, choice in summary["attention"].items():
+    if accelerated.attention is not None:  # what the registry's auto ran, known once the steps have run
+        attention = dict(accelerated.attention.selector.chosen)
+    if attention:
+        summary["attention"] = attention
+        for key, choice in attention.items():
             log(f"[gallery] attention {key}: {choice}")
+    else:  # timm's Swin by default, and ResNet-50: there is no attention kernel to choose
+        log("[gallery] attention: no scaled_dot_product_attention call (the model has no attention, or computes it "
+            "with its own matmul and softmax)")
     if cfg.export_model and dist.is_main:
         summary["exported_to"] = task.export(cfg.run_dir, ema)
         if summary["exported_to"]:  # classifiers export nothing: their checkpoints are the model

@@ -318,3 +318,51 @@ def test_each_hook_records_its_own_choices_and_shares_measurements():
     assert set(hook_b.selector.chosen) == {"(4, 2, 16, 16)|(4, 2, 16, 16)|float32|CPU|bias=True",
                                            "(1, 4, 16, 16)|(1, 4, 16, 16)|float32|CPU|bias=True"}
     assert hook_a.selector.cache is hook_b.selector.cache is default_selector().cache
+
+
+class _AttendThenNormalize(torch.nn.Module):
+    """Two kinds of SDPA call (one with a mask), dropout and BatchNorm: a probe must leave RNG and buffers alone."""
+
+    def __init__(self):
+        super().__init__()
+        self.drop = torch.nn.Dropout(0.5)
+        self.norm = torch.nn.BatchNorm1d(8)
+
+    def forward(self, x):
+        q = self.drop(x)
+        a = torch.nn.functional.scaled_dot_product_attention(q, x, x)
+        b = torch.nn.functional.scaled_dot_product_attention(q[:, :, :3], x, x, attn_mask=torch.ones(3, 5).bool())
+        c = torch.nn.functional.scaled_dot_product_attention(q, x, x)  # a repeat: one record
+        return self.norm((a + c).flatten(0, 1).flatten(1)[:, :8]).sum() + b.sum()
+
+
+def test_record_sdpa_choices_names_what_pytorch_runs_and_changes_nothing():
+    model = _AttendThenNormalize().train()
+    x = torch.randn(2, 3, 5, 8, requires_grad=True)
+    stats = [b.clone() for b in model.buffers()]
+    rng = torch.get_rng_state()
+    chosen = attention_module.record_sdpa_choices(model, lambda: model(x))
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert all(torch.equal(a, b) for a, b in zip(model.buffers(), stats))  # BatchNorm's statistics restored
+    expected = attention_module.sdpa_choice(x, x, x)
+    assert expected in BACKENDS  # PyTorch's pick in the registry's names (on a CPU: its flash kernel)
+    assert chosen == {"(2, 3, 5, 8)|(2, 3, 5, 8)|float32|CPU|bias=False": f"{expected} (PyTorch's own SDPA choice)",
+                      "(2, 3, 3, 8)|(2, 3, 5, 8)|float32|CPU|bias=True":
+                          f"{attention_module.sdpa_choice(x[:, :, :3], x, x, torch.ones(3, 5).bool())} "
+                          "(PyTorch's own SDPA choice)"}
+    linear = torch.nn.Linear(8, 2)
+    assert attention_module.record_sdpa_choices(linear, lambda: linear(x)) == {}  # no attention: nothing to say
+
+
+def test_sdpa_choice_says_unknown_without_the_private_helper(monkeypatch):
+    x = torch.randn(1, 1, 4, 8)
+    monkeypatch.delattr(torch, "_fused_sdp_choice")
+    assert attention_module.sdpa_choice(x, x, x) == "unknown"
+
+
+@pytest.mark.gpu
+def test_gpu_sdpa_choice_is_a_registry_backend_for_sd_shapes():
+    q = torch.randn(2, 8, 4096, 40, device="cuda", dtype=torch.bfloat16)
+    kv = torch.randn(2, 8, 77, 40, device="cuda", dtype=torch.bfloat16)
+    assert attention_module.sdpa_choice(q, q, q) in ("cudnn", "flash", "efficient")
+    assert attention_module.sdpa_choice(q, kv, kv) in ("cudnn", "flash", "efficient")

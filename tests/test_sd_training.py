@@ -84,6 +84,14 @@ def test_cached_and_online_latents_draw_the_same_steps(caption_data, tmp_path):
     torch.testing.assert_close(torch.tensor(losses_of(cached)), torch.tensor(losses_of(online)), rtol=1e-5,
                                atol=1e-6)
     assert summary["cache_time_s"] > 0
+    # diffusers calls F.scaled_dot_product_attention: the run says what PyTorch ran for self- and cross-attention
+    from gallery_lib.attention import BACKENDS
+
+    assert summary["attention"], "no attention record"
+    for key, choice in summary["attention"].items():
+        name, _, how = choice.partition(" ")
+        assert name in BACKENDS and how == "(PyTorch's own SDPA choice)" and key.endswith("|CPU|bias=False"), key
+    assert any(key.split("|")[0] != key.split("|")[1] for key in summary["attention"])  # cross-attention: text tokens
 
 
 def test_export_gives_a_diffusers_pipeline_with_the_ema_unet(caption_data, tmp_path):
@@ -131,7 +139,8 @@ def test_resume_continues_the_ema_exactly(caption_data, tmp_path):
 @pytest.mark.slow
 def test_precompiled_blocks_train_like_the_baseline_and_only_load_in_the_run(caption_data, tmp_path):
     """The accelerated recipe with its blocks precompiled by 2 worker processes: the training process finds every
-    block graph in Inductor's cache (no graph compiled by the run itself), and the losses are the baseline's."""
+    block graph in Inductor's cache (no graph compiled by the run itself), loads each while the workers compile the
+    others (its training steps then trace nothing), and the losses are the baseline's."""
     from torch._dynamo.utils import counters
 
     base = tiny(caption_data, tmp_path, steps=8, amp_level="O0")
@@ -147,5 +156,9 @@ def test_precompiled_blocks_train_like_the_baseline_and_only_load_in_the_run(cap
     assert any("precompiled by 2 processes" in note for note in summary["notes"])
     hits, misses = compile_cache_counts()
     assert hits > 0 and misses == 0, describe_counters()
+    loaded = summary["precompile"]["load_seconds"]
+    assert sorted(loaded) and not summary["precompile"]["load_failures"]
+    assert counters["stats"]["unique_graphs"] == len(loaded) == summary["precompile"]["graphs"]
+    assert len(summary["warmup_step_times_ms"]) == summary["warmup_steps"]
     torch.testing.assert_close(torch.tensor(losses_of(accelerated)), torch.tensor(losses_of(baseline)),
                                rtol=1e-4, atol=1e-5)
