@@ -99,9 +99,11 @@ class RunConfig:
     """With ``compile_scope='blocks'``: compile the distinct block graphs in this many parallel processes before the
     first step (``gallery_lib.precompile``), so the warm-up steps only load them. 0 compiles them in the warm-up
     steps, one after another."""
-    precompile_overlap: bool = True
-    """With ``precompile_workers``: the training process loads each block graph as soon as a worker has compiled it,
-    while the others still compile (False: its first training step loads them all, after the last worker)."""
+    precompile_overlap: bool = False
+    """With ``precompile_workers``: the training process loads the block graphs compiled so far once a worker has
+    exited, while the others finish (step 4 of ``gallery_lib.precompile``). Off by default: loading alongside all
+    the workers measured no faster on an H200 (51.1 vs 49.3 s to steady speed, sd15_precompile_overlap_b8_h200.json),
+    and this later form, which waits for a worker's cores to free up, has not been measured on a GPU yet."""
     kernels: bool = False
     """Swap in the fused Triton kernels of ``gallery_lib.kernels`` where they apply (``--kernel-opt``)."""
     kernel_ops: str = "all"

@@ -21,12 +21,15 @@ compiles the same blocks, it finds every graph there and only traces and loads.
    recorded specs through ``module.compile(**compile_kwargs)``, and takes the next, so a slow graph never leaves
    other graphs waiting behind it while a worker sits idle.
 
-4. load as they land: meanwhile this process follows the workers' logs, and as soon as a graph is done it runs that
-   graph once itself (a throwaway copy of the block, random inputs of the recorded specs, RNG states restored). That
-   is the Dynamo trace, the cache loads and the first run (cuDNN's autotuning included) which the first training
-   step would otherwise do for every graph after the last worker finished; now it overlaps with the workers'
-   compiling. Dynamo keeps compiled code per code object with guards on tensor metadata, not on the module object,
-   so the run's own blocks of that graph find it ready.
+4. load as they land (optional, ``load=True``): meanwhile this process follows the workers' logs, and once a worker
+   has exited (its cores are free) it runs every graph done so far, then each as it lands, once itself (a throwaway
+   copy of the block, random inputs of the recorded specs, RNG states restored). That is the Dynamo trace, the cache
+   loads and the first run (cuDNN's autotuning included) that the first training step would otherwise do for every
+   graph after the last worker finished. Dynamo keeps compiled code per code object with guards on tensor metadata,
+   not on the module object, so the run's own blocks of that graph find it ready. On an H200 a first form of this
+   step, loading while every worker still compiled, cut the first steps from 16.2 to 7.6 s but slowed the workers by
+   10.4 s (sd15_precompile_overlap_b8_h200.json); waiting for free cores is meant to keep the gain without the loss,
+   and awaits its measurement.
 
 Numerics are unchanged: a cache hit loads the code the training process would have generated itself, and a graph the
 workers missed (or a failed worker) is simply compiled by the training process as usual.
@@ -270,7 +273,7 @@ class CompileWorkers:
 def precompile_blocks(model: nn.Module, forward: Callable[[], Any], names: Iterable[str], *,
                       workers: int | CompileWorkers, compile_kwargs: dict[str, Any],
                       log: Callable[[str], Any] = print, timeout_s: float = 1800.0,
-                      load: bool = True) -> PrecompileReport:
+                      load: bool = False) -> PrecompileReport:
     """Compiles the distinct graphs of the named blocks in ``workers`` parallel processes into the on-disk caches.
 
     Args:
@@ -282,7 +285,7 @@ def precompile_blocks(model: nn.Module, forward: Callable[[], Any], names: Itera
             started earlier. Either way they are stopped when this returns.
         compile_kwargs: exactly what the run passes to ``module.compile`` (a different option is a different graph).
         timeout_s: a worker still running after this long is stopped; graphs it had not finished compile in the run.
-        load: load each graph in this process as soon as a worker has it (step 4); ``False`` leaves all the loading
+        load: load the graphs in this process as the workers finish them (step 4); ``False`` leaves all the loading
             to the first training step.
     """
     start = time.perf_counter()
@@ -377,8 +380,11 @@ def _follow_workers(workers: CompileWorkers, loading: _Loader, deadline: float,
         running = [proc for proc, _ in workers.procs if proc.poll() is None]
         if not running and not (loading.workers_done == loading.workers_done):  # first time all are done: not NaN
             loading.workers_done = time.perf_counter()
-        # Read after the poll: a worker seen exited has written all its lines, so none is missed on the last pass.
-        loaded = loading.load(name for _, log_path in workers.procs for name in _finished_graphs(log_path))
+        # Loading waits for a worker to exit (nothing left to claim), which frees its cores: loading while all of
+        # them compiled slowed them more than it saved (H200, sd15_precompile_overlap_b8_h200.json: 196 -> 233 s of
+        # worker time). Read after the poll: a worker seen exited has written all its lines, none is missed.
+        loaded = len(running) < len(workers.procs) and loading.load(
+            name for _, log_path in workers.procs for name in _finished_graphs(log_path))
         if not running and not loaded:
             return killed
         if running and time.monotonic() > deadline:

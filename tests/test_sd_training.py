@@ -144,7 +144,8 @@ def test_precompiled_blocks_train_like_the_baseline_and_only_load_in_the_run(cap
     from torch._dynamo.utils import counters
 
     base = tiny(caption_data, tmp_path, steps=8, amp_level="O0")
-    accelerated = apply_recipe("accelerated", base).replace(amp_level="O0", precompile_workers=2)
+    accelerated = apply_recipe("accelerated", base).replace(amp_level="O0", precompile_workers=2,
+                                                            precompile_overlap=True)
     assert accelerated.compile_scope == "blocks"
     run(baseline := apply_recipe("baseline", base).replace(amp_level="O0"))
     # A run is a fresh process; in this one an earlier test may have compiled the same blocks, and Dynamo would reuse
