@@ -103,7 +103,9 @@ class RunConfig:
     """With ``precompile_workers``: the training process loads the block graphs compiled so far once a worker has
     exited, while the others finish (step 4 of ``gallery_lib.precompile``). Off by default: loading alongside all
     the workers measured no faster on an H200 (51.1 vs 49.3 s to steady speed, sd15_precompile_overlap_b8_h200.json),
-    and this later form, which waits for a worker's cores to free up, has not been measured on a GPU yet."""
+    and this later form, which waits for a worker's cores to free up, has not been measured on a GPU yet. Its numerics
+    with CUDA graphs are not confirmed on a GPU either: in that run its losses left the other run's after step 10
+    (step 20: 0.307 vs 0.125), as one earlier run without it also did. CPU tests match the baseline step by step."""
     kernels: bool = False
     """Swap in the fused Triton kernels of ``gallery_lib.kernels`` where they apply (``--kernel-opt``)."""
     kernel_ops: str = "all"
