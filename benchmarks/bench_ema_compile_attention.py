@@ -215,7 +215,7 @@ def bench_attention(torch, args, device, out_dir):
 
 def _sdpa_default(torch, A, q_shape, kv_shape, dtype, device, has_bias) -> dict:
     """What a diffusers or timm model gets without our hook: plain ``scaled_dot_product_attention``, PyTorch choosing
-    the kernel. Its time, and the kernel it picks (``torch._fused_sdp_choice``, a private helper: None if absent)."""
+    the kernel. Its time, and the kernel it picks (``gallery_lib.attention.sdpa_choice``)."""
     import types
 
     import torch.nn.functional as F
@@ -228,8 +228,7 @@ def _sdpa_default(torch, A, q_shape, kv_shape, dtype, device, has_bias) -> dict:
         k = torch.randn(*kv_shape, device=device, dtype=dtype, requires_grad=True)
         bias = torch.zeros(q_shape[0], q_shape[1], q_shape[2], kv_shape[2], device=device, dtype=dtype) \
             if has_bias else None
-        choice = getattr(torch, "_fused_sdp_choice", None)
-        out["picks"] = A.SDPBackend(choice(q, k, k, bias)).name.lower() if choice and A.SDPBackend else None
+        out["picks"] = A.sdpa_choice(q, k, k, bias)
     except Exception as e:  # noqa: BLE001 - a record, not a requirement
         out["error"] = f"{type(e).__name__}: {str(e)[:200]}"
     return out

@@ -33,6 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gallery_lib.side_forward import side_forward
+
 try:
     import flash_attn  # FA2
 
@@ -377,8 +379,6 @@ def record_sdpa_choices(model: nn.Module, forward: Callable[[], Any]) -> dict[st
     Nothing changes (``gallery_lib.side_forward``), and ``model``'s buffers (BatchNorm statistics) are restored.
     """
     _remember_devices(model)  # outside any compilation, before the recorder asks for device names
-    from gallery_lib.side_forward import side_forward
-
     buffers = [(b, b.detach().clone()) for b in model.buffers()]
     recorder = _SdpaRecorder()
     try:

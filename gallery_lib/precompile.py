@@ -133,7 +133,7 @@ class PrecompileReport:
             where.append(f"slowest graph {max(self.graph_seconds.values()):.1f} s, "
                          f"all graphs {sum(self.graph_seconds.values()):.0f} s of worker time")
         if self.load_seconds:
-            where.append(f"{len(self.load_seconds)} graphs loaded here as they landed in "
+            where.append(f"{len(self.load_seconds)} graphs loaded here beside the last workers in "
                          f"{sum(self.load_seconds.values()):.1f} s, "
                          f"{max(0.0, self.seconds - self.workers_done_seconds):.1f} s of it after the last worker")
         return (f"pre-compiled {self.graphs} distinct block graphs (of {self.blocks} blocks) in {self.workers} "
@@ -343,7 +343,7 @@ def _finished_graphs(log_path: Path) -> list[str]:
 
 
 class _Loader:
-    """Step 4: runs each graph of ``queue`` once in this process as soon as a worker has compiled it."""
+    """Step 4: runs graphs of ``queue`` once in this process, each when told a worker has compiled it."""
 
     def __init__(self, queue: list[BlockCall], device: torch.device, compile_kwargs: dict[str, Any]) -> None:
         self.waiting = {call.name: call for call in queue}

@@ -263,7 +263,9 @@ def _train_from(setup_start: float, cfg: RunConfig, dist: DistInfo, workers, ext
     batches = itertools.repeat(next(iter(loader))) if cfg.reuse_batch else iter(loader)
     first_batch = next(batches)
     batches = itertools.chain([first_batch], batches)
+    probe_start = time.perf_counter()
     attention = attention_choices(accelerated, task, first_batch, precision)
+    probe_time = time.perf_counter() - probe_start
     precompile_time, precompile_record = 0.0, {}
     if workers is not None and accelerated.compiled_blocks:
         report = precompile(accelerated, task, first_batch, precision, workers, cfg.precompile_overlap, log)
@@ -357,6 +359,7 @@ def _train_from(setup_start: float, cfg: RunConfig, dist: DistInfo, workers, ext
         "steps": cfg.steps, "warmup_steps": warmup_steps, "resumed_from_step": start, "setup_time_s": setup_time,
         "precompile_time_s": precompile_time, "warmup_time_s": sum(step_times[:warmup_steps]) / 1e3, **timing,
         "warmup_step_times_ms": step_times[:warmup_steps], **precompile_record,
+        "attention_probe_time_s": probe_time,  # the side forward that reads PyTorch's SDPA choices
         "samples_per_s": cfg.global_batch_size * 1e3 / timing["median_step_time_ms"],
         "peak_mem_mb": peak_memory_mb(dist.device),
         "peak_mem_kind": "cuda_max_allocated" if dist.device.type == "cuda" else "cpu_max_rss",

@@ -88,6 +88,7 @@ def test_cached_and_online_latents_draw_the_same_steps(caption_data, tmp_path):
     from gallery_lib.attention import BACKENDS
 
     assert summary["attention"], "no attention record"
+    assert summary["attention_probe_time_s"] > 0
     for key, choice in summary["attention"].items():
         name, _, how = choice.partition(" ")
         assert name in BACKENDS and how == "(PyTorch's own SDPA choice)" and key.endswith("|CPU|bias=False"), key
