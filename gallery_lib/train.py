@@ -154,7 +154,10 @@ def attention_choices(accelerated, task, batch, precision: Precision) -> dict[st
         return {}
     from gallery_lib.attention import record_sdpa_choices
 
-    return record_sdpa_choices(accelerated.module, lambda: task.loss(accelerated.module, batch, precision))
+    try:
+        return record_sdpa_choices(accelerated.module, lambda: task.loss(accelerated.module, batch, precision))
+    except Exception as exc:  # noqa: BLE001 - a report: a real problem (out of memory, say) shows in the first step
+        return {"not recorded": f"the probe's forward failed: {type(exc).__name__}: {str(exc).strip()[:200]}"}
 
 
 def restart_count() -> int:

@@ -366,3 +366,17 @@ def test_gpu_sdpa_choice_is_a_registry_backend_for_sd_shapes():
     kv = torch.randn(2, 8, 77, 40, device="cuda", dtype=torch.bfloat16)
     assert attention_module.sdpa_choice(q, q, q) in ("cudnn", "flash", "efficient")
     assert attention_module.sdpa_choice(q, kv, kv) in ("cudnn", "flash", "efficient")
+
+
+def test_a_failing_probe_is_reported_not_raised():
+    """The run's probe is a report: a forward that fails in it leaves the first step to meet (and name) the problem."""
+    from types import SimpleNamespace
+
+    from gallery_lib.train import attention_choices
+
+    class Broken:
+        def loss(self, module, batch, precision):
+            raise torch.OutOfMemoryError("mocked")
+
+    chosen = attention_choices(SimpleNamespace(attention=None, module=torch.nn.Linear(2, 2)), Broken(), None, None)
+    assert list(chosen) == ["not recorded"] and "OutOfMemoryError: mocked" in chosen["not recorded"]

@@ -268,6 +268,8 @@ NAN_ON_SOME_RANKS = textwrap.dedent("""
 
     def loss(self, module, batch, precision):  # called once per step
         value = task_loss(self, module, batch, precision)
+        if not torch.is_grad_enabled():  # the run's attention probe (a side forward), not a step
+            return value
         calls.append(None)
         return value * float("nan") if RANK in NAN_AT.get(len(calls) - 1, ()) else value
 
