@@ -305,8 +305,7 @@ def precompile_blocks(model: nn.Module, forward: Callable[[], Any], names: Itera
         _write_queue(workers.queue_path, queue, model, device, compile_kwargs)
         _warm_compile_pool(wait=False)  # this process loads the compiled kernels next: its pool must be up
         loading = _Loader(queue if load else [], device, compile_kwargs)
-        killed = _follow_workers(workers, loading, deadline=time.monotonic() + timeout_s)
-        workers_done = loading.workers_done - start
+        killed, workers_done = _follow_workers(workers, loading, deadline=time.monotonic() + timeout_s)
         for call in queue:
             call.module, call.buffers = None, {}
         for i, (proc, log_path) in enumerate(workers.procs):
@@ -322,7 +321,7 @@ def precompile_blocks(model: nn.Module, forward: Callable[[], Any], names: Itera
                 tail = " | ".join(log_path.read_text(errors="replace").strip().splitlines()[-3:])
                 failures.append(f"worker {i} ({code}): {tail}"[:500])
     report = PrecompileReport(len(names), len(calls), workers.count, time.perf_counter() - start, failures,
-                              graph_seconds, record_seconds, startup, loading.seconds, workers_done,
+                              graph_seconds, record_seconds, startup, loading.seconds, workers_done - start,
                               loading.failures)
     log(f"[gallery] {report.describe()}")
     for failure in failures:
@@ -351,8 +350,6 @@ class _Loader:
         self.compile_kwargs = compile_kwargs
         self.seconds: dict[str, float] = {}
         self.failures: list[str] = []
-        self.workers_done = float("nan")
-        """``time.perf_counter()`` when no worker was running any more."""
 
     def load(self, finished: Iterable[str]) -> bool:
         """Loads the finished graphs not loaded yet; False when there was none."""
@@ -372,21 +369,22 @@ class _Loader:
 
 
 def _follow_workers(workers: CompileWorkers, loading: _Loader, deadline: float,
-                    poll_s: float = 0.05) -> list[subprocess.Popen]:
-    """Waits for every worker to exit, loading graphs as they land; kills those still running at ``deadline`` and
-    returns them."""
+                    poll_s: float = 0.05) -> tuple[list[subprocess.Popen], float]:
+    """Waits for every worker to exit, loading graphs as they land; kills those still running at ``deadline``.
+    Returns the killed workers and the ``time.perf_counter()`` at which none was running any more."""
     killed: list[subprocess.Popen] = []
+    done_at = None
     while True:
         running = [proc for proc, _ in workers.procs if proc.poll() is None]
-        if not running and not (loading.workers_done == loading.workers_done):  # first time all are done: not NaN
-            loading.workers_done = time.perf_counter()
+        if not running and done_at is None:
+            done_at = time.perf_counter()
         # Loading waits for a worker to exit (nothing left to claim), which frees its cores: loading while all of
         # them compiled slowed them more than it saved (H200, sd15_precompile_overlap_b8_h200.json: 196 -> 233 s of
         # worker time). Read after the poll: a worker seen exited has written all its lines, none is missed.
-        loaded = len(running) < len(workers.procs) and loading.load(
+        loaded = bool(loading.waiting) and len(running) < len(workers.procs) and loading.load(
             name for _, log_path in workers.procs for name in _finished_graphs(log_path))
         if not running and not loaded:
-            return killed
+            return killed, done_at
         if running and time.monotonic() > deadline:
             for proc in running:
                 proc.kill()
