@@ -221,7 +221,6 @@ def _claim(claims: Path, index: int) -> bool:
 def _backend_flags() -> dict[str, Any]:
     return {"matmul_tf32": torch.backends.cuda.matmul.allow_tf32, "cudnn_tf32": torch.backends.cudnn.allow_tf32,
             "float32_matmul_precision": torch.get_float32_matmul_precision(),
-            "cudnn_benchmark": torch.backends.cudnn.benchmark,
             "deterministic": torch.are_deterministic_algorithms_enabled()}
 
 
@@ -415,8 +414,6 @@ def _apply_flags(flags: dict[str, Any]) -> None:
         torch.backends.cuda.matmul.allow_tf32 = flags["matmul_tf32"]
     if torch.backends.cudnn.allow_tf32 != flags["cudnn_tf32"]:
         torch.backends.cudnn.allow_tf32 = flags["cudnn_tf32"]
-    if torch.backends.cudnn.benchmark != flags["cudnn_benchmark"]:
-        torch.backends.cudnn.benchmark = flags["cudnn_benchmark"]
     if torch.are_deterministic_algorithms_enabled() != flags["deterministic"]:
         torch.use_deterministic_algorithms(flags["deterministic"], warn_only=True)
 
@@ -502,6 +499,10 @@ def compile_queue(path: str, device: str) -> None:
         return
     queue = torch.load(path, weights_only=False)
     _apply_flags(queue["flags"])
+    # cuDNN's autotuning (cudnn.benchmark) would time every convolution of the graph's first run here, and its
+    # choices die with this process: the run tunes its own. The flag is in neither Inductor's cache key nor
+    # Dynamo's guards, so the cached graphs are the ones the run would compile (test_precompile checks the hits).
+    torch.backends.cudnn.benchmark = False
     from gallery_lib.compile import raise_recompile_limit
 
     raise_recompile_limit()

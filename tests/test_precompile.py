@@ -143,11 +143,14 @@ def test_a_graph_that_fails_to_load_is_reported_and_left_to_the_run():
 
 @pytest.mark.slow  # ~1 min each on 2 cores: Inductor's C++ backend compiles 3 forward and 3 backward graphs
 @pytest.mark.parametrize("load", [True, False], ids=["loaded-as-they-land", "loaded-by-the-run"])
-def test_workers_fill_the_cache_the_run_then_hits(load):
+def test_workers_fill_the_cache_the_run_then_hits(load, monkeypatch):
     """With ``load`` this process loads every graph once a worker has exited, and the run then traces nothing;
-    without it the run's first call traces and finds every graph in the caches."""
+    without it the run's first call traces and finds every graph in the caches. The run autotunes cuDNN, the workers
+    do not: the graphs must hit all the same."""
     from torch._dynamo.utils import counters
     from torch._inductor.utils import fresh_cache
+
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", True)
 
     kwargs = {"backend": "inductor", "dynamic": False}
     x = torch.randn(2, 6, 8)
