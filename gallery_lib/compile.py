@@ -149,6 +149,25 @@ def raise_recompile_limit() -> None:
         setattr(cfg, key, _RECOMPILE_LIMIT)
 
 
+def compile_cache_stats() -> dict[str, int]:
+    """This process's compilations so far, from Dynamo's counters: the graphs Dynamo traced, and the hits and misses
+    of AOTAutograd's cache and Inductor's FX graph cache. A run whose blocks were precompiled misses nothing. The two
+    caches are kept apart: whether an AOTAutograd hit also counts FX graph hits differs between torch versions."""
+    from torch._dynamo.utils import counters
+
+    return {"graphs_traced": counters["stats"]["unique_graphs"],
+            "aot_autograd_hits": counters["aot_autograd"]["autograd_cache_hit"],
+            "aot_autograd_misses": counters["aot_autograd"]["autograd_cache_miss"],
+            "fx_graph_hits": counters["inductor"]["fxgraph_cache_hit"],
+            "fx_graph_misses": counters["inductor"]["fxgraph_cache_miss"]}
+
+
+def describe_compile_cache(stats: dict[str, int]) -> str:
+    return (f"Dynamo traced {stats['graphs_traced']} graphs; AOTAutograd cache {stats['aot_autograd_hits']} hits, "
+            f"{stats['aot_autograd_misses']} misses; FX graph cache {stats['fx_graph_hits']} hits, "
+            f"{stats['fx_graph_misses']} misses")
+
+
 # --------------------------------------------------------------------- optimize
 def optimize(
     model_or_step_fn: nn.Module | Callable[[], Any],

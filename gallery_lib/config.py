@@ -99,13 +99,13 @@ class RunConfig:
     """With ``compile_scope='blocks'``: compile the distinct block graphs in this many parallel processes before the
     first step (``gallery_lib.precompile``), so the warm-up steps only load them. 0 compiles them in the warm-up
     steps, one after another."""
-    precompile_overlap: bool = False
-    """With ``precompile_workers``: the training process loads the block graphs compiled so far once a worker has
-    exited, while the others finish (step 4 of ``gallery_lib.precompile``). Off by default: loading alongside all
-    the workers measured no faster on an H200 (51.1 vs 49.3 s to steady speed, sd15_precompile_overlap_b8_h200.json),
-    and this later form, which waits for a worker's cores to free up, has not been measured on a GPU yet. Its numerics
-    with CUDA graphs are not confirmed on a GPU either: in that run its losses left the other run's after step 10
-    (step 20: 0.307 vs 0.125), as one earlier run without it also did. CPU tests match the baseline step by step."""
+    precompile_overlap: bool = True
+    """With ``precompile_workers``: once a worker has exited (its cores are free), the training process loads the
+    block graphs compiled so far, then each as it lands (step 4 of ``gallery_lib.precompile``), so that the first
+    steps find them traced, loaded and run once. SD-1.5 at batch 8 on H200s, cold caches, three runs each, not a
+    machine's first (sd15_precompile_loading_h200/): 34.9, 41.7 and 49.1 s to steady speed with it against 43.6,
+    54.6 and 48.4 s without; the warm-up steps 4.8-5.6 s against 15.5-19.4 s, peak memory 17.3 against 21.0 GiB,
+    per-step losses within the spread of runs without it. ``False`` leaves all the loading to the first steps."""
     kernels: bool = False
     """Swap in the fused Triton kernels of ``gallery_lib.kernels`` where they apply (``--kernel-opt``)."""
     kernel_ops: str = "all"

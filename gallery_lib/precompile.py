@@ -21,15 +21,15 @@ compiles the same blocks, it finds every graph there and only traces and loads.
    recorded specs through ``module.compile(**compile_kwargs)``, and takes the next, so a slow graph never leaves
    other graphs waiting behind it while a worker sits idle.
 
-4. load as they land (optional, ``load=True``): meanwhile this process follows the workers' logs, and once a worker
-   has exited (its cores are free) it runs every graph done so far, then each as it lands, once itself (a throwaway
-   copy of the block, random inputs of the recorded specs, RNG states restored). That is the Dynamo trace, the cache
-   loads and the first run (cuDNN's autotuning included) that the first training step would otherwise do for every
-   graph after the last worker finished. Dynamo keeps compiled code per code object with guards on tensor metadata,
-   not on the module object, so the run's own blocks of that graph find it ready. On an H200 a first form of this
-   step, loading while every worker still compiled, cut the first steps from 16.2 to 7.6 s but slowed the workers by
-   10.4 s (sd15_precompile_overlap_b8_h200.json); waiting for free cores is meant to keep the gain without the loss,
-   and awaits its measurement.
+4. load as they land (``load=True``): meanwhile this process follows the workers' logs, and once a worker has
+   exited (its cores are free) it runs every graph done so far, then each as it lands, once itself (a throwaway copy
+   of the block, random inputs of the recorded specs, RNG states restored). That is the Dynamo trace, the cache loads
+   and the first run (cuDNN's autotuning included) that the first training step would otherwise do for every graph
+   after the last worker finished. Dynamo keeps compiled code per code object with guards on tensor metadata, not on
+   the module object, so the run's own blocks of that graph find it ready. SD-1.5 at batch 8 on an H200: loading
+   while every worker still compiled slowed them more than it saved (sd15_precompile_overlap_b8_h200.json); waiting
+   for the first free cores cuts the warm-up steps from 15.5-19.4 s to 4.8-5.6 s, for 0-10 s more of precompilation
+   (sd15_precompile_loading_h200/: 41.9 s to steady speed on average over three runs, against 48.9 s without).
 
 Numerics are unchanged: a cache hit loads the code the training process would have generated itself, and a graph the
 workers missed (or a failed worker) is simply compiled by the training process as usual.
@@ -272,7 +272,7 @@ class CompileWorkers:
 def precompile_blocks(model: nn.Module, forward: Callable[[], Any], names: Iterable[str], *,
                       workers: int | CompileWorkers, compile_kwargs: dict[str, Any],
                       log: Callable[[str], Any] = print, timeout_s: float = 1800.0,
-                      load: bool = False) -> PrecompileReport:
+                      load: bool = False, meanwhile: Callable[[], Any] | None = None) -> PrecompileReport:
     """Compiles the distinct graphs of the named blocks in ``workers`` parallel processes into the on-disk caches.
 
     Args:
@@ -286,6 +286,8 @@ def precompile_blocks(model: nn.Module, forward: Callable[[], Any], names: Itera
         timeout_s: a worker still running after this long is stopped; graphs it had not finished compile in the run.
         load: load the graphs in this process as the workers finish them (step 4); ``False`` leaves all the loading
             to the first training step.
+        meanwhile: other work for this process, run once the workers have their queue: while they compile it costs
+            the run no time.
     """
     start = time.perf_counter()
     names = list(names)
@@ -303,6 +305,8 @@ def precompile_blocks(model: nn.Module, forward: Callable[[], Any], names: Itera
         queue = _largest_first(calls)
         _write_queue(workers.queue_path, queue, model, device, compile_kwargs)
         _warm_compile_pool(wait=False)  # this process loads the compiled kernels next: its pool must be up
+        if meanwhile is not None:
+            meanwhile()
         loading = _Loader(queue if load else [], device, compile_kwargs)
         killed, workers_done = _follow_workers(workers, loading, deadline=time.monotonic() + timeout_s)
         for call in queue:

@@ -73,8 +73,10 @@ _ACCELERATED: dict[str, dict[str, Any]] = {
     # torch.compile of the whole UNet the warm-up takes 134 s and the step 100.8 ms (p20-p80 94.6-111.5). Compiling
     # the 38 repeated blocks in place (19 distinct graphs), each replayed as CUDA graphs (the batch-8 step is
     # host-bound: 141 ms without them, compile_time_b8_cudagraphs_h200.json), precompiled by 8 processes that start
-    # with the run: 43.0 s of precompilation + 15.7 s of warm-up, then 85.0 ms (84.8-85.4), 1.19x. On a CPU the
-    # blocks compile in the warm-up steps, without CUDA graphs.
+    # with the run: 43.0 s of precompilation + 15.7 s of warm-up, then 85.0 ms (84.8-85.4), 1.19x. Since then the
+    # run loads each graph as it lands (precompile_overlap) and the workers skip cuDNN's autotuning: 34.9-49.1 s to
+    # steady speed in three runs against 135.8 s for the whole UNet (122.3 ms/step) on one machine
+    # (sd15_precompile_loading_h200/). On a CPU the blocks compile in the warm-up steps, without CUDA graphs.
     "text_to_image": {"cache_latents": True, "ema": "fused", "kernels": True, "kernel_ops": "geglu",
                       "compile_scope": "blocks"},
 }

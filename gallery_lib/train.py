@@ -134,16 +134,16 @@ def all_ranks_finite(loss: torch.Tensor, dist: DistInfo) -> bool:
     return all_reduce_sum(bad, dist) == 0
 
 
-def precompile(accelerated, task, batch, precision: Precision, workers, overlap: bool, log):
+def precompile(accelerated, task, batch, precision: Precision, workers, overlap: bool, log, meanwhile):
     """Compiles the model's distinct block graphs in the ``workers`` (``CompileWorkers``) from one recorded forward
     on ``batch`` (``gallery_lib.precompile``) and returns its ``PrecompileReport``. With ``overlap`` this process
-    loads each graph as it lands; otherwise the warm-up steps load them."""
+    loads each graph as it lands; otherwise the warm-up steps load them. ``meanwhile()`` runs while they compile."""
     from gallery_lib.precompile import precompile_blocks
 
     # The plain model, not a DDP wrapper: a forward without its backward would leave DDP's reducer waiting.
     return precompile_blocks(accelerated.module, lambda: task.loss(accelerated.module, batch, precision),
                              accelerated.compiled_blocks, workers=workers,
-                             compile_kwargs=accelerated.compile_kwargs, log=log, load=overlap)
+                             compile_kwargs=accelerated.compile_kwargs, log=log, load=overlap, meanwhile=meanwhile)
 
 
 def attention_choices(accelerated, task, batch, precision: Precision) -> dict[str, str]:
@@ -266,13 +266,22 @@ def _train_from(setup_start: float, cfg: RunConfig, dist: DistInfo, workers, ext
     batches = itertools.repeat(next(iter(loader))) if cfg.reuse_batch else iter(loader)
     first_batch = next(batches)
     batches = itertools.chain([first_batch], batches)
-    probe_start = time.perf_counter()
-    attention = attention_choices(accelerated, task, first_batch, precision)
-    probe_time = time.perf_counter() - probe_start
+    attention, probe_time = {}, 0.0
+
+    def probe_attention() -> None:
+        nonlocal probe_time
+        start = time.perf_counter()
+        attention.update(attention_choices(accelerated, task, first_batch, precision))
+        probe_time = time.perf_counter() - start
+
     precompile_time, precompile_record = 0.0, {}
     if workers is not None and accelerated.compiled_blocks:
-        report = precompile(accelerated, task, first_batch, precision, workers, cfg.precompile_overlap, log)
+        # The probe's forward waits for nothing there: the workers compile meanwhile (before, it delayed their queue).
+        report = precompile(accelerated, task, first_batch, precision, workers, cfg.precompile_overlap, log,
+                            meanwhile=probe_attention)
         precompile_time, precompile_record = report.seconds, {"precompile": dataclasses.asdict(report)}
+    else:
+        probe_attention()
     cuda_graphs = cfg.compile and cfg.compile_mode in CUDA_GRAPH_COMPILE_MODES
     timer.mark()
     guard = nonfinite_guard(cfg, precision)
@@ -373,6 +382,11 @@ def _train_from(setup_start: float, cfg: RunConfig, dist: DistInfo, workers, ext
         "torch_version": torch.__version__, "output_dir": str(cfg.run_dir), **task.summary(),
         **(extra_summary or {}),
     }
+    if cfg.compile:  # did the run load its graphs (precompiled, or from an earlier run) or compile them itself?
+        from gallery_lib.compile import compile_cache_stats, describe_compile_cache
+
+        summary["compile_cache"] = compile_cache_stats()
+        log(f"[gallery] compilation in this process: {describe_compile_cache(summary['compile_cache'])}")
     if accelerated.attention is not None:  # what the registry's auto ran, known once the steps have run
         attention = dict(accelerated.attention.selector.chosen)
     if attention:

@@ -11,9 +11,9 @@ import pytest
 import torch
 from torch import nn
 
-from gallery_lib.compile import regional_compile
+from gallery_lib.compile import compile_cache_stats, regional_compile
 from gallery_lib.precompile import TensorSpec, precompile_blocks, record_block_calls
-from compile_testing import compile_cache_counts, describe_counters
+from compile_testing import compile_cache_counts
 
 
 class Block(nn.Module):
@@ -116,6 +116,19 @@ def test_workers_started_early_exit_on_their_own_without_a_queue():
     assert not workers.queue_path.parent.exists()  # its folder is removed
 
 
+def test_meanwhile_runs_once_while_the_workers_have_their_queue():
+    """The run's other pre-step work (the attention probe) goes there: the workers are compiling by then."""
+    from gallery_lib.precompile import CompileWorkers
+
+    model, x = Model(), torch.randn(2, 6, 8)
+    workers = CompileWorkers(1, "cpu")
+    seen = []
+    report = precompile_blocks(model, lambda: model(x), BLOCKS, workers=workers, compile_kwargs={"backend": "eager"},
+                               log=lambda line: None, meanwhile=lambda: seen.append(workers.queue_path.exists()))
+    assert seen == [True]
+    assert report.failures == [] and sorted(report.graph_seconds) == ["a1", "b1", "b2"]
+
+
 def test_bad_worker_count():
     with pytest.raises(ValueError, match="workers=0"):
         precompile_blocks(Model(), lambda: None, BLOCKS, workers=0, compile_kwargs={})
@@ -182,10 +195,10 @@ def test_workers_fill_the_cache_the_run_then_hits(load, monkeypatch):
         out.backward()
         hits, misses = compile_cache_counts()
         if load:
-            assert loaded_here[0] >= 3 and loaded_here[1] == 0, describe_counters()
+            assert loaded_here[0] >= 3 and loaded_here[1] == 0, compile_cache_stats()
             assert traced_before_run == 3 and counters["stats"]["unique_graphs"] == 3  # the run traced nothing
         else:
-            assert traced_before_run == 0 and hits >= 3 and misses == 0, describe_counters()
+            assert traced_before_run == 0 and hits >= 3 and misses == 0, compile_cache_stats()
     torch.testing.assert_close(out, expected)
     for (name, p), q in zip(model.named_parameters(), expected_model.parameters()):
         torch.testing.assert_close(p.grad, q.grad, msg=name)

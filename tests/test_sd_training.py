@@ -10,7 +10,6 @@ from gallery_lib.metrics import read_metrics
 from gallery_lib.profiles import base_config
 from gallery_lib.recipes import apply_recipe
 from gallery_lib.train import run
-from compile_testing import compile_cache_counts, describe_counters
 from resume_testing import resume_from_copy
 
 pytest.importorskip("diffusers")
@@ -145,8 +144,8 @@ def test_precompiled_blocks_train_like_the_baseline_and_only_load_in_the_run(cap
     from torch._dynamo.utils import counters
 
     base = tiny(caption_data, tmp_path, steps=8, amp_level="O0")
-    accelerated = apply_recipe("accelerated", base).replace(amp_level="O0", precompile_workers=2,
-                                                            precompile_overlap=True)
+    accelerated = apply_recipe("accelerated", base).replace(amp_level="O0", precompile_workers=2)
+    assert accelerated.precompile_overlap  # the default
     assert accelerated.compile_scope == "blocks"
     run(baseline := apply_recipe("baseline", base).replace(amp_level="O0"))
     # A run is a fresh process; in this one an earlier test may have compiled the same blocks, and Dynamo would reuse
@@ -156,11 +155,37 @@ def test_precompiled_blocks_train_like_the_baseline_and_only_load_in_the_run(cap
     summary = run(accelerated)
     assert summary["precompile_time_s"] > 0
     assert any("precompiled by 2 processes" in note for note in summary["notes"])
-    hits, misses = compile_cache_counts()
-    assert hits > 0 and misses == 0, describe_counters()
+    cache = summary["compile_cache"]  # what the run logs: every graph loaded, none compiled here
+    assert cache["aot_autograd_hits"] + cache["fx_graph_hits"] > 0, cache
+    assert cache["aot_autograd_misses"] == cache["fx_graph_misses"] == 0, cache
     loaded = summary["precompile"]["load_seconds"]
     assert sorted(loaded) and not summary["precompile"]["load_failures"]
-    assert counters["stats"]["unique_graphs"] == len(loaded) == summary["precompile"]["graphs"]
+    assert cache["graphs_traced"] == len(loaded) == summary["precompile"]["graphs"]
+    assert summary["attention"] and summary["attention_probe_time_s"] > 0  # probed while the workers compiled
     assert len(summary["warmup_step_times_ms"]) == summary["warmup_steps"]
     torch.testing.assert_close(torch.tensor(losses_of(accelerated)), torch.tensor(losses_of(baseline)),
                                rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph_blocks_loaded_as_they_land_train_like_blocks_the_run_compiled(caption_data, tmp_path):
+    """The accelerated recipe on a GPU (blocks replayed as CUDA graphs), fp32 and deterministic algorithms: blocks
+    precompiled by 2 workers and loaded by this process before the first step (run once on throwaway copies) against
+    the same blocks compiled by the run itself in its first steps. The losses agree step by step: loading through a
+    copy leaves the run's own CUDA graphs reading its own weights."""
+    from torch._inductor.utils import fresh_cache
+
+    base = tiny(caption_data, tmp_path, steps=8, amp_level="O0", device="cuda", deterministic=True)
+    loaded = apply_recipe("accelerated", base).replace(precompile_workers=2)
+    assert loaded.compile_mode == "reduce-overhead" and loaded.precompile_overlap
+    compiled_here = loaded.replace(recipe="accelerated+precompile_workers=0", precompile_workers=0)
+    summaries = []
+    for cfg in (loaded, compiled_here):
+        torch._dynamo.reset()
+        with fresh_cache():
+            summaries.append(run(cfg))
+    assert sorted(summaries[0]["precompile"]["load_seconds"]) and not summaries[0]["precompile"]["load_failures"]
+    assert summaries[0]["compile_cache"]["fx_graph_misses"] == 0  # the run compiled nothing itself
+    assert summaries[1]["compile_cache"]["fx_graph_misses"] > 0
+    torch.testing.assert_close(torch.tensor(losses_of(loaded)), torch.tensor(losses_of(compiled_here)),
+                               rtol=1e-4, atol=1e-6)
