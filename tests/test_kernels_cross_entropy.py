@@ -49,14 +49,15 @@ def test_loss_and_grads_match_torch(path, n, v, smoothing, max_block):
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(n, v, generator=gen) * 4
     target = mixup_targets(n, v, gen)
-    expected = run(lambda x, t: reference(x, t, smoothing), logits, target, 0.7)
+    expected = run(lambda x, t: reference(x, t, smoothing), logits.double(), target.double(), 0.7)
+    torch_fp32 = run(lambda x, t: reference(x, t, smoothing), logits, target, 0.7)
     with tu.set_max_block(max_block):
         got = run(lambda x, t: soft_cross_entropy(x, t, smoothing), logits, target, 0.7)
     assert path == "fallback" or tu.launch_counts["_ce_bwd_kernel"] > 0
-    # dtarget is (lse - x) / N: a difference of two O(|x|) numbers, so its fp32 error is an absolute ulp of |x|
-    # (about 5e-7 here), not relative; the loss and dlogits get the tight CE tolerance.
-    for name, g, e, atol in zip(("loss", "dlogits", "dtarget"), got, expected, (1e-7, 1e-7, 1e-6)):
-        torch.testing.assert_close(g, e, atol=atol, rtol=1e-6, msg=lambda m: f"{name}: {m}")
+    # Against fp64, as close as PyTorch's own fp32 reference gets (2x), plus two fp32 ulps of the largest value. A
+    # fixed tolerance against that fp32 reference failed on an AMD EPYC: there PyTorch's log_softmax is off by 3.8e-7
+    # at one dlogits element of the 3x1000 case, where the kernel is off by 6.7e-8.
+    assert_within_torch_error(("loss", "dlogits", "dtarget"), got, torch_fp32, expected, torch.float32, atol=None)
     torch.testing.assert_close(got[0], F.cross_entropy(logits, target, label_smoothing=smoothing), atol=1e-7,
                                rtol=1e-6)
 
