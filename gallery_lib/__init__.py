@@ -1,7 +1,37 @@
 """gallery_lib: the support package of the accelerated-training notebook gallery.
 
-The notebooks stay thin; this package holds the run configuration, the recipes, the models,
-the data pipeline, the training loop, the launcher and the reports (see ``DESIGN.md``).
+The notebooks stay thin; this package holds the run configuration, the recipes, the model families, the data
+pipeline, the training loop, the launcher and the reports (see ``DESIGN.md``). What a notebook calls is importable
+from here: ``base_config``, ``prepare``, ``run_recipes``, ``compare``, ``summarize`` (and ``optimize(model)`` for
+a plain PyTorch loop). Names are imported on first use, so ``import gallery_lib`` stays cheap.
 """
 
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
 __version__ = "0.1.0"
+
+_PUBLIC = {
+    "base_config": "gallery_lib.profiles",
+    "prepare": "gallery_lib.workflow",
+    "run_recipes": "gallery_lib.workflow",
+    "compare": "gallery_lib.workflow",
+    "summarize": "gallery_lib.workflow",
+    "model_step_config": "gallery_lib.workflow",
+    "config_controls": "gallery_lib.widgets",
+    "dataset_preview": "gallery_lib.sampling",
+    "load_pipeline": "gallery_lib.sampling",
+    "sample_grid": "gallery_lib.sampling",
+    "RunConfig": "gallery_lib.config",
+    "register_family": "gallery_lib.models",
+    "optimize": "gallery_lib.optimize",
+}
+__all__ = sorted(_PUBLIC)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _PUBLIC:
+        raise AttributeError(f"module 'gallery_lib' has no attribute {name!r}")
+    return getattr(importlib.import_module(_PUBLIC[name]), name)

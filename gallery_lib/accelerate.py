@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from gallery_lib.config import KERNEL_OPS, ConfigError, RunConfig
+from gallery_lib.config import KERNEL_OPS, RunConfig
 from gallery_lib.distributed import DistInfo, wrap_ddp
 from gallery_lib.precision import Precision
 
@@ -56,8 +56,8 @@ def apply_accelerations(model: torch.nn.Module, cfg: RunConfig, precision: Preci
         notes.append("channels_last: images and conv weights in NHWC layout")
     if cfg.kernels:
         notes.append(_apply_kernels(model, cfg.kernel_op_names))
-    if cfg.fused_attention:
-        note, attention = _apply_fused_attention(model)
+    if cfg.fused_attention:  # the family's hook (RunConfig refuses the switch for a family without one)
+        note, attention = cfg.model_family.attention_hook(model)
         notes.append(note)
     precision.cast_model(model)
     notes.append(f"precision: {precision.describe()}")
@@ -70,7 +70,7 @@ def apply_accelerations(model: torch.nn.Module, cfg: RunConfig, precision: Preci
 
         # Static shapes, as whole-model compilation has: each block shape gets its own graph.
         kwargs = {"backend": "inductor", "mode": mode, "dynamic": False}
-        names = regional_compile(model, **kwargs)
+        names = regional_compile(model, cfg.model_family.block_types, **kwargs)
         notes.append(f"torch.compile(mode={cfg.compile_mode!r}) of {len(names)} repeated blocks in place"
                      + (f", precompiled by {cfg.precompile_workers} processes before the first step"
                         if cfg.precompile_workers else "; compilation happens in the first warm-up steps"))
@@ -89,21 +89,3 @@ def _apply_kernels(model: torch.nn.Module, ops: tuple[str, ...]) -> str:
         raise RuntimeError(f"kernels=True needs gallery_lib.patch, which failed to import: {exc}") from exc
     report = apply_kernels(model, **{op: op in ops for op in KERNEL_OPS})
     return f"fused kernels: {report.summary()}"
-
-
-def _apply_fused_attention(model: torch.nn.Module) -> tuple[str, AttentionHook]:
-    if hasattr(model, "set_attn_processor"):  # a diffusers model: every attention layer through our backend registry
-        from gallery_lib.attention import hook_diffusers_attention
-
-        hook = hook_diffusers_attention(model, backend="auto")
-        return (f"fused attention: {len(hook.modules)} diffusers attention layers use the fastest measured backend "
-                "per shape (gallery_lib.attention)"), hook
-    from gallery_lib.attention import hook_swin_attention
-
-    try:
-        hook = hook_swin_attention(model, backend="auto")
-    except ValueError as exc:  # no timm WindowAttention, or attention dropout the kernels do not apply
-        raise ConfigError(f"fused_attention=True cannot apply to {type(model).__name__}: {exc}; "
-                          "run without it (--set fused_attention=false)") from exc
-    return (f"fused attention: {len(hook.modules)} Swin window-attention modules through gallery_lib.attention "
-            "(auto: the fastest measured backend that takes the relative-position bias and shift mask)"), hook

@@ -37,9 +37,9 @@ from gallery_lib.distributed import DistInfo
 from gallery_lib.precision import Precision
 
 FORMAT_VERSION = 1
-RESUME_FIELDS = ("model", "image_size", "batch_size", "nproc_per_node", "amp_level", "amp_dtype", "seed",
-                 "prediction_type")
-"""Config fields a resumed run must share with the saved one: they shape the state or the data stream."""
+RESUME_FIELDS = ("model", "image_size", "batch_size", "nproc_per_node", "amp_level", "amp_dtype", "seed")
+"""Config fields a resumed run must share with the saved one: they shape the state or the data stream. The task
+adds its own (``options.resume_fields``, e.g. ``prediction_type``)."""
 LATEST = "latest"
 _STEP_FILE = re.compile(r"^step_(\d+)\.pt$")
 
@@ -53,7 +53,7 @@ def checkpoint_dir(cfg: RunConfig) -> Path:
 
 
 def resume_signature(cfg: RunConfig) -> dict[str, Any]:
-    return {name: getattr(cfg, name) for name in RESUME_FIELDS}
+    return {name: getattr(cfg, name) for name in RESUME_FIELDS + cfg.options.resume_fields}
 
 
 def config_hash(cfg: RunConfig) -> str:
@@ -132,8 +132,10 @@ def check_compatible(meta: dict[str, Any], cfg: RunConfig, path: Path) -> None:
     if meta["config_hash"] == config_hash(cfg):
         return
     ours = resume_signature(cfg)
-    diffs = [f"{k}: saved {meta['signature'].get(k)!r}, now {ours[k]!r}" for k in RESUME_FIELDS
+    diffs = [f"{k}: saved {meta['signature'].get(k)!r}, now {ours[k]!r}" for k in ours
              if meta["signature"].get(k) != ours[k]]
+    if not diffs:  # saved before a field moved out of the signature (prediction_type of classifiers)
+        return
     raise CheckpointError(f"checkpoint {path} was written by an incompatible run ({'; '.join(diffs)}). Resume with "
                           "the saved values, or start a fresh run (another recipe name or output_dir).")
 

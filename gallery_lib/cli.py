@@ -79,12 +79,13 @@ def _recipe_list(text: str) -> list[str]:
 
 
 def cmd_list(args: argparse.Namespace) -> int:
-    from gallery_lib.models import MODELS
+    from gallery_lib.models import FAMILIES
     from gallery_lib.recipes import RECIPES, describe
 
     print("models:")
-    for spec in MODELS.values():
-        print(f"  {spec.name:32s} {spec.family:18s} {spec.description}")
+    for family in FAMILIES.values():
+        for spec in family.models:
+            print(f"  {spec.name:32s} {family.name:18s} {spec.description}")
     print("recipes:")
     for name in RECIPES:
         print(f"  {name:12s} {describe(name).splitlines()[0]}")

@@ -3,8 +3,13 @@
 Every run (any model, any recipe) is fully described by a ``RunConfig``. Recipes are
 ``dataclasses.replace`` of a base config (see ``recipes.py``), the resolved config is saved as
 ``config.json`` beside the run's metrics, and the training subprocess reads it back from there.
-Field values are checked when the config is built, so a typo fails before any data is prepared
-or any model is built; checks that depend on the machine (GPU count, CUDA-only options) live in
+
+Each field declares what it accepts next to its default (``setting``: type, choices, range; see ``settings.py``),
+and ``__post_init__`` checks them all in one place, plus the few rules that tie fields together, so a typo fails
+before any data is prepared or any model is built. The settings of the model's task (Mixup for classifiers, cached
+latents for diffusion models) live with the task, in ``cfg.options`` (the family's ``task.options`` dataclass);
+they read and write like the other fields: ``cfg.mixup_alpha``, ``RunConfig(mixup_alpha=0)``, ``--set
+mixup_alpha=0``, one flat ``config.json``. Checks that depend on the machine (GPU count, CUDA-only options) live in
 ``validate_for_machine``.
 """
 
@@ -17,261 +22,238 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gallery_lib.settings import ConfigError, check_settings, parse_value, setting
+
 AMP_LEVELS = ("O0", "O1", "O2")
 AMP_DTYPES = ("auto", "float16", "bfloat16")
 DEVICES = ("auto", "cuda", "cpu")
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 COMPILE_SCOPES = ("model", "blocks")
 EMA_MODES = ("off", "loop", "foreach", "fused", "stream")
-PREDICTION_TYPES = ("epsilon", "v_prediction")
 KERNEL_OPS = ("group_norm_silu", "layer_norm", "geglu")
 # Compile modes that capture CUDA graphs: only meaningful with a GPU.
 CUDA_GRAPH_COMPILE_MODES = ("reduce-overhead", "max-autotune")
 
-
-class ConfigError(ValueError):
-    """An invalid run configuration: the message names the field, the value and what is allowed."""
+__all__ = ["ConfigError", "RunConfig", "parse_overrides", "validate_for_machine"]
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, init=False)
 class RunConfig:
-    """A complete, validated description of one training run."""
+    """A complete, validated description of one training run.
+
+    ``RunConfig(**fields)`` takes every field flat, the task's settings included (see the module docstring).
+    """
 
     model: str
     """Gallery model name, e.g. ``swin_tiny_patch4_window7_224`` or the CPU-sized ``swin_micro``."""
-    recipe: str = "baseline"
+    recipe: str = setting("baseline", kind=str)
     """Name of the recipe this config was resolved from (``baseline``, ``compiled``, ``accelerated``...)."""
-    profile: str = "custom"
+    profile: str = setting("custom", kind=str)
     """Profile the defaults came from (``smoke`` on a CPU, ``full`` on a GPU); informative only."""
 
-    data_dir: str = "data/imagenet_like"
+    data_dir: str = setting("data/imagenet_like", kind=str)
     """Training data: an ImageNet-style folder with ``train/<class>/*`` images for classifiers, an imagefolder with
     ``train/metadata.jsonl`` (``file_name``, ``text``) for text-to-image models."""
-    pretrained: str | None = None
+    pretrained: str | None = setting(None, kind=str, optional=True)
     """Start from these weights instead of a random init: a local folder (a timm checkpoint file for classifiers; the
     diffusers layout ``unet/``, ``vae/``, ``text_encoder/``, ``tokenizer/`` for Stable Diffusion) or a hub id when
     the machine has network."""
-    output_dir: str = "output"
+    output_dir: str = setting("output", kind=str)
     """Root of the output tree; this run writes to ``<output_dir>/<model family>/<recipe>/``."""
-    image_size: int = 224
+    image_size: int = setting(224, kind=int, minimum=16)
     """Training crop size in pixels."""
 
-    batch_size: int = 128
+    batch_size: int = setting(128, kind=int, minimum=1)
     """Images per process per step (the global batch is ``batch_size * nproc_per_node``)."""
-    find_batch_size: bool = False
+    find_batch_size: bool = setting(False, kind=bool)
     """Search for the largest batch that fits: ``batch_size`` is then the largest size tried (rounded down to even),
     backed off x0.9 on out-of-memory. Each trial runs 3 real training steps of this config (compiled when the recipe
     compiles: compilation and autotuning change peak memory). The run then trains from scratch at the chosen size,
     which its summary (``batch_size_search``) and ``config.json`` record. With ``lr=None`` the learning rate scales
     with the chosen batch. Single-process only (``nproc_per_node=1``), and not with ``resume``."""
-    steps: int = 50
+    steps: int = setting(50, kind=int, minimum=1)
     """Optimizer steps to run."""
-    warmup_steps: int = 10
+    warmup_steps: int = setting(10, kind=int, minimum=0)
     """First steps excluded from the speed figures (compilation, autotuning, allocator warm-up)."""
-    log_every: int = 10
+    log_every: int = setting(10, kind=int, minimum=1)
     """Steps between host syncs: losses and timings are read back and written in batches of this size."""
 
-    lr: float | None = None
+    lr: float | None = setting(None, kind=float, above=0, optional=True)
     """Peak learning rate; ``None`` scales the Swin reference rule 5e-4 * global_batch / 512 (profiles of other
     models set it)."""
-    weight_decay: float = 0.05
+    weight_decay: float = setting(0.05, kind=float, minimum=0)
     """AdamW weight decay (norms, biases and position tables are excluded, as in the Swin reference)."""
-    lr_warmup_steps: int = 5
+    lr_warmup_steps: int = setting(5, kind=int, minimum=0)
     """Linear learning-rate warm-up before the cosine decay."""
-    clip_grad: float | None = 5.0
+    clip_grad: float | None = setting(5.0, kind=float, above=0, optional=True)
     """Gradient-norm clipping threshold (the Swin reference uses 5.0); ``None`` disables it."""
-    fused_optimizer: bool = False
+    fused_optimizer: bool = setting(False, kind=bool)
     """Use ``torch.optim.AdamW(fused=True)``: one kernel for the whole update."""
 
-    amp_level: str = "O1"
+    amp_level: str = setting("O1", choices=AMP_LEVELS)
     """``O0`` fp32, ``O1`` autocast mixed precision, ``O2`` low-precision weights with fp32 master copies."""
-    amp_dtype: str = "auto"
+    amp_dtype: str = setting("auto", choices=AMP_DTYPES)
     """Low-precision dtype: ``auto`` is float16 (with a GradScaler) on a GPU for O1 and bfloat16 otherwise."""
-    compile: bool = False
+    compile: bool = setting(False, kind=bool)
     """Wrap the model in ``torch.compile``."""
-    compile_mode: str = "default"
+    compile_mode: str = setting("default", choices=COMPILE_MODES)
     """``torch.compile`` mode (``max-autotune-no-cudagraphs`` autotunes matmuls without CUDA graphs)."""
-    compile_scope: str = "model"
+    compile_scope: str = setting("model", choices=COMPILE_SCOPES)
     """What ``compile`` compiles: ``model`` (the whole model, one graph) or ``blocks`` (each repeated block in place,
     ``gallery_lib.compile.regional_compile``: blocks of one shape share a graph, so there is less to compile; with a
     CUDA-graph ``compile_mode`` each block replays as CUDA graphs)."""
-    precompile_workers: int = 0
+    precompile_workers: int = setting(0, kind=int, minimum=0)
     """With ``compile_scope='blocks'``: compile the distinct block graphs in this many parallel processes before the
     first step (``gallery_lib.precompile``), so the warm-up steps only load them. 0 compiles them in the warm-up
     steps, one after another."""
-    precompile_overlap: bool = True
+    precompile_overlap: bool = setting(True, kind=bool)
     """With ``precompile_workers``: once a worker has exited (its cores are free), the training process loads the
     block graphs compiled so far, then each as it lands (step 4 of ``gallery_lib.precompile``), so that the first
-    steps find them traced, loaded and run once. SD-1.5 at batch 8 on H200s, cold caches, three runs each, not a
-    machine's first (sd15_precompile_loading_h200/): 34.9, 41.7 and 49.1 s to steady speed with it against 43.6,
-    54.6 and 48.4 s without; the warm-up steps 4.8-5.6 s against 15.5-19.4 s, peak memory 17.3 against 21.0 GiB,
-    per-step losses within the spread of runs without it. ``False`` leaves all the loading to the first steps."""
-    kernels: bool = False
+    steps find them traced, loaded and run once (on by default: benchmarks/RESULTS.md#sd15-compile-time). ``False``
+    leaves all the loading to the first steps."""
+    kernels: bool = setting(False, kind=bool)
     """Swap in the fused Triton kernels of ``gallery_lib.kernels`` where they apply (``--kernel-opt``)."""
-    kernel_ops: str = "all"
+    kernel_ops: str = setting("all", kind=str)
     """Which kernels ``kernels=True`` swaps in: ``all`` or a comma list of ``group_norm_silu``, ``layer_norm``,
     ``geglu`` (recipes keep only those that measured faster than torch.compile's own code)."""
-    fused_attention: bool = False
+    fused_attention: bool = setting(False, kind=bool)
     """Run window/self attention through ``scaled_dot_product_attention`` instead of explicit matmuls."""
-    channels_last: bool = False
+    channels_last: bool = setting(False, kind=bool)
     """Keep image tensors (and conv weights) in channels-last memory format."""
 
-    nproc_per_node: int = 1
+    nproc_per_node: int = setting(1, kind=int, minimum=1)
     """Processes (one per GPU, or CPU processes with gloo) started by torchrun."""
-    device: str = "auto"
+    device: str = setting("auto", choices=DEVICES)
     """``auto`` picks CUDA when present, else CPU."""
-    num_workers: int = 4
+    num_workers: int = setting(4, kind=int, minimum=0)
     """Data-loader worker processes per training process."""
-    seed: int = 0
+    seed: int = setting(0, kind=int, minimum=0)
     """Seed for model init, data order and augmentation."""
-    deterministic: bool = False
+    deterministic: bool = setting(False, kind=bool)
     """Ask PyTorch for deterministic algorithms (slower; for exact comparisons)."""
-    reuse_batch: bool = False
+    reuse_batch: bool = setting(False, kind=bool)
     """Train on the first batch over and over: times the model step alone, without the data pipeline
     (as timm's ``benchmark.py`` does with random inputs). For benchmarks only: the model learns nothing useful."""
 
-    auto_augment: str | None = None
-    """timm auto-augment policy, e.g. ``rand-m9-mstd0.5-inc1`` (the Swin reference)."""
-    re_prob: float = 0.0
-    """Random-erasing probability."""
-    mixup_alpha: float = 0.8
-    """Mixup alpha (0 disables)."""
-    cutmix_alpha: float = 1.0
-    """CutMix alpha (0 disables)."""
-    label_smoothing: float = 0.1
-    """Label smoothing applied to the (mixed) targets."""
-
-    ema: str = "off"
+    ema: str = setting("off", choices=EMA_MODES)
     """EMA of the trained weights and how its update runs: ``off``, ``loop`` (a kernel per tensor, the diffusers
     default), ``foreach`` (multi-tensor), ``fused`` (one Triton kernel), ``stream`` (fused, on a side CUDA stream).
     ``fused``/``stream`` fall back to ``foreach`` on a CPU. See ``gallery_lib/ema.py``."""
-    ema_decay: float = 0.9999
+    ema_decay: float = setting(0.9999, kind=float, above=0, below=1, hint="e.g. 0.9999")
     """EMA decay, reached through diffusers' default warm-up ``min(decay, (1 + step) / (10 + step))``."""
-    prediction_type: str = "epsilon"
-    """Diffusion models: what the network predicts, ``epsilon`` (the noise; SD 1.x) or ``v_prediction``."""
-    cache_latents: bool = False
-    """Diffusion models: encode every image with the frozen VAE and every caption with the frozen text encoder once,
-    before training, and train from the cached latent distributions and embeddings (same function: a fresh latent
-    sample is drawn from the cached distribution every step). Images are center-cropped, not flipped."""
-    export_model: bool = True
+    export_model: bool = setting(True, kind=bool)
     """Save the trained model at the end of the run (Stable Diffusion: a diffusers pipeline folder in
     ``<run_dir>/pipeline`` with the EMA UNet when ``ema`` is on)."""
 
-    checkpoint_every: int = 0
+    checkpoint_every: int = setting(0, kind=int, minimum=0, hint="0 disables checkpoints")
     """Steps between checkpoints in ``<run_dir>/checkpoints/`` (0 disables periodic checkpoints). A run stopped
     for non-finite losses saves one whatever this value is."""
-    keep_checkpoints: int = 2
+    keep_checkpoints: int = setting(2, kind=int, minimum=1)
     """Newest checkpoints kept on disk; older ones are deleted (never the one ``latest`` names)."""
-    resume: bool = False
+    resume: bool = setting(False, kind=bool)
     """Continue from ``<run_dir>/checkpoints/latest`` (model, optimizer, scheduler, scaler, RNG, data position);
     an error if there is no checkpoint to resume from."""
-    max_nonfinite_steps: int = 5
+    max_nonfinite_steps: int = setting(5, kind=int, minimum=0, hint="0 disables the check")
     """Stop (with a checkpoint) after this many non-finite losses in a row; each such step is skipped. 0 turns
     the check off, which also removes its per-step host sync (see ``train.py``)."""
-    max_bad_fraction: float = 0.1
+    max_bad_fraction: float = setting(0.1, kind=float, above=0, maximum=1, hint="1 never stops for bad files")
     """Stop with an error when more than this share of the image loads so far failed (judged every ``log_every``
     steps, once 50 images were read); each bad file is skipped, logged with its path and counted. In (0, 1]."""
-    max_restarts: int = 0
+    max_restarts: int = setting(0, kind=int, minimum=0, hint="0 disables restarts")
     """Times torchrun restarts the workers after a failure (``--max-restarts``); a restarted run resumes from the
     latest checkpoint on its own, so set ``checkpoint_every`` too."""
 
-    extra: dict[str, Any] = field(default_factory=dict)
+    options: Any = None
+    """The task's own settings: an instance of the model family's ``task.options`` dataclass (built from the flat
+    fields given to ``RunConfig``)."""
+    extra: dict[str, Any] = setting(default_factory=dict)
     """Free-form notes carried into ``config.json`` (e.g. which profile filled which field)."""
 
-    def __post_init__(self) -> None:
-        from gallery_lib.models import MODELS  # local import: models import torch/timm lazily
+    def __init__(self, **values: Any) -> None:
+        from gallery_lib.models import family_of  # local import: the family modules import torch
 
-        _check_choice("model", self.model, tuple(MODELS))
-        _check_positive_int("image_size", self.image_size, minimum=16)
-        _check_positive_int("batch_size", self.batch_size)
-        _check_positive_int("steps", self.steps)
-        _check_positive_int("log_every", self.log_every)
-        _check_positive_int("nproc_per_node", self.nproc_per_node)
-        _check_int_range("warmup_steps", self.warmup_steps, 0, self.steps - 1,
-                         hint="leave at least one timed step after warm-up")
-        _check_int_range("lr_warmup_steps", self.lr_warmup_steps, 0, None)
-        _check_int_range("num_workers", self.num_workers, 0, None)
-        _check_int_range("seed", self.seed, 0, None)
-        _check_int_range("checkpoint_every", self.checkpoint_every, 0, None, hint="0 disables checkpoints")
-        _check_positive_int("keep_checkpoints", self.keep_checkpoints)
-        _check_int_range("max_nonfinite_steps", self.max_nonfinite_steps, 0, None, hint="0 disables the check")
-        _check_int_range("max_restarts", self.max_restarts, 0, None, hint="0 disables restarts")
-        if isinstance(self.max_bad_fraction, bool) or not (
-                isinstance(self.max_bad_fraction, (int, float)) and 0 < self.max_bad_fraction <= 1):
-            raise ConfigError(f"max_bad_fraction={self.max_bad_fraction!r} is invalid: expected a number in (0, 1] "
-                              "(1 never stops for bad files).")
-        if not isinstance(self.kernel_ops, str) or not self.kernel_op_names or any(
-                op not in KERNEL_OPS for op in self.kernel_op_names):
+        if "model" not in values:
+            raise ConfigError("model is missing: name a gallery model (see `gallery list`).")
+        family = family_of(values["model"])
+        own = {f.name for f in dataclasses.fields(family.options)}
+        task_values = {name: values.pop(name) for name in list(values) if name in own}
+        _check_known(values, family)
+        options = values.pop("options", None)
+        if options is None or isinstance(options, dict):
+            options = family.options(**{**(options or {}), **task_values})
+        elif not isinstance(options, family.options):
+            raise ConfigError(f"model={values['model']!r} trains with {family.options.__name__}, not "
+                              f"{type(options).__name__}: build a config of another family with base_config.")
+        else:
+            options = dataclasses.replace(options, **task_values)
+        for f in dataclasses.fields(self):
+            if f.name in values:
+                value = values[f.name]
+            elif f.default is not dataclasses.MISSING:
+                value = f.default
+            else:
+                value = f.default_factory()
+            object.__setattr__(self, f.name, value)
+        object.__setattr__(self, "options", options)
+        self.__post_init__()
+
+    def __getattr__(self, name: str) -> Any:
+        """The task's settings read like fields: ``cfg.mixup_alpha`` is ``cfg.options.mixup_alpha``."""
+        if name.startswith("__") or name == "options":
+            raise AttributeError(name)
+        try:
+            return getattr(self.options, name)
+        except AttributeError:
+            raise AttributeError(f"RunConfig of {self.model!r} has no field {name!r}") from None
+
+    def __post_init__(self) -> None:
+        """Every field against its declared rule, then the rules that tie fields together."""
+        check_settings(self)
+        check_settings(self.options)
+        if self.warmup_steps > self.steps - 1:
+            raise ConfigError(f"warmup_steps={self.warmup_steps} is invalid: expected an integer in [0, "
+                              f"{self.steps - 1}] (leave at least one timed step after warm-up).")
+        if not self.kernel_op_names or any(op not in KERNEL_OPS for op in self.kernel_op_names):
             raise ConfigError(f"kernel_ops={self.kernel_ops!r} is invalid: expected 'all' or a comma list of "
                               f"{', '.join(KERNEL_OPS)}.")
-        if not isinstance(self.resume, bool):
-            raise ConfigError(f"resume={self.resume!r} is invalid: expected true or false.")
-        if not isinstance(self.find_batch_size, bool):
-            raise ConfigError(f"find_batch_size={self.find_batch_size!r} is invalid: expected true or false.")
         if self.find_batch_size and self.nproc_per_node > 1:
-            # Ranks would have to agree on an OOM raised mid-collective (Lightning's batch-size finder has the
-            # same limit).
+            # Ranks would have to agree on an OOM raised mid-collective (Lightning's finder has the same limit).
             raise ConfigError(f"find_batch_size=True is invalid with nproc_per_node={self.nproc_per_node}: run the "
                               "search with nproc_per_node=1, then set batch_size to the size it chose.")
         if self.find_batch_size and self.resume:
             raise ConfigError("find_batch_size=True is invalid with resume=True: a resumed run keeps the batch size "
                               "of its checkpoint. Drop find_batch_size and set batch_size to the saved run's value.")
-        _check_choice("amp_level", self.amp_level, AMP_LEVELS)
-        _check_choice("amp_dtype", self.amp_dtype, AMP_DTYPES)
-        _check_choice("compile_mode", self.compile_mode, COMPILE_MODES)
-        _check_choice("compile_scope", self.compile_scope, COMPILE_SCOPES)
-        _check_positive_int("precompile_workers", self.precompile_workers, minimum=0)
         if self.precompile_workers and not (self.compile and self.compile_scope == "blocks"):
             raise ConfigError(f"precompile_workers={self.precompile_workers} needs compile=True and "
                               f"compile_scope='blocks' (got compile={self.compile}, compile_scope="
                               f"{self.compile_scope!r}): set both, or precompile_workers=0.")
-        _check_choice("device", self.device, DEVICES)
-        _check_choice("ema", self.ema, EMA_MODES)
-        _check_choice("prediction_type", self.prediction_type, PREDICTION_TYPES)
-        if isinstance(self.ema_decay, bool) or not (isinstance(self.ema_decay, (int, float)) and
-                                                    0 < self.ema_decay < 1):
-            raise ConfigError(f"ema_decay={self.ema_decay!r} is invalid: expected a number in (0, 1), e.g. 0.9999.")
-        for name in ("cache_latents", "export_model", "precompile_overlap"):
-            if not isinstance(getattr(self, name), bool):
-                raise ConfigError(f"{name}={getattr(self, name)!r} is invalid: expected true or false.")
-        if self.cache_latents and self.task != "text_to_image":
-            raise ConfigError(f"cache_latents=True applies to text-to-image models, not to {self.model!r}: "
-                              "set cache_latents=False.")
         if self.amp_level == "O2" and self.amp_dtype == "float16":
             raise ConfigError("amp_level='O2' with amp_dtype='float16' is not supported: O2 keeps bfloat16 weights "
                               "(no loss scaling needed). Use amp_dtype='bfloat16' or 'auto', or amp_level='O1'.")
-        for name in ("lr", "clip_grad"):
-            value = getattr(self, name)
-            if value is not None and not (isinstance(value, (int, float)) and value > 0):
-                raise ConfigError(f"{name}={value!r} is invalid: expected a positive number or None.")
-        if not (isinstance(self.weight_decay, (int, float)) and self.weight_decay >= 0):
-            raise ConfigError(f"weight_decay={self.weight_decay!r} is invalid: expected a number >= 0.")
-        for name in ("mixup_alpha", "cutmix_alpha"):
-            if not (isinstance(getattr(self, name), (int, float)) and getattr(self, name) >= 0):
-                raise ConfigError(f"{name}={getattr(self, name)!r} is invalid: expected a number >= 0 (0 disables it).")
-        for name in ("label_smoothing", "re_prob"):
-            if not (isinstance(getattr(self, name), (int, float)) and 0 <= getattr(self, name) < 1):
-                raise ConfigError(f"{name}={getattr(self, name)!r} is invalid: expected a number in [0, 1).")
-        if self.uses_mixup and self.batch_size % 2:
-            raise ConfigError(f"batch_size={self.batch_size} is invalid with Mixup/CutMix, which pair images "
-                              "within a batch: use an even batch size, or set mixup_alpha=0 and cutmix_alpha=0.")
-        if not self.recipe or not isinstance(self.recipe, str):
+        if not self.recipe:
             raise ConfigError(f"recipe={self.recipe!r} is invalid: expected a recipe name.")
+        if self.fused_attention and self.model_family.attention_hook is None:
+            raise ConfigError(f"fused_attention=True is invalid for {self.model!r}: its family "
+                              f"({self.family}) has no attention hook. Set fused_attention=false.")
+        self.options.check(self)
 
     # ----- derived values -------------------------------------------------------------
     @property
-    def task(self) -> str:
-        """What the model learns: ``classification`` or ``text_to_image`` (picks the task in ``gallery_lib.tasks``)."""
-        from gallery_lib.models import MODELS
+    def model_family(self):
+        """The model's ``ModelFamily`` (``gallery_lib.models``): its task, profiles, switches, blocks, hooks."""
+        from gallery_lib.models import family_of
 
-        return MODELS[self.model].task
+        return family_of(self.model)
+
+    @property
+    def task(self) -> str:
+        """What the model learns, e.g. ``classification`` or ``text-to-image`` (the family task's name)."""
+        return self.model_family.task.name
 
     @property
     def family(self) -> str:
         """Model family: the folder name under ``output_dir`` and the notebook's name."""
-        from gallery_lib.models import MODELS
-
-        return MODELS[self.model].family
+        return self.model_family.name
 
     @property
     def run_dir(self) -> Path:
@@ -290,16 +272,15 @@ class RunConfig:
         return self.batch_size * self.nproc_per_node
 
     @property
-    def uses_mixup(self) -> bool:
-        return self.mixup_alpha > 0 or self.cutmix_alpha > 0
-
-    @property
     def peak_lr(self) -> float:
         return self.lr if self.lr is not None else 5e-4 * self.global_batch_size / 512
 
     # ----- (de)serialization ----------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """Every field flat, the task's settings in place of ``options`` (the layout of ``config.json``)."""
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "options"}
+        extra = values.pop("extra")
+        return {**values, **dataclasses.asdict(self.options), "extra": extra}
 
     def save(self, path: str | os.PathLike) -> Path:
         path = Path(path)
@@ -311,65 +292,61 @@ class RunConfig:
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> RunConfig:
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ConfigError(f"unknown config field(s) {unknown}: allowed fields are {sorted(known)}.")
         return cls(**values)
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> RunConfig:
-        return cls.from_dict(json.loads(Path(path).read_text(encoding="utf-8")))
+        """Reads ``config.json``; files written before the task settings moved to the tasks still load (their
+        settings of other tasks, all at their off values then, are dropped)."""
+        values = json.loads(Path(path).read_text(encoding="utf-8"))
+        if "model" in values:
+            from gallery_lib.models import family_of
+
+            own = {f.name for f in dataclasses.fields(family_of(values["model"]).options)}
+            values = {k: v for k, v in values.items() if k in own or k not in _task_setting_names()}
+        return cls(**values)
 
     def replace(self, **changes: Any) -> RunConfig:
-        """``dataclasses.replace`` with a clear error for misspelled fields."""
-        known = {f.name for f in dataclasses.fields(self)}
-        unknown = sorted(set(changes) - known)
-        if unknown:
-            raise ConfigError(f"unknown config field(s) {unknown}: allowed fields are {sorted(known)}.")
-        return dataclasses.replace(self, **changes)
+        """``dataclasses.replace`` for flat fields, the task's settings included, with a clear error for misspelled
+        ones."""
+        return type(self)(**{**self.to_dict(), **changes})
 
 
-def _check_choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        raise ConfigError(f"{name}={value!r} is not known: choose one of {', '.join(allowed)}.")
+def _core_field_names() -> set[str]:
+    return {f.name for f in dataclasses.fields(RunConfig)}
 
 
-def _check_positive_int(name: str, value: Any, minimum: int = 1) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ConfigError(f"{name}={value!r} is invalid: expected an integer >= {minimum}.")
+def _task_setting_names() -> dict[str, str]:
+    """Every task setting of every registered family -> the name of a task that has it."""
+    from gallery_lib.models import FAMILIES
+
+    return {f.name: family.task.name for family in FAMILIES.values() for f in dataclasses.fields(family.options)}
 
 
-def _check_int_range(name: str, value: Any, low: int, high: int | None, hint: str = "") -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
-        allowed = f"an integer in [{low}, {high}]" if high is not None else f"an integer >= {low}"
-        raise ConfigError(f"{name}={value!r} is invalid: expected {allowed}" + (f" ({hint})." if hint else "."))
+def _check_known(values: dict[str, Any], family) -> None:
+    """Fails on misspelled fields, and on settings of another task (``cache_latents`` for a classifier)."""
+    core = _core_field_names()
+    other_tasks = _task_setting_names()
+    for name in values:
+        if name not in core and name in other_tasks:
+            raise ConfigError(f"{name}={values[name]!r} applies to {other_tasks[name]} models, not to "
+                              f"{values['model']!r} ({family.task.name}): drop it.")
+    unknown = sorted(set(values) - core)
+    if unknown:
+        allowed = sorted(core - {"options"} | {f.name for f in dataclasses.fields(family.options)})
+        raise ConfigError(f"unknown config field(s) {unknown}: allowed fields are {allowed}.")
 
 
 def parse_overrides(assignments: list[str]) -> dict[str, Any]:
     """``["fused_attention=true", "lr=1e-3"]`` -> ``{"fused_attention": True, "lr": 0.001}`` (for ``--set``)."""
-    known = {f.name for f in dataclasses.fields(RunConfig)}
+    known = _core_field_names() - {"options"} | set(_task_setting_names())
     overrides: dict[str, Any] = {}
     for item in assignments:
         key, sep, text = (part.strip() for part in item.partition("="))
         if not sep or key not in known:
             raise ConfigError(f"--set {item!r} is invalid: expected FIELD=VALUE with FIELD one of {sorted(known)}.")
-        overrides[key] = _parse_value(text)
+        overrides[key] = parse_value(text)
     return overrides
-
-
-def _parse_value(text: str) -> Any:
-    lowered = text.lower()
-    if lowered in ("true", "false"):
-        return lowered == "true"
-    if lowered == "none":
-        return None
-    for cast in (int, float):
-        try:
-            return cast(text)
-        except ValueError:
-            pass
-    return text
 
 
 def visible_cuda_devices() -> int:

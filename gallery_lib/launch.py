@@ -19,6 +19,7 @@ from typing import Callable
 
 from gallery_lib.config import RunConfig, validate_for_machine
 from gallery_lib.metrics import read_metrics
+from gallery_lib.models import family_env
 
 
 class RunFailed(RuntimeError):
@@ -47,7 +48,7 @@ def torchrun_command(cfg: RunConfig, config_path: Path) -> list[str]:
 
 
 def _child_env(cfg: RunConfig, device: str) -> dict[str, str]:
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **family_env(cfg.model_family))
     if device == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         # torchrun sets 1 thread per process when it starts several; split the cores instead.
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // cfg.nproc_per_node))

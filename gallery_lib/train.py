@@ -202,12 +202,11 @@ def _compile_workers(cfg: RunConfig, dist: DistInfo):
     """``precompile_workers`` processes for this rank (the machine's share), or nothing to precompile with."""
     if not cfg.precompile_workers:  # RunConfig allows it only with compile=True and compile_scope='blocks'
         return contextlib.nullcontext(None)
-    from gallery_lib.models import MODELS
     from gallery_lib.precompile import CompileWorkers
 
     # Every rank compiles the same graphs for its own device: the machine's workers are shared out.
     return CompileWorkers(max(1, cfg.precompile_workers // dist.world_size), dist.device,
-                          imports=MODELS[cfg.model].block_modules)
+                          imports=cfg.model_family.block_modules)
 
 
 def _train_from(setup_start: float, cfg: RunConfig, dist: DistInfo, workers, extra_summary: dict | None) -> dict:

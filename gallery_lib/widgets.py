@@ -18,10 +18,9 @@ class ConfigControls:
     def __init__(self, cfg: RunConfig, recipes: Sequence[str]):
         import ipywidgets as w
 
-        from gallery_lib.models import MODELS
         from gallery_lib.recipes import RECIPES
 
-        family_models = [name for name, spec in MODELS.items() if spec.family == cfg.family]
+        family_models = cfg.model_family.model_names()
         self.model = w.Dropdown(options=family_models, value=cfg.model, description="model")
         self.batch_size = w.BoundedIntText(value=cfg.batch_size, min=2, max=4096, step=2, description="batch/GPU")
         self.steps = w.BoundedIntText(value=cfg.steps, min=cfg.warmup_steps + 1, max=100000, description="steps")

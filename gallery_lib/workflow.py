@@ -1,47 +1,48 @@
 """The gallery's steps for one model, shared by the notebooks and the ``gallery`` command.
 
-``prepare`` makes the mock data a profile needs, ``run_recipes`` launches one run per recipe (each
-from the same base config, each with its own output folder), ``compare`` writes the report.
+Every notebook makes the same three calls: ``prepare`` makes the mock data a profile needs, ``run_recipes``
+launches one run per recipe (each from the same base config, each with its own output folder), ``compare`` writes
+the report.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence, Union
 
 from gallery_lib.config import ConfigError, RunConfig, validate_for_machine
 from gallery_lib.launch import RunResult, launch
 from gallery_lib.profiles import data_spec
-from gallery_lib.recipes import RECIPES, apply_recipe
+from gallery_lib.recipes import RECIPES, recipe_config
+
+RecipeSpec = Union[str, "tuple[str, dict[str, Any]]"]
+"""A recipe name, or ``(name, overrides)`` for a recipe with some fields changed (``("accelerated",
+{"batch_size": 64})`` runs as ``accelerated+batch_size=64``, beside the plain one)."""
 
 
 def prepare(cfg: RunConfig, *, progress: bool = True, **spec_overrides) -> Path:
-    """Creates (or reuses) the model's mock dataset at ``cfg.data_dir``, sized by ``cfg.profile``: ImageNet-like
-    class folders for classifiers, a captioned imagefolder for text-to-image models."""
+    """Creates (or reuses) the model's mock dataset at ``cfg.data_dir``, sized by ``cfg.profile`` with the family's
+    data maker (``ModelFamily.make_dataset``)."""
     profile = cfg.profile if cfg.profile in ("smoke", "full") else "smoke"
     spec = data_spec(profile, cfg.family, **spec_overrides)
-    if cfg.task == "text_to_image":
-        from data_prep.captions import make_caption_folder
-
-        return make_caption_folder(cfg.data_dir, **spec, seed=cfg.seed, progress=progress)
-    from data_prep.imagenet_like import make_imagenet_like
-
-    return make_imagenet_like(cfg.data_dir, **spec, seed=cfg.seed, progress=progress)
+    return cfg.model_family.make_dataset(cfg.data_dir, **spec, seed=cfg.seed, progress=progress)
 
 
-def resolve_recipes(base: RunConfig, recipes: Sequence[str]) -> list[RunConfig]:
+def resolve_recipes(base: RunConfig, recipes: Sequence[RecipeSpec]) -> list[RunConfig]:
     """All recipe configs, resolved and validated up front, so a typo fails before the first run starts."""
-    unknown = [r for r in recipes if r not in RECIPES]
-    if unknown:
-        raise ConfigError(f"unknown recipe(s) {unknown}: choose from {', '.join(RECIPES)}.")
     if not recipes:
         raise ConfigError("no recipes given: pass at least one of " + ", ".join(RECIPES))
-    return [apply_recipe(name, base) for name in recipes]
+    specs = [(spec, {}) if isinstance(spec, str) else spec for spec in recipes]
+    unknown = [name for name, _ in specs if name not in RECIPES]
+    if unknown:
+        raise ConfigError(f"unknown recipe(s) {unknown}: choose from {', '.join(RECIPES)}.")
+    return [recipe_config(base, name, overrides) for name, overrides in specs]
 
 
-def run_recipes(base: RunConfig, recipes: Sequence[str], *,
+def run_recipes(base: RunConfig, recipes: Sequence[RecipeSpec], *,
                 echo: Callable[[str], None] | None = print) -> dict[str, RunResult]:
-    """Launches every recipe on top of ``base``, one after another; returns the results by recipe name."""
+    """Launches every recipe on top of ``base``, one after another; returns the results by run name (the recipe's,
+    with its overrides). Every config is resolved and checked for this machine before the first run starts."""
     return launch_all(resolve_recipes(base, recipes), echo=echo)
 
 

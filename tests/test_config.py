@@ -35,11 +35,20 @@ def micro(**kw) -> RunConfig:
     ("lr", -1.0, "lr=-1.0 is invalid"),
     ("label_smoothing", 1.5, "label_smoothing=1.5 is invalid"),
     ("mixup_alpha", -0.1, "mixup_alpha=-0.1 is invalid"),
+    ("label_smoothing", 1.0, "label_smoothing=1.0 is invalid"),  # moved from the loader's own checks
+    ("re_prob", 1.5, "re_prob=1.5 is invalid"),
+    ("fused_attention", "maybe", "fused_attention='maybe' is invalid: expected true or false"),
 ])
 def test_invalid_values_name_field_value_and_fix(field, value, fragment):
     with pytest.raises(ConfigError, match="^" + field) as info:
         micro(**{field: value})
     assert fragment in str(info.value)
+
+
+@pytest.mark.parametrize("alphas", [dict(mixup_alpha=0.8, cutmix_alpha=0), dict(mixup_alpha=0, cutmix_alpha=1.0)])
+def test_odd_batch_is_refused_with_mixup_or_cutmix(alphas):  # moved from the loader's own checks
+    with pytest.raises(ConfigError, match="use an even batch size"):
+        micro(batch_size=5, **alphas)
 
 
 def test_odd_batch_is_fine_without_mixup():

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 pytest.importorskip("diffusers")
 pytest.importorskip("transformers")
 
-from gallery_lib.models import stable_diffusion as sd  # noqa: E402
+from gallery_lib.models import sd_parts as sd  # noqa: E402
 from gallery_lib.models.offline_tokenizer import (  # noqa: E402
     CAPTION_WORDS, END_TOKEN, OFFLINE_VOCAB_SIZE, START_TOKEN, build_offline_clip_tokenizer, is_offline_tokenizer)
 

@@ -176,7 +176,8 @@ def build_train_loader(
         rank: This process's index in ``[0, world_size)``.
         auto_augment: timm auto-augment policy, e.g. ``"rand-m9-mstd0.5-inc1"``; ``None`` uses colour jitter.
         re_prob: Random-erasing probability per image (applied on the device, after normalisation).
-        mixup_alpha: Mixup alpha; mixing is on when this or ``cutmix_alpha`` is > 0. Needs an even batch.
+        mixup_alpha: Mixup alpha; mixing is on when this or ``cutmix_alpha`` is > 0. Needs an even batch (the run
+            config checks that and the other settings' ranges).
         cutmix_alpha: CutMix alpha.
         label_smoothing: Smoothing of the soft targets, with or without mixing.
         channels_last: Deliver images in ``torch.channels_last`` memory format.
@@ -187,24 +188,12 @@ def build_train_loader(
         num_classes: Width of the targets; defaults to ``dataset.num_classes``.
     """
     device = torch.device(device)
-    _check_positive_int("batch_size", batch_size)
-    _check_positive_int("image_size", image_size)
-    _check_positive_int("world_size", world_size)
-    if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
-        raise ValueError(f"num_workers must be an integer >= 0, got {num_workers!r}")
+    # batch_size, num_workers and the augmentation settings are checked where they are declared (RunConfig).
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
         raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
-    if not 0.0 <= re_prob <= 1.0:
-        raise ValueError(f"re_prob is a probability in [0, 1], got {re_prob}")
-    if not 0.0 <= label_smoothing < 1.0:
-        raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}")
-    if mixup_alpha < 0 or cutmix_alpha < 0:
-        raise ValueError(f"mixup_alpha and cutmix_alpha must be >= 0, got {mixup_alpha} and {cutmix_alpha}")
     use_mixup = mixup_alpha > 0 or cutmix_alpha > 0
-    if use_mixup and batch_size % 2:
-        raise ValueError(f"Mixup/CutMix pairs each image with its mirror in the batch, so the per-process "
-                         f"batch_size must be even, got {batch_size}: use {batch_size + 1} or {batch_size - 1}, "
-                         "or set mixup_alpha=cutmix_alpha=0")
     num_classes = num_classes if num_classes is not None else getattr(dataset, "num_classes", None)
     if num_classes is None:
         raise ValueError(f"{type(dataset).__name__} has no num_classes attribute: pass num_classes=")
@@ -340,7 +329,3 @@ def _rank_seed(seed: int, rank: int) -> int:
     """A seed for this rank's augmentation stream: distinct per (seed, rank), the same on every run."""
     return int(np.random.SeedSequence([seed, rank]).generate_state(1, dtype=np.uint64)[0] >> 1)
 
-
-def _check_positive_int(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")

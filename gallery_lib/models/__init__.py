@@ -1,79 +1,104 @@
-"""Model registry: gallery model names mapped to builders, one file per model family.
+"""The family registry: every model family the gallery can train, one module each.
 
-``MODELS[name]`` is a ``ModelSpec``; ``build_model(name, num_classes=...)`` builds a classifier with random
-weights (or from a local pretrained file), ``build_stable_diffusion(name, ...)`` the parts of a text-to-image model.
-Torch, timm and diffusers are imported only when a model is built, so the config layer stays cheap to import.
+``FAMILIES[name]`` is a ``ModelFamily`` (see ``family.py``); ``MODELS[model]`` the ``ModelSpec`` of every model
+of every family. A new family is one module that builds a ``ModelFamily`` and calls ``register_family``; the
+built-in ones are registered below. A family registered from outside ``gallery_lib`` (a user's module, a test) is
+imported again in the training processes the launcher starts (``family_env``), so it trains like a built-in one.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable
+import importlib
+import os
+import sys
+from pathlib import Path
 
-from gallery_lib.models import swin
+from gallery_lib.models.family import ModelFamily, ModelSpec
+from gallery_lib.settings import ConfigError
 
-
-@dataclass(frozen=True)
-class ModelSpec:
-    name: str
-    family: str
-    """Output folder and notebook name of the family (e.g. ``swin_transformer``)."""
-    builder: Callable[..., object]
-    default_image_size: int
-    tiny: bool
-    """A CPU-sized configuration for smoke runs and tests."""
-    description: str
-    task: str = "classification"
-    """``classification`` (images -> class scores) or ``text_to_image`` (a latent diffusion model)."""
-    block_modules: tuple[str, ...] = ()
-    """Modules that define the model's repeated blocks: precompile workers import them while the run sets up."""
+FAMILIES: dict[str, ModelFamily] = {}
+MODELS: dict[str, ModelSpec] = {}
+_FAMILY_OF_MODEL: dict[str, str] = {}
+_EXTERNAL: dict[str, tuple[str, str]] = {}  # family -> (module, sys.path root) for families outside gallery_lib
+FAMILY_MODULES_ENV = "GALLERY_FAMILY_MODULES"
 
 
-def _stable_diffusion(variant: str) -> Callable[..., object]:
-    def build(**kwargs):
-        from gallery_lib.models.stable_diffusion import build_stable_diffusion
-
-        return build_stable_diffusion(variant, **kwargs)
-    return build
-
-
-_SD_BLOCK_MODULES = ("diffusers.models.unets.unet_2d_blocks", "gallery_lib.patch")
-_SWIN_BLOCK_MODULES = ("gallery_lib.models.swin",)
-
-MODELS: dict[str, ModelSpec] = {
-    spec.name: spec
-    for spec in (
-        ModelSpec("swin_tiny_patch4_window7_224", "swin_transformer", swin.build_swin_tiny, 224, False,
-                  "Swin-T (timm), 28M parameters, 4.5 GFLOP/image forward at 224 px",
-                  block_modules=_SWIN_BLOCK_MODULES),
-        ModelSpec("swin_micro", "swin_transformer", swin.build_swin_micro, 64, True,
-                  "a 2-stage Swin with the same blocks (shifted windows, relative position bias) for CPU smoke runs",
-                  block_modules=_SWIN_BLOCK_MODULES),
-        ModelSpec("sd15", "stable_diffusion", _stable_diffusion("sd15"), 512, False,
-                  "Stable Diffusion 1.5: UNet (860M parameters, trained), VAE and CLIP ViT-L/14 text encoder (frozen)",
-                  task="text_to_image", block_modules=_SD_BLOCK_MODULES),
-        ModelSpec("sd_tiny", "stable_diffusion", _stable_diffusion("sd_tiny"), 32, True,
-                  "the same three diffusers/transformers classes at CPU-smoke size", task="text_to_image",
-                  block_modules=_SD_BLOCK_MODULES),
-    )
-}
+def register_family(family: ModelFamily) -> ModelFamily:
+    """Adds ``family`` and its models; a model name may belong to one family only."""
+    taken = [spec.name for spec in family.models if _FAMILY_OF_MODEL.get(spec.name, family.name) != family.name]
+    if taken:
+        raise ValueError(f"model name(s) {taken} already belong to another family")
+    unregister_family(family.name)
+    FAMILIES[family.name] = family
+    for spec in family.models:
+        MODELS[spec.name] = ModelSpec(**{**spec.__dict__, "family": family.name})
+        _FAMILY_OF_MODEL[spec.name] = family.name
+    module = sys._getframe(1).f_globals.get("__name__", "")
+    if not module.startswith("gallery_lib."):
+        _EXTERNAL[family.name] = (module, _import_root(module))
+    return family
 
 
-def build_model(name: str, *, num_classes: int, image_size: int | None = None, pretrained_file: str | None = None):
-    """Builds the named model with random weights, or loads ``pretrained_file`` (a local timm checkpoint)."""
-    if name not in MODELS:
-        raise KeyError(f"unknown model {name!r}: choose one of {', '.join(MODELS)}.")
-    spec = MODELS[name]
-    if spec.task != "classification":
-        raise ValueError(f"{name} is a {spec.task} model: build it with build_stable_diffusion.")
-    return spec.builder(num_classes=num_classes, image_size=image_size or spec.default_image_size,
-                        pretrained_file=pretrained_file)
+def unregister_family(name: str) -> None:
+    family = FAMILIES.pop(name, None)
+    _EXTERNAL.pop(name, None)
+    for spec in family.models if family else ():
+        MODELS.pop(spec.name, None)
+        _FAMILY_OF_MODEL.pop(spec.name, None)
 
 
-def build_stable_diffusion(name: str, **kwargs):
-    """The parts (UNet, VAE, text encoder, tokenizer, noise scheduler) of text-to-image model ``name``."""
-    spec = MODELS.get(name)
-    if spec is None or spec.task != "text_to_image":
-        choices = [n for n, s in MODELS.items() if s.task == "text_to_image"]
-        raise KeyError(f"{name!r} is not a text-to-image model: choose one of {', '.join(choices)}.")
-    return spec.builder(**kwargs)
+def family_of(model: str) -> ModelFamily:
+    """The family of gallery model ``model``; ``ConfigError`` listing the models if it is unknown."""
+    if model not in _FAMILY_OF_MODEL:
+        raise ConfigError(f"model={model!r} is not known: choose one of {', '.join(MODELS)}.")
+    return FAMILIES[_FAMILY_OF_MODEL[model]]
+
+
+def get_family(name: str) -> ModelFamily:
+    if name not in FAMILIES:
+        raise ConfigError(f"family={name!r} is not known: choose one of {', '.join(FAMILIES)}.")
+    return FAMILIES[name]
+
+
+def build_model(name: str, **kwargs):
+    """Builds gallery model ``name`` with its family task's arguments (e.g. ``num_classes`` for classifiers)."""
+    family_of(name)  # a clear error for an unknown name
+    return MODELS[name].build(**kwargs)
+
+
+def family_env(family: ModelFamily) -> dict[str, str]:
+    """Environment that makes a training subprocess register ``family`` too, when it lives outside gallery_lib."""
+    if family.name not in _EXTERNAL:
+        return {}
+    module, root = _EXTERNAL[family.name]
+    if module == "__main__" or not root:
+        raise ConfigError(f"family {family.name!r} was registered from {module or 'an unnamed module'} (a notebook "
+                          "cell or a script), which the training processes cannot import: define it in a module "
+                          "file and import that module.")
+    return {FAMILY_MODULES_ENV: os.pathsep.join(f"{module}={root}" for module, root in _EXTERNAL.values())}
+
+
+def _import_root(module: str) -> str:
+    """The ``sys.path`` entry ``module`` was imported from ('' when it has no file)."""
+    file = getattr(sys.modules.get(module), "__file__", None)
+    if not file:
+        return ""
+    path = Path(file).resolve().with_suffix("")
+    for _ in module.split("."):
+        path = path.parent
+    return str(path)
+
+
+def _register_external_families() -> None:
+    for entry in filter(None, os.environ.get(FAMILY_MODULES_ENV, "").split(os.pathsep)):
+        module, _, root = entry.partition("=")
+        if root and root not in sys.path:
+            sys.path.append(root)
+        importlib.import_module(module)
+
+
+from gallery_lib.models import stable_diffusion, swin  # noqa: E402  (each registers its family)
+
+register_family(swin.FAMILY)
+register_family(stable_diffusion.FAMILY)
+_register_external_families()

@@ -1,13 +1,11 @@
-"""Swin Transformer models from timm: Swin-T for GPU runs and a micro variant for CPU smoke runs.
-
-Fused window attention (``fused_attention=True``) is `gallery_lib.attention.hook_swin_attention`, not timm's own
-SDPA switch (``TIMM_FUSED_ATTN=2``): with the bias as a mask, plain SDPA picks cuDNN on an H100, 1.8-3.4x slower
-than the memory-efficient kernel the registry picks (``benchmarks/results/attention_h100.json``).
-"""
+"""The Swin Transformer family: timm's Swin-T for GPU runs and a micro variant for CPU smoke runs."""
 
 from __future__ import annotations
 
 import torch
+
+from gallery_lib.models.family import ModelFamily, ModelSpec
+from gallery_lib.tasks.classification import ClassificationTask
 
 
 def build_swin_tiny(*, num_classes: int, image_size: int = 224, pretrained_file: str | None = None) -> torch.nn.Module:
@@ -29,3 +27,53 @@ def build_swin_micro(*, num_classes: int, image_size: int = 64, pretrained_file:
         raise ValueError("swin_micro is a CPU smoke-test model with no pretrained weights; drop pretrained_file.")
     return SwinTransformer(img_size=image_size, patch_size=4, window_size=4, embed_dim=32, depths=(2, 2),
                            num_heads=(2, 4), num_classes=num_classes, drop_path_rate=0.0)
+
+
+def hook_window_attention(model: torch.nn.Module):
+    """Window attention through ``gallery_lib.attention`` (not timm's own SDPA switch, whose bias-as-mask call makes
+    PyTorch pick a slower kernel: benchmarks/RESULTS.md#attention)."""
+    from gallery_lib.attention import hook_swin_attention
+    from gallery_lib.settings import ConfigError
+
+    try:
+        hook = hook_swin_attention(model, backend="auto")
+    except ValueError as exc:  # no timm WindowAttention, or attention dropout the kernels do not apply
+        raise ConfigError(f"fused_attention=True cannot apply to {type(model).__name__}: {exc}; "
+                          "run without it (--set fused_attention=false)") from exc
+    return (f"fused attention: {len(hook.modules)} Swin window-attention modules through gallery_lib.attention "
+            "(auto: the fastest measured backend that takes the relative-position bias and shift mask)"), hook
+
+
+def _make_dataset(path, **spec):
+    from data_prep.imagenet_like import make_imagenet_like
+
+    return make_imagenet_like(path, **spec)
+
+
+FAMILY = ModelFamily(
+    name="swin_transformer",
+    task=ClassificationTask,
+    models=(
+        ModelSpec("swin_tiny_patch4_window7_224", build_swin_tiny, 224, False,
+                  "Swin-T (timm), 28M parameters, 4.5 GFLOP/image forward at 224 px"),
+        ModelSpec("swin_micro", build_swin_micro, 64, True,
+                  "a 2-stage Swin with the same blocks (shifted windows, relative position bias) for CPU smoke runs"),
+    ),
+    run_profiles={
+        "smoke": dict(model="swin_micro", image_size=64, batch_size=8, steps=16, warmup_steps=4, log_every=4,
+                      lr=3e-3, lr_warmup_steps=2, num_workers=1),
+        "full": dict(model="swin_tiny_patch4_window7_224", image_size=224, batch_size=128, steps=100,
+                     warmup_steps=30, log_every=10, auto_augment="rand-m9-mstd0.5-inc1", re_prob=0.25),
+    },
+    data_profiles={
+        "smoke": dict(num_classes=10, train_per_class=24, val_per_class=4, image_size=72),
+        "full": dict(num_classes=100, train_per_class=80, val_per_class=10, image_size=256),
+    },
+    dataset="imagenet_like",
+    make_dataset=_make_dataset,
+    # kept: window attention through the registry, 1.18x compiled on an H100 (benchmarks/RESULTS.md#swin)
+    accelerated={"fused_attention": True},
+    block_types=("SwinTransformerBlock",),
+    block_modules=("gallery_lib.models.swin",),
+    attention_hook=hook_window_attention,
+)

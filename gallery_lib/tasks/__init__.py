@@ -13,21 +13,25 @@ latent-cache time) and ``export(run_dir, ema)`` to save the trained model at the
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 import torch
 
-from gallery_lib.config import RunConfig
-from gallery_lib.distributed import DistInfo
-from gallery_lib.precision import Precision
-
 
 class Task(Protocol):
+    name: ClassVar[str]
+    """What the model learns, e.g. ``classification``."""
+    options: ClassVar[type]
+    """The frozen dataclass of the task's own settings (``cfg.options``), declared with ``gallery_lib.settings``;
+    its ``check(cfg)`` holds the rules that tie them to the run's fields, ``resume_fields`` those a resumed run
+    must share with its checkpoint."""
     model: torch.nn.Module
     loader: Any
     dataset: Any
 
-    def loss(self, module: torch.nn.Module, batch: Any, precision: Precision) -> torch.Tensor: ...
+    def __init__(self, cfg, dist, precision) -> None: ...
+
+    def loss(self, module: torch.nn.Module, batch: Any, precision) -> torch.Tensor: ...
 
     def describe(self) -> str: ...
 
@@ -38,12 +42,6 @@ class Task(Protocol):
     def export(self, run_dir, ema) -> str | None: ...
 
 
-def build_task(cfg: RunConfig, dist: DistInfo, precision: Precision) -> Task:
-    """The task of ``cfg.model`` with its data and (plain, unaccelerated) model on ``dist.device``."""
-    if cfg.task == "text_to_image":
-        from gallery_lib.tasks.text_to_image import TextToImageTask
-
-        return TextToImageTask(cfg, dist, precision)
-    from gallery_lib.tasks.classification import ClassificationTask
-
-    return ClassificationTask(cfg, dist)
+def build_task(cfg, dist, precision) -> Task:
+    """The task of ``cfg.model``'s family with its data and (plain, unaccelerated) model on ``dist.device``."""
+    return cfg.model_family.task(cfg, dist, precision)

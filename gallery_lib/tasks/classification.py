@@ -2,35 +2,71 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from gallery_lib.config import RunConfig
-from gallery_lib.distributed import DistInfo
-from gallery_lib.precision import Precision
+from gallery_lib.settings import ConfigError, setting
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClassificationOptions:
+    """The settings of classification runs (augmentation, targets, the loss)."""
+
+    auto_augment: str | None = setting(None, kind=str, optional=True)
+    """timm auto-augment policy, e.g. ``rand-m9-mstd0.5-inc1`` (the Swin reference)."""
+    re_prob: float = setting(0.0, kind=float, minimum=0, below=1)
+    """Random-erasing probability."""
+    mixup_alpha: float = setting(0.8, kind=float, minimum=0, hint="0 disables it")
+    """Mixup alpha (0 disables)."""
+    cutmix_alpha: float = setting(1.0, kind=float, minimum=0, hint="0 disables it")
+    """CutMix alpha (0 disables)."""
+    label_smoothing: float = setting(0.1, kind=float, minimum=0, below=1)
+    """Label smoothing applied to the (mixed) targets."""
+    fused_loss: bool = setting(False, kind=bool)
+    """Soft-target cross-entropy through ``gallery_lib.kernels.soft_cross_entropy`` (one Triton kernel forward and
+    one backward on a GPU) instead of timm's ``SoftTargetCrossEntropy``; in no recipe (benchmarks/RESULTS.md#kernels)."""
+
+    resume_fields = ()
+    """Settings a resumed run must share with its checkpoint (beside the run's own)."""
+
+    @property
+    def uses_mixup(self) -> bool:
+        return self.mixup_alpha > 0 or self.cutmix_alpha > 0
+
+    def check(self, cfg) -> None:
+        check_mixup_batch(cfg.batch_size, self.mixup_alpha, self.cutmix_alpha)
+
+
+def check_mixup_batch(batch_size: int, mixup_alpha: float, cutmix_alpha: float) -> None:
+    """Mixup and CutMix pair each image with its mirror in the batch: the batch must be even."""
+    if (mixup_alpha > 0 or cutmix_alpha > 0) and batch_size % 2:
+        raise ConfigError(f"batch_size={batch_size} is invalid with Mixup/CutMix, which pair images within a batch: "
+                          "use an even batch size, or set mixup_alpha=0 and cutmix_alpha=0.")
 
 
 class ClassificationTask:
-    def __init__(self, cfg: RunConfig, dist: DistInfo) -> None:
-        from timm.loss import SoftTargetCrossEntropy
+    name = "classification"
+    options = ClassificationOptions
 
+    def __init__(self, cfg, dist, precision) -> None:
         from gallery_lib.data import RobustImageFolder, build_train_loader
         from gallery_lib.models import build_model
 
         self.cfg = cfg
+        opts: ClassificationOptions = cfg.options
         self.dataset = RobustImageFolder(cfg.data_dir, split="train")
         self.loader = build_train_loader(
             self.dataset, batch_size=cfg.batch_size, image_size=cfg.image_size, device=dist.device,
             num_workers=cfg.num_workers, seed=cfg.seed, world_size=dist.world_size, rank=dist.rank,
-            auto_augment=cfg.auto_augment, re_prob=cfg.re_prob, mixup_alpha=cfg.mixup_alpha,
-            cutmix_alpha=cfg.cutmix_alpha, label_smoothing=cfg.label_smoothing, channels_last=cfg.channels_last)
+            auto_augment=opts.auto_augment, re_prob=opts.re_prob, mixup_alpha=opts.mixup_alpha,
+            cutmix_alpha=opts.cutmix_alpha, label_smoothing=opts.label_smoothing, channels_last=cfg.channels_last)
         self.model = build_model(cfg.model, num_classes=self.dataset.num_classes, image_size=cfg.image_size,
                                  pretrained_file=cfg.pretrained).to(dist.device)
-        self.criterion = SoftTargetCrossEntropy()
+        self.criterion = _fused_soft_cross_entropy if opts.fused_loss else _timm_soft_cross_entropy()
 
-    def loss(self, module: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor],
-             precision: Precision) -> torch.Tensor:
+    def loss(self, module: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor], precision) -> torch.Tensor:
         images, targets = batch
         with precision.autocast():
             output = module(images)
@@ -53,3 +89,15 @@ class ClassificationTask:
 
     def export(self, run_dir, ema) -> str | None:
         return None  # classifiers keep their checkpoints; there is no pipeline to assemble
+
+
+def _timm_soft_cross_entropy():
+    from timm.loss import SoftTargetCrossEntropy
+
+    return SoftTargetCrossEntropy()
+
+
+def _fused_soft_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    from gallery_lib.kernels import soft_cross_entropy
+
+    return soft_cross_entropy(logits, targets)

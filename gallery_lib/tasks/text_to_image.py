@@ -16,27 +16,47 @@ the text encoder and the image decoding, at the price of a one-off encoding pass
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from gallery_lib.config import RunConfig
 from gallery_lib.data.loader import TrainLoader, _SampleSeeded, sampled_loader
-from gallery_lib.distributed import DistInfo
-from gallery_lib.models import build_stable_diffusion
-from gallery_lib.models.stable_diffusion import assemble_pipeline, tokenize, training_target
-from gallery_lib.precision import Precision
+from gallery_lib.models.sd_parts import PREDICTION_TYPES, assemble_pipeline, tokenize, training_target
+from gallery_lib.settings import setting
+
+
+@dataclass(frozen=True, kw_only=True)
+class TextToImageOptions:
+    """The settings of latent-diffusion runs."""
+
+    prediction_type: str = setting("epsilon", choices=PREDICTION_TYPES)
+    """What the network predicts, ``epsilon`` (the noise; SD 1.x) or ``v_prediction``."""
+    cache_latents: bool = setting(False, kind=bool)
+    """Encode every image with the frozen VAE and every caption with the frozen text encoder once, before training,
+    and train from the cached latent distributions and embeddings (same function: a fresh latent sample is drawn from
+    the cached distribution every step). Images are center-cropped, not flipped."""
+
+    resume_fields = ("prediction_type",)
+    """Settings a resumed run must share with its checkpoint (beside the run's own)."""
+
+    def check(self, cfg) -> None:
+        pass
 
 
 class TextToImageTask:
-    def __init__(self, cfg: RunConfig, dist: DistInfo, precision: Precision) -> None:
+    name = "text-to-image"
+    options = TextToImageOptions
+
+    def __init__(self, cfg, dist, precision) -> None:
         from gallery_lib.data.captions import CaptionFolder, caption_image_transform
+        from gallery_lib.models import build_model
 
         self.cfg, self.device = cfg, dist.device
-        self.parts = build_stable_diffusion(cfg.model, pretrained=cfg.pretrained, prediction_type=cfg.prediction_type,
-                                            image_size=cfg.image_size)
+        self.parts = build_model(cfg.model, pretrained=cfg.pretrained, prediction_type=cfg.prediction_type,
+                                 image_size=cfg.image_size)
         # diffusers casts the frozen models to the mixed-precision dtype; the trained UNet keeps fp32 weights.
         self.frozen_dtype = precision.dtype or torch.float32
         self.parts.vae.to(self.device, dtype=self.frozen_dtype)
@@ -107,7 +127,7 @@ class TextToImageTask:
         self.cache_time_s = time.perf_counter() - start
 
     # ----------------------------------------------------------------- the step
-    def loss(self, module: torch.nn.Module, batch: dict[str, torch.Tensor], precision: Precision) -> torch.Tensor:
+    def loss(self, module: torch.nn.Module, batch: dict[str, torch.Tensor], precision) -> torch.Tensor:
         if "pixels" in batch:
             mean, std, context = self._encode(batch["pixels"], batch["input_ids"])
         else:

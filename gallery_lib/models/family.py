@@ -1,0 +1,80 @@
+"""What one model family is, declared in one place: ``ModelFamily``.
+
+A family module (``models/swin.py``, ``models/stable_diffusion.py``) builds one ``ModelFamily`` and registers it
+(``gallery_lib.models.register_family``). Everything else in the library reads from it: the config (which models
+exist, which task and task settings they take), the profiles (run and data sizes), the recipes (the switches that
+measured faster for this family), data preparation, regional compilation (the repeated block types) and the
+attention backend hook. None of them branches on a family or task name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """One model of a family."""
+
+    name: str
+    """The gallery model name (``--model``)."""
+    build: Callable[..., Any]
+    """Builds the model with random weights (or from ``pretrained``); its arguments are the family task's."""
+    default_image_size: int
+    tiny: bool
+    """A CPU-sized configuration for smoke runs and tests."""
+    description: str
+    family: str = ""
+    """Filled in by ``register_family``."""
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    """A model family: its models and everything the library needs to train them."""
+
+    name: str
+    """Output folder and notebook name (``output/<name>/<recipe>/``, ``notebooks/<name>.ipynb``)."""
+    task: type
+    """The ``Task`` class it trains with (``gallery_lib.tasks``); ``task.options`` is the dataclass of the task's
+    own settings (e.g. Mixup for classifiers), which a ``RunConfig`` of this family carries."""
+    models: tuple[ModelSpec, ...]
+    run_profiles: Mapping[str, Mapping[str, Any]]
+    """``smoke`` and ``full``: ``RunConfig`` fields (task settings included) that size a run."""
+    data_profiles: Mapping[str, Mapping[str, Any]]
+    """``smoke`` and ``full``: keyword arguments of ``make_dataset``."""
+    dataset: str
+    """Folder name of the family's mock data: ``<data_root>/<dataset>_<profile>``."""
+    make_dataset: Callable[..., Any]
+    """``make_dataset(path, **data_profile, seed=, progress=)`` writes the mock data and returns its path."""
+    accelerated: Mapping[str, Any] = field(default_factory=dict)
+    """What the ``accelerated`` recipe switches on top of ``compiled`` for this family: only switches that measured
+    faster (each kept with a one-line pointer to ``benchmarks/RESULTS.md``)."""
+    block_types: tuple[str, ...] = ()
+    """Class names of the repeated blocks that ``compile_scope='blocks'`` compiles in place (outermost match)."""
+    block_modules: tuple[str, ...] = ()
+    """Modules defining those blocks: precompile workers import them while the run sets up."""
+    attention_hook: Callable[[Any], tuple[str, Any]] | None = None
+    """``hook(model) -> (note, AttentionHook)``: routes the model's attention through ``gallery_lib.attention``
+    (``fused_attention=True``); ``None`` when the family has no hook, and then that switch is a config error."""
+
+    def __post_init__(self) -> None:
+        missing = {"smoke", "full"} - set(self.run_profiles) | {"smoke", "full"} - set(self.data_profiles)
+        if missing:
+            raise ValueError(f"family {self.name!r} needs 'smoke' and 'full' profiles (missing {sorted(missing)})")
+        if not dataclasses.is_dataclass(getattr(self.task, "options", None)):
+            raise ValueError(f"family {self.name!r}: its task {self.task.__name__} has no `options` dataclass")
+
+    @property
+    def options(self) -> type:
+        """The dataclass of the task's own settings."""
+        return self.task.options
+
+    def model_names(self) -> list[str]:
+        return [spec.name for spec in self.models]
+
+    def plain_options(self) -> dict[str, Any]:
+        """The task settings that ``accelerated`` switches, at their defaults: what the plain recipes run."""
+        defaults = {f.name: f.default for f in dataclasses.fields(self.options)}
+        return {name: defaults[name] for name in self.accelerated if name in defaults}
