@@ -58,14 +58,27 @@ def test_notebook_runs_headless_in_smoke_profile(path, tmp_path):
         assert summary["type"] == "summary" and summary["recipe"] == recipe
         assert summary["output_dir"] == str(out_dir / family / recipe)  # each run carries its own path
         assert recipe in report.read_text()
-    if family == "swin_transformer":  # its section timing the training step alone
-        step_summary = json.loads((out_dir / "model_step" / family / "accelerated" / "metrics.jsonl")
-                                  .read_text().splitlines()[-1])
-        assert step_summary["reuse_batch"] is True and (out_dir / "model_step" / family / "report.md").exists()
     text = "\n".join(o.get("text", "") for c in nb.cells for o in c.get("outputs", []) if o.output_type == "stream")
     assert "accelerated:" in text and "img/s" in text  # the summary cell printed this run's own numbers
-    if family == "stable_diffusion":  # trained parts exported as a diffusers pipeline and sampled from
-        assert (out_dir / family / "accelerated" / "pipeline" / "model_index.json").is_file()
-        images = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
-                  if "image/png" in o.get("data", {})]
-        assert len(images) >= 3  # data preview, report figure, sampled grid
+    NOTEBOOK_CHECKS[family](nb, out_dir / family)  # a new notebook adds its entry below
+
+
+def _times_the_step_alone(nb, family_dir: Path) -> None:
+    """The Swin notebook's section timing the training step alone."""
+    step_dir = family_dir.parent / "model_step" / family_dir.name
+    step_summary = json.loads((step_dir / "accelerated" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert step_summary["reuse_batch"] is True and (step_dir / "report.md").exists()
+
+
+def _exports_and_samples_a_pipeline(nb, family_dir: Path) -> None:
+    """The SD notebook: trained parts exported as a diffusers pipeline and sampled from."""
+    assert (family_dir / "accelerated" / "pipeline" / "model_index.json").is_file()
+    images = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
+              if "image/png" in o.get("data", {})]
+    assert len(images) >= 3  # data preview, report figure, sampled grid
+
+
+NOTEBOOK_CHECKS = {  # what a notebook shows beyond the recipes, the report and the summary: one entry per notebook
+    "swin_transformer": _times_the_step_alone,
+    "stable_diffusion": _exports_and_samples_a_pipeline,
+}

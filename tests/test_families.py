@@ -1,0 +1,80 @@
+"""The family registry: a new family is one module (tests/toy_family.py), and every library path reads from it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from gallery_lib.config import ConfigError, RunConfig
+from gallery_lib.models import FAMILIES, MODELS, family_env, family_of, unregister_family
+from gallery_lib.profiles import base_config
+from gallery_lib.recipes import apply_recipe
+
+
+@pytest.fixture
+def toy():
+    import importlib
+
+    import toy_family  # importing it registers the family
+
+    if "toy_convnet" not in FAMILIES:  # unregistered by an earlier test: import it again
+        importlib.reload(toy_family)
+    family = FAMILIES["toy_convnet"]
+    yield family
+    unregister_family(family.name)
+
+
+def test_builtin_families_declare_what_the_library_reads():
+    for family in FAMILIES.values():
+        assert {"smoke", "full"} <= set(family.run_profiles) and family.model_names()
+        assert all(MODELS[name].family == family.name for name in family.model_names())
+        smoke = base_config("smoke", family=family.name)
+        assert smoke.model_family is family and MODELS[smoke.model].tiny
+
+
+def test_a_registered_family_resolves_profiles_recipes_and_switches(toy, tmp_path):
+    base = base_config("smoke", family="toy_convnet", data_root=str(tmp_path))
+    assert base.data_dir == str(tmp_path / "toy_images_smoke") and base.task == "classification"
+    plain = apply_recipe("compiled", base)
+    fast = apply_recipe("accelerated", base)
+    assert (plain.channels_last, plain.fused_loss, plain.compile_scope) == (False, False, "model")
+    assert (fast.channels_last, fast.fused_loss, fast.compile_scope) == (True, True, "blocks")
+    assert not fast.fused_attention  # the toy has no attention hook, so it inherits no other family's switch
+    assert family_of("toy_convnet") is toy and "toy_convnet" in MODELS
+
+
+def test_an_option_the_family_cannot_take_fails_before_any_data(toy, tmp_path):
+    with pytest.raises(ConfigError, match="fused_attention=True is invalid for 'toy_convnet'.*no attention hook"):
+        base_config("smoke", family="toy_convnet", data_root=str(tmp_path), fused_attention=True)
+    with pytest.raises(ConfigError, match="cache_latents=True applies to text-to-image models"):
+        base_config("smoke", family="toy_convnet", data_root=str(tmp_path), cache_latents=True)
+    assert not (tmp_path / "toy_images_smoke").exists()
+
+
+def test_training_processes_import_an_outside_family_again(toy):
+    env = family_env(toy)
+    module, _, root = env["GALLERY_FAMILY_MODULES"].partition("=")
+    assert module == "toy_family" and root.endswith("tests")
+    assert family_env(FAMILIES["swin_transformer"]) == {}  # built-in families need nothing
+
+
+@pytest.mark.slow
+def test_a_new_family_runs_baseline_and_accelerated_through_the_gallery(toy, tmp_path):
+    from gallery_lib.workflow import compare, prepare, run_recipes
+
+    base = base_config("smoke", family="toy_convnet", data_root=str(tmp_path / "data"),
+                       output_dir=str(tmp_path / "out"), device="cpu")
+    prepare(base, progress=False)
+    results = run_recipes(base, ["baseline", "accelerated"], echo=None)  # torchrun processes, as notebooks run
+    for recipe, result in results.items():
+        summary = result.summary
+        assert summary["recipe"] == recipe and summary["output_dir"] == str(tmp_path / "out/toy_convnet" / recipe)
+        assert summary["steps"] == 6 and summary["final_loss"] == summary["final_loss"]  # finished, not NaN
+    notes = results["accelerated"].summary["notes"]
+    assert any("channels_last" in note for note in notes)
+    assert any("2 repeated blocks in place" in note for note in notes)
+    saved = json.loads((tmp_path / "out/toy_convnet/accelerated/config.json").read_text())
+    assert saved["fused_loss"] is True and RunConfig.load(tmp_path / "out/toy_convnet/accelerated/config.json") == (
+        results["accelerated"].config)
+    assert "accelerated" in compare(base, list(results)).markdown
