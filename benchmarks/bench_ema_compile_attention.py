@@ -84,7 +84,7 @@ def cuda_ms(torch, fn, reps):
 
 
 def bench_ema(torch, args, device, batch):
-    from gallery_lib.ema import ModelEma
+    from gallery_lib.accel.ema import ModelEma
 
     unet = build_sd15_unet(device)
     n_params = sum(p.numel() for p in unet.parameters())
@@ -141,7 +141,7 @@ def bench_ema(torch, args, device, batch):
 
 
 def bench_compile(torch, args, device, batch):
-    from gallery_lib.compile import optimize
+    from gallery_lib.accel.compile import optimize
 
     res = {"batch": batch}
     warm, timed = (2, 3) if args.quick else (3, 5)
@@ -171,7 +171,7 @@ def bench_compile(torch, args, device, batch):
 
 
 def bench_attention(torch, args, device, out_dir):
-    from gallery_lib import attention as A
+    from gallery_lib.accel import attention as A
 
     sel = A.BackendSelector(cache_path=os.path.join(out_dir, "attention_choices.json.tmpcache"))
     sel.cache = {}
@@ -215,7 +215,7 @@ def bench_attention(torch, args, device, out_dir):
 
 def _sdpa_default(torch, A, q_shape, kv_shape, dtype, device, has_bias) -> dict:
     """What a diffusers or timm model gets without our hook: plain ``scaled_dot_product_attention``, PyTorch choosing
-    the kernel. Its time, and the kernel it picks (``gallery_lib.attention.sdpa_choice``)."""
+    the kernel. Its time, and the kernel it picks (``gallery_lib.accel.attention.sdpa_choice``)."""
     import types
 
     import torch.nn.functional as F

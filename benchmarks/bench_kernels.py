@@ -39,7 +39,7 @@ from typing import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from gallery_lib.kernels import geglu, group_norm, layer_norm, soft_cross_entropy
+from gallery_lib.accel.kernels import geglu, group_norm, layer_norm, soft_cross_entropy
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 PROVIDERS = ("eager", "compiled", "ours")

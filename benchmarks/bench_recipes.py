@@ -29,10 +29,10 @@ from pathlib import Path
 import torch
 
 from gallery_lib.config import parse_overrides
-from gallery_lib.launch import launch
+from gallery_lib.run.launch import launch
 from gallery_lib.profiles import base_config
 from gallery_lib.recipes import apply_recipe, recipe_config
-from gallery_lib.report import mfu
+from gallery_lib.reports.comparison import mfu
 from gallery_lib.workflow import prepare
 
 _KEYS = ("recipe", "samples_per_s", "median_step_time_ms", "p20_step_time_ms", "p80_step_time_ms", "warmup_time_s",

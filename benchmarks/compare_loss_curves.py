@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gallery_lib.metrics import read_metrics  # noqa: E402
+from gallery_lib.run.metrics import read_metrics  # noqa: E402
 
 
 def losses(path: str) -> list[float]:

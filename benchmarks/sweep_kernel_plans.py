@@ -25,10 +25,10 @@ from typing import Iterator
 import torch
 
 import bench_kernels as bk
-# The modules, not the functions of the same name that gallery_lib.kernels re-exports.
-ln_mod = importlib.import_module("gallery_lib.kernels.layer_norm")
-geglu_mod = importlib.import_module("gallery_lib.kernels.geglu")
-ce_mod = importlib.import_module("gallery_lib.kernels.cross_entropy")
+# The modules, not the functions of the same name that gallery_lib.accel.kernels re-exports.
+ln_mod = importlib.import_module("gallery_lib.accel.kernels.layer_norm")
+geglu_mod = importlib.import_module("gallery_lib.accel.kernels.geglu")
+ce_mod = importlib.import_module("gallery_lib.accel.kernels.cross_entropy")
 
 # Knob grids per (op, mode): every combination is one plan. Warps of None means the module's own rule.
 GRIDS: dict[tuple[str, str], tuple[ModuleType, dict[str, tuple]]] = {

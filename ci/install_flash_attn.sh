@@ -10,7 +10,7 @@
 # 2. Otherwise flash-attn is built from source against the installed torch (--no-build-isolation), for the
 #    detected GPU architecture only (FLASH_ATTN_CUDA_ARCHS), with MAX_JOBS parallel compile jobs (each nvcc job
 #    of flash-attn takes up to ~4 GB of RAM, so the default is RAM/4 GB, capped by the core count).
-# gallery_lib works fully without flash-attn: gallery_lib.attention then uses PyTorch SDPA's kernels.
+# gallery_lib works fully without flash-attn: gallery_lib.accel.attention then uses PyTorch SDPA's kernels.
 set -euo pipefail
 
 PYTHON="${PYTHON:-python}"

@@ -20,13 +20,13 @@ _PUBLIC = {
     "compare": "gallery_lib.workflow",
     "summarize": "gallery_lib.workflow",
     "model_step_config": "gallery_lib.workflow",
-    "config_controls": "gallery_lib.widgets",
-    "dataset_preview": "gallery_lib.sampling",
-    "load_pipeline": "gallery_lib.sampling",
-    "sample_grid": "gallery_lib.sampling",
+    "config_controls": "gallery_lib.reports.widgets",
+    "dataset_preview": "gallery_lib.reports.sampling",
+    "load_pipeline": "gallery_lib.reports.sampling",
+    "sample_grid": "gallery_lib.reports.sampling",
     "RunConfig": "gallery_lib.config",
     "register_family": "gallery_lib.models",
-    "optimize": "gallery_lib.optimize",
+    "optimize": "gallery_lib.accel.optimize",
 }
 __all__ = sorted(_PUBLIC)
 

@@ -102,7 +102,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from gallery_lib.launch import launch
+    from gallery_lib.run.launch import launch
 
     cfg = recipe_config(base_from_args(args), args.recipe, optimization_overrides(args))
     # Checkpointing changes how a run is kept, not what it trains: the run keeps its recipe name (and folder).

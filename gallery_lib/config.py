@@ -100,19 +100,19 @@ class RunConfig:
     """``torch.compile`` mode (``max-autotune-no-cudagraphs`` autotunes matmuls without CUDA graphs)."""
     compile_scope: str = setting("model", choices=COMPILE_SCOPES)
     """What ``compile`` compiles: ``model`` (the whole model, one graph) or ``blocks`` (each repeated block in place,
-    ``gallery_lib.compile.regional_compile``: blocks of one shape share a graph, so there is less to compile; with a
+    ``gallery_lib.accel.compile.regional_compile``: blocks of one shape share a graph, so there is less to compile; with a
     CUDA-graph ``compile_mode`` each block replays as CUDA graphs)."""
     precompile_workers: int = setting(0, kind=int, minimum=0)
     """With ``compile_scope='blocks'``: compile the distinct block graphs in this many parallel processes before the
-    first step (``gallery_lib.precompile``), so the warm-up steps only load them. 0 compiles them in the warm-up
+    first step (``gallery_lib.accel.precompile``), so the warm-up steps only load them. 0 compiles them in the warm-up
     steps, one after another."""
     precompile_overlap: bool = setting(True, kind=bool)
     """With ``precompile_workers``: once a worker has exited (its cores are free), the training process loads the
-    block graphs compiled so far, then each as it lands (step 4 of ``gallery_lib.precompile``), so that the first
+    block graphs compiled so far, then each as it lands (step 4 of ``gallery_lib.accel.precompile``), so that the first
     steps find them traced, loaded and run once (on by default: benchmarks/RESULTS.md#sd15-compile-time). ``False``
     leaves all the loading to the first steps."""
     kernels: bool = setting(False, kind=bool)
-    """Swap in the fused Triton kernels of ``gallery_lib.kernels`` where they apply (``--kernel-opt``)."""
+    """Swap in the fused Triton kernels of ``gallery_lib.accel.kernels`` where they apply (``--kernel-opt``)."""
     kernel_ops: str = setting("all", kind=str)
     """Which kernels ``kernels=True`` swaps in: ``all`` or a comma list of ``group_norm_silu``, ``layer_norm``,
     ``geglu`` (recipes keep only those that measured faster than torch.compile's own code)."""
@@ -138,7 +138,7 @@ class RunConfig:
     ema: str = setting("off", choices=EMA_MODES)
     """EMA of the trained weights and how its update runs: ``off``, ``loop`` (a kernel per tensor, the diffusers
     default), ``foreach`` (multi-tensor), ``fused`` (one Triton kernel), ``stream`` (fused, on a side CUDA stream).
-    ``fused``/``stream`` fall back to ``foreach`` on a CPU. See ``gallery_lib/ema.py``."""
+    ``fused``/``stream`` fall back to ``foreach`` on a CPU. See ``gallery_lib/accel/ema.py``."""
     ema_decay: float = setting(0.9999, kind=float, above=0, below=1, hint="e.g. 0.9999")
     """EMA decay, reached through diffusers' default warm-up ``min(decay, (1 + step) / (10 + step))``."""
     export_model: bool = setting(True, kind=bool)

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence, Union
 
 from gallery_lib.config import ConfigError, RunConfig, validate_for_machine
-from gallery_lib.launch import RunResult, launch
+from gallery_lib.run.launch import RunResult, launch
 from gallery_lib.profiles import data_spec
 from gallery_lib.recipes import RECIPES, recipe_config
 
@@ -79,7 +79,7 @@ def model_dir(cfg: RunConfig) -> Path:
 
 def compare(cfg: RunConfig, recipes: Sequence[str] | None = None):
     """Writes ``<output>/<family>/report.{md,png}`` from the runs' own metrics files and returns the report."""
-    from gallery_lib.report import write_report
+    from gallery_lib.reports.comparison import write_report
 
     return write_report(model_dir(cfg), recipes=list(recipes) if recipes else None)
 

@@ -1,5 +1,5 @@
 """Test helper: how many compiled graphs a process loaded from, or missed in, Inductor's on-disk caches."""
-from gallery_lib.compile import compile_cache_stats
+from gallery_lib.accel.compile import compile_cache_stats
 
 
 def compile_cache_counts() -> tuple[int, int]:

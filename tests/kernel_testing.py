@@ -14,8 +14,8 @@ import sys
 import pytest
 import torch
 
-from gallery_lib.kernels import _triton_utils as tu
-from gallery_lib.kernels import set_triton_enabled
+from gallery_lib.accel.kernels import _triton_utils as tu
+from gallery_lib.accel.kernels import set_triton_enabled
 
 INTERPRETER_ONLY = "Triton-path case: runs in the TRITON_INTERPRET=1 child of test_interpreter_subprocess"
 

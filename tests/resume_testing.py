@@ -5,7 +5,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from gallery_lib.checkpoint import LATEST
+from gallery_lib.run.checkpoint import LATEST
 from gallery_lib.config import RunConfig
 
 

@@ -5,8 +5,8 @@ import json
 import pytest
 import torch
 
-from gallery_lib import attention as attention_module
-from gallery_lib.attention import (BACKENDS, BackendSelector, attention, describe, hook_diffusers_attention,
+from gallery_lib.accel import attention as attention_module
+from gallery_lib.accel.attention import (BACKENDS, BackendSelector, attention, describe, hook_diffusers_attention,
                                    hook_swin_attention, rule_choice, select_backend)
 
 H100 = ("NVIDIA H100 80GB HBM3", (9, 0))
@@ -182,7 +182,7 @@ def test_diffusers_hook_matches_and_reverts():
 
 def test_diffusers_processor_with_mask_group_norm_and_4d_input():
     diffusers = pytest.importorskip("diffusers")
-    from gallery_lib.attention import GalleryAttnProcessor
+    from gallery_lib.accel.attention import GalleryAttnProcessor
 
     torch.manual_seed(0)
     attn = diffusers.models.attention_processor.Attention(
@@ -305,7 +305,7 @@ def test_gpu_hooked_swin_compiles_into_one_graph():
 
 def test_each_hook_records_its_own_choices_and_shares_measurements():
     """A hook's record says what its model ran, not what the process ran before; measurements stay shared."""
-    from gallery_lib.attention import default_selector
+    from gallery_lib.accel.attention import default_selector
     from gallery_lib.models.swin import build_swin_micro
 
     select_backend((2, 3, 10, 16), torch.float32, "cpu", True)  # a choice made elsewhere in the process
@@ -372,7 +372,7 @@ def test_a_failing_probe_is_reported_not_raised():
     """The run's probe is a report: a forward that fails in it leaves the first step to meet (and name) the problem."""
     from types import SimpleNamespace
 
-    from gallery_lib.train import attention_choices
+    from gallery_lib.run.train import attention_choices
 
     class Broken:
         def loss(self, module, batch, precision):

@@ -8,11 +8,11 @@ import json
 import pytest
 import torch
 
-from gallery_lib.batch_size import SEARCH_DIR
+from gallery_lib.run.batch_size import SEARCH_DIR
 from gallery_lib.config import ConfigError, RunConfig
-from gallery_lib.metrics import read_metrics
+from gallery_lib.run.metrics import read_metrics
 from gallery_lib.tasks.classification import ClassificationTask
-from gallery_lib.train import run
+from gallery_lib.run.train import run
 
 
 def search_cfg(data, out, **kw) -> RunConfig:

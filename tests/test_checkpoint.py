@@ -18,13 +18,13 @@ import pytest
 import timm.loss
 import torch
 
-from gallery_lib.checkpoint import (LATEST, Checkpointer, CheckpointError, latest_checkpoint, read_checkpoint,
+from gallery_lib.run.checkpoint import (LATEST, Checkpointer, CheckpointError, latest_checkpoint, read_checkpoint,
                                     write_checkpoint)
 from gallery_lib.config import ConfigError, RunConfig
-from gallery_lib.distributed import DistInfo
-from gallery_lib.metrics import read_metrics
-from gallery_lib.precision import Precision
-from gallery_lib.train import run
+from gallery_lib.accel.distributed import DistInfo
+from gallery_lib.run.metrics import read_metrics
+from gallery_lib.accel.precision import Precision
+from gallery_lib.run.train import run
 
 STEPS = 8
 
@@ -45,7 +45,7 @@ def child_env() -> dict[str, str]:
 
 def train_command(cfg: RunConfig) -> list[str]:
     path = cfg.save(cfg.run_dir / "config.json")
-    return [sys.executable, "-m", "gallery_lib.train", "--config", str(path)]
+    return [sys.executable, "-m", "gallery_lib.run.train", "--config", str(path)]
 
 
 def assert_same_state(a: Path, b: Path) -> None:
@@ -318,8 +318,8 @@ def test_cli_train_has_resume_flags():
 def test_device_guard_skips_nonfinite_steps_without_a_host_sync(smoke_data, tmp_path, monkeypatch):
     """Fused AdamW without a GradScaler: the optimizer skips a NaN step on a device flag; the step is counted when
     the flags are read at the next log, and a run of them stops the run there, with finite weights saved."""
-    from gallery_lib.precision import Precision
-    from gallery_lib.train import nonfinite_guard
+    from gallery_lib.accel.precision import Precision
+    from gallery_lib.run.train import nonfinite_guard
 
     cfg = resume_cfg(smoke_data, tmp_path, steps=12, checkpoint_every=0, log_every=4, max_nonfinite_steps=3,
                      fused_optimizer=True)
@@ -371,7 +371,7 @@ def test_resume_supersedes_metrics_logged_after_the_checkpoint(reference, smoke_
 
 
 def test_supersede_steps_moves_later_steps_summary_and_broken_lines(tmp_path):
-    from gallery_lib.metrics import supersede_steps
+    from gallery_lib.run.metrics import supersede_steps
 
     path = tmp_path / "metrics.jsonl"
     lines = [json.dumps({"type": "step", "step": n, "loss": float(n)}) for n in range(4)]

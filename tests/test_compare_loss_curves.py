@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from gallery_lib.metrics import MetricsWriter
+from gallery_lib.run.metrics import MetricsWriter
 
 _PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "compare_loss_curves.py"
 _spec = importlib.util.spec_from_file_location("compare_loss_curves", _PATH)

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from gallery_lib.compile import Candidate, optimize, regional_compile, undo_regional_compile
+from gallery_lib.accel.compile import Candidate, optimize, regional_compile, undo_regional_compile
 
 
 class _Block(nn.Module):

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from gallery_lib.ema import MODES, ModelEma
+from gallery_lib.accel.ema import MODES, ModelEma
 
 CUDA = torch.cuda.is_available()
 
@@ -212,7 +212,7 @@ def test_fused_kernel_logic_under_triton_interpreter():
     pytest.importorskip("triton")
     code = (
         "import torch\n"
-        "from gallery_lib.ema import fused_lerp_\n"
+        "from gallery_lib.accel.ema import fused_lerp_\n"
         "torch.manual_seed(0)\n"
         "sizes = [1, 5, 4096, 4097, 9000, 0, 3]\n"
         "for dt in (torch.float32, torch.bfloat16):\n"

@@ -9,9 +9,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gallery_lib.kernels import _triton_utils as tu
-from gallery_lib.kernels import set_triton_enabled, soft_cross_entropy
-from gallery_lib.modules import FusedGEGLU, FusedGroupNorm, FusedLayerNorm
+from gallery_lib.accel.kernels import _triton_utils as tu
+from gallery_lib.accel.kernels import set_triton_enabled, soft_cross_entropy
+from gallery_lib.accel.modules import FusedGEGLU, FusedGroupNorm, FusedLayerNorm
 
 STEPS = 30
 

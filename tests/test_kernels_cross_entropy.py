@@ -7,9 +7,9 @@ import torch.nn.functional as F
 from kernel_testing import (assert_within_torch_error, gpu_matrix, make_path_fixture, reference_dtype,
                             run_file_in_interpreter)
 
-from gallery_lib.kernels import _triton_utils as tu
-from gallery_lib.kernels import set_triton_enabled, soft_cross_entropy
-from gallery_lib.kernels.cross_entropy import soft_cross_entropy_bwd, soft_cross_entropy_fwd
+from gallery_lib.accel.kernels import _triton_utils as tu
+from gallery_lib.accel.kernels import set_triton_enabled, soft_cross_entropy
+from gallery_lib.accel.kernels.cross_entropy import soft_cross_entropy_bwd, soft_cross_entropy_fwd
 
 
 def test_interpreter_subprocess():

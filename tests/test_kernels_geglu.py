@@ -7,9 +7,9 @@ import torch.nn.functional as F
 from kernel_testing import (assert_within_torch_error, gpu_matrix, make_path_fixture, reference_dtype,
                             run_file_in_interpreter)
 
-from gallery_lib.kernels import _triton_utils as tu
-from gallery_lib.kernels import geglu, set_triton_enabled
-from gallery_lib.kernels.geglu import geglu_bwd, geglu_fwd
+from gallery_lib.accel.kernels import _triton_utils as tu
+from gallery_lib.accel.kernels import geglu, set_triton_enabled
+from gallery_lib.accel.kernels.geglu import geglu_bwd, geglu_fwd
 
 
 def test_interpreter_subprocess():
@@ -92,7 +92,7 @@ def test_gpu_real_shapes(shape, dtype):
 
 def test_column_block_divides_sd_widths():
     """SD's half-widths get unmasked column blocks; widths with no wide power-of-two divisor get a masked one."""
-    from gallery_lib.kernels.geglu import _column_block
+    from gallery_lib.accel.kernels.geglu import _column_block
 
     assert [_column_block(d) for d in (1280, 2560, 5120, 320)] == [256, 512, 1024, 64]
     assert _column_block(1031) == 1024 and _column_block(23) == 32 and _column_block(1) == 1

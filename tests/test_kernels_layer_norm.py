@@ -7,9 +7,9 @@ import torch.nn.functional as F
 from kernel_testing import (assert_within_torch_error, gpu_matrix, make_path_fixture, reference_dtype,
                             run_file_in_interpreter)
 
-from gallery_lib.kernels import _triton_utils as tu
-from gallery_lib.kernels import layer_norm, set_triton_enabled
-from gallery_lib.kernels.layer_norm import layer_norm_bwd, layer_norm_fwd
+from gallery_lib.accel.kernels import _triton_utils as tu
+from gallery_lib.accel.kernels import layer_norm, set_triton_enabled
+from gallery_lib.accel.kernels.layer_norm import layer_norm_bwd, layer_norm_fwd
 
 
 def test_interpreter_subprocess():

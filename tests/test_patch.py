@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from gallery_lib.modules import FusedGEGLU, FusedGroupNorm, FusedLayerNorm
-from gallery_lib.patch import apply_kernels, revert_kernels
+from gallery_lib.accel.modules import FusedGEGLU, FusedGroupNorm, FusedLayerNorm
+from gallery_lib.accel.patch import apply_kernels, revert_kernels
 
 diffusers = pytest.importorskip("diffusers")
 swin = pytest.importorskip("timm.models.swin_transformer")
@@ -140,10 +140,10 @@ def test_rejects_non_module():
 
 
 def test_config_kernel_ops_choose_what_the_run_swaps():
-    from gallery_lib.accelerate import apply_accelerations
+    from gallery_lib.accel.accelerate import apply_accelerations
     from gallery_lib.config import ConfigError, RunConfig
-    from gallery_lib.distributed import DistInfo
-    from gallery_lib.precision import Precision
+    from gallery_lib.accel.distributed import DistInfo
+    from gallery_lib.accel.precision import Precision
 
     cfg = RunConfig(model="sd_tiny", device="cpu", amp_level="O0", kernels=True, kernel_ops="geglu")
     assert cfg.kernel_op_names == ("geglu",)

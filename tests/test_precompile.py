@@ -11,8 +11,8 @@ import pytest
 import torch
 from torch import nn
 
-from gallery_lib.compile import compile_cache_stats, regional_compile
-from gallery_lib.precompile import TensorSpec, precompile_blocks, record_block_calls
+from gallery_lib.accel.compile import compile_cache_stats, regional_compile
+from gallery_lib.accel.precompile import TensorSpec, precompile_blocks, record_block_calls
 from compile_testing import compile_cache_counts
 
 
@@ -64,7 +64,7 @@ def test_record_finds_distinct_graphs_and_keeps_rng():
 def test_queue_is_largest_first_and_each_graph_claimed_once(tmp_path):
     calls, _ = record_block_calls(Model(), lambda m=Model(): None, [])
     assert calls == []
-    from gallery_lib.precompile import BlockCall, _claim, _largest_first
+    from gallery_lib.accel.precompile import BlockCall, _claim, _largest_first
 
     made = [BlockCall(str(c), (), {}, (), True, cost=c) for c in (5, 1, 4, 2, 3)]
     assert [c.cost for c in _largest_first(made)] == [5, 4, 3, 2, 1]
@@ -104,7 +104,7 @@ def test_an_error_in_the_recording_forward_stops_the_workers():
 def test_workers_started_early_exit_on_their_own_without_a_queue():
     """A run that fails before its precompile (a bad data folder, say) must not leave workers behind, even when the
     caller never closes them: they give up after their timeout."""
-    from gallery_lib.precompile import CompileWorkers
+    from gallery_lib.accel.precompile import CompileWorkers
 
     workers = CompileWorkers(1, "cpu", timeout_s=2.0)
     try:
@@ -118,7 +118,7 @@ def test_workers_started_early_exit_on_their_own_without_a_queue():
 
 def test_meanwhile_runs_once_while_the_workers_have_their_queue():
     """The run's other pre-step work (the attention probe) goes there: the workers are compiling by then."""
-    from gallery_lib.precompile import CompileWorkers
+    from gallery_lib.accel.precompile import CompileWorkers
 
     model, x = Model(), torch.randn(2, 6, 8)
     workers = CompileWorkers(1, "cpu")
@@ -135,7 +135,7 @@ def test_bad_worker_count():
 
 
 def test_finished_graphs_read_from_worker_logs_ignore_partial_lines(tmp_path):
-    from gallery_lib.precompile import _finished_graphs
+    from gallery_lib.accel.precompile import _finished_graphs
 
     log = tmp_path / "worker0.log"
     assert _finished_graphs(log) == []  # not written yet
@@ -144,7 +144,7 @@ def test_finished_graphs_read_from_worker_logs_ignore_partial_lines(tmp_path):
 
 
 def test_a_graph_that_fails_to_load_is_reported_and_left_to_the_run():
-    from gallery_lib.precompile import BlockCall, _Loader
+    from gallery_lib.accel.precompile import BlockCall, _Loader
 
     broken = BlockCall("a1", (), {}, (), True, cost=1)  # no module to load: _compile_call raises
     loader = _Loader([broken], torch.device("cpu"), {"backend": "inductor"})

@@ -11,13 +11,13 @@ import torch
 from PIL import Image
 from test_data import BAD, _expected_skips, messy_root  # noqa: F401  (messy_root is a fixture)
 
-import gallery_lib.launch
-from gallery_lib.batch_size import find_batch_size, is_out_of_memory, next_batch_size
+import gallery_lib.run.launch
+from gallery_lib.run.batch_size import find_batch_size, is_out_of_memory, next_batch_size
 from gallery_lib.config import ConfigError, RunConfig
 from gallery_lib.data import RobustImageFolder
-from gallery_lib.launch import launch, torchrun_command
-from gallery_lib.metrics import read_metrics
-from gallery_lib.train import run
+from gallery_lib.run.launch import launch, torchrun_command
+from gallery_lib.run.metrics import read_metrics
+from gallery_lib.run.train import run
 
 
 def small_cfg(data, out, **kw) -> RunConfig:
@@ -140,7 +140,7 @@ def test_small_sizes_always_shrink():
 
 def test_memory_is_freed_between_trials(monkeypatch):
     events = []
-    monkeypatch.setattr("gallery_lib.batch_size.free_memory", lambda: events.append("free"))
+    monkeypatch.setattr("gallery_lib.run.batch_size.free_memory", lambda: events.append("free"))
     trainer = FakeTrainer(fits=100)
     find_batch_size(lambda b: (events.append(b), trainer(b)), 128, log=lambda _: None)
     assert events == [128, "free", 114, "free", 102, "free", 90]  # 90 fits: nothing to free after it
@@ -197,7 +197,7 @@ CRASH_ONCE = textwrap.dedent("""
     import os
     import sys
 
-    import gallery_lib.train as train
+    import gallery_lib.run.train as train
 
     calls = 0
     finite_check = train.all_ranks_finite
@@ -227,10 +227,10 @@ def test_torchrun_restart_resumes_from_the_last_checkpoint(smoke_data, tmp_path,
 
     def crashing_command(cfg, config_path):
         command = torchrun_command(cfg, config_path)
-        i = command.index("gallery_lib.train")
+        i = command.index("gallery_lib.run.train")
         return command[:i - 1] + [str(wrapper)] + command[i + 1:]
 
-    monkeypatch.setattr(gallery_lib.launch, "torchrun_command", crashing_command)
+    monkeypatch.setattr(gallery_lib.run.launch, "torchrun_command", crashing_command)
     monkeypatch.setenv("OMP_NUM_THREADS", str(torch.get_num_threads()))  # same CPU reduction order as `reference`
     lines = []
     cfg = small_cfg(smoke_data, tmp_path / "crashed", max_restarts=1, **values)
@@ -256,7 +256,7 @@ NAN_ON_SOME_RANKS = textwrap.dedent("""
 
     import torch
 
-    import gallery_lib.train as train
+    import gallery_lib.run.train as train
     from gallery_lib.tasks.classification import ClassificationTask
 
     RANK = int(os.environ["RANK"])
@@ -295,8 +295,8 @@ def test_nonfinite_loss_on_some_ranks_skips_the_step_on_every_rank(smoke_data, t
     on both ranks (rank 0 counts step 2 though its own loss was finite) and the ranks end with the same, finite
     weights. Step 4 caught a bug of the device guard: the flags were summed, and fused AdamW skips only when
     found_inf == 1, so two bad ranks (found_inf 2) let NaN into the weights."""
-    from gallery_lib.precision import Precision
-    from gallery_lib.train import nonfinite_guard
+    from gallery_lib.accel.precision import Precision
+    from gallery_lib.run.train import nonfinite_guard
 
     cfg = small_cfg(smoke_data, tmp_path / "out", nproc_per_node=2, batch_size=4, log_every=3, **options)
     assert nonfinite_guard(cfg, Precision.from_config(cfg, "cpu")) == guard
@@ -306,10 +306,10 @@ def test_nonfinite_loss_on_some_ranks_skips_the_step_on_every_rank(smoke_data, t
 
     def wrapped_command(cfg, config_path):
         command = torchrun_command(cfg, config_path)
-        i = command.index("gallery_lib.train")
+        i = command.index("gallery_lib.run.train")
         return command[:i - 1] + [str(wrapper)] + command[i + 1:]
 
-    monkeypatch.setattr(gallery_lib.launch, "torchrun_command", wrapped_command)
+    monkeypatch.setattr(gallery_lib.run.launch, "torchrun_command", wrapped_command)
     result = launch(cfg, echo=None)
 
     assert result.summary["world_size"] == 2 and result.summary["nonfinite_steps"] == 2

@@ -1,4 +1,4 @@
-"""Tests for gallery_lib.report: runs synthesized on disk with known numbers are read back, compared and drawn."""
+"""Tests for gallery_lib.reports.comparison: runs synthesized on disk with known numbers are read back, compared and drawn."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from matplotlib.colors import to_rgba
 
-from gallery_lib.metrics import MetricsWriter
-from gallery_lib.report import (
+from gallery_lib.run.metrics import MetricsWriter
+from gallery_lib.reports.comparison import (
     comparison_figure,
     comparison_table,
     load_run,

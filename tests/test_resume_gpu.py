@@ -8,11 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gallery_lib.checkpoint import read_checkpoint
+from gallery_lib.run.checkpoint import read_checkpoint
 from gallery_lib.config import RunConfig
-from gallery_lib.metrics import read_metrics
+from gallery_lib.run.metrics import read_metrics
 from gallery_lib.recipes import apply_recipe
-from gallery_lib.train import run
+from gallery_lib.run.train import run
 from resume_testing import resume_from_copy
 
 STEPS = 8

@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from gallery_lib.config import ConfigError, RunConfig
-from gallery_lib.metrics import read_metrics
+from gallery_lib.run.metrics import read_metrics
 from gallery_lib.profiles import base_config
 from gallery_lib.recipes import apply_recipe
-from gallery_lib.train import run
+from gallery_lib.run.train import run
 from resume_testing import resume_from_copy
 
 pytest.importorskip("diffusers")
@@ -84,7 +84,7 @@ def test_cached_and_online_latents_draw_the_same_steps(caption_data, tmp_path):
                                atol=1e-6)
     assert summary["cache_time_s"] > 0
     # diffusers calls F.scaled_dot_product_attention: the run says what PyTorch ran for self- and cross-attention
-    from gallery_lib.attention import BACKENDS
+    from gallery_lib.accel.attention import BACKENDS
 
     assert summary["attention"], "no attention record"
     assert summary["attention_probe_time_s"] > 0
@@ -97,7 +97,7 @@ def test_cached_and_online_latents_draw_the_same_steps(caption_data, tmp_path):
 def test_export_gives_a_diffusers_pipeline_with_the_ema_unet(caption_data, tmp_path):
     from diffusers import StableDiffusionPipeline
 
-    from gallery_lib.checkpoint import latest_checkpoint, read_checkpoint
+    from gallery_lib.run.checkpoint import latest_checkpoint, read_checkpoint
 
     cfg = tiny(caption_data, tmp_path, steps=4, warmup_steps=1, log_every=2, checkpoint_every=4, ema="foreach",
                export_model=True, amp_level="O0")
@@ -117,7 +117,7 @@ def test_export_gives_a_diffusers_pipeline_with_the_ema_unet(caption_data, tmp_p
 
 def test_resume_continues_the_ema_exactly(caption_data, tmp_path):
     """A run stopped after its step-3 checkpoint and resumed ends in the uninterrupted run's state, EMA included."""
-    from gallery_lib.checkpoint import read_checkpoint
+    from gallery_lib.run.checkpoint import read_checkpoint
 
     whole = tiny(caption_data, tmp_path / "whole", steps=6, amp_level="O0", ema="foreach", checkpoint_every=3,
                  deterministic=True)

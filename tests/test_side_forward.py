@@ -2,7 +2,7 @@
 
 import torch
 
-from gallery_lib.side_forward import side_forward
+from gallery_lib.accel.side_forward import side_forward
 
 
 def test_side_forward_runs_eager_without_autotuning_and_restores_everything():

@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from gallery_lib.config import RunConfig
-from gallery_lib.launch import RunFailed, launch
-from gallery_lib.metrics import read_metrics
+from gallery_lib.run.launch import RunFailed, launch
+from gallery_lib.run.metrics import read_metrics
 from gallery_lib.models import build_model
-from gallery_lib.precision import Precision
-from gallery_lib.train import run
+from gallery_lib.accel.precision import Precision
+from gallery_lib.run.train import run
 
 
 def micro_cfg(data, tmp_path, **kw) -> RunConfig:
@@ -97,7 +97,7 @@ def test_recipe_switches_learn_the_same_function(smoke_data, tmp_path):
     a = [s["loss"] for s in read_metrics(base.run_dir / "metrics.jsonl")[0]]
     steps, summary = read_metrics(fast.run_dir / "metrics.jsonl")
     assert [s["loss"] for s in steps] == pytest.approx(a, rel=1e-4)
-    assert any("4 Swin window-attention modules through gallery_lib.attention" in n for n in summary["notes"])
+    assert any("4 Swin window-attention modules through gallery_lib.accel.attention" in n for n in summary["notes"])
     # the run says what auto ran per attention shape: micro Swin's two stages (batch x 16 or 4 windows of 4x4 tokens,
     # 2 or 4 heads of 16), each with the relative-position bias, on the CPU rule
     keys = [f"({w}, {h}, 16, 16)|({w}, {h}, 16, 16)|float32|CPU|bias=True"
@@ -202,7 +202,7 @@ Traceback (most recent call last):
     raise ChildFailedError(
 torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
 ======================================================
-gallery_lib.train FAILED
+gallery_lib.run.train FAILED
 ------------------------------------------------------
 Failures:
 [1]:
@@ -217,7 +217,7 @@ Root Cause (first observed failure):
 
 
 def test_failure_message_shows_why_a_worker_died_without_a_python_error(tmp_path):
-    from gallery_lib.launch import _failure_message
+    from gallery_lib.run.launch import _failure_message
 
     (tmp_path / "logs").mkdir()
     for rank in (0, 1):  # the rank logs hold no error: the abort happened in C++
@@ -229,14 +229,14 @@ def test_failure_message_shows_why_a_worker_died_without_a_python_error(tmp_path
 
 
 def test_training_process_exit_codes(tmp_path):
-    """``python -m gallery_lib.train`` leaves through ``exit_process``: usage errors keep argparse's code 2, a
+    """``python -m gallery_lib.run.train`` leaves through ``exit_process``: usage errors keep argparse's code 2, a
     failing run prints its traceback and exits 1."""
     import subprocess
     import sys
 
-    usage = subprocess.run([sys.executable, "-m", "gallery_lib.train"], capture_output=True, text=True)
+    usage = subprocess.run([sys.executable, "-m", "gallery_lib.run.train"], capture_output=True, text=True)
     assert usage.returncode == 2 and "--config" in usage.stderr
-    missing = subprocess.run([sys.executable, "-m", "gallery_lib.train", "--config", str(tmp_path / "none.json")],
+    missing = subprocess.run([sys.executable, "-m", "gallery_lib.run.train", "--config", str(tmp_path / "none.json")],
                              capture_output=True, text=True)
     assert missing.returncode == 1
     assert "Traceback" in missing.stderr and "none.json" in missing.stderr
@@ -244,7 +244,7 @@ def test_training_process_exit_codes(tmp_path):
 
 EXIT_WITH_A_LIVE_GLOO_GROUP = """
 import atexit, sys, torch, torch.distributed as dist
-from gallery_lib.distributed import exit_process, shutdown
+from gallery_lib.accel.distributed import exit_process, shutdown
 dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
 model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 4))
 model(torch.randn(2, 4)).sum().backward()

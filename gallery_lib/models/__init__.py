@@ -1,9 +1,11 @@
 """The family registry: every model family the gallery can train, one module each.
 
 ``FAMILIES[name]`` is a ``ModelFamily`` (see ``family.py``); ``MODELS[model]`` the ``ModelSpec`` of every model
-of every family. A new family is one module that builds a ``ModelFamily`` and calls ``register_family``; the
-built-in ones are registered below. A family registered from outside ``gallery_lib`` (a user's module, a test) is
-imported again in the training processes the launcher starts (``family_env``), so it trains like a built-in one.
+of every family. A new family is one module that builds a ``ModelFamily`` and passes it to ``register_family``.
+The built-in family modules are imported the first time the registry is read (not when ``gallery_lib.models`` is
+imported, since they import their tasks, which import model parts from this package). A family registered from
+outside ``gallery_lib`` (a user's module, a test) is imported again in the training processes the launcher starts
+(``family_env``), so it trains like a built-in one.
 """
 
 from __future__ import annotations
@@ -16,22 +18,48 @@ from pathlib import Path
 from gallery_lib.models.family import ModelFamily, ModelSpec
 from gallery_lib.settings import ConfigError
 
-FAMILIES: dict[str, ModelFamily] = {}
-MODELS: dict[str, ModelSpec] = {}
+_FAMILIES: dict[str, ModelFamily] = {}
+_MODELS: dict[str, ModelSpec] = {}
 _FAMILY_OF_MODEL: dict[str, str] = {}
 _EXTERNAL: dict[str, tuple[str, str]] = {}  # family -> (module, sys.path root) for families outside gallery_lib
 FAMILY_MODULES_ENV = "GALLERY_FAMILY_MODULES"
+_BUILTIN = ("gallery_lib.models.swin", "gallery_lib.models.stable_diffusion")
+_loaded = False
+
+
+def __getattr__(name: str):
+    """``FAMILIES`` and ``MODELS``, read-only views filled on first use."""
+    if name in ("FAMILIES", "MODELS"):
+        _load_families()
+        return _FAMILIES if name == "FAMILIES" else _MODELS
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _load_families() -> None:
+    """Imports the built-in family modules and those named by the launcher (each registers itself), once."""
+    global _loaded
+    if _loaded:
+        return
+    _loaded = True
+    for module in _BUILTIN:
+        importlib.import_module(module)
+    for entry in filter(None, os.environ.get(FAMILY_MODULES_ENV, "").split(os.pathsep)):
+        module, _, root = entry.partition("=")
+        if root and root not in sys.path:
+            sys.path.append(root)
+        importlib.import_module(module)
 
 
 def register_family(family: ModelFamily) -> ModelFamily:
     """Adds ``family`` and its models; a model name may belong to one family only."""
+    _load_families()  # the built-in families first, whoever registers first
     taken = [spec.name for spec in family.models if _FAMILY_OF_MODEL.get(spec.name, family.name) != family.name]
     if taken:
         raise ValueError(f"model name(s) {taken} already belong to another family")
     unregister_family(family.name)
-    FAMILIES[family.name] = family
+    _FAMILIES[family.name] = family
     for spec in family.models:
-        MODELS[spec.name] = ModelSpec(**{**spec.__dict__, "family": family.name})
+        _MODELS[spec.name] = ModelSpec(**{**spec.__dict__, "family": family.name})
         _FAMILY_OF_MODEL[spec.name] = family.name
     module = sys._getframe(1).f_globals.get("__name__", "")
     if not module.startswith("gallery_lib."):
@@ -40,30 +68,31 @@ def register_family(family: ModelFamily) -> ModelFamily:
 
 
 def unregister_family(name: str) -> None:
-    family = FAMILIES.pop(name, None)
+    family = _FAMILIES.pop(name, None)
     _EXTERNAL.pop(name, None)
     for spec in family.models if family else ():
-        MODELS.pop(spec.name, None)
+        _MODELS.pop(spec.name, None)
         _FAMILY_OF_MODEL.pop(spec.name, None)
 
 
 def family_of(model: str) -> ModelFamily:
     """The family of gallery model ``model``; ``ConfigError`` listing the models if it is unknown."""
+    _load_families()
     if model not in _FAMILY_OF_MODEL:
-        raise ConfigError(f"model={model!r} is not known: choose one of {', '.join(MODELS)}.")
-    return FAMILIES[_FAMILY_OF_MODEL[model]]
+        raise ConfigError(f"model={model!r} is not known: choose one of {', '.join(_MODELS)}.")
+    return _FAMILIES[_FAMILY_OF_MODEL[model]]
 
 
 def get_family(name: str) -> ModelFamily:
-    if name not in FAMILIES:
-        raise ConfigError(f"family={name!r} is not known: choose one of {', '.join(FAMILIES)}.")
-    return FAMILIES[name]
+    _load_families()
+    if name not in _FAMILIES:
+        raise ConfigError(f"family={name!r} is not known: choose one of {', '.join(_FAMILIES)}.")
+    return _FAMILIES[name]
 
 
 def build_model(name: str, **kwargs):
     """Builds gallery model ``name`` with its family task's arguments (e.g. ``num_classes`` for classifiers)."""
-    family_of(name)  # a clear error for an unknown name
-    return MODELS[name].build(**kwargs)
+    return family_of(name).build(name, **kwargs)
 
 
 def family_env(family: ModelFamily) -> dict[str, str]:
@@ -87,18 +116,3 @@ def _import_root(module: str) -> str:
     for _ in module.split("."):
         path = path.parent
     return str(path)
-
-
-def _register_external_families() -> None:
-    for entry in filter(None, os.environ.get(FAMILY_MODULES_ENV, "").split(os.pathsep)):
-        module, _, root = entry.partition("=")
-        if root and root not in sys.path:
-            sys.path.append(root)
-        importlib.import_module(module)
-
-
-from gallery_lib.models import stable_diffusion, swin  # noqa: E402  (each registers its family)
-
-register_family(swin.FAMILY)
-register_family(stable_diffusion.FAMILY)
-_register_external_families()

@@ -56,7 +56,7 @@ class ModelFamily:
     block_modules: tuple[str, ...] = ()
     """Modules defining those blocks: precompile workers import them while the run sets up."""
     attention_hook: Callable[[Any], tuple[str, Any]] | None = None
-    """``hook(model) -> (note, AttentionHook)``: routes the model's attention through ``gallery_lib.attention``
+    """``hook(model) -> (note, AttentionHook)``: routes the model's attention through ``gallery_lib.accel.attention``
     (``fused_attention=True``); ``None`` when the family has no hook, and then that switch is a config error."""
 
     def __post_init__(self) -> None:
@@ -73,6 +73,10 @@ class ModelFamily:
 
     def model_names(self) -> list[str]:
         return [spec.name for spec in self.models]
+
+    def build(self, model: str, **kwargs: Any) -> Any:
+        """Builds the family's model ``model`` (the task passes its arguments, e.g. ``num_classes``)."""
+        return next(spec for spec in self.models if spec.name == model).build(**kwargs)
 
     def plain_options(self) -> dict[str, Any]:
         """The task settings that ``accelerated`` switches, at their defaults: what the plain recipes run."""

@@ -5,18 +5,19 @@ from __future__ import annotations
 
 from functools import partial
 
+from gallery_lib.models import register_family
 from gallery_lib.models.family import ModelFamily, ModelSpec
 from gallery_lib.models.sd_parts import build_stable_diffusion
 from gallery_lib.tasks.text_to_image import TextToImageTask
 
 
 def hook_diffusers_attention(model):
-    """Every attention layer of a diffusers model through ``gallery_lib.attention``'s backend registry."""
-    from gallery_lib.attention import hook_diffusers_attention as hook_all
+    """Every attention layer of a diffusers model through ``gallery_lib.accel.attention``'s backend registry."""
+    from gallery_lib.accel.attention import hook_diffusers_attention as hook_all
 
     hook = hook_all(model, backend="auto")
     return (f"fused attention: {len(hook.modules)} diffusers attention layers use the fastest measured backend "
-            "per shape (gallery_lib.attention)"), hook
+            "per shape (gallery_lib.accel.attention)"), hook
 
 
 def _make_dataset(path, **spec):
@@ -28,7 +29,7 @@ def _make_dataset(path, **spec):
 # diffusers train_text_to_image defaults: AdamW lr 1e-4, weight decay 1e-2, gradient clipping at 1.0, EMA (use_ema).
 _TRAINING = dict(weight_decay=1e-2, clip_grad=1.0, ema="foreach")
 
-FAMILY = ModelFamily(
+FAMILY = register_family(ModelFamily(
     name="stable_diffusion",
     task=TextToImageTask,
     models=(
@@ -56,6 +57,6 @@ FAMILY = ModelFamily(
                  "compile_scope": "blocks"},
     # Matched by class name, outermost first: a Transformer2DModel compiles whole, its blocks not again.
     block_types=("Transformer2DModel", "BasicTransformerBlock", "ResnetBlock2D"),
-    block_modules=("diffusers.models.unets.unet_2d_blocks", "gallery_lib.patch"),
+    block_modules=("diffusers.models.unets.unet_2d_blocks", "gallery_lib.accel.patch"),
     attention_hook=hook_diffusers_attention,
-)
+))

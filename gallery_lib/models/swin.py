@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from gallery_lib.models import register_family
 from gallery_lib.models.family import ModelFamily, ModelSpec
 from gallery_lib.tasks.classification import ClassificationTask
 
@@ -30,9 +31,9 @@ def build_swin_micro(*, num_classes: int, image_size: int = 64, pretrained_file:
 
 
 def hook_window_attention(model: torch.nn.Module):
-    """Window attention through ``gallery_lib.attention`` (not timm's own SDPA switch, whose bias-as-mask call makes
+    """Window attention through ``gallery_lib.accel.attention`` (not timm's own SDPA switch, whose bias-as-mask call makes
     PyTorch pick a slower kernel: benchmarks/RESULTS.md#attention)."""
-    from gallery_lib.attention import hook_swin_attention
+    from gallery_lib.accel.attention import hook_swin_attention
     from gallery_lib.settings import ConfigError
 
     try:
@@ -40,7 +41,7 @@ def hook_window_attention(model: torch.nn.Module):
     except ValueError as exc:  # no timm WindowAttention, or attention dropout the kernels do not apply
         raise ConfigError(f"fused_attention=True cannot apply to {type(model).__name__}: {exc}; "
                           "run without it (--set fused_attention=false)") from exc
-    return (f"fused attention: {len(hook.modules)} Swin window-attention modules through gallery_lib.attention "
+    return (f"fused attention: {len(hook.modules)} Swin window-attention modules through gallery_lib.accel.attention "
             "(auto: the fastest measured backend that takes the relative-position bias and shift mask)"), hook
 
 
@@ -50,7 +51,7 @@ def _make_dataset(path, **spec):
     return make_imagenet_like(path, **spec)
 
 
-FAMILY = ModelFamily(
+FAMILY = register_family(ModelFamily(
     name="swin_transformer",
     task=ClassificationTask,
     models=(
@@ -76,4 +77,4 @@ FAMILY = ModelFamily(
     block_types=("SwinTransformerBlock",),
     block_modules=("gallery_lib.models.swin",),
     attention_hook=hook_window_attention,
-)
+))

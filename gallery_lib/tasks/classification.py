@@ -25,7 +25,7 @@ class ClassificationOptions:
     label_smoothing: float = setting(0.1, kind=float, minimum=0, below=1)
     """Label smoothing applied to the (mixed) targets."""
     fused_loss: bool = setting(False, kind=bool)
-    """Soft-target cross-entropy through ``gallery_lib.kernels.soft_cross_entropy`` (one Triton kernel forward and
+    """Soft-target cross-entropy through ``gallery_lib.accel.kernels.soft_cross_entropy`` (one Triton kernel forward and
     one backward on a GPU) instead of timm's ``SoftTargetCrossEntropy``; in no recipe (benchmarks/RESULTS.md#kernels)."""
 
     resume_fields = ()
@@ -52,7 +52,6 @@ class ClassificationTask:
 
     def __init__(self, cfg, dist, precision) -> None:
         from gallery_lib.data import RobustImageFolder, build_train_loader
-        from gallery_lib.models import build_model
 
         self.cfg = cfg
         opts: ClassificationOptions = cfg.options
@@ -62,7 +61,7 @@ class ClassificationTask:
             num_workers=cfg.num_workers, seed=cfg.seed, world_size=dist.world_size, rank=dist.rank,
             auto_augment=opts.auto_augment, re_prob=opts.re_prob, mixup_alpha=opts.mixup_alpha,
             cutmix_alpha=opts.cutmix_alpha, label_smoothing=opts.label_smoothing, channels_last=cfg.channels_last)
-        self.model = build_model(cfg.model, num_classes=self.dataset.num_classes, image_size=cfg.image_size,
+        self.model = cfg.model_family.build(cfg.model, num_classes=self.dataset.num_classes, image_size=cfg.image_size,
                                  pretrained_file=cfg.pretrained).to(dist.device)
         self.criterion = _fused_soft_cross_entropy if opts.fused_loss else _timm_soft_cross_entropy()
 
@@ -76,12 +75,11 @@ class ClassificationTask:
         return f"{len(self.dataset)} images, {self.dataset.num_classes} classes"
 
     def train_flops_per_sample(self) -> float | None:
-        from gallery_lib.flops import train_flops_per_sample
-        from gallery_lib.models import build_model
+        from gallery_lib.models.flops import train_flops_per_sample
 
         size = self.cfg.image_size
         return train_flops_per_sample(
-            lambda: build_model(self.cfg.model, num_classes=self.dataset.num_classes, image_size=size),
+            lambda: self.cfg.model_family.build(self.cfg.model, num_classes=self.dataset.num_classes, image_size=size),
             lambda model: model(torch.randn(1, 3, size, size)).float().sum())
 
     def summary(self) -> dict[str, Any]:
@@ -98,6 +96,6 @@ def _timm_soft_cross_entropy():
 
 
 def _fused_soft_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    from gallery_lib.kernels import soft_cross_entropy
+    from gallery_lib.accel.kernels import soft_cross_entropy
 
     return soft_cross_entropy(logits, targets)

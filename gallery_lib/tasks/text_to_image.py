@@ -52,11 +52,10 @@ class TextToImageTask:
 
     def __init__(self, cfg, dist, precision) -> None:
         from gallery_lib.data.captions import CaptionFolder, caption_image_transform
-        from gallery_lib.models import build_model
 
         self.cfg, self.device = cfg, dist.device
-        self.parts = build_model(cfg.model, pretrained=cfg.pretrained, prediction_type=cfg.prediction_type,
-                                 image_size=cfg.image_size)
+        self.parts = cfg.model_family.build(cfg.model, pretrained=cfg.pretrained,
+                                            prediction_type=cfg.prediction_type, image_size=cfg.image_size)
         # diffusers casts the frozen models to the mixed-precision dtype; the trained UNet keeps fp32 weights.
         self.frozen_dtype = precision.dtype or torch.float32
         self.parts.vae.to(self.device, dtype=self.frozen_dtype)
@@ -157,7 +156,7 @@ class TextToImageTask:
 
     def train_flops_per_sample(self) -> float | None:
         """UNet forward + backward for one image (the frozen encoders are not counted, as in published SD MFU)."""
-        from gallery_lib.flops import train_flops_per_sample
+        from gallery_lib.models.flops import train_flops_per_sample
 
         unet = self.model
         latent = self.cfg.image_size // self.parts.latent_downsample

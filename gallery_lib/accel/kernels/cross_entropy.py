@@ -20,8 +20,8 @@ from typing import Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from gallery_lib.kernels import _triton_utils as tu
-from gallery_lib.kernels._triton_utils import kernel, library_op, tl, use_triton
+from gallery_lib.accel.kernels import _triton_utils as tu
+from gallery_lib.accel.kernels._triton_utils import kernel, library_op, tl, use_triton
 
 # Warps per row program (None: from the row block). Module-level so that benchmarks/sweep_kernel_plans.py can time
 # alternatives; the values are its winners on the H100 (kernel_plans_h100_v2.json: backward 2.9 -> 2.4 us at

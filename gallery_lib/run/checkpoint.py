@@ -33,8 +33,8 @@ import torch.distributed
 
 import gallery_lib
 from gallery_lib.config import RunConfig
-from gallery_lib.distributed import DistInfo
-from gallery_lib.precision import Precision
+from gallery_lib.accel.distributed import DistInfo
+from gallery_lib.accel.precision import Precision
 
 FORMAT_VERSION = 1
 RESUME_FIELDS = ("model", "image_size", "batch_size", "nproc_per_node", "amp_level", "amp_dtype", "seed")

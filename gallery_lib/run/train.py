@@ -1,6 +1,6 @@
 """The one training loop every model and recipe uses.
 
-Started by ``launch.py`` under torchrun (``python -m gallery_lib.train --config run_dir/config.json``),
+Started by ``launch.py`` under torchrun (``python -m gallery_lib.run.train --config run_dir/config.json``),
 or called in-process with ``run(cfg)`` for single-process runs and tests. It writes the run's
 ``metrics.jsonl`` (one record per step, a summary at the end) and ``logs/rank<N>.log``.
 
@@ -49,17 +49,17 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from gallery_lib.accelerate import apply_accelerations
-from gallery_lib.batch_size import search_run_batch_size
-from gallery_lib.checkpoint import LATEST, Checkpointer, check_fresh_start, checkpoint_dir
+from gallery_lib.accel.accelerate import apply_accelerations
+from gallery_lib.run.batch_size import search_run_batch_size
+from gallery_lib.run.checkpoint import LATEST, Checkpointer, check_fresh_start, checkpoint_dir
 from gallery_lib.config import CUDA_GRAPH_COMPILE_MODES, RunConfig, validate_for_machine
-from gallery_lib.distributed import DistInfo, all_reduce_sum, exit_process, init_distributed, shutdown
-from gallery_lib.metrics import MetricsWriter, superseded_path, supersede_steps
-from gallery_lib.flops import measured_matmul_tflops
-from gallery_lib.precision import Precision
-from gallery_lib.run_logging import rank_logging
+from gallery_lib.accel.distributed import DistInfo, all_reduce_sum, exit_process, init_distributed, shutdown
+from gallery_lib.run.metrics import MetricsWriter, superseded_path, supersede_steps
+from gallery_lib.models.flops import measured_matmul_tflops
+from gallery_lib.accel.precision import Precision
+from gallery_lib.run.logs import rank_logging
 from gallery_lib.tasks import build_task
-from gallery_lib.timing import StepTimer, peak_memory_mb, reset_peak_memory, summarize_times
+from gallery_lib.run.timing import StepTimer, peak_memory_mb, reset_peak_memory, summarize_times
 
 
 def seed_everything(seed: int) -> None:
@@ -93,7 +93,7 @@ def build_ema(model: torch.nn.Module, cfg: RunConfig, optimizer: torch.optim.Opt
     """The EMA of ``model`` that ``cfg.ema`` asks for (``None`` when off), with diffusers' default decay ramp."""
     if cfg.ema == "off":
         return None
-    from gallery_lib.ema import ModelEma
+    from gallery_lib.accel.ema import ModelEma
 
     ema = ModelEma(model, decay=cfg.ema_decay, ratio_warmup=True, mode=cfg.ema)
     if ema.effective_mode == "stream":
@@ -136,9 +136,9 @@ def all_ranks_finite(loss: torch.Tensor, dist: DistInfo) -> bool:
 
 def precompile(accelerated, task, batch, precision: Precision, workers, overlap: bool, log, meanwhile):
     """Compiles the model's distinct block graphs in the ``workers`` (``CompileWorkers``) from one recorded forward
-    on ``batch`` (``gallery_lib.precompile``) and returns its ``PrecompileReport``. With ``overlap`` this process
+    on ``batch`` (``gallery_lib.accel.precompile``) and returns its ``PrecompileReport``. With ``overlap`` this process
     loads each graph as it lands; otherwise the warm-up steps load them. ``meanwhile()`` runs while they compile."""
-    from gallery_lib.precompile import precompile_blocks
+    from gallery_lib.accel.precompile import precompile_blocks
 
     # The plain model, not a DDP wrapper: a forward without its backward would leave DDP's reducer waiting.
     return precompile_blocks(accelerated.module, lambda: task.loss(accelerated.module, batch, precision),
@@ -152,7 +152,7 @@ def attention_choices(accelerated, task, batch, precision: Precision) -> dict[st
     at the end what ``auto`` ran."""
     if accelerated.attention is not None:
         return {}
-    from gallery_lib.attention import record_sdpa_choices
+    from gallery_lib.accel.attention import record_sdpa_choices
 
     try:
         return record_sdpa_choices(accelerated.module, lambda: task.loss(accelerated.module, batch, precision))
@@ -202,7 +202,7 @@ def _compile_workers(cfg: RunConfig, dist: DistInfo):
     """``precompile_workers`` processes for this rank (the machine's share), or nothing to precompile with."""
     if not cfg.precompile_workers:  # RunConfig allows it only with compile=True and compile_scope='blocks'
         return contextlib.nullcontext(None)
-    from gallery_lib.precompile import CompileWorkers
+    from gallery_lib.accel.precompile import CompileWorkers
 
     # Every rank compiles the same graphs for its own device: the machine's workers are shared out.
     return CompileWorkers(max(1, cfg.precompile_workers // dist.world_size), dist.device,
@@ -382,7 +382,7 @@ def _train_from(setup_start: float, cfg: RunConfig, dist: DistInfo, workers, ext
         **(extra_summary or {}),
     }
     if cfg.compile:  # did the run load its graphs (precompiled, or from an earlier run) or compile them itself?
-        from gallery_lib.compile import compile_cache_stats, describe_compile_cache
+        from gallery_lib.accel.compile import compile_cache_stats, describe_compile_cache
 
         summary["compile_cache"] = compile_cache_stats()
         log(f"[gallery] compilation in this process: {describe_compile_cache(summary['compile_cache'])}")

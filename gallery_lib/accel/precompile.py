@@ -13,7 +13,7 @@ compiles the same blocks, it finds every graph there and only traces and loads.
 2. group: calls of the same block class, with the same parameter, buffer and input metadata and the same plain
    attributes (Dynamo guards on those too: SD's mid-block ResNets differ from their neighbours only in
    ``output_scale_factor``), compile to the same graph: one representative each.
-3. workers (``python -m gallery_lib.precompile QUEUE DEVICE``, ``CompileWorkers``) start before the recording,
+3. workers (``python -m gallery_lib.accel.precompile QUEUE DEVICE``, ``CompileWorkers``) start before the recording,
    so that their imports, CUDA context and Inductor compile pool (10-30 s together on a busy machine) come up
    meanwhile; a training run starts them before it even builds the model. Then they all read meta-device copies of
    every representative (real buffers, since index buffers must stay valid), ordered largest first. Each worker
@@ -53,7 +53,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map
 
-from gallery_lib.side_forward import side_forward
+from gallery_lib.accel.side_forward import side_forward
 
 _AUTOCAST_DEVICES = ("cuda", "cpu")
 _DONE = "compiled "
@@ -252,7 +252,7 @@ class CompileWorkers:
             log_path = Path(self._tmp.name) / f"worker{i}.log"
             with open(log_path, "w") as out:
                 self.procs.append((subprocess.Popen(
-                    [sys.executable, "-m", "gallery_lib.precompile", str(self.queue_path), str(torch.device(device))],
+                    [sys.executable, "-m", "gallery_lib.accel.precompile", str(self.queue_path), str(torch.device(device))],
                     stdout=out, stderr=subprocess.STDOUT, env=env), log_path))
 
     def close(self) -> None:
@@ -507,7 +507,7 @@ def compile_queue(path: str, device: str) -> None:
     # choices die with this process: the run tunes its own. The flag is in neither Inductor's cache key nor
     # Dynamo's guards, so the cached graphs are the ones the run would compile (test_precompile checks the hits).
     torch.backends.cudnn.benchmark = False
-    from gallery_lib.compile import raise_recompile_limit
+    from gallery_lib.accel.compile import raise_recompile_limit
 
     raise_recompile_limit()
     claims = Path(path).parent / "claims"
@@ -522,11 +522,11 @@ def compile_queue(path: str, device: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 2:
-        print("usage: python -m gallery_lib.precompile QUEUE.pt DEVICE  (started by precompile_blocks)",
+        print("usage: python -m gallery_lib.accel.precompile QUEUE.pt DEVICE  (started by precompile_blocks)",
               file=sys.stderr)
         return 2
-    # Through the importable module, not __main__: the pickled specs refer to gallery_lib.precompile's classes.
-    from gallery_lib.precompile import compile_queue as run_queue
+    # Through the importable module, not __main__: the pickled specs refer to gallery_lib.accel.precompile's classes.
+    from gallery_lib.accel.precompile import compile_queue as run_queue
 
     run_queue(args[0], args[1])
     return 0

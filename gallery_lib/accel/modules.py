@@ -1,7 +1,7 @@
 """Thin nn.Modules over the fused kernels, drop-in for torch's and diffusers' layers.
 
 Parameter names match the modules they replace (``weight``/``bias``; ``proj`` for GEGLU), so ``state_dict`` keys
-do not change when `gallery_lib.patch.apply_kernels` swaps them in. ``from_module`` builds a fused module that
+do not change when `gallery_lib.accel.patch.apply_kernels` swaps them in. ``from_module`` builds a fused module that
 shares the original's parameters (optimizer state and checkpoints keep pointing at the same tensors).
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from gallery_lib.kernels import geglu, group_norm, layer_norm
+from gallery_lib.accel.kernels import geglu, group_norm, layer_norm
 
 
 class FusedGroupNorm(nn.Module):

@@ -4,7 +4,7 @@ The order matters and is the same for every model and recipe:
 
 1. memory format (channels_last) - parameters must be in their final layout before anything
    captures them;
-2. kernel swap (``gallery_lib.patch``) - replaces submodules, so it goes before anything that
+2. kernel swap (``gallery_lib.accel.patch``) - replaces submodules, so it goes before anything that
    traces or snapshots the module tree;
 3. attention backend - same reason, and it changes what the compiler will see;
 4. precision (O2) - fp32 master copies are taken from the final modules, then weights are cast;
@@ -25,11 +25,11 @@ from typing import TYPE_CHECKING
 import torch
 
 from gallery_lib.config import KERNEL_OPS, RunConfig
-from gallery_lib.distributed import DistInfo, wrap_ddp
-from gallery_lib.precision import Precision
+from gallery_lib.accel.distributed import DistInfo, wrap_ddp
+from gallery_lib.accel.precision import Precision
 
 if TYPE_CHECKING:  # imported where fused_attention is on: the core loop does not need the registry
-    from gallery_lib.attention import AttentionHook
+    from gallery_lib.accel.attention import AttentionHook
 
 
 @dataclass
@@ -66,7 +66,7 @@ def apply_accelerations(model: torch.nn.Module, cfg: RunConfig, precision: Preci
         notes.append(f"DDP over {dist.world_size} processes")
     mode = None if cfg.compile_mode == "default" else cfg.compile_mode
     if cfg.compile and cfg.compile_scope == "blocks":
-        from gallery_lib.compile import regional_compile
+        from gallery_lib.accel.compile import regional_compile
 
         # Static shapes, as whole-model compilation has: each block shape gets its own graph.
         kwargs = {"backend": "inductor", "mode": mode, "dynamic": False}
@@ -84,8 +84,8 @@ def apply_accelerations(model: torch.nn.Module, cfg: RunConfig, precision: Preci
 
 def _apply_kernels(model: torch.nn.Module, ops: tuple[str, ...]) -> str:
     try:
-        from gallery_lib.patch import apply_kernels
+        from gallery_lib.accel.patch import apply_kernels
     except ImportError as exc:  # the kernels package is optional for the core loop
-        raise RuntimeError(f"kernels=True needs gallery_lib.patch, which failed to import: {exc}") from exc
+        raise RuntimeError(f"kernels=True needs gallery_lib.accel.patch, which failed to import: {exc}") from exc
     report = apply_kernels(model, **{op: op in ops for op in KERNEL_OPS})
     return f"fused kernels: {report.summary()}"

@@ -28,7 +28,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from gallery_lib.modules import FusedGEGLU, FusedGroupNorm, FusedLayerNorm
+from gallery_lib.accel.modules import FusedGEGLU, FusedGroupNorm, FusedLayerNorm
 
 
 @dataclass

@@ -10,11 +10,11 @@ and registered autograd, so ``torch.compile`` traces it without a graph break. H
   the same math (fp32 statistics, output in the input dtype), so results match the kernels to rounding.
 """
 
-from gallery_lib.kernels._triton_utils import has_triton, is_triton_enabled, set_triton_enabled, use_triton
-from gallery_lib.kernels.cross_entropy import soft_cross_entropy
-from gallery_lib.kernels.geglu import geglu
-from gallery_lib.kernels.group_norm import group_norm
-from gallery_lib.kernels.layer_norm import layer_norm
+from gallery_lib.accel.kernels._triton_utils import has_triton, is_triton_enabled, set_triton_enabled, use_triton
+from gallery_lib.accel.kernels.cross_entropy import soft_cross_entropy
+from gallery_lib.accel.kernels.geglu import geglu
+from gallery_lib.accel.kernels.group_norm import group_norm
+from gallery_lib.accel.kernels.layer_norm import layer_norm
 
 __all__ = [
     "geglu",

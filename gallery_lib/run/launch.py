@@ -2,7 +2,7 @@
 
 Used the same way from a notebook cell and from the CLI: ``launch(cfg)`` validates the config for
 this machine (before anything slow starts), writes ``config.json`` into the run's own folder,
-runs ``torchrun --standalone --nproc-per-node N [--max-restarts R] -m gallery_lib.train --config ...``, prints
+runs ``torchrun --standalone --nproc-per-node N [--max-restarts R] -m gallery_lib.run.train --config ...``, prints
 rank 0's lines as they arrive, and returns a ``RunResult`` that carries its own output path, so a notebook
 never plots one run's files under another run's name.
 """
@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Callable
 
 from gallery_lib.config import RunConfig, validate_for_machine
-from gallery_lib.metrics import read_metrics
+from gallery_lib.run.metrics import read_metrics
 from gallery_lib.models import family_env
 
 
@@ -44,7 +44,7 @@ class RunResult:
 def torchrun_command(cfg: RunConfig, config_path: Path) -> list[str]:
     restarts = [f"--max-restarts={cfg.max_restarts}"] if cfg.max_restarts > 0 else []
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={cfg.nproc_per_node}",
-            *restarts, "-m", "gallery_lib.train", "--config", str(config_path)]
+            *restarts, "-m", "gallery_lib.run.train", "--config", str(config_path)]
 
 
 def _child_env(cfg: RunConfig, device: str) -> dict[str, str]:

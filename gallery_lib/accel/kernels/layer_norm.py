@@ -19,8 +19,8 @@ from typing import Optional, Tuple
 
 import torch
 
-from gallery_lib.kernels import _triton_utils as tu
-from gallery_lib.kernels._triton_utils import kernel, library_op, tl, triton, use_triton
+from gallery_lib.accel.kernels import _triton_utils as tu
+from gallery_lib.accel.kernels._triton_utils import kernel, library_op, tl, triton, use_triton
 
 
 @kernel

@@ -15,8 +15,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from gallery_lib.kernels import _triton_utils as tu
-from gallery_lib.kernels._triton_utils import device_function, kernel, library_op, tl, triton, use_triton
+from gallery_lib.accel.kernels import _triton_utils as tu
+from gallery_lib.accel.kernels._triton_utils import device_function, kernel, library_op, tl, triton, use_triton
 
 _SQRT1_2 = 0.7071067811865476
 _INV_SQRT_2PI = 0.3989422804014327

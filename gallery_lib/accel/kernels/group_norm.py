@@ -40,8 +40,8 @@ from typing import Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from gallery_lib.kernels import _triton_utils as tu
-from gallery_lib.kernels._triton_utils import device_function, kernel, library_op, tl, triton, use_triton
+from gallery_lib.accel.kernels import _triton_utils as tu
+from gallery_lib.accel.kernels._triton_utils import device_function, kernel, library_op, tl, triton, use_triton
 
 _ACTIVATIONS = (None, "silu")
 # Channels per program of the split plan in channels_last: 128 bytes of a bf16 pixel row, a whole cache line.

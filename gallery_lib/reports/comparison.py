@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 from matplotlib.figure import Figure
 
-from gallery_lib.metrics import read_metrics
+from gallery_lib.run.metrics import read_metrics
 
 CONFIG_FILE = "config.json"
 METRICS_FILE = "metrics.jsonl"

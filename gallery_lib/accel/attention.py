@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gallery_lib.side_forward import side_forward
+from gallery_lib.accel.side_forward import side_forward
 
 try:
     import flash_attn  # FA2
@@ -376,7 +376,7 @@ def record_sdpa_choices(model: nn.Module, forward: Callable[[], Any]) -> dict[st
     without this registry's hooks, a run's log says which kernel PyTorch chose (a model without attention: empty).
 
     ``forward`` runs once eagerly without gradients (compiled parts too); the choices are those of a training step.
-    Nothing changes (``gallery_lib.side_forward``), and ``model``'s buffers (BatchNorm statistics) are restored.
+    Nothing changes (``gallery_lib.accel.side_forward``), and ``model``'s buffers (BatchNorm statistics) are restored.
     """
     _remember_devices(model)  # outside any compilation, before the recorder asks for device names
     buffers = [(b, b.detach().clone()) for b in model.buffers()]

@@ -1,0 +1,1 @@
+"""The run: the training loop, the launcher, checkpoints, metrics, timing and logs."""
