@@ -372,7 +372,7 @@ def test_a_failing_probe_is_reported_not_raised():
     """The run's probe is a report: a forward that fails in it leaves the first step to meet (and name) the problem."""
     from types import SimpleNamespace
 
-    from gallery_lib.run.train import attention_choices
+    from gallery_lib.run.attention_probe import attention_choices
 
     class Broken:
         def loss(self, module, batch, precision):

@@ -319,7 +319,7 @@ def test_device_guard_skips_nonfinite_steps_without_a_host_sync(smoke_data, tmp_
     """Fused AdamW without a GradScaler: the optimizer skips a NaN step on a device flag; the step is counted when
     the flags are read at the next log, and a run of them stops the run there, with finite weights saved."""
     from gallery_lib.accel.precision import Precision
-    from gallery_lib.run.train import nonfinite_guard
+    from gallery_lib.run.nonfinite import guard_mode as nonfinite_guard
 
     cfg = resume_cfg(smoke_data, tmp_path, steps=12, checkpoint_every=0, log_every=4, max_nonfinite_steps=3,
                      fused_optimizer=True)

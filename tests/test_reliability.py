@@ -197,10 +197,11 @@ CRASH_ONCE = textwrap.dedent("""
     import os
     import sys
 
+    import gallery_lib.run.nonfinite as nonfinite
     import gallery_lib.run.train as train
 
     calls = 0
-    finite_check = train.all_ranks_finite
+    finite_check = nonfinite.all_ranks_finite
 
     def crash_in_first_attempt(loss, dist):  # called once per step, after backward
         global calls
@@ -209,7 +210,7 @@ CRASH_ONCE = textwrap.dedent("""
             os._exit(1)
         return finite_check(loss, dist)
 
-    train.all_ranks_finite = crash_in_first_attempt
+    nonfinite.all_ranks_finite = crash_in_first_attempt
     sys.exit(train.main(sys.argv[1:]))
 """)
 
@@ -296,7 +297,7 @@ def test_nonfinite_loss_on_some_ranks_skips_the_step_on_every_rank(smoke_data, t
     weights. Step 4 caught a bug of the device guard: the flags were summed, and fused AdamW skips only when
     found_inf == 1, so two bad ranks (found_inf 2) let NaN into the weights."""
     from gallery_lib.accel.precision import Precision
-    from gallery_lib.run.train import nonfinite_guard
+    from gallery_lib.run.nonfinite import guard_mode as nonfinite_guard
 
     cfg = small_cfg(smoke_data, tmp_path / "out", nproc_per_node=2, batch_size=4, log_every=3, **options)
     assert nonfinite_guard(cfg, Precision.from_config(cfg, "cpu")) == guard

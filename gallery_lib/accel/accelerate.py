@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from gallery_lib.config import KERNEL_OPS, RunConfig
+from gallery_lib.accel.compile_plan import CompilePlan
 from gallery_lib.accel.distributed import DistInfo, wrap_ddp
 from gallery_lib.accel.precision import Precision
 
@@ -38,17 +39,18 @@ class AcceleratedModel:
     """The plain model (parameters, state_dict keys as built)."""
     train_module: torch.nn.Module
     """What the loop calls: possibly DDP-wrapped and compiled."""
+    compile_plan: CompilePlan
+    """What was compiled and how (the blocks compiled in place, their precompilation, the cache statistics)."""
     notes: list[str] = field(default_factory=list)
-    compiled_blocks: list[str] = field(default_factory=list)
-    """Qualified names of the blocks compiled in place (``compile_scope='blocks'``), for ``precompile_blocks``."""
-    compile_kwargs: dict = field(default_factory=dict)
-    """What those blocks were compiled with."""
     attention: AttentionHook | None = None
     """The attention hook when ``fused_attention``: its ``selector.chosen`` says what each attention shape ran."""
 
 
-def apply_accelerations(model: torch.nn.Module, cfg: RunConfig, precision: Precision,
-                        dist: DistInfo) -> AcceleratedModel:
+def apply_accelerations(model: torch.nn.Module, cfg: RunConfig, precision: Precision, dist: DistInfo,
+                        compile_plan: CompilePlan | None = None) -> AcceleratedModel:
+    """``model`` with ``cfg``'s accelerations; ``compile_plan`` is the run's (opened before the model was built, so its
+    precompile workers start early), else one without workers."""
+    plan = compile_plan if compile_plan is not None else CompilePlan(cfg.replace(precompile_workers=0), dist)
     notes: list[str] = []
     attention = None
     if cfg.channels_last:
@@ -66,20 +68,16 @@ def apply_accelerations(model: torch.nn.Module, cfg: RunConfig, precision: Preci
         notes.append(f"DDP over {dist.world_size} processes")
     mode = None if cfg.compile_mode == "default" else cfg.compile_mode
     if cfg.compile and cfg.compile_scope == "blocks":
-        from gallery_lib.accel.compile import regional_compile
-
         # Static shapes, as whole-model compilation has: each block shape gets its own graph.
-        kwargs = {"backend": "inductor", "mode": mode, "dynamic": False}
-        names = regional_compile(model, cfg.model_family.block_types, **kwargs)
+        names = plan.compile_blocks(model, backend="inductor", mode=mode, dynamic=False)
         notes.append(f"torch.compile(mode={cfg.compile_mode!r}) of {len(names)} repeated blocks in place"
                      + (f", precompiled by {cfg.precompile_workers} processes before the first step"
                         if cfg.precompile_workers else "; compilation happens in the first warm-up steps"))
-        return AcceleratedModel(module=model, train_module=train_module, notes=notes, compiled_blocks=names,
-                                compile_kwargs=kwargs, attention=attention)
-    if cfg.compile:
+    elif cfg.compile:
         train_module = torch.compile(train_module, mode=mode)
         notes.append(f"torch.compile(mode={cfg.compile_mode!r}); compilation happens in the first warm-up steps")
-    return AcceleratedModel(module=model, train_module=train_module, notes=notes, attention=attention)
+    return AcceleratedModel(module=model, train_module=train_module, compile_plan=plan, notes=notes,
+                            attention=attention)
 
 
 def _apply_kernels(model: torch.nn.Module, ops: tuple[str, ...]) -> str:

@@ -1,0 +1,102 @@
+"""The non-finite loss guard: a step whose loss is NaN or infinite on any rank does not move the weights.
+
+Three modes (``guard_mode``):
+
+- ``device``, with fused AdamW and no GradScaler (the compiled and accelerated recipes): the optimizer gets a device
+  flag (``found_inf``, the mechanism GradScaler uses) and skips its own update; no host sync. The learning-rate
+  schedule and the EMA still advance on a skipped step (the weights did not move, so the EMA only moves towards
+  them), and the skips are counted when the flags are read back at the next logging step (``count``). The per-step
+  sync of the other mode is too costly for a launch-bound step (benchmarks/RESULTS.md#sd15-recipes).
+- ``host`` otherwise: the loss is read on the host after backward (one sync per step, plus a one-element all-reduce
+  when distributed) and the optimizer, scheduler and EMA are not stepped at all; fp16 runs sync there anyway in
+  ``GradScaler.step``.
+- ``off`` with ``max_nonfinite_steps=0``.
+
+``max_nonfinite_steps`` skipped steps in a row stop the run (``should_stop``, then ``error``), with a checkpoint.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from gallery_lib.accel.distributed import DistInfo, all_reduce_sum
+
+
+def guard_mode(cfg, precision) -> str:
+    """``off``, ``device`` or ``host``: see the module docstring."""
+    if cfg.max_nonfinite_steps == 0:
+        return "off"
+    return "device" if cfg.fused_optimizer and precision.scaler is None else "host"
+
+
+def nonfinite_flag(loss: torch.Tensor, dist: DistInfo) -> torch.Tensor:
+    """A 0-d float tensor on the loss's device, > 0 when the loss is not finite on some rank (no sync)."""
+    flag = (~torch.isfinite(loss.detach())).float().reshape(())
+    if dist.world_size > 1:
+        # MAX, not SUM: fused AdamW skips only when found_inf == 1.0 exactly; a 2.0 (two bad ranks) would step.
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+    return flag
+
+
+def all_ranks_finite(loss: torch.Tensor, dist: DistInfo) -> bool:
+    """Whether the loss is finite on every rank (one host sync; one all-reduce when distributed)."""
+    bad = 0.0 if bool(torch.isfinite(loss.detach()).all()) else 1.0
+    return all_reduce_sum(bad, dist) == 0
+
+
+class NonfiniteGuard:
+    """Runs each step's update unless the loss is not finite, and counts the skipped steps."""
+
+    def __init__(self, cfg, precision, dist: DistInfo, counters: dict[str, int] | None = None) -> None:
+        self.mode = guard_mode(cfg, precision)
+        self.limit = cfg.max_nonfinite_steps
+        self.dist = dist
+        counters = counters or {}
+        self.in_a_row = counters.get("nonfinite_in_a_row", 0)
+        self.total = counters.get("nonfinite_steps", 0)
+
+    def update(self, loss: torch.Tensor, optimizer: torch.optim.Optimizer,
+               apply_update: Callable[[], None]) -> bool | torch.Tensor:
+        """Runs ``apply_update`` (optimizer, scheduler and EMA step) as the mode allows; returns whether the step was
+        skipped: a bool, or in ``device`` mode a device flag that ``count`` reads later."""
+        if self.mode == "device":
+            optimizer.found_inf = nonfinite_flag(loss, self.dist)
+            flag = optimizer.found_inf
+            try:
+                apply_update()
+            finally:
+                del optimizer.found_inf
+            return flag
+        if self.mode == "host" and not all_ranks_finite(loss, self.dist):
+            self._count(True)
+            return True
+        self._count(False)
+        apply_update()
+        return False
+
+    def count(self, skips: list[bool]) -> None:
+        """Counts the skip flags of ``device`` mode once they are read back (the other modes counted already)."""
+        if self.mode == "device":
+            for skipped in skips:
+                self._count(skipped)
+
+    def _count(self, skipped: bool) -> None:
+        self.in_a_row = self.in_a_row + 1 if skipped else 0
+        self.total += int(skipped)
+
+    def should_stop(self) -> bool:
+        return self.mode != "off" and self.in_a_row >= self.limit
+
+    def counters(self) -> dict[str, int]:
+        """What a checkpoint keeps, so a resumed run goes on counting."""
+        return {"nonfinite_in_a_row": self.in_a_row, "nonfinite_steps": self.total}
+
+    def error(self, last_step: int, saved_to) -> RuntimeError:
+        """The error that stops the run after ``last_step`` (0-based), naming where the state was saved."""
+        first = last_step + 1 - self.in_a_row
+        return RuntimeError(
+            f"the loss was not finite for {self.limit} steps in a row (steps {first}-{last_step}); those optimizer "
+            f"steps were skipped and the state was saved to {saved_to}. Lower the learning rate (lr) or check the "
+            "data and amp_level, then continue with resume=True.")

@@ -1,0 +1,50 @@
+"""The run summary: the last record of ``metrics.jsonl``, which the reports, tests and benchmarks read.
+
+Speed figures are over the steady-state steps (after warm-up), warm-up and compile time are reported apart.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from gallery_lib.accel.distributed import DistInfo, all_reduce_sum
+from gallery_lib.models.flops import measured_matmul_tflops
+from gallery_lib.run.step_log import StepLog
+from gallery_lib.run.timing import peak_memory_mb, summarize_times
+
+
+def build_summary(cfg, dist: DistInfo, step_log: StepLog, *, warmup_steps: int, setup_time: float,
+                  precompile_seconds: float, probe_seconds: float, skipped_samples: int, nonfinite_steps: int,
+                  notes: list[str], flops_per_sample: float | None, **records: Any) -> dict[str, Any]:
+    """The summary record; ``records`` (task figures, compile and attention reports, ...) are merged in last.
+    Every rank calls it: the skipped samples are summed over ranks."""
+    times, losses = step_log.step_times, step_log.losses
+    timing = summarize_times(times[warmup_steps:])
+    return {
+        "type": "summary", "model": cfg.model, "recipe": cfg.recipe, "profile": cfg.profile,
+        "device_name": torch.cuda.get_device_name(dist.device) if dist.device.type == "cuda" else "CPU",
+        "world_size": dist.world_size, "global_batch_size": cfg.global_batch_size, "image_size": cfg.image_size,
+        "steps": cfg.steps, "warmup_steps": warmup_steps, "resumed_from_step": step_log.start,
+        "setup_time_s": setup_time, "precompile_time_s": precompile_seconds,
+        "warmup_time_s": sum(times[:warmup_steps]) / 1e3, **timing, "warmup_step_times_ms": times[:warmup_steps],
+        "attention_probe_time_s": probe_seconds,  # the side forward that reads PyTorch's SDPA choices
+        "samples_per_s": cfg.global_batch_size * 1e3 / timing["median_step_time_ms"],
+        "peak_mem_mb": peak_memory_mb(dist.device),
+        "peak_mem_kind": "cuda_max_allocated" if dist.device.type == "cuda" else "cpu_max_rss",
+        "final_loss": losses[-1], "mean_loss_last_10": sum(losses[-10:]) / len(losses[-10:]),
+        "skipped_samples": int(all_reduce_sum(float(skipped_samples), dist)), "nonfinite_steps": nonfinite_steps,
+        "reuse_batch": cfg.reuse_batch, "notes": notes, "ema": cfg.ema, "train_flops_per_sample": flops_per_sample,
+        "matmul_tflops": measured_matmul_tflops(dist.device), "torch_version": torch.__version__,
+        "output_dir": str(cfg.run_dir), **records,
+    }
+
+
+def describe_summary(summary: dict[str, Any]) -> str:
+    """The run's last log line."""
+    after = f" after {summary['precompile_time_s']:.1f} s of precompilation" if summary["precompile_time_s"] else ""
+    steady = summary["steps"] - summary["resumed_from_step"] - summary["warmup_steps"]
+    return (f"[gallery] done: {summary['samples_per_s']:.1f} img/s (median of {steady} steps after warm-up), "
+            f"warm-up {summary['warmup_time_s']:.1f} s{after}, peak {summary['peak_mem_mb'] / 1024:.2f} GiB, "
+            f"final loss {summary['final_loss']:.4f}")

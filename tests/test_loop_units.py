@@ -1,0 +1,136 @@
+"""The training loop's parts, each on its own: the non-finite guard, the step log, the summary, the compile plan and
+the attention probe (the loop itself is tested end to end in test_train.py, test_checkpoint.py, test_reliability.py)."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from gallery_lib.accel.compile_plan import CompilePlan
+from gallery_lib.accel.distributed import DistInfo
+from gallery_lib.accel.precision import Precision
+from gallery_lib.config import RunConfig
+from gallery_lib.run.attention_probe import AttentionProbe
+from gallery_lib.run.metrics import MetricsWriter, read_metrics
+from gallery_lib.run.nonfinite import NonfiniteGuard
+from gallery_lib.run.step_log import StepLog
+from gallery_lib.run.summary import build_summary, describe_summary
+
+CPU = DistInfo(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
+
+
+def cfg(**kw) -> RunConfig:
+    return RunConfig(**{"model": "swin_micro", "batch_size": 4, "steps": 8, "warmup_steps": 2, "log_every": 4,
+                        "device": "cpu", **kw})
+
+
+def guard(**kw) -> NonfiniteGuard:
+    c = cfg(max_nonfinite_steps=2, **kw)
+    return NonfiniteGuard(c, Precision.from_config(c, "cpu"), CPU)
+
+
+def test_host_guard_skips_the_update_of_a_bad_step_and_stops_after_a_run_of_them():
+    g, updates = guard(), []
+    assert g.mode == "host"
+    assert g.update(torch.tensor(1.0), None, lambda: updates.append(1)) is False and updates == [1]
+    assert g.update(torch.tensor(float("nan")), None, lambda: updates.append(2)) is True and updates == [1]
+    assert not g.should_stop() and g.counters() == {"nonfinite_in_a_row": 1, "nonfinite_steps": 1}
+    g.update(torch.tensor(float("inf")), None, updates.append)
+    assert g.should_stop() and g.total == 2
+    assert "not finite for 2 steps in a row (steps 3-4)" in str(g.error(4, "ckpt/step_5.pt"))
+    g.count([True, True, True])  # host mode counted already: flags read back later change nothing
+    assert g.total == 2
+
+
+def test_device_guard_hands_the_optimizer_a_flag_and_counts_it_when_read_back():
+    g = guard(fused_optimizer=True, amp_level="O0")
+    assert g.mode == "device"
+    optimizer = SimpleNamespace()
+    seen = []
+    flag = g.update(torch.tensor(float("nan")), optimizer, lambda: seen.append(float(optimizer.found_inf)))
+    assert seen == [1.0] and not hasattr(optimizer, "found_inf")  # the update ran, the optimizer skipped itself
+    assert isinstance(flag, torch.Tensor) and not g.should_stop()  # nothing is read on the host yet
+    g.count([bool(flag), True])
+    assert g.should_stop() and g.counters() == {"nonfinite_in_a_row": 2, "nonfinite_steps": 2}
+    g.count([False])
+    assert not g.should_stop()
+
+
+def test_guard_off_never_checks_and_resumes_its_counters():
+    c = cfg(max_nonfinite_steps=0)
+    off = NonfiniteGuard(c, Precision.from_config(c, "cpu"), CPU)
+    calls = []
+    assert off.update(torch.tensor(float("nan")), None, lambda: calls.append(1)) is False and calls == [1]
+    assert off.mode == "off" and not off.should_stop()
+    resumed = NonfiniteGuard(cfg(), Precision.from_config(cfg(), "cpu"), CPU, {"nonfinite_in_a_row": 1,
+                                                                              "nonfinite_steps": 3})
+    assert resumed.counters() == {"nonfinite_in_a_row": 1, "nonfinite_steps": 3}
+
+
+def test_step_log_writes_each_step_once_per_flush(tmp_path):
+    c, lines = cfg(), []
+    path = tmp_path / "metrics.jsonl"
+    loader = SimpleNamespace(skipped=3)
+    with MetricsWriter(path) as writer:
+        log = StepLog(c, torch.device("cpu"), writer, loader, start=0, warmup_steps=2, log=lines.append)
+        for step in range(4):
+            log.record(torch.tensor(float(step)), 0.1 * step, step == 2)
+            assert log.due(step + 1) == (step == 3)
+        assert log.flush(4) == [False, False, True, False]
+        log.restart_clock()
+        log.record(torch.tensor(9.0), 0.5, torch.tensor(0.0))
+        assert log.flush(5) == [False]
+    steps, _ = read_metrics(path)
+    assert [s["step"] for s in steps] == [0, 1, 2, 3, 4] and [s["loss"] for s in steps] == [0, 1, 2, 3, 9]
+    assert [s["warmup"] for s in steps] == [True, True, False, False, False]
+    assert steps[2]["skipped_step"] and steps[0]["skipped_samples"] == 3 and steps[1]["lr"] == pytest.approx(0.1)
+    assert all(s["samples_per_s"] == pytest.approx(4e3 / s["step_time_ms"]) for s in steps)
+    assert log.losses == [0, 1, 2, 3, 9] and len(log.step_times) == 5 and len(lines) == 2
+    assert lines[0].startswith("[gallery] step 4/8 | loss 3.0000")
+
+
+def test_summary_reads_the_steady_steps_after_warm_up():
+    c = cfg()
+    log = SimpleNamespace(step_times=[50.0, 30.0, 10.0, 12.0, 11.0], losses=[5.0, 4.0, 3.0, 2.0, 1.0], start=3)
+    summary = build_summary(c, CPU, log, warmup_steps=2, setup_time=1.5, precompile_seconds=0.0, probe_seconds=0.2,
+                            skipped_samples=1, nonfinite_steps=0, notes=["n"], flops_per_sample=None, extra=7)
+    assert summary["median_step_time_ms"] == 11.0 and summary["warmup_time_s"] == pytest.approx(0.08)
+    assert summary["samples_per_s"] == pytest.approx(4e3 / 11.0) and summary["resumed_from_step"] == 3
+    assert summary["mean_loss_last_10"] == 3.0 and summary["final_loss"] == 1.0 and summary["extra"] == 7
+    assert summary["output_dir"] == str(c.run_dir) and json.dumps(summary)
+    assert "(median of 3 steps after warm-up)" in describe_summary(summary)
+
+
+def test_compile_plan_compiles_the_family_blocks_and_reports_the_caches():
+    c = cfg(compile=True, compile_scope="blocks")
+    lines = []
+    with CompilePlan(c, CPU) as plan:
+        assert plan.workers is None  # no precompile_workers asked for
+        model = c.model_family.build(c.model, num_classes=4)
+        names = plan.compile_blocks(model, backend="eager")
+        assert names and all(type(model.get_submodule(n)).__name__ == "SwinTransformerBlock" for n in names)
+        called = []
+        assert plan.precompile(model, lambda: None, lines.append, meanwhile=lambda: called.append(1)) is False
+        assert not called and plan.precompile_seconds == 0.0
+        record = plan.summary(lines.append)
+    assert set(record) == {"compile_cache"} and "graphs_traced" in record["compile_cache"]
+    assert lines and lines[0].startswith("[gallery] compilation in this process:")
+    with CompilePlan(cfg(), CPU) as eager:
+        assert eager.summary(lines.append) == {}
+
+
+def test_attention_probe_reports_what_ran():
+    hook = SimpleNamespace(selector=SimpleNamespace(chosen={"shape": "efficient"}))
+    probe = AttentionProbe(SimpleNamespace(attention=hook, module=None), None, None, None)
+    probe()
+    lines = []
+    assert probe.choices == {} and probe.report(lines.append) == {"attention": {"shape": "efficient"}}
+    assert lines == ["[gallery] attention shape: efficient"]
+    plain = AttentionProbe(SimpleNamespace(attention=None, module=torch.nn.Linear(2, 2)),
+                           SimpleNamespace(loss=lambda module, batch, precision: module(batch).sum()),
+                           torch.ones(1, 2), None)
+    plain()
+    assert plain.report(lines.append) == {} and "no scaled_dot_product_attention call" in lines[-1]
