@@ -1,8 +1,5 @@
 """ModelEma: every mode follows the per-tensor loop reference; skip, warm-up, swap and checkpoint behaviour."""
 
-import os
-import subprocess
-import sys
 import warnings
 
 import pytest
@@ -69,7 +66,7 @@ def _assert_state_close(a: dict, b: dict, dtype, factor=1):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_every_mode_matches_loop_after_7_steps(dtype):
-    model, emas = _train_with_emas(dtype, "cpu", MODES, decay=0.8, use_warmup=True, warmup_power=0.9)
+    model, emas = _train_with_emas(dtype, "cpu", MODES, decay=0.8, ratio_warmup=True)
     ref = emas["loop"].module.state_dict()
     # the average really moved away from the model (and from its start), so equality is not trivial
     assert not torch.allclose(ref["lin.weight"], model.lin.weight)
@@ -96,8 +93,8 @@ def test_cpu_fallback_warns_once_and_says_so(mode):
 def test_bad_arguments_raise_clear_errors():
     with pytest.raises(ValueError, match="unknown mode 'turbo'"):
         ModelEma(_Net(), mode="turbo")
-    with pytest.raises(ValueError, match="min_decay"):
-        ModelEma(_Net(), decay=0.5, min_decay=0.9)
+    with pytest.raises(ValueError, match="0 <= decay <= 1"):
+        ModelEma(_Net(), decay=1.5)
     with pytest.raises(ValueError, match="keys 'module' and 'step'"):
         ModelEma(_Net()).load_state_dict({"lin.weight": torch.zeros(7, 5)})
 
@@ -117,17 +114,14 @@ def test_first_update_copies_then_averages():
 
 
 def test_warmup_decay_values():
-    ema = ModelEma(_Net(), decay=0.9999, use_warmup=True, warmup_gamma=1.0, warmup_power=2 / 3)
+    """diffusers' EMAModel ramp: (1 + step) / (10 + step) after the copy step, capped at decay."""
+    ema = ModelEma(_Net(), decay=0.9999, ratio_warmup=True)
     assert ema.get_decay(None) == 0.9999
     assert ema.get_decay(0) == ema.get_decay(1) == 0.0
     decays = [ema.get_decay(s) for s in range(2, 2000, 37)]
     assert all(0 < a < b for a, b in zip(decays, decays[1:]))  # increasing ramp
-    # timm's documented anchor: power 2/3 reaches 0.999 at ~31.6K steps (one more here: step 1 only copies)
-    assert ema.get_decay(31_624) == pytest.approx(0.999, abs=2e-6)
+    assert ema.get_decay(81) == pytest.approx(0.9) and ema.get_decay(891) == pytest.approx(0.99)
     assert ema.get_decay(10**9) == 0.9999  # capped at decay
-    late = ModelEma(_Net(), decay=0.99, min_decay=0.5, update_after_step=5, use_warmup=True)
-    assert [late.get_decay(s) for s in range(1, 7)] == [0.0] * 6
-    assert late.get_decay(7) == 0.5  # 1 - 2**(-2/3) = 0.37 clamped up to min_decay
     assert ModelEma(_Net(), decay=0.9).get_decay(2) == 0.9  # no warm-up: constant after the copy step
 
 
@@ -179,7 +173,7 @@ def test_swap_puts_ema_in_and_restores_exactly():
     for k, v in model.state_dict().items():
         assert torch.equal(v, original[k]), k
     with pytest.raises(RuntimeError, match="boom"):  # restored on errors too
-        with ema.apply_to(model):
+        with ema.swap(model):
             raise RuntimeError("boom")
     assert torch.equal(model.lin.weight, original["lin.weight"])
 
@@ -207,34 +201,11 @@ def test_ema_of_compiled_wrapper_uses_the_inner_model():
     assert torch.equal(ema.module.lin.weight, model.lin.weight)
 
 
-def test_fused_kernel_logic_under_triton_interpreter():
-    """Runs the Triton kernel on CPU tensors through TRITON_INTERPRET=1 (logic only, not speed)."""
-    pytest.importorskip("triton")
-    code = (
-        "import torch\n"
-        "from gallery_lib.accel.ema import fused_lerp_\n"
-        "torch.manual_seed(0)\n"
-        "sizes = [1, 5, 4096, 4097, 9000, 0, 3]\n"
-        "for dt in (torch.float32, torch.bfloat16):\n"
-        "    ema = [torch.randn(s).to(dt) for s in sizes]; model = [torch.randn(s).to(dt) for s in sizes]\n"
-        "    ema.append(torch.randn(6, 4).t()); model.append(torch.randn(4, 6))  # non-contiguous: foreach rest\n"
-        "    ref = [e.clone() for e in ema]\n"
-        "    for w, programs in ((0.3, None), (0.9, 2), (1.0, 3)):\n"
-        "        for r, m in zip(ref, model): r.lerp_(m.to(r.dtype), w)\n"
-        "        fused_lerp_(ema, model, w, programs=programs)\n"
-        "    for e, r in zip(ema, ref): torch.testing.assert_close(e, r, rtol=0, atol=0)\n"
-        "print('ok')\n"
-    )
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-3000:]
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gpu_every_mode_matches_loop(dtype):
-    _, emas = _train_with_emas(dtype, "cuda", MODES, decay=0.8, use_warmup=True, warmup_power=0.9)
+    _, emas = _train_with_emas(dtype, "cuda", MODES, decay=0.8, ratio_warmup=True)
     assert emas["fused"].effective_mode == "fused" and emas["stream"].effective_mode == "stream"
     ref = emas["loop"].state_dict()["module"]
     for mode in MODES[1:]:
