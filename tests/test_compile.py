@@ -10,7 +10,8 @@ import pytest
 import torch
 from torch import nn
 
-from gallery_lib.accel.compile import Candidate, optimize, regional_compile, undo_regional_compile
+from gallery_lib.accel.compile import regional_compile, undo_regional_compile
+from gallery_lib.accel.optimize import Candidate, optimize
 
 
 class _Block(nn.Module):
@@ -176,3 +177,9 @@ def test_regional_optimize_keeps_only_the_winner_compiled():
     assert res.choice in ("aot-a", "aot-b") and res.regional_modules == ["1", "2", "3"]
     assert res.target is model
     assert all(model.get_submodule(n)._compiled_call_impl is not None for n in res.regional_modules)
+
+
+def test_optimize_is_the_public_one_line_hook():
+    import gallery_lib
+
+    assert gallery_lib.optimize is optimize and "optimize" in gallery_lib.__all__
