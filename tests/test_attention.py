@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from gallery_lib.accel import attention as attention_module
+from gallery_lib.accel.attention import backends as attention_backends
 from gallery_lib.accel.attention import (BACKENDS, BackendSelector, attention, describe, hook_diffusers_attention,
                                    hook_swin_attention, rule_choice, select_backend)
 
@@ -266,7 +267,7 @@ def test_rule_without_timing_follows_the_measured_table():
 
 def test_selector_uses_the_rule_while_tracing_and_caches_nothing(monkeypatch):
     sel = _fake_selector()
-    monkeypatch.setattr(attention_module, "_cannot_benchmark", lambda: True)
+    monkeypatch.setattr(attention_backends, "_cannot_benchmark", lambda: True)
     assert sel.select((8, 8, 4096, 40), BF16, "cuda", False) == "cudnn"
     assert sel.select((512, 12, 49, 32), BF16, "cuda", True) == "efficient"
     assert sel.timer.calls == [] and sel.cache == {}
@@ -275,7 +276,7 @@ def test_selector_uses_the_rule_while_tracing_and_caches_nothing(monkeypatch):
 def test_auto_traces_without_graph_breaks_once_the_device_is_known(monkeypatch):
     """Inside torch.compile the selector must not query CUDA (each query is a graph break): with the device info
     remembered, selecting for a CUDA shape is plain Python that Dynamo traces into one graph."""
-    monkeypatch.setitem(attention_module._DEVICE_INFO, 0, H100)
+    monkeypatch.setitem(attention_backends._DEVICE_INFO, 0, H100)
 
     def step(x):
         choice = select_backend((512, 12, 49, 32), BF16, torch.device("cuda", 0), True)

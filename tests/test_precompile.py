@@ -64,10 +64,11 @@ def test_record_finds_distinct_graphs_and_keeps_rng():
 def test_queue_is_largest_first_and_each_graph_claimed_once(tmp_path):
     calls, _ = record_block_calls(Model(), lambda m=Model(): None, [])
     assert calls == []
-    from gallery_lib.accel.precompile import BlockCall, _claim, _largest_first
+    from gallery_lib.accel.precompile.record import BlockCall, largest_first
+    from gallery_lib.accel.precompile.worker import _claim
 
     made = [BlockCall(str(c), (), {}, (), True, cost=c) for c in (5, 1, 4, 2, 3)]
-    assert [c.cost for c in _largest_first(made)] == [5, 4, 3, 2, 1]
+    assert [c.cost for c in largest_first(made)] == [5, 4, 3, 2, 1]
     assert [_claim(tmp_path, i) for i in (0, 1, 0, 1, 2)] == [True, True, False, False, True]
 
 
@@ -135,7 +136,7 @@ def test_bad_worker_count():
 
 
 def test_finished_graphs_read_from_worker_logs_ignore_partial_lines(tmp_path):
-    from gallery_lib.accel.precompile import _finished_graphs
+    from gallery_lib.accel.precompile.parallel import _finished_graphs
 
     log = tmp_path / "worker0.log"
     assert _finished_graphs(log) == []  # not written yet
@@ -144,7 +145,7 @@ def test_finished_graphs_read_from_worker_logs_ignore_partial_lines(tmp_path):
 
 
 def test_a_graph_that_fails_to_load_is_reported_and_left_to_the_run():
-    from gallery_lib.accel.precompile import BlockCall, _Loader
+    from gallery_lib.accel.precompile.parallel import BlockCall, _Loader
 
     broken = BlockCall("a1", (), {}, (), True, cost=1)  # no module to load: _compile_call raises
     loader = _Loader([broken], torch.device("cpu"), {"backend": "inductor"})

@@ -1,0 +1,246 @@
+"""Step 3-4 of precompilation, in the training process: ``precompile_blocks`` starts (or is given) the workers,
+writes their queue, loads each graph as it lands once a worker's cores are free, and reports what happened."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+import torch
+from torch import nn
+
+from gallery_lib.accel.precompile.record import (BlockCall, backend_flags, largest_first, meta_copy, compile_call,
+                                                 record_block_calls)
+from gallery_lib.accel.precompile.worker import (DONE_PREFIX, IMPORTS_ENV, READY_PREFIX, T0_ENV, TIMEOUT_ENV,
+                                                 warm_compile_pool)
+
+@dataclass
+class PrecompileReport:
+    """What ``precompile_blocks`` did, for the run's log and summary."""
+
+    blocks: int
+    graphs: int
+    workers: int
+    seconds: float
+    failures: list[str] = field(default_factory=list)
+    graph_seconds: dict[str, float] = field(default_factory=dict)
+    """Per representative block: seconds its worker spent compiling it (forward and backward)."""
+    record_seconds: float = float("nan")
+    """The recording forward pass (the workers start up meanwhile)."""
+    startup_seconds: dict[str, float] = field(default_factory=dict)
+    """When the slowest worker was done with each start-up phase (python, imports, cuda, pool), from its start."""
+    load_seconds: dict[str, float] = field(default_factory=dict)
+    """Per representative block: seconds this process spent loading and first running its graph (step 4)."""
+    workers_done_seconds: float = float("nan")
+    """When the last worker finished, from the start; ``seconds`` minus this is the loading left after it."""
+    load_failures: list[str] = field(default_factory=list)
+
+    def describe(self) -> str:
+        failed = f"; {len(self.failures)} worker(s) failed, their graphs compile in the run" if self.failures else ""
+        if self.load_failures:
+            failed += f"; {len(self.load_failures)} graph(s) failed to load here, the run compiles them"
+        where = []  # where the wall time went: worker start-up, the recording forward, the slowest graph, loading
+        if self.startup_seconds:
+            where.append(f"workers ready after {max(self.startup_seconds.values()):.1f} s")
+        if self.record_seconds == self.record_seconds:  # not NaN
+            where.append(f"recording {self.record_seconds:.1f} s")
+        if self.graph_seconds:
+            where.append(f"slowest graph {max(self.graph_seconds.values()):.1f} s, "
+                         f"all graphs {sum(self.graph_seconds.values()):.0f} s of worker time")
+        if self.load_seconds:
+            where.append(f"{len(self.load_seconds)} graphs loaded here beside the last workers in "
+                         f"{sum(self.load_seconds.values()):.1f} s, "
+                         f"{max(0.0, self.seconds - self.workers_done_seconds):.1f} s of it after the last worker")
+        return (f"pre-compiled {self.graphs} distinct block graphs (of {self.blocks} blocks) in {self.workers} "
+                f"parallel processes in {self.seconds:.1f} s" + (f" ({'; '.join(where)})" if where else "") + failed)
+
+
+class CompileWorkers:
+    """The worker processes of ``precompile_blocks``, which can start before it: a training run starts them first, so
+    that their imports, CUDA context and compile pool come up while it builds the model and loads the data.
+
+    A context manager: leaving it (or ``close()``) stops any worker still running. Workers that never get a queue
+    exit on their own once ``timeout_s`` has passed or this process is gone.
+    """
+
+    def __init__(self, count: int, device: torch.device | str, imports: Iterable[str] = (),
+                 timeout_s: float = 1800.0) -> None:
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise ValueError(f"workers={count!r} is invalid: expected an integer >= 1.")
+        self.count = count
+        self.started = time.perf_counter()
+        self._tmp = tempfile.TemporaryDirectory(prefix="gallery_precompile_")
+        self.queue_path = Path(self._tmp.name) / "queue.pt"
+        (Path(self._tmp.name) / "claims").mkdir()
+        # The workers unpickle the blocks: their classes must import there as here (a notebook's or a test's module).
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p), **{
+            T0_ENV: repr(time.time()), IMPORTS_ENV: ",".join(sorted(set(imports))),
+            TIMEOUT_ENV: repr(timeout_s)})
+        # Each worker would start a Triton compile pool as large as the machine: share the cores out instead.
+        env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", str(max(1, (os.cpu_count() or 1) // count)))
+        self.procs: list[tuple[subprocess.Popen, Path]] = []
+        for i in range(count):
+            log_path = Path(self._tmp.name) / f"worker{i}.log"
+            with open(log_path, "w") as out:
+                self.procs.append((subprocess.Popen(
+                    [sys.executable, "-m", "gallery_lib.accel.precompile.worker", str(self.queue_path), str(torch.device(device))],
+                    stdout=out, stderr=subprocess.STDOUT, env=env), log_path))
+
+    def close(self) -> None:
+        for proc, _ in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        self._tmp.cleanup()
+
+    def __enter__(self) -> "CompileWorkers":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def precompile_blocks(model: nn.Module, forward: Callable[[], Any], names: Iterable[str], *,
+                      workers: int | CompileWorkers, compile_kwargs: dict[str, Any],
+                      log: Callable[[str], Any] = print, timeout_s: float = 1800.0,
+                      load: bool = False, meanwhile: Callable[[], Any] | None = None) -> PrecompileReport:
+    """Compiles the distinct graphs of the named blocks in ``workers`` parallel processes into the on-disk caches.
+
+    Args:
+        model: the model whose blocks the run will compile with ``module.compile(**compile_kwargs)``.
+        forward: runs the model's forward once as the training step does (same batch shape, autocast, train mode).
+        names: qualified names of the blocks (``regional_compile``'s return value).
+        workers: how many processes compile at the same time (each holds one block's weights and one call's
+            activations in device memory at a time; one with nothing left to claim exits), or ``CompileWorkers``
+            started earlier. Either way they are stopped when this returns.
+        compile_kwargs: exactly what the run passes to ``module.compile`` (a different option is a different graph).
+        timeout_s: a worker still running after this long is stopped; graphs it had not finished compile in the run.
+        load: load the graphs in this process as the workers finish them (step 4); ``False`` leaves all the loading
+            to the first training step.
+        meanwhile: other work for this process, run once the workers have their queue: while they compile it costs
+            the run no time.
+    """
+    start = time.perf_counter()
+    names = list(names)
+    device = next(iter(model.parameters())).device
+    if not isinstance(workers, CompileWorkers):
+        # Started now, their imports, CUDA context and compile pool come up while this process records.
+        workers = CompileWorkers(workers, device, {type(model.get_submodule(n)).__module__ for n in names},
+                                 timeout_s)
+    failures: list[str] = []
+    graph_seconds: dict[str, float] = {}
+    startup: dict[str, float] = {}
+    with workers:  # an error in here (in the caller's forward, say) must not leave workers waiting for a queue
+        calls, _ = record_block_calls(model, forward, names)
+        record_seconds = time.perf_counter() - start
+        queue = largest_first(calls)
+        _write_queue(workers.queue_path, queue, model, device, compile_kwargs)
+        warm_compile_pool(wait=False)  # this process loads the compiled kernels next: its pool must be up
+        if meanwhile is not None:
+            meanwhile()
+        loading = _Loader(queue if load else [], device, compile_kwargs)
+        killed, workers_done = _follow_workers(workers, loading, deadline=time.monotonic() + timeout_s)
+        for call in queue:
+            call.module, call.buffers = None, {}
+        for i, (proc, log_path) in enumerate(workers.procs):
+            code = "timeout" if proc in killed else proc.returncode
+            for line in log_path.read_text(errors="replace").splitlines():
+                if line.startswith(DONE_PREFIX):  # "compiled NAME in SECONDS s", written by compile_queue
+                    name, _, seconds = line[len(DONE_PREFIX):].rpartition(" in ")
+                    graph_seconds[name] = float(seconds.rstrip(" s"))
+                elif line.startswith(READY_PREFIX):
+                    for phase, seconds in json.loads(line[len(READY_PREFIX):]).items():
+                        startup[phase] = max(startup.get(phase, 0.0), seconds)
+            if code != 0:
+                tail = " | ".join(log_path.read_text(errors="replace").strip().splitlines()[-3:])
+                failures.append(f"worker {i} ({code}): {tail}"[:500])
+    report = PrecompileReport(len(names), len(calls), workers.count, time.perf_counter() - start, failures,
+                              graph_seconds, record_seconds, startup, loading.seconds, workers_done - start,
+                              loading.failures)
+    log(f"[gallery] {report.describe()}")
+    for failure in failures:
+        log(f"[gallery]   precompile {failure}")
+    for failure in loading.failures:
+        log(f"[gallery]   precompile: loading {failure}")
+    return report
+
+
+def _finished_graphs(log_path: Path) -> list[str]:
+    """The names a worker has reported as compiled so far ("compiled NAME in SECONDS s" lines of its log)."""
+    try:
+        text = log_path.read_text(errors="replace")
+    except FileNotFoundError:
+        return []
+    complete = text.split("\n")[:-1]  # a line still being written has no newline yet
+    return [line[len(DONE_PREFIX):].rpartition(" in ")[0] for line in complete if line.startswith(DONE_PREFIX)]
+
+
+class _Loader:
+    """Step 4: runs graphs of ``queue`` once in this process, each when told a worker has compiled it."""
+
+    def __init__(self, queue: list[BlockCall], device: torch.device, compile_kwargs: dict[str, Any]) -> None:
+        self.waiting = {call.name: call for call in queue}
+        self.device = device
+        self.compile_kwargs = compile_kwargs
+        self.seconds: dict[str, float] = {}
+        self.failures: list[str] = []
+
+    def load(self, finished: Iterable[str]) -> bool:
+        """Loads the finished graphs not loaded yet; False when there was none."""
+        ready = [self.waiting.pop(name) for name in finished if name in self.waiting]
+        for call in ready:
+            start = time.perf_counter()
+            devices = [self.device] if self.device.type == "cuda" else []
+            try:
+                with torch.random.fork_rng(devices=devices):
+                    compile_call(call, self.device, self.compile_kwargs)
+            except Exception as exc:  # noqa: BLE001 - the run then compiles this graph itself, as without workers
+                self.failures.append(f"{call.name}: {type(exc).__name__}: {str(exc).strip()[:300]}")
+            else:
+                self.seconds[call.name] = time.perf_counter() - start
+            call.module, call.buffers = None, {}  # the copy's weights on the device are no longer needed
+        return bool(ready)
+
+
+def _follow_workers(workers: CompileWorkers, loading: _Loader, deadline: float,
+                    poll_s: float = 0.05) -> tuple[list[subprocess.Popen], float]:
+    """Waits for every worker to exit, loading graphs as they land; kills those still running at ``deadline``.
+    Returns the killed workers and the ``time.perf_counter()`` at which none was running any more."""
+    killed: list[subprocess.Popen] = []
+    done_at = None
+    while True:
+        running = [proc for proc, _ in workers.procs if proc.poll() is None]
+        if not running and done_at is None:
+            done_at = time.perf_counter()
+        # Loading waits for a worker to exit (nothing left to claim), which frees its cores (RESULTS.md#sd15-compile-time).
+        # Read after the poll: a worker seen exited has written all its lines, none is missed.
+        loaded = bool(loading.waiting) and len(running) < len(workers.procs) and loading.load(
+            name for _, log_path in workers.procs for name in _finished_graphs(log_path))
+        if not running and not loaded:
+            return killed, done_at
+        if running and time.monotonic() > deadline:
+            for proc in running:
+                proc.kill()
+                proc.wait()
+            killed += running
+            continue
+        if not loaded:
+            time.sleep(poll_s)
+
+
+def _write_queue(path: Path, queue: list[BlockCall], model: nn.Module, device: torch.device,
+                 compile_kwargs: dict[str, Any]) -> None:
+    """Saves the queue with meta copies of its blocks, then renames it into place: workers never see half a file."""
+    for call in queue:  # the copies stay on the calls: this process loads from them too (step 4)
+        call.module, call.buffers = meta_copy(model.get_submodule(call.name))
+    partial = path.with_suffix(".partial")
+    torch.save({"calls": queue, "compile_kwargs": compile_kwargs, "device": str(device),
+                "flags": backend_flags()}, partial)
+    os.replace(partial, path)

@@ -1,0 +1,167 @@
+"""Steps 1-2 of precompilation: record the distinct graphs among a model's block calls, as specs that pickle
+(``TensorSpec``, ``BlockCall``), and run one of them compiled (``compile_call``: a worker's job, and this process's
+when it loads a graph)."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_leaves, tree_map
+
+from gallery_lib.accel.side_forward import side_forward
+
+_AUTOCAST_DEVICES = ("cuda", "cpu")
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """What a graph sees of a tensor argument: its metadata, never its values."""
+
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+    requires_grad: bool
+
+    @classmethod
+    def of(cls, t: torch.Tensor) -> TensorSpec:
+        return cls(tuple(t.shape), tuple(t.stride()), t.dtype, t.requires_grad)
+
+    def make(self, device: torch.device) -> torch.Tensor:
+        t = torch.empty_strided(self.shape, self.stride, dtype=self.dtype, device=device)
+        if t.is_floating_point():
+            t.normal_()
+        else:
+            t.zero_()  # indices and masks: zero is valid wherever an index is
+        return t.requires_grad_(self.requires_grad)
+
+
+@dataclass
+class BlockCall:
+    """One distinct block graph: the representative block's name and the specs of its call."""
+
+    name: str
+    args: tuple
+    kwargs: dict
+    autocast: tuple[tuple[str, bool, torch.dtype], ...]
+    training: bool
+    cost: int
+    module: nn.Module | None = None
+    buffers: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+def _spec(value: Any) -> Any:
+    return TensorSpec.of(value) if isinstance(value, torch.Tensor) else value
+
+
+def _autocast_state() -> tuple[tuple[str, bool, torch.dtype], ...]:
+    return tuple((d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in _AUTOCAST_DEVICES)
+
+
+_PLAIN = (bool, int, float, str, type(None))
+
+
+def _plain_attributes(module: nn.Module) -> tuple:
+    """The public scalar attributes of ``module`` and its children: Dynamo specializes a graph on their values."""
+    found = []
+    for prefix, m in module.named_modules():
+        for name, value in sorted(vars(m).items()):
+            if name.startswith("_"):
+                continue
+            if isinstance(value, _PLAIN) or (isinstance(value, (tuple, list))
+                                             and all(isinstance(v, _PLAIN) for v in value)):
+                found.append((prefix, name, repr(value)))
+    return tuple(found)
+
+
+def _graph_key(module: nn.Module, call: BlockCall) -> tuple:
+    tensors = tuple((n, TensorSpec.of(t)) for n, t in (*module.named_parameters(), *module.named_buffers()))
+    return (type(module).__qualname__, repr(module), _plain_attributes(module), tensors, repr(call.args),
+            repr(sorted(call.kwargs.items())), call.autocast, call.training)
+
+
+def record_block_calls(model: nn.Module, forward: Callable[[], Any], names: Iterable[str]) -> tuple[list[BlockCall],
+                                                                                                     int]:
+    """Runs ``forward()`` once eagerly and returns the distinct graphs among the calls of the named blocks, plus the
+    number of block calls seen. RNG states are restored, so the run's random stream is unchanged."""
+    distinct: dict[tuple, BlockCall] = {}
+    seen = 0
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict, name: str) -> None:
+        nonlocal seen
+        seen += 1
+        call = BlockCall(name, tree_map(_spec, args), tree_map(_spec, kwargs), _autocast_state(), module.training,
+                         cost=sum(p.numel() for p in module.parameters()))
+        distinct.setdefault(_graph_key(module, call), call)
+
+    handles = [model.get_submodule(n).register_forward_pre_hook(
+        lambda m, a, k, n=n: hook(m, a, k, n), with_kwargs=True) for n in names]
+    try:
+        with side_forward():
+            forward()
+    finally:
+        for h in handles:
+            h.remove()
+    return list(distinct.values()), seen
+
+
+def meta_copy(module: nn.Module) -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    """A copy of ``module`` with parameters on the meta device (no memory) and its buffers' values on the CPU."""
+    memo: dict[int, Any] = {id(p): nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+                            for p in module.parameters()}
+    buffers = {n: b.detach().cpu() for n, b in module.named_buffers()}
+    memo.update({id(b): torch.empty_like(b, device="meta") for b in module.buffers()})
+    return copy.deepcopy(module, memo), buffers
+
+
+def largest_first(calls: list[BlockCall]) -> list[BlockCall]:
+    """The queue's order: by parameter count, which tracks a block's compile time (wide blocks compile slowest)."""
+    return sorted(calls, key=lambda c: -c.cost)
+
+
+def backend_flags() -> dict[str, Any]:
+    return {"matmul_tf32": torch.backends.cuda.matmul.allow_tf32, "cudnn_tf32": torch.backends.cudnn.allow_tf32,
+            "float32_matmul_precision": torch.get_float32_matmul_precision(),
+            "deterministic": torch.are_deterministic_algorithms_enabled()}
+
+
+def apply_flags(flags: dict[str, Any]) -> None:
+    # Only what differs: even a no-op assignment switches the newer fp32_precision setting from "none" to "ieee",
+    # which is part of Inductor's cache key, and every graph would then miss.
+    if torch.get_float32_matmul_precision() != flags["float32_matmul_precision"]:
+        torch.set_float32_matmul_precision(flags["float32_matmul_precision"])
+    if torch.backends.cuda.matmul.allow_tf32 != flags["matmul_tf32"]:
+        torch.backends.cuda.matmul.allow_tf32 = flags["matmul_tf32"]
+    if torch.backends.cudnn.allow_tf32 != flags["cudnn_tf32"]:
+        torch.backends.cudnn.allow_tf32 = flags["cudnn_tf32"]
+    if torch.are_deterministic_algorithms_enabled() != flags["deterministic"]:
+        torch.use_deterministic_algorithms(flags["deterministic"], warn_only=True)
+
+
+def compile_call(call: BlockCall, device: torch.device, compile_kwargs: dict[str, Any]) -> None:
+    module = call.module.to_empty(device=device)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.normal_(0, 0.02) if p.is_floating_point() else p.zero_()
+        for name, value in call.buffers.items():
+            module.get_buffer(name).copy_(value)
+    module.train(call.training)
+    module.compile(**compile_kwargs)
+    args = tree_map(lambda v: v.make(device) if isinstance(v, TensorSpec) else v, call.args)
+    kwargs = tree_map(lambda v: v.make(device) if isinstance(v, TensorSpec) else v, call.kwargs)
+    contexts = [torch.autocast(d, dtype=dtype, enabled=on) for d, on, dtype in call.autocast
+                if on and (d != "cuda" or device.type == "cuda")]
+    with torch.enable_grad():
+        for ctx in contexts:
+            ctx.__enter__()
+        try:
+            out = module(*args, **kwargs)
+        finally:
+            for ctx in reversed(contexts):
+                ctx.__exit__(None, None, None)
+        grads_for = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if grads_for:  # the backward graph is compiled on the first backward, as in the run
+            torch.autograd.backward(grads_for, [torch.randn_like(t) for t in grads_for])
