@@ -266,3 +266,16 @@ def test_exit_process_runs_atexit_flushes_and_keeps_the_code(tmp_path):
     assert done.returncode == 3, done.stderr
     assert done.stdout == "trained"
     assert marker.read_text() == "atexit ran"
+
+
+def test_fused_loss_trains_the_same_function(smoke_data, tmp_path):
+    """The classification task's ``fused_loss`` (gallery_lib's soft-target cross-entropy, its PyTorch reference on a
+    CPU) against timm's SoftTargetCrossEntropy, fp32, Mixup targets: the same per-step losses."""
+    common = dict(steps=4, warmup_steps=1, log_every=4, amp_level="O0")
+    plain = micro_cfg(smoke_data, tmp_path / "a", **common)
+    fused = micro_cfg(smoke_data, tmp_path / "b", fused_loss=True, **common)
+    assert fused.options.fused_loss and not plain.options.fused_loss
+    run(plain)
+    run(fused)
+    a, b = ([s["loss"] for s in read_metrics(c.run_dir / "metrics.jsonl")[0]] for c in (plain, fused))
+    assert b == pytest.approx(a, rel=1e-5) and len(a) == 4

@@ -1,4 +1,4 @@
-"""The one-line accelerator for a plain PyTorch loop: ``model = gallery_lib.optimize(model, example_step=step)``.
+"""The one-line accelerator for a plain PyTorch loop: ``model = gallery_lib.optimize(model, example_step=step).target``.
 
 It picks a torch.compile configuration by timing the real training step.
 

@@ -1,7 +1,6 @@
 """Attention backends: a registry with constraints and per-shape selection (``attention(q, k, v, bias)``).
 
-No single kernel wins everywhere: on an H100 (bf16, forward+backward, batch 8, 8 heads) cuDNN is fastest
-at 4096 tokens x head dim 40 and SDPA's flash kernel at 256 x 160. So ``auto`` picks per shape, dtype and
+No single kernel wins everywhere (benchmarks/RESULTS.md#attention), so ``auto`` picks per shape, dtype and
 GPU from a small micro-benchmark of every eligible backend, cached in memory and optionally in a JSON file
 (``GALLERY_ATTN_CACHE`` or ``BackendSelector(cache_path=...)``). On a CPU the rule is ``math``.
 
@@ -130,8 +129,8 @@ BACKENDS: dict[str, AttentionBackend] = {
 
 # --------------------------------------------------------------------- selection
 # (name, capability) per CUDA device index, read once. Traced code must not call CUDA's device queries (each is a
-# graph break: in a compiled Swin step the breaks and the recompiles behind them halved the speed on an H100), so the
-# hooks fill this before compilation and the selector only looks it up.
+# graph break, and with the recompiles behind them they halved a compiled Swin step), so the hooks fill this before
+# compilation and the selector only looks it up.
 _DEVICE_INFO: dict[int, tuple[str, tuple[int, int]]] = {}
 
 
@@ -257,9 +256,8 @@ def call_key(q_shape: Sequence[int], kv_shape: Sequence[int], dtype: torch.dtype
 
 def rule_choice(eligible: Sequence[AttentionBackend], capability: tuple[int, int]) -> str:
     """The backend ``auto`` takes where it cannot time candidates (inside ``torch.compile`` tracing or CUDA-graph
-    capture, with no cached measurement): the measured winners as a rule. On Hopper (H100 and H200,
-    ``attention_h100.json``, ``ema_compile_attention_h200.json``) cuDNN was fastest or within noise at every SD
-    shape without a bias; with a bias only ``efficient`` and ``math`` apply, and ``efficient`` was 3x faster."""
+    capture, with no cached measurement): the measured winners as a rule (benchmarks/RESULTS.md#attention): on
+    Hopper cuDNN without a bias; with a bias only ``efficient`` and ``math`` apply, and ``efficient`` is faster."""
     order = ("cudnn", "flash", "efficient") if capability >= (9, 0) else ("flash", "efficient")
     names = {b.name for b in eligible}
     return next((name for name in order if name in names), "math")

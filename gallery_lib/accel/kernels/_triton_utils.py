@@ -130,8 +130,8 @@ def streaming_eviction(t: torch.Tensor, forced: bool | None = None) -> str:
     """Eviction policy for a forward kernel's loads of ``t``, read once: ``"evict_first"`` when ``t`` fits in the L2
     cache of its GPU (or ``forced`` says so), else the default ``""``.
 
-    Measured on the H100 (kernel_plans_h100_v2.json): the hint made LayerNorm and GEGLU forwards of inputs up to
-    50 MB 7-12% faster and larger ones 2-4% slower; backward kernels measured slower with it and do not use it.
+    It made forwards of inputs that fit in L2 faster and larger ones slower; backward kernels measured slower with it
+    and do not use it (benchmarks/RESULTS.md#kernels).
     """
     if forced is None:  # a CUDA tensor's device always carries its index
         forced = t.is_cuda and t.numel() * t.element_size() <= _l2_bytes(t.device.index)

@@ -24,8 +24,7 @@ from gallery_lib.accel.kernels import _triton_utils as tu
 from gallery_lib.accel.kernels._triton_utils import kernel, library_op, tl, use_triton
 
 # Warps per row program (None: from the row block). Module-level so that benchmarks/sweep_kernel_plans.py can time
-# alternatives; the values are its winners on the H100 (kernel_plans_h100_v2.json: backward 2.9 -> 2.4 us at
-# 128x1000 with 8 warps; the forward did not move with any count).
+# alternatives; the values are its winners (benchmarks/RESULTS.md#kernels).
 FWD_WARPS: Optional[int] = None
 BWD_WARPS: Optional[int] = 8
 

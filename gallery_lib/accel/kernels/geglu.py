@@ -23,8 +23,8 @@ _INV_SQRT_2PI = 0.3989422804014327
 # Launch plan: a program takes a (rows x columns) tile of TILE elements; its column block is the widest power of two
 # up to MAX_COLS that divides the half-width, so no lane of a tile is masked off at SD's widths (1280 = 5 x 256). The
 # old plan, one 1024-wide slice of one row per program, left 3/4 of every second program idle at 1280. Module-level
-# so that benchmarks/sweep_kernel_plans.py can time alternatives; the values are within 1% of its best plan at every
-# SD shape on the H100 (kernel_plans_h100_v2.json).
+# so that benchmarks/sweep_kernel_plans.py can time alternatives; the values are its best plan
+# (benchmarks/RESULTS.md#kernels).
 TILE = 4096
 MAX_COLS = 1024
 WARPS = None  # None: from the tile size

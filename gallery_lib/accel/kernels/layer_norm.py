@@ -158,8 +158,7 @@ def _ptr(t: Optional[torch.Tensor], dummy: torch.Tensor) -> torch.Tensor:
 # Launch plan: elements (rows x padded width) a program handles per step, forward and backward; backward
 # programs per SM (few and long-lived: their weight-gradient partials stay in registers across row blocks); warps
 # per program (None: one warp per 1024 tile elements). Module-level so that benchmarks/sweep_kernel_plans.py can
-# time alternatives; the values are its winners on the H100 (kernel_plans_h100_v1.json, _v2.json), within a few
-# percent of the best plan at every Swin-T and SD width.
+# time alternatives; the values are its winners at the Swin-T and SD widths (benchmarks/RESULTS.md#kernels).
 FWD_TILE = 4096
 BWD_TILE = 4096
 BWD_PROGRAMS_PER_SM = 2
