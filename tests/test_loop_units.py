@@ -117,9 +117,21 @@ def test_compile_plan_compiles_the_family_blocks_and_reports_the_caches():
         assert not called and plan.precompile_seconds == 0.0
         record = plan.summary(lines.append)
     assert set(record) == {"compile_cache"} and "graphs_traced" in record["compile_cache"]
-    assert lines and lines[0].startswith("[gallery] compilation in this process:")
+    assert lines and lines[0].startswith("[gallery] compilation in this run:")
     with CompilePlan(cfg(), CPU) as eager:
         assert eager.summary(lines.append) == {}
+
+
+def test_compile_plan_counts_only_what_its_run_compiled():
+    """Dynamo's counters outlive a run in the same process (a notebook, a test session): the plan reports its part."""
+    from torch._dynamo.utils import counters
+
+    counters["inductor"]["fxgraph_cache_miss"] += 5  # an earlier compilation in this process
+    counters["stats"]["unique_graphs"] += 2
+    with CompilePlan(cfg(compile=True, compile_scope="blocks"), CPU) as plan:
+        counters["inductor"]["fxgraph_cache_miss"] += 1  # this run's own
+        record = plan.summary(lambda line: None)["compile_cache"]
+    assert record["fx_graph_misses"] == 1 and record["graphs_traced"] == 0 and record["aot_autograd_hits"] == 0
 
 
 def test_attention_probe_reports_what_ran():

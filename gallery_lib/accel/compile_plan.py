@@ -4,7 +4,7 @@ A run opens it first (``with CompilePlan(cfg, dist) as plan``): with ``precompil
 then, so that their imports, CUDA context and compile pool come up while the model and the data are set up.
 ``apply_accelerations`` compiles the model's repeated blocks through it (``compile_blocks``), the loop has it
 precompile them from one recorded forward before the first step (``precompile``), and the summary reads what it did
-(``summary``: the precompile report and this process's compile-cache statistics).
+(``summary``: the precompile report and the compile-cache statistics of this run alone).
 """
 
 from __future__ import annotations
@@ -34,6 +34,10 @@ class CompilePlan(contextlib.AbstractContextManager):
         """What those blocks were compiled with."""
         self.report = None
         """The ``PrecompileReport`` once precompiled."""
+        from gallery_lib.accel.compile import compile_cache_stats
+
+        # Dynamo's counters live as long as the process (torch._dynamo.reset keeps them): the run reports its own part.
+        self._cache_at_start = compile_cache_stats()
 
     def __exit__(self, *exc: object) -> None:
         if self.workers is not None:
@@ -74,6 +78,7 @@ class CompilePlan(contextlib.AbstractContextManager):
         if self.cfg.compile:
             from gallery_lib.accel.compile import compile_cache_stats, describe_compile_cache
 
-            record["compile_cache"] = compile_cache_stats()
-            log(f"[gallery] compilation in this process: {describe_compile_cache(record['compile_cache'])}")
+            now = compile_cache_stats()
+            record["compile_cache"] = {key: now[key] - self._cache_at_start.get(key, 0) for key in now}
+            log(f"[gallery] compilation in this run: {describe_compile_cache(record['compile_cache'])}")
         return record
