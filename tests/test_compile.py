@@ -1,4 +1,4 @@
-"""optimize() and regional_compile(): choice by timing, fallback with reasons, numerics equal to eager.
+"""optimize(model) and regional_compile(): choice by timing in the loop, fallback with reasons, numerics equal to eager.
 
 Inductor on this 2-core CPU compiles a tiny MLP in seconds but the tiny Swin in minutes, so the Swin
 checks trace with ``aot_eager`` (Dynamo + AOTAutograd, no code generation) and inductor runs on the MLP.
@@ -64,75 +64,98 @@ def test_eager_two_runs_are_bitwise_equal():
     assert all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[1][1]))
 
 
-def test_auto_picks_a_candidate_reports_times_and_matches_eager():
+def _loop(model, steps, seed=1):
+    """A plain training loop calling the model: ``steps`` SGD steps on a fixed data stream; returns the losses."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    gen = torch.Generator().manual_seed(seed)
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad(set_to_none=True)
+        loss = model(torch.randn(16, 8, generator=gen)).square().mean()
+        loss.backward()
+        opt.step()
+        losses.append(loss.detach())
+    return torch.stack(losses)
+
+
+def test_optimize_tries_candidates_in_the_loop_and_trains_like_eager(tmp_path):
     logs = []
-    model = _mlp()
-    eager = copy.deepcopy(model)
-    step, losses = _trainer(model)
-    res = optimize(model, example_step=step, candidates=["eager", "inductor"], warmup_steps=2, timing_steps=3,
-                   log=logs.append)
-    assert res.choice in ("eager", "inductor") and res.steps_run == 10 and len(losses) == 10
-    assert [r.name for r in res.candidates] == ["eager", "inductor"]
-    for r in res.candidates:
+    model, eager = _mlp(), _mlp()
+    same = optimize(model, candidates=["eager", "inductor"], warmup_steps=2, timing_steps=3,
+                    cache=tmp_path / "choices.json", log=logs.append)
+    assert same is model and list(model.state_dict()) == list(eager.state_dict())  # the one-line change
+    losses = _loop(model, 14)  # 2 x (2 + 3) trial steps, then the choice
+    report = model.gallery_optimize
+    assert report.choice in ("eager", "inductor") and report.trial_steps == 10 and not report.cached
+    assert [r.name for r in report.candidates] == ["eager", "inductor"]
+    for r in report.candidates:
         assert r.ok and r.steady_ms > 0 and r.compile_time_s >= 0 and r.p20_ms <= r.steady_ms <= r.p80_ms
-    inductor = res.candidates[1]
-    assert inductor.compile_time_s > res.candidates[0].compile_time_s  # compiling is reported, apart from speed
-    assert any(line.startswith("optimize: chose") and res.choice in line for line in logs)
-    assert res.reason in logs[-1]
-    # the 10 steps trained with both candidates follow the same trajectory as 10 eager steps
-    eager_step, eager_losses = _trainer(eager)
-    for _ in range(10):
-        eager_step(eager)
-    torch.testing.assert_close(torch.stack(losses), torch.stack(eager_losses), rtol=1e-5, atol=1e-5)
+    assert report.candidates[1].compile_time_s > report.candidates[0].compile_time_s  # compiling, apart from speed
+    assert any(line.startswith("optimize: chose") and report.reason in line for line in logs)
+    # every step, trials included, is a training step of the same function
+    torch.testing.assert_close(losses, _loop(eager, 14), rtol=1e-5, atol=1e-5)
     for a, b in zip(model.parameters(), eager.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    # the next run of the same model and shapes starts with the cached choice, no trials
+    again = optimize(_mlp(), candidates=["eager", "inductor"], cache=tmp_path / "choices.json", log=logs.append)
+    _loop(again, 2)
+    assert again.gallery_optimize.cached and again.gallery_optimize.choice == report.choice
+    assert again.gallery_optimize.trial_steps == 0 and "cached in" in logs[-1]
 
 
-def test_failing_candidates_fall_back_with_the_reason():
-    model = _mlp()
-    step, _ = _trainer(model)
-
-    def explode(target):
-        def run(*args, **kwargs):
-            raise RuntimeError("kernel exploded on purpose")
-        return run
-
-    cands = [Candidate("broken-at-run", wrap=explode), Candidate("bad-backend", {"backend": "no_such_backend"}),
-             "eager"]
-    with pytest.warns(UserWarning) as record:
-        res = optimize(model, example_step=step, candidates=cands, warmup_steps=1, timing_steps=2, log=lambda s: None)
-    messages = [str(w.message) for w in record]
-    assert any("broken-at-run" in m and "kernel exploded on purpose" in m for m in messages)
-    assert any("bad-backend" in m and "no_such_backend" in m for m in messages)
-    assert res.choice == "eager" and "failed: broken-at-run, bad-backend" in res.reason
-    assert [r.ok for r in res.candidates] == [False, False, True]
+def test_a_failing_candidate_is_skipped_with_its_reason_and_the_step_still_trains(tmp_path):
+    logs = []
+    model, eager = _mlp(), _mlp()
+    optimize(model, candidates=[Candidate("bad-backend", {"backend": "no_such_backend"}), "eager"],
+             warmup_steps=1, timing_steps=2, cache=False, log=logs.append)
+    losses = _loop(model, 6)
+    report = model.gallery_optimize
+    assert report.choice == "eager" and "failed: bad-backend" in report.reason
+    assert [r.ok for r in report.candidates] == [False, True] and "no_such_backend" in report.candidates[0].error
+    assert any("bad-backend failed" in line and "runs eagerly" in line for line in logs)
+    torch.testing.assert_close(losses, _loop(eager, 6), rtol=1e-6, atol=1e-6)
 
 
-def test_all_candidates_failing_ends_in_eager():
-    model = _mlp()
-    step, _ = _trainer(model)
-    with pytest.warns(UserWarning, match="every candidate failed"), pytest.warns(UserWarning, match="'bad' failed"):
-        res = optimize(model, example_step=step, candidates=[Candidate("bad", {"backend": "no_such_backend"})],
-                       log=lambda s: None)
-    assert res.choice == "eager" and res.target is model and "no_such_backend" in res.reason
+def test_every_candidate_failing_ends_in_eager():
+    model = optimize(_mlp(), candidates=[Candidate("bad", {"backend": "no_such_backend"})], warmup_steps=1,
+                     timing_steps=2, cache=False, log=lambda s: None)
+    _loop(model, 3)
+    assert model.gallery_optimize.choice == "eager" and "every candidate failed" in model.gallery_optimize.reason
 
 
-def test_step_function_input_and_explicit_backend():
-    model = _mlp()
-    step, losses = _trainer(model)
-    res = optimize(lambda: step(model), backend="aot_eager", warmup_steps=1, timing_steps=2, log=lambda s: None)
-    assert res.choice == "aot_eager" and res.steady_ms > 0 and len(losses) == 3
-    res.target()  # the compiled step keeps training
-    assert len(losses) == 4
+def test_conv_models_try_channels_last_and_compile_in_the_faster_layout(monkeypatch):
+    """The default plan: eager in both layouts, then the compiled candidates in the faster one (aot_eager stands
+    in for Inductor here); evaluation calls during the trials run eagerly and are not counted."""
+    monkeypatch.setattr("gallery_lib.accel.optimize.COMPILED", ("aot_eager",))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 2))
+    optimize(model, warmup_steps=1, timing_steps=2, cache=False, log=lambda s: None)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for step in range(10):
+        if step == 2:
+            with torch.no_grad():
+                model(torch.randn(2, 3, 9, 9))  # an evaluation in the middle of the trials
+        opt.zero_grad()
+        model(torch.randn(4, 3, 9, 9)).square().mean().backward()
+        opt.step()
+    report = model.gallery_optimize
+    names = [r.name for r in report.candidates]
+    assert names[:2] == ["eager", "eager+channels_last"] and report.trial_steps == 9
+    faster_layout = min(report.candidates[:2], key=lambda r: r.steady_ms).name
+    assert names[2] == ("aot_eager+channels_last" if faster_layout.endswith("channels_last") else "aot_eager")
+    assert all(p.is_contiguous() for p in model.parameters())  # parameters keep their layout
 
 
-def test_bad_input_gives_clear_errors():
-    with pytest.raises(ValueError, match="pass example_step"):
-        optimize(_mlp())
+def test_explicit_backend_and_bad_input():
+    model = optimize(_mlp(), backend="aot_eager", log=lambda s: None)
+    _loop(model, 2)
+    assert model.gallery_optimize.choice == "aot_eager" and model.gallery_optimize.trial_steps == 0
+    with pytest.raises(TypeError, match="takes the nn.Module"):
+        optimize(lambda x: x)
     with pytest.raises(ValueError, match="unknown backend 'turbo'"):
         optimize(_mlp(), backend="turbo")
-    with pytest.raises(ValueError, match="regional=True needs the nn.Module"):
-        optimize(lambda: None, regional=True)
+    with pytest.raises(ValueError, match="already compiled"):
+        optimize(model)
     with pytest.raises(ValueError, match="pass block_types"):
         regional_compile(nn.Linear(2, 2))
 
@@ -166,17 +189,6 @@ def test_regional_compile_tiny_swin_matches_eager_forward_and_backward():
     torch.testing.assert_close(compiled(x), model(x), rtol=1e-5, atol=1e-5)
     for (name, a), b in zip(compiled.named_parameters(), model.parameters()):
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-5, msg=name)
-
-
-def test_regional_optimize_keeps_only_the_winner_compiled():
-    model = _mlp()
-    step, _ = _trainer(model)
-    cands = [Candidate("aot-a", {"backend": "aot_eager"}), Candidate("aot-b", {"backend": "aot_eager"})]
-    res = optimize(model, example_step=step, candidates=cands, regional=True, block_types=(_Block,),
-                   warmup_steps=1, timing_steps=2, log=lambda s: None)
-    assert res.choice in ("aot-a", "aot-b") and res.regional_modules == ["1", "2", "3"]
-    assert res.target is model
-    assert all(model.get_submodule(n)._compiled_call_impl is not None for n in res.regional_modules)
 
 
 def test_optimize_is_the_public_one_line_hook():

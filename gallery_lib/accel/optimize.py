@@ -1,59 +1,62 @@
-"""The one-line accelerator for a plain PyTorch loop: ``model = gallery_lib.optimize(model, example_step=step).target``.
+"""The one-line accelerator for a plain PyTorch training loop: ``model = gallery_lib.optimize(model)``.
 
-It picks a torch.compile configuration by timing the real training step.
+``optimize`` returns the same module (its parameters, ``state_dict`` keys and attributes unchanged) with a chooser
+installed in front of its forward, the way ``nn.Module.compile`` installs a compiled one. The chooser spends the
+model's first training steps on candidates: eager, eager with channels_last input (models with 2-D convolutions;
+the faster layout is kept for the compiled candidates), Inductor, Inductor with CUDA graphs, and max-autotune
+without CUDA graphs. Each runs a few warm-up steps (compilation, autotuning, graph capture) and a few timed ones; a
+step is timed from one training forward to the next, so it is the loop's whole step (backward, optimizer, data).
+The chooser then keeps the fastest, logs each candidate's compile time and steady ms per step and why it chose,
+and caches the choice per model, input shape, autocast state, GPU and torch version
+(``~/.cache/gallery_lib/optimize.json``), so the next run starts with it at once.
 
-``optimize(model, example_step=step)`` tries each candidate configuration (eager, inductor, inductor
-with CUDA graphs, max-autotune without CUDA graphs), runs the caller's own training step a few times
-with it, keeps the fastest and logs the choice, each candidate's compile time and steady ms/step and
-why. A candidate that fails to compile or run is skipped with a warning that carries the reason; eager
-is the last resort. Compile time (the warm-up steps beyond their steady cost) is always reported apart
-from the steady speed.
-
-``regional=True`` compiles the model's repeated blocks in place instead (``accel/compile.py``).
-
-The timed steps are real training steps (they update the weights); ``OptimizeResult.steps_run`` says
-how many ran, so the training loop can count them.
+The trial steps are real training steps (every candidate computes the same function), so nothing is thrown away.
+A candidate that fails to compile or run is logged with its error and that step runs eagerly. Parameters keep their
+layout whatever the candidate (convolutions follow the input's layout), so an optimizer's state stays valid.
+Forward calls outside training (``eval()`` or ``no_grad``) run eagerly until the choice is made.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import statistics
 import time
-import warnings
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Iterable
 
 import torch
 from torch import nn
-
-from gallery_lib.accel.compile import regional_compile
 
 _MIN_GAIN = 0.01  # a compiled candidate must beat eager by 1%, or eager is kept (fewer recompiles and surprises)
 
 
 @dataclass(frozen=True)
 class Candidate:
-    """A way to run the model: ``options`` for ``torch.compile`` (``None``: eager), or a custom ``wrap``."""
+    """A way to run the model: ``options`` for ``torch.compile`` (``None``: eager), and the input layout."""
 
     name: str
     options: dict[str, Any] | None = None
-    wrap: Callable[[Any], Any] | None = None
+    channels_last: bool = False
     cuda_only: bool = False
 
+    def with_layout(self, channels_last: bool) -> Candidate:
+        if channels_last == self.channels_last:
+            return self
+        return Candidate(self.name + ("+channels_last" if channels_last else ""), self.options, channels_last,
+                         self.cuda_only)
 
-CANDIDATES: dict[str, Candidate] = {
-    c.name: c
-    for c in (
-        Candidate("eager"),
-        Candidate("inductor", {"backend": "inductor"}),
-        Candidate("inductor-cudagraphs", {"backend": "inductor", "mode": "reduce-overhead"}, cuda_only=True),
-        Candidate("max-autotune-no-cudagraphs", {"backend": "inductor", "mode": "max-autotune-no-cudagraphs"},
-                  cuda_only=True),
-        Candidate("aot_eager", {"backend": "aot_eager"}),  # tracing without code generation: a cheap debug check
-    )
-}
-_AUTO_CUDA = ("eager", "inductor", "inductor-cudagraphs", "max-autotune-no-cudagraphs")
-_AUTO_CPU = ("eager", "inductor")
+
+CANDIDATES: dict[str, Candidate] = {c.name: c for c in (
+    Candidate("eager"),
+    Candidate("inductor", {"backend": "inductor"}),
+    Candidate("inductor-cudagraphs", {"backend": "inductor", "mode": "reduce-overhead"}, cuda_only=True),
+    Candidate("max-autotune-no-cudagraphs", {"backend": "inductor", "mode": "max-autotune-no-cudagraphs"},
+              cuda_only=True),
+    Candidate("aot_eager", {"backend": "aot_eager"}),  # tracing without code generation: a cheap check
+)}
+COMPILED = ("inductor", "inductor-cudagraphs", "max-autotune-no-cudagraphs")
 
 
 @dataclass
@@ -61,8 +64,7 @@ class CandidateResult:
     """How one candidate did; times are ``None`` when it failed (see ``error``)."""
 
     name: str
-    ok: bool
-    warmup_time_s: float | None = None
+    ok: bool = True
     compile_time_s: float | None = None
     steady_ms: float | None = None
     p20_ms: float | None = None
@@ -71,212 +73,281 @@ class CandidateResult:
 
 
 @dataclass
-class OptimizeResult:
-    """What ``optimize`` chose. ``target`` is the model (or step function) to train with from now on."""
+class OptimizeReport:
+    """What ``optimize`` tried and chose (``model.gallery_optimize`` once it has decided)."""
 
-    target: Any
-    choice: str
-    reason: str
-    compile_time_s: float | None
-    steady_ms: float | None
+    choice: str | None = None
+    reason: str = ""
+    cached: bool = False
+    key: str = ""
     candidates: list[CandidateResult] = field(default_factory=list)
-    steps_run: int = 0
-    regional_modules: list[str] = field(default_factory=list)
+    trial_steps: int = 0
 
 
-def optimize(
-    model_or_step_fn: nn.Module | Callable[[], Any],
-    *,
-    backend: str = "auto",
-    example_step: Callable[[Any], Any] | None = None,
-    candidates: Iterable[str | Candidate] | None = None,
-    regional: bool = False,
-    block_types: Iterable[type | str] | None = None,
-    warmup_steps: int = 3,
-    timing_steps: int = 5,
-    log: Callable[[str], Any] = print,
-) -> OptimizeResult:
-    """Chooses how to run a model (or a whole training-step function) by timing the real step.
+def optimize(model: nn.Module, *, backend: str = "auto", candidates: Iterable[str | Candidate] | None = None,
+             warmup_steps: int = 3, timing_steps: int = 10, cache: bool | str | os.PathLike = True,
+             log: Callable[[str], Any] = print) -> nn.Module:
+    """Returns ``model``, which picks its fastest way to run over its first training steps (module docstring).
 
     Args:
-        model_or_step_fn: an ``nn.Module``, or a zero-argument function that runs one training step.
-        backend: ``"auto"`` (time the candidates, keep the fastest) or one candidate name from ``CANDIDATES``.
-        example_step: for a module, ``example_step(model)`` runs one real training step (forward, backward,
-            optimizer) with the model it is given; needed for ``auto``. Ignored for a step function.
-        candidates: names or ``Candidate`` objects to try in ``auto`` (default: the four main ones on CUDA,
-            eager and inductor on a CPU).
-        regional: compile the repeated blocks in place (``regional_compile``) instead of the whole model.
-        block_types: the blocks ``regional`` compiles (default: every registered family's).
-        warmup_steps: steps run before timing (they include compilation, autotuning and CUDA-graph capture).
-        timing_steps: steps timed for the steady ms/step (median).
-        log: where the choice and the timings are written.
+        model: the module a training loop calls (forward, then backward and the optimizer step outside).
+        backend: ``"auto"`` (try the candidates) or a name from ``CANDIDATES`` to use at once.
+        candidates: names or ``Candidate`` objects to try (default: the three compiled ones on a GPU, inductor on a
+            CPU, after eager in both layouts for a model with 2-D convolutions).
+        warmup_steps: steps each candidate runs before it is timed (its compilation happens in the first).
+        timing_steps: steps timed per candidate (median, p20 and p80 are logged).
+        cache: ``True`` for the default cache file, a path for another, ``False`` to always measure.
+        log: where the trials and the choice are written.
     """
-    is_module = isinstance(model_or_step_fn, nn.Module)
-    if not is_module and not callable(model_or_step_fn):
-        raise TypeError(f"optimize: expected an nn.Module or a step function, got {type(model_or_step_fn).__name__}")
-    if regional and not is_module:
-        raise ValueError("optimize: regional=True needs the nn.Module (its blocks are compiled in place)")
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"optimize(model) takes the nn.Module your loop calls, got {type(model).__name__}")
     if backend != "auto" and backend not in CANDIDATES:
         raise ValueError(f"optimize: unknown backend {backend!r}; use 'auto' or one of {sorted(CANDIDATES)}")
-    if backend == "auto" and is_module and example_step is None:
-        raise ValueError("optimize(backend='auto') times the real training step: pass example_step=fn, where "
-                         "fn(model) runs forward, backward and the optimizer step")
-    if warmup_steps < 1 or timing_steps < 1:
-        raise ValueError("optimize: warmup_steps and timing_steps must be >= 1 (the first step compiles)")
+    if warmup_steps < 1 or timing_steps < 2:
+        raise ValueError("optimize: warmup_steps must be >= 1 (the first step compiles) and timing_steps >= 2")
+    if model._compiled_call_impl is not None:
+        raise ValueError("optimize: this model is already compiled (model.compile() or optimize()); pass the "
+                         "plain module")
+    names = list(candidates) if candidates is not None else None
+    plan = [_candidate(c) for c in names] if names is not None else None
+    chooser = _Chooser(model, backend, plan, warmup_steps, timing_steps, _cache_file(cache), log)
+    model._compiled_call_impl = chooser
+    return model
 
-    on_cuda = _on_cuda(model_or_step_fn)
-    if backend == "auto":
-        names = list(candidates) if candidates is not None else list(_AUTO_CUDA if on_cuda else _AUTO_CPU)
-        if candidates is None and not on_cuda:
-            log("optimize: on a CPU only eager and inductor are tried (CUDA graphs and autotuning need a GPU)")
-    else:
-        names = [backend]
-    cands = [c if isinstance(c, Candidate) else _candidate(c) for c in names]
-    if not on_cuda:
-        cands = [c for c in cands if not c.cuda_only]
 
-    run = (lambda obj: example_step(obj)) if is_module else (lambda obj: obj())
-    timed = example_step is not None or not is_module
-    results: list[CandidateResult] = []
-    built: dict[str, Any] = {}
-    steps_run = 0
-    for cand in cands:
+def default_cache_file() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "gallery_lib" / "optimize.json"
+
+
+def _cache_file(cache: bool | str | os.PathLike) -> Path | None:
+    if cache is True:
+        return default_cache_file()
+    return Path(cache) if cache else None
+
+
+def _candidate(c: str | Candidate) -> Candidate:
+    if isinstance(c, Candidate):
+        return c
+    if c not in CANDIDATES:
+        raise ValueError(f"optimize: unknown candidate {c!r}; known: {sorted(CANDIDATES)}")
+    return CANDIDATES[c]
+
+
+@dataclass
+class _Trial:
+    candidate: Candidate
+    marks: list = field(default_factory=list)  # per training call: (wall seconds, CUDA event or None)
+    result: CandidateResult | None = None
+
+
+class _Chooser:
+    """Installed as the model's ``_compiled_call_impl``: runs each call with the current candidate and moves
+    through the trials at training calls."""
+
+    def __init__(self, model: nn.Module, backend: str, plan: list[Candidate] | None, warmup_steps: int,
+                 timing_steps: int, cache_file: Path | None, log: Callable[[str], Any]) -> None:
+        self.model = model
+        self.backend = backend
+        self.plan = plan
+        self.warmup_steps, self.timing_steps = warmup_steps, timing_steps
+        self.cache_file = cache_file
+        self.log = log
+        self.report = OptimizeReport()
+        self.trials: list[_Trial] = []
+        self.chosen: Candidate | None = None
+        self._compiled: dict[str, Callable] = {}
+        self._on_cuda = any(p.is_cuda for p in model.parameters())
+        self._has_conv = any(isinstance(m, nn.Conv2d) for m in model.modules())
+        self._layouts_pending = False
+        self._compiled_plan: list[Candidate] = []
+
+    # ----- the call ------------------------------------------------------------------------------------------
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        training = self.model.training and torch.is_grad_enabled()
+        if self.chosen is not None or not training:
+            return self._run(self.chosen or CANDIDATES["eager"], args, kwargs, training)
+        if not self.trials:
+            self._start(args, kwargs)
+            if self.chosen is not None:
+                return self._run(self.chosen, args, kwargs, training)
+        mark, trial = self._mark(), self.trials[-1]
+        trial.marks.append(mark)
+        if len(trial.marks) > self.warmup_steps + self.timing_steps:  # this call ends the trial's last timed step
+            self._next_trial()
+            if self.chosen is not None:
+                return self._run(self.chosen, args, kwargs, training)
+            trial = self.trials[-1]
+            trial.marks.append(mark)  # and starts the next trial's first step
+        self.report.trial_steps += 1
         try:
-            obj, regional_state = _build(cand, model_or_step_fn, regional, block_types)
-        except Exception as e:  # noqa: BLE001 - any compile failure means: skip this candidate
-            results.append(_failed(cand, e))
-            continue
-        if not timed:
-            built[cand.name] = (obj, regional_state)
-            results.append(CandidateResult(cand.name, ok=True))
-            continue
-        try:
-            res, n = _time_candidate(cand, obj, run, warmup_steps, timing_steps, on_cuda)
-        except Exception as e:  # noqa: BLE001
-            steps_run += warmup_steps  # upper bound: a failing step may have updated the weights
-            results.append(_failed(cand, e))
-            _stash_regional(model_or_step_fn, regional_state)
-            continue
-        steps_run += n
-        results.append(res)
-        built[cand.name] = (obj, _stash_regional(model_or_step_fn, regional_state))
-        log(f"optimize: {cand.name:<28} compile {res.compile_time_s:7.1f} s   steady {res.steady_ms:9.2f} ms/step "
-            f"(p20 {res.p20_ms:.2f}, p80 {res.p80_ms:.2f})")
+            return self._run(trial.candidate, args, kwargs, training)
+        except Exception as exc:  # noqa: BLE001 - a candidate that fails is skipped, the step runs eagerly
+            trial.result = _failed(trial.candidate, exc)
+            self.log(f"optimize: {trial.candidate.name} failed ({trial.result.error}); this step runs eagerly")
+            self._next_trial()
+            return self._run(CANDIDATES["eager"], args, kwargs, training)
 
-    choice, reason = _choose(results, timed)
-    if choice is None:
-        warnings.warn("optimize: every candidate failed; running eagerly", stacklevel=2)
-        obj, regional_state, choice = model_or_step_fn, None, "eager"
-        reason = "every candidate failed: " + "; ".join(f"{r.name}: {r.error}" for r in results)
-    else:
-        obj, regional_state = built[choice]
-    if regional and regional_state:
-        for name, compiled in regional_state.items():  # re-enable the winner's compiled blocks (no recompile)
-            model_or_step_fn.get_submodule(name)._compiled_call_impl = compiled
-    log(f"optimize: chose {choice}: {reason}")
-    chosen = next((r for r in results if r.name == choice), None)
-    return OptimizeResult(
-        target=obj, choice=choice, reason=reason,
-        compile_time_s=chosen.compile_time_s if chosen else None, steady_ms=chosen.steady_ms if chosen else None,
-        candidates=results, steps_run=steps_run, regional_modules=sorted(regional_state or {}),
-    )
+    def _mark(self) -> tuple[float, Any]:
+        event = None
+        if self._on_cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+        return time.perf_counter(), event
 
+    def _run(self, cand: Candidate, args: tuple, kwargs: dict, training: bool) -> Any:
+        if cand.channels_last:
+            args = tuple(a.contiguous(memory_format=torch.channels_last)
+                         if isinstance(a, torch.Tensor) and a.dim() == 4 else a for a in args)
+        fn = self._callable(cand)
+        if training and (cand.options or {}).get("mode") == "reduce-overhead":
+            torch.compiler.cudagraph_mark_step_begin()  # the previous step's graph outputs may be overwritten
+        return fn(*args, **kwargs)
 
-def _candidate(name: str) -> Candidate:
-    if name not in CANDIDATES:
-        raise ValueError(f"optimize: unknown candidate {name!r}; known: {sorted(CANDIDATES)}")
-    return CANDIDATES[name]
+    def _callable(self, cand: Candidate) -> Callable:
+        if cand.options is None:
+            return self.model._call_impl
+        key = json.dumps(cand.options, sort_keys=True)
+        if key not in self._compiled:
+            self._compiled[key] = torch.compile(self.model._call_impl, **cand.options)
+        return self._compiled[key]
 
-
-def _on_cuda(target: Any) -> bool:
-    if isinstance(target, nn.Module):
-        p = next(iter(target.parameters()), None)
-        return p is not None and p.is_cuda
-    return torch.cuda.is_available()
-
-
-def _build(cand: Candidate, target: Any, regional: bool, block_types: Iterable | None) -> tuple[Any, dict | None]:
-    if cand.wrap is not None:
-        return cand.wrap(target), None
-    if cand.options is None:
-        return target, None
-    if regional:
-        names = regional_compile(target, block_types, **cand.options)
-        return target, {n: None for n in names}
-    return torch.compile(target, **cand.options), None
-
-
-def _stash_regional(model: Any, state: dict | None) -> dict | None:
-    """Remembers the compiled callables of a regional candidate and turns them off for the next candidate."""
-    if not state:
-        return state
-    stash = {}
-    for name in state:
-        module = model.get_submodule(name)
-        stash[name] = module._compiled_call_impl
-        module._compiled_call_impl = None
-    return stash
-
-
-def _failed(cand: Candidate, e: Exception) -> CandidateResult:
-    reason = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"[:300]
-    warnings.warn(f"optimize: candidate {cand.name!r} failed ({reason}); skipping it", stacklevel=3)
-    return CandidateResult(cand.name, ok=False, error=reason)
-
-
-def _time_candidate(cand: Candidate, obj: Any, run: Callable, warmup_steps: int, timing_steps: int,
-                    on_cuda: bool) -> tuple[CandidateResult, int]:
-    uses_graphs = (cand.options or {}).get("mode") == "reduce-overhead"
-    mark = getattr(torch.compiler, "cudagraph_mark_step_begin", None) if uses_graphs else None
-    sync = torch.cuda.synchronize if on_cuda else (lambda: None)
-    sync()
-    t0 = time.perf_counter()
-    for _ in range(warmup_steps):
-        if mark:
-            mark()
-        run(obj)
-    sync()
-    warmup_s = time.perf_counter() - t0
-    times = []
-    for _ in range(timing_steps):
-        if mark:
-            mark()
-        if on_cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            run(obj)
-            end.record()
-            times.append((start, end))
+    # ----- the plan ------------------------------------------------------------------------------------------
+    def _start(self, args: tuple, kwargs: dict) -> None:
+        self.report.key = _cache_key(self.model, args, kwargs)
+        if self.backend != "auto":
+            self._choose(CANDIDATES[self.backend], f"asked for (backend={self.backend!r})")
+            return
+        cached = _read_cache(self.cache_file).get(self.report.key) if self.cache_file else None
+        if cached and cached.get("choice_name") in CANDIDATES:
+            self.report.cached = True
+            self._choose(CANDIDATES[cached["choice_name"]].with_layout(cached["channels_last"]),
+                         f"cached in {self.cache_file} ({cached['reason']}); delete the entry or pass "
+                         "cache=False to measure again")
+            return
+        if self.plan is None:
+            compiled = [CANDIDATES[n] for n in COMPILED if self._on_cuda or not CANDIDATES[n].cuda_only]
+            layouts = [CANDIDATES["eager"], CANDIDATES["eager"].with_layout(True)] if self._has_conv else \
+                [CANDIDATES["eager"]]
+            self.plan, self._layouts_pending = layouts, self._has_conv
+            self._compiled_plan = compiled
         else:
-            t = time.perf_counter()
-            run(obj)
-            times.append(1000 * (time.perf_counter() - t))
-    sync()
-    ms = sorted(s.elapsed_time(e) for s, e in times) if on_cuda else sorted(times)
-    steady = statistics.median(ms)
-    q = statistics.quantiles(ms, n=5) if len(ms) > 1 else [ms[0]] * 4
-    compile_s = max(0.0, warmup_s - warmup_steps * steady / 1000)
-    return CandidateResult(cand.name, True, warmup_s, compile_s, steady, q[0], q[3]), warmup_steps + timing_steps
+            self.plan = [c for c in self.plan if self._on_cuda or not c.cuda_only]
+            self._compiled_plan = []
+        if not self.plan:
+            self._choose(CANDIDATES["eager"], "no candidate runs on this device")
+            return
+        self.trials.append(_Trial(self.plan.pop(0)))
+
+    def _next_trial(self) -> None:
+        """Closes the current trial and starts the next one, or decides."""
+        trial = self.trials[-1]
+        if trial.result is None:
+            trial.result = self._measure(trial)
+            r = trial.result
+            self.log(f"optimize: {r.name:<40} compile {r.compile_time_s:6.1f} s   steady {r.steady_ms:8.2f} ms/step "
+                     f"(p20 {r.p20_ms:.2f}, p80 {r.p80_ms:.2f})")
+        if not self.plan and self._compiled_plan:  # the layouts are measured: compile in the faster one
+            channels_last = self._layouts_pending and self._faster_layout()
+            self.plan = [c.with_layout(channels_last) for c in self._compiled_plan]
+            self._compiled_plan = []
+        if self.plan:
+            self.trials.append(_Trial(self.plan.pop(0)))
+            return
+        self._decide()
+
+    def _faster_layout(self) -> bool:
+        layouts = [t.result for t in self.trials if t.candidate.options is None and t.result.ok]
+        return bool(layouts) and min(layouts, key=lambda r: r.steady_ms).name.endswith("+channels_last")
+
+    def _measure(self, trial: _Trial) -> CandidateResult:
+        if self._on_cuda:
+            trial.marks[-1][1].synchronize()
+        w = self.warmup_steps
+        timed = trial.marks[w:]
+        if self._on_cuda:
+            ms = sorted(a[1].elapsed_time(b[1]) for a, b in zip(timed, timed[1:]))
+        else:
+            ms = sorted(1000 * (b[0] - a[0]) for a, b in zip(timed, timed[1:]))
+        steady = statistics.median(ms)
+        q = statistics.quantiles(ms, n=5, method="inclusive")
+        warmup_s = trial.marks[w][0] - trial.marks[0][0]
+        return CandidateResult(trial.candidate.name, True, max(0.0, warmup_s - w * steady / 1000), steady, q[0], q[3])
+
+    def _decide(self) -> None:
+        results = [t.result for t in self.trials]
+        self.report.candidates = results
+        ok = [r for r in results if r.ok]
+        by_name = {t.candidate.name: t.candidate for t in self.trials}
+        if not ok:
+            self._choose(CANDIDATES["eager"], "every candidate failed: " +
+                         "; ".join(f"{r.name}: {r.error}" for r in results))
+            return
+        best = min(ok, key=lambda r: r.steady_ms)
+        eager = min((r for r in ok if by_name[r.name].options is None), key=lambda r: r.steady_ms, default=None)
+        failed = [r.name for r in results if not r.ok]
+        note = f"; failed: {', '.join(failed)}" if failed else ""
+        if eager is not None and best is not eager and eager.steady_ms / best.steady_ms - 1 < _MIN_GAIN:
+            best, reason = eager, (f"the fastest compiled candidate is less than {100 * _MIN_GAIN:.0f}% faster than "
+                                   f"{eager.name} ({eager.steady_ms:.2f} ms/step){note}")
+        elif eager is not None and best is not eager:
+            reason = (f"fastest steady step {best.steady_ms:.2f} ms, {eager.steady_ms / best.steady_ms:.2f}x "
+                      f"{eager.name} ({eager.steady_ms:.2f} ms), after {best.compile_time_s:.1f} s of compilation"
+                      f"{note}")
+        else:
+            others = ", ".join(f"{r.name} {r.steady_ms:.2f}" for r in ok if r is not best)
+            reason = f"fastest steady step {best.steady_ms:.2f} ms" + (f" (vs {others} ms)" if others else "") + note
+        self._choose(by_name[best.name], reason)
+        if self.cache_file is not None:
+            base = next(n for n in CANDIDATES if by_name[best.name].options == CANDIDATES[n].options)
+            _write_cache(self.cache_file, self.report.key, {
+                "choice_name": base, "channels_last": by_name[best.name].channels_last, "reason": reason,
+                "steady_ms": best.steady_ms, "measured": time.strftime("%Y-%m-%d %H:%M"),
+                "candidates": [asdict(r) for r in results]})
+
+    def _choose(self, cand: Candidate, reason: str) -> None:
+        self.chosen = cand
+        self.report.choice, self.report.reason = cand.name, reason
+        self.model.gallery_optimize = self.report
+        self.log(f"optimize: chose {cand.name}: {reason}")
 
 
-def _choose(results: list[CandidateResult], timed: bool) -> tuple[str | None, str]:
-    ok = [r for r in results if r.ok]
-    if not ok:
-        return None, ""
-    if not timed:
-        return ok[0].name, "the requested backend (not timed: pass example_step to measure it)"
-    best = min(ok, key=lambda r: r.steady_ms)
-    eager = next((r for r in ok if r.name == "eager"), None)
-    failed = [r.name for r in results if not r.ok]
-    note = f"; failed: {', '.join(failed)}" if failed else ""
-    if eager is None or best is eager:
-        others = ", ".join(f"{r.name} {r.steady_ms:.2f}" for r in ok if r is not best)
-        vs = f" (vs {others} ms)" if others else ""
-        return best.name, f"fastest steady step {best.steady_ms:.2f} ms{vs}{note}"
-    gain = eager.steady_ms / best.steady_ms - 1
-    if gain < _MIN_GAIN:
-        return "eager", (f"{best.name} is only {100 * gain:.1f}% faster than eager ({best.steady_ms:.2f} vs "
-                         f"{eager.steady_ms:.2f} ms), below the {100 * _MIN_GAIN:.0f}% needed to keep a compiled "
-                         f"model{note}")
-    return best.name, (f"fastest steady step {best.steady_ms:.2f} ms, {eager.steady_ms / best.steady_ms:.2f}x eager "
-                       f"({eager.steady_ms:.2f} ms), after {best.compile_time_s:.1f} s of compilation{note}")
+def _failed(cand: Candidate, exc: Exception) -> CandidateResult:
+    text = str(exc).strip()
+    return CandidateResult(cand.name, ok=False, error=f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
+                           [:300])
+
+
+def _cache_key(model: nn.Module, args: tuple, kwargs: dict) -> str:
+    """Model class and size, the inputs' shapes and dtypes, the autocast state, the device and torch's version."""
+    def sig(x: Any) -> str:
+        return f"{tuple(x.shape)}:{str(x.dtype).removeprefix('torch.')}" if isinstance(x, torch.Tensor) else "-"
+
+    params = list(model.parameters())
+    device = params[0].device if params else torch.device("cpu")
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    autocast = (f"autocast {str(torch.get_autocast_dtype(device.type)).removeprefix('torch.')}"
+                if torch.is_autocast_enabled(device.type) else "no autocast")
+    inputs = ",".join([sig(a) for a in args] + [f"{k}={sig(v)}" for k, v in sorted(kwargs.items())])
+    size = sum(p.numel() for p in params)
+    return (f"{type(model).__module__}.{type(model).__qualname__} ({size} parameters) | {inputs} | {autocast} | "
+            f"{device_name} | torch {torch.__version__}")
+
+
+def _read_cache(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}  # no cache yet, or one another version wrote: measure
+
+
+def _write_cache(path: Path, key: str, entry: dict[str, Any]) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        entries = _read_cache(path)
+        entries[key] = entry
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(entries, indent=1))
+        tmp.replace(path)  # atomic: a concurrent run reads the old file or the new one
+    except OSError as exc:
+        print(f"optimize: could not write the choice to {path} ({exc}); the next run will measure again")
