@@ -30,6 +30,7 @@ DEVICES = ("auto", "cuda", "cpu")
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 COMPILE_SCOPES = ("model", "blocks")
 EMA_MODES = ("off", "loop", "foreach", "fused", "stream")
+OPTIMIZERS = ("adamw", "sgd")
 KERNEL_OPS = ("group_norm_silu", "layer_norm", "geglu")
 # Compile modes that capture CUDA graphs: only meaningful with a GPU.
 CUDA_GRAPH_COMPILE_MODES = ("reduce-overhead", "max-autotune")
@@ -78,11 +79,13 @@ class RunConfig:
     log_every: int = setting(10, kind=int, minimum=1)
     """Steps between host syncs: losses and timings are read back and written in batches of this size."""
 
+    optimizer: str = setting("adamw", choices=OPTIMIZERS)
+    """``adamw`` (betas 0.9 / 0.999) or ``sgd`` (momentum 0.9, Nesterov: the torchvision / NVIDIA ResNet recipe)."""
     lr: float | None = setting(None, kind=float, above=0, optional=True)
-    """Peak learning rate; ``None`` scales the Swin reference rule 5e-4 * global_batch / 512 (profiles of other
-    models set it)."""
+    """Peak learning rate; ``None`` scales a reference rule to the global batch: AdamW 5e-4 per 512 (Swin), SGD 0.1
+    per 256 (Goyal et al.)."""
     weight_decay: float = setting(0.05, kind=float, minimum=0)
-    """AdamW weight decay (norms, biases and position tables are excluded, as in the Swin reference)."""
+    """Weight decay (norms, biases and position tables are excluded, as in the Swin reference)."""
     lr_warmup_steps: int = setting(5, kind=int, minimum=0)
     """Linear learning-rate warm-up before the cosine decay."""
     clip_grad: float | None = setting(5.0, kind=float, above=0, optional=True)
@@ -273,7 +276,9 @@ class RunConfig:
 
     @property
     def peak_lr(self) -> float:
-        return self.lr if self.lr is not None else 5e-4 * self.global_batch_size / 512
+        if self.lr is not None:
+            return self.lr
+        return 0.1 * self.global_batch_size / 256 if self.optimizer == "sgd" else 5e-4 * self.global_batch_size / 512
 
     # ----- (de)serialization ----------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:

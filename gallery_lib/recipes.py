@@ -37,6 +37,8 @@ def compiled(base: RunConfig) -> RunConfig:
 def accelerated(base: RunConfig) -> RunConfig:
     """Everything that measured faster than ``compiled`` on the GPU, for the model's family."""
     switches = dict(base.model_family.accelerated)
+    if _runs_on_gpu(base):
+        switches.update(base.model_family.accelerated_on_gpu)
     if "ema" in switches:
         switches["ema"] = _ema_mode(base, switches["ema"])
     if switches.get("compile_scope") == "blocks" and _runs_on_gpu(base):  # CUDA graphs per block, precompiled

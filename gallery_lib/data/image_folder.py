@@ -99,8 +99,10 @@ class RobustImageDataset(torch.utils.data.Dataset):
             recent = [self._recent[k % _RECENT_SKIPS] for k in range(max(0, n - _RECENT_SKIPS), n)]
         return [self._image_path(i) for i in recent]
 
-    def _load_image(self, index: int) -> tuple[int, Image.Image]:
-        """``(i, rgb_image)`` of the first readable sample from ``index`` on (wrapping around); counts every try."""
+    def _load_image(self, index: int, load: Callable = None) -> tuple[int, Image.Image]:
+        """``(i, load(path))`` of the first readable sample from ``index`` on (wrapping around); counts every try.
+        ``load`` defaults to ``load_rgb`` (the RGB image); the device decoder's workers read bytes instead."""
+        load = load or load_rgb
         n = len(self)
         failures: list[str] = []
         for attempt in range(min(self.max_consecutive_errors, n)):
@@ -109,7 +111,7 @@ class RobustImageDataset(torch.utils.data.Dataset):
             with self._loads.get_lock():
                 self._loads.value += 1
             try:
-                return i, load_rgb(path)
+                return i, load(path)
             except Exception as exc:  # any decode error means "bad file", whatever the codec raises
                 _logger.warning("Skipped sample %d (%s): %s", i, path, exc)
                 self._count_skip(i)

@@ -9,6 +9,9 @@ float conversion or normalisation on the CPU, and a quarter of the bytes over PC
 converted to float and normalised (ImageNet mean / std), randomly erased (timm ``RandomErasing``, which expects
 normalised input), mixed (timm ``Mixup`` / CutMix) and optionally made channels-last.
 
+With ``pipeline="gpu_augment"`` (or ``"gpu_decode"``) the batch is cropped, resized and flipped (and decoded) on the
+device (``device_decode.py``): the paths for GPUs that train faster than CPU cores can crop and resize.
+
 Targets are always soft (``batch x num_classes``): mixed ones from Mixup, otherwise one-hot with label smoothing, so
 the loss is always ``timm.loss.SoftTargetCrossEntropy``.
 
@@ -155,7 +158,9 @@ def build_train_loader(
     mixup_alpha: float = 0.0,
     cutmix_alpha: float = 0.0,
     label_smoothing: float = 0.0,
+    color_jitter: float = 0.4,
     channels_last: bool = False,
+    pipeline: str = "cpu",
     interpolation: str = "bicubic",
     pin_memory: bool | None = None,
     persistent_workers: bool = True,
@@ -180,7 +185,11 @@ def build_train_loader(
             config checks that and the other settings' ranges).
         cutmix_alpha: CutMix alpha.
         label_smoothing: Smoothing of the soft targets, with or without mixing.
+        color_jitter: Colour-jitter strength when there is no ``auto_augment`` (timm's default 0.4; 0 turns it off).
         channels_last: Deliver images in ``torch.channels_last`` memory format.
+        pipeline: ``cpu`` (timm's transforms in the workers), ``gpu_augment`` (the workers decode, ``device`` crops,
+            resizes and flips) or ``gpu_decode`` (``device`` decodes too): ``gallery_lib.data.device_decode``, which
+            takes no ``auto_augment`` or ``color_jitter``.
         interpolation: Resize interpolation of the crop (``"bicubic"``, ``"bilinear"``, ``"random"``).
         pin_memory: Pin host batches; ``None`` pins when ``device`` is CUDA.
         persistent_workers: Keep workers alive between epochs (only when ``num_workers > 0``).
@@ -208,14 +217,27 @@ def build_train_loader(
                          f"(batch_size {batch_size} x world_size {world_size} = {batch_size * world_size}): "
                          "lower the batch size or generate more images (e.g. a larger train_per_class)")
 
-    train_set = copy.copy(dataset)  # shares the sample list and the shared skip counter
-    train_set.transform = create_transform(
-        input_size=image_size, is_training=True, auto_augment=auto_augment, interpolation=interpolation,
-        use_prefetcher=True)  # stops at a uint8 tensor: normalise and erase happen on the device
-    _make_posterize_pillow_safe(train_set.transform)
+    on_device = None
+    if pipeline != "cpu":
+        from gallery_lib.data.device_decode import PIPELINES, DeviceBatches, EncodedImageFolder, collate_encoded
+
+        if pipeline not in PIPELINES:
+            raise ValueError(f"pipeline={pipeline!r}: choose one of {PIPELINES}")
+        if auto_augment or color_jitter:
+            raise ValueError(f"pipeline={pipeline!r} crops and flips on the device; auto_augment and color_jitter are "
+                             "CPU transforms: set auto_augment=None and color_jitter=0, or use pipeline='cpu'")
+        train_set = EncodedImageFolder(dataset, decode_in_worker=pipeline == "gpu_augment")
+        collate, on_device = collate_encoded, DeviceBatches(dataset, image_size=image_size, device=device)
+    else:
+        train_set, collate = copy.copy(dataset), None  # the copy shares the sample list and the skip counters
+        train_set.transform = create_transform(
+            input_size=image_size, is_training=True, auto_augment=auto_augment, color_jitter=color_jitter,
+            interpolation=interpolation, use_prefetcher=True)  # stops at uint8: normalise and erase on the device
+        _make_posterize_pillow_safe(train_set.transform)
     loader = sampled_loader(train_set, batch_size=batch_size, device=device, num_workers=num_workers, seed=seed,
                             world_size=world_size, rank=rank, pin_memory=pin_memory,
-                            persistent_workers=persistent_workers, prefetch_factor=prefetch_factor)
+                            persistent_workers=persistent_workers, prefetch_factor=prefetch_factor,
+                            collate_fn=collate)
     mixup = None
     if use_mixup:
         mixup = Mixup(mixup_alpha=mixup_alpha, cutmix_alpha=cutmix_alpha, label_smoothing=label_smoothing,
@@ -223,12 +245,19 @@ def build_train_loader(
     random_erasing = RandomErasing(re_prob, mode="pixel", device=device) if re_prob > 0 else None
     finish = ClassificationBatches(device=device, num_classes=num_classes, label_smoothing=label_smoothing,
                                    mixup=mixup, random_erasing=random_erasing, channels_last=channels_last)
+    if on_device is not None:
+        finish = _then(on_device, finish)
     return TrainLoader(loader, dataset, finish=finish)
+
+
+def _then(first: Callable, second: Callable) -> Callable:
+    return lambda batch: second(first(batch))
 
 
 def sampled_loader(dataset: torch.utils.data.Dataset, *, batch_size: int, device: torch.device, num_workers: int,
                    seed: int, world_size: int = 1, rank: int = 0, pin_memory: bool | None = None,
-                   persistent_workers: bool = True, prefetch_factor: int | None = None) -> DataLoader:
+                   persistent_workers: bool = True, prefetch_factor: int | None = None,
+                   collate_fn: Callable | None = None) -> DataLoader:
     """A ``DataLoader`` over ``dataset`` for ``TrainLoader``: seeded, sharded, resumable, per-sample seeded.
 
     One seeded sampler for both cases: with a single replica it is a plain seeded shuffle with set_epoch. Each
@@ -244,7 +273,7 @@ def sampled_loader(dataset: torch.utils.data.Dataset, *, batch_size: int, device
             workers_kw["prefetch_factor"] = prefetch_factor
     return DataLoader(
         _SampleSeeded(dataset, seed), batch_size=batch_size, sampler=sampler, num_workers=num_workers,
-        drop_last=True, pin_memory=device.type == "cuda" if pin_memory is None else pin_memory,
+        drop_last=True, pin_memory=device.type == "cuda" if pin_memory is None else pin_memory, collate_fn=collate_fn,
         generator=torch.Generator().manual_seed(_rank_seed(seed, rank)), **workers_kw)
 
 

@@ -51,6 +51,8 @@ class ModelFamily:
     accelerated: Mapping[str, Any] = field(default_factory=dict)
     """What the ``accelerated`` recipe switches on top of ``compiled`` for this family: only switches that measured
     faster (each kept with a one-line pointer to ``benchmarks/RESULTS.md``)."""
+    accelerated_on_gpu: Mapping[str, Any] = field(default_factory=dict)
+    """Switches the ``accelerated`` recipe adds to ``accelerated`` only when the run has a GPU (CUDA graphs, say)."""
     block_types: tuple[str, ...] = ()
     """Class names of the repeated blocks that ``compile_scope='blocks'`` compiles in place (outermost match)."""
     block_modules: tuple[str, ...] = ()

@@ -2,10 +2,10 @@
 
 Three modes (``guard_mode``):
 
-- ``device``, with fused AdamW and no GradScaler (the compiled and accelerated recipes): the optimizer gets a device
-  flag (``found_inf``, the mechanism GradScaler uses) and skips its own update; no host sync. The learning-rate
-  schedule and the EMA still advance on a skipped step (the weights did not move, so the EMA only moves towards
-  them), and the skips are counted when the flags are read back at the next logging step (``count``). The per-step
+- ``device``, with a fused optimizer (AdamW, SGD) and no GradScaler (the compiled and accelerated recipes): the
+  optimizer gets a device flag (``found_inf``, the mechanism GradScaler uses) and skips its own update; no host
+  sync. The learning-rate schedule and the EMA still advance on a skipped step (the weights did not move, so the
+  EMA only moves towards them), and the skips are counted when the flags are read back at the next logging step (``count``). The per-step
   sync of the other mode is too costly for a launch-bound step (benchmarks/RESULTS.md#sd15-recipes).
 - ``host`` otherwise: the loss is read on the host after backward (one sync per step, plus a one-element all-reduce
   when distributed) and the optimizer, scheduler and EMA are not stepped at all; fp16 runs sync there anyway in

@@ -72,14 +72,16 @@ def configure_backends(cfg: RunConfig) -> None:
 
 
 def build_optimizer(model: torch.nn.Module, cfg: RunConfig, precision: Precision) -> torch.optim.Optimizer:
-    """AdamW without weight decay on norms, biases and position tables (the Swin reference; diffusers decays every
-    UNet parameter, but the UNet's 1-D tensors are a rounding error of its 860M parameters)."""
+    """AdamW or Nesterov SGD (``cfg.optimizer``) without weight decay on norms, biases and position tables (the Swin
+    reference; diffusers decays every UNet parameter, but its 1-D tensors are a rounding error of its 860M)."""
     from timm.optim import param_groups_weight_decay
 
     no_decay = model.no_weight_decay() if hasattr(model, "no_weight_decay") else ()
     groups = param_groups_weight_decay(model, cfg.weight_decay, no_weight_decay_list=no_decay)
     groups = precision.optimizer_params(groups)
     kwargs = {"fused": True} if cfg.fused_optimizer else {}
+    if cfg.optimizer == "sgd":
+        return torch.optim.SGD(groups, lr=cfg.peak_lr, momentum=0.9, nesterov=True, **kwargs)
     return torch.optim.AdamW(groups, lr=cfg.peak_lr, betas=(0.9, 0.999), eps=1e-8, **kwargs)
 
 

@@ -18,6 +18,12 @@ class ClassificationOptions:
     """timm auto-augment policy, e.g. ``rand-m9-mstd0.5-inc1`` (the Swin reference)."""
     re_prob: float = setting(0.0, kind=float, minimum=0, below=1)
     """Random-erasing probability."""
+    color_jitter: float = setting(0.4, kind=float, minimum=0, hint="0 disables it")
+    """Colour-jitter strength when there is no ``auto_augment`` (timm's default 0.4)."""
+    image_pipeline: str = setting("cpu", choices=("cpu", "gpu_augment", "gpu_decode"))
+    """``cpu``: timm's transforms in the DataLoader workers. ``gpu_augment``: the workers only decode, the GPU crops,
+    resizes and flips the batch; ``gpu_decode``: the GPU decodes it too (``gallery_lib.data.device_decode``). Without
+    a CUDA device a run uses ``cpu``."""
     mixup_alpha: float = setting(0.8, kind=float, minimum=0, hint="0 disables it")
     """Mixup alpha (0 disables)."""
     cutmix_alpha: float = setting(1.0, kind=float, minimum=0, hint="0 disables it")
@@ -37,6 +43,10 @@ class ClassificationOptions:
 
     def check(self, cfg) -> None:
         check_mixup_batch(cfg.batch_size, self.mixup_alpha, self.cutmix_alpha)
+        if self.image_pipeline != "cpu" and (self.auto_augment or self.color_jitter):
+            raise ConfigError(f"image_pipeline={self.image_pipeline!r} crops and flips on the GPU, but auto_augment and "
+                              "color_jitter are CPU transforms: set auto_augment=None and color_jitter=0, or "
+                              "image_pipeline='cpu'.")
 
 
 def check_mixup_batch(batch_size: int, mixup_alpha: float, cutmix_alpha: float) -> None:
@@ -56,11 +66,13 @@ class ClassificationTask:
         self.cfg = cfg
         opts: ClassificationOptions = cfg.options
         self.dataset = RobustImageFolder(cfg.data_dir, split="train")
+        self.pipeline = opts.image_pipeline if dist.device.type == "cuda" else "cpu"
         self.loader = build_train_loader(
             self.dataset, batch_size=cfg.batch_size, image_size=cfg.image_size, device=dist.device,
             num_workers=cfg.num_workers, seed=cfg.seed, world_size=dist.world_size, rank=dist.rank,
             auto_augment=opts.auto_augment, re_prob=opts.re_prob, mixup_alpha=opts.mixup_alpha,
-            cutmix_alpha=opts.cutmix_alpha, label_smoothing=opts.label_smoothing, channels_last=cfg.channels_last)
+            cutmix_alpha=opts.cutmix_alpha, label_smoothing=opts.label_smoothing, color_jitter=opts.color_jitter,
+            channels_last=cfg.channels_last, pipeline=self.pipeline)
         self.model = cfg.model_family.build(cfg.model, num_classes=self.dataset.num_classes, image_size=cfg.image_size,
                                  pretrained_file=cfg.pretrained).to(dist.device)
         self.criterion = _fused_soft_cross_entropy if opts.fused_loss else _timm_soft_cross_entropy()
@@ -72,7 +84,9 @@ class ClassificationTask:
         return self.criterion(output.float(), targets)
 
     def describe(self) -> str:
-        return f"{len(self.dataset)} images, {self.dataset.num_classes} classes"
+        asked = self.cfg.options.image_pipeline
+        pipeline = self.pipeline + (f" ({asked} asked for; there is no CUDA device)" if asked != self.pipeline else "")
+        return f"{len(self.dataset)} images, {self.dataset.num_classes} classes, image pipeline {pipeline}"
 
     def train_flops_per_sample(self) -> float | None:
         from gallery_lib.models.flops import train_flops_per_sample
