@@ -124,7 +124,7 @@ def bench_loaders(args, record) -> None:
                                     device="cuda", color_jitter=0.0, label_smoothing=0.1, channels_last=True,
                                     num_workers=args.workers, pipeline=pipeline)
         batches = iter(loader)
-        for _ in range(5):  # workers start, first batches
+        for _ in range(args.loader_warmup):  # the workers start and their first batches drain
             next(batches)
         torch.cuda.synchronize()
         start = time.perf_counter()
@@ -199,7 +199,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--data", help="class-folder JPEG dataset (for the loaders)")
     parser.add_argument("--workers", type=int, default=min(12, os.cpu_count() or 1))
-    parser.add_argument("--loader-batches", type=int, default=30)
+    parser.add_argument("--loader-batches", type=int, default=100)
+    parser.add_argument("--loader-warmup", type=int, default=30)
     parser.add_argument("--pipelines", default="cpu,gpu_augment,gpu_decode", help="image pipelines for `fed`")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()

@@ -38,12 +38,25 @@ def test_downscaled_crop_matches_area_interpolation():
     torch.testing.assert_close(out, ref, atol=1e-3, rtol=0)
 
 
-def test_boxes_follow_torchvision_random_resized_crop():
-    torch.manual_seed(0)
-    for _ in range(50):
+def test_boxes_follow_random_resized_crop_statistics():
+    """Inside the image, scale 0.08-1 and ratio 3/4-4/3 up to rounding, with the area's mean near torchvision's."""
+    import random
+
+    random.seed(0)
+    areas = []
+    for _ in range(2000):
         top, left, h, w = random_resized_box(41, 67)
         assert 0 <= top and top + h <= 41 and 0 <= left and left + w <= 67 and h > 0 and w > 0
-        assert 0.08 * 41 * 67 * 0.9 <= h * w or (h, w) == (41, 41)  # scale >= 0.08, or the centre fallback
+        areas.append(h * w / (41 * 67))
+        assert 0.08 * 0.8 <= areas[-1] <= 1.0 and (3 / 4) * 0.8 <= w / h <= (4 / 3) * 1.25
+    from torchvision.transforms import RandomResizedCrop
+
+    torch.manual_seed(0)
+    reference = [(lambda b: b[2] * b[3] / (41 * 67))(RandomResizedCrop.get_params(torch.empty(0, 41, 67),
+                                                                               [0.08, 1.0], [3 / 4, 4 / 3]))
+                 for _ in range(2000)]
+    assert abs(np.mean(areas) - np.mean(reference)) < 0.03
+    assert random_resized_box(2, 200) == (0, 98, 2, 3)  # too wide for any try: the centre crop at ratio 4/3
 
 
 def _jpeg(img, **kw):
@@ -158,4 +171,5 @@ def test_gpu_pipelines_match_the_cpu_device(mock_root):
         gpu, gpu_labels = DeviceBatches(folder, image_size=24, device="cuda")(collate_encoded(samples))
         assert gpu.is_cuda and torch.equal(gpu_labels.cpu(), cpu_labels)
         difference = (gpu.cpu() - cpu).abs().mean().item()
-        assert difference < 2.0, (decode_in_worker, difference)  # roi_align's CUDA sums; nvjpeg's IDCT
+        # a wrong crop differs by tens; nvjpeg's chroma upsampling differs from libjpeg-turbo's (3.6 on an H100)
+        assert difference < (2.0 if decode_in_worker else 6.0), (decode_in_worker, difference)

@@ -29,6 +29,8 @@ from __future__ import annotations
 import dataclasses
 import io
 import logging
+import math
+import random
 from dataclasses import dataclass
 
 import numpy as np
@@ -75,10 +77,24 @@ def _chw(img: Image.Image) -> torch.Tensor:
 
 
 def random_resized_box(height: int, width: int) -> tuple[int, int, int, int]:
-    """torchvision's ``RandomResizedCrop.get_params`` (scale 0.08-1, ratio 3/4-4/3) on an image of this size."""
-    from torchvision.transforms import RandomResizedCrop
-
-    return tuple(RandomResizedCrop.get_params(torch.empty(0, height, width), list(SCALE), list(RATIO)))
+    """``(top, left, height, width)`` of a random-resized crop (scale 0.08-1, log-uniform ratio 3/4-4/3, ten tries
+    then the centre crop: torchvision's ``RandomResizedCrop.get_params``, drawn from ``random`` like timm's)."""
+    area = height * width
+    log_ratio = (math.log(RATIO[0]), math.log(RATIO[1]))
+    for _ in range(10):
+        target = area * random.uniform(*SCALE)
+        ratio = math.exp(random.uniform(*log_ratio))
+        w, h = round(math.sqrt(target * ratio)), round(math.sqrt(target / ratio))
+        if 0 < w <= width and 0 < h <= height:
+            return random.randint(0, height - h), random.randint(0, width - w), h, w
+    ratio = width / height
+    if ratio < RATIO[0]:
+        w, h = width, round(width / RATIO[0])
+    elif ratio > RATIO[1]:
+        h, w = height, round(height * RATIO[1])
+    else:
+        w, h = width, height
+    return (height - h) // 2, (width - w) // 2, h, w
 
 
 class EncodedImageFolder(torch.utils.data.Dataset):
@@ -97,7 +113,7 @@ class EncodedImageFolder(torch.utils.data.Dataset):
         i, (encoded, decoded, (height, width)) = self.folder._load_image(index, load=read_jpeg_bytes)
         if encoded is not None and self.decode_in_worker:
             encoded, decoded = None, decode_one(encoded, "cpu", self.folder, i)
-        return EncodedSample(encoded, decoded, random_resized_box(height, width), bool(torch.rand(()) < 0.5),
+        return EncodedSample(encoded, decoded, random_resized_box(height, width), random.random() < 0.5,
                              self.folder.samples[i][1], i)
 
 
@@ -128,9 +144,17 @@ def collate_encoded(samples: list[EncodedSample]) -> HostBatch:
             encoded[k] = s.encoded
         elif s.decoded is not None:
             by_size.setdefault(tuple(s.decoded.shape), []).append(k)
-    groups = [(torch.stack([samples[k].decoded for k in members]), members) for members in by_size.values()]
+    groups = [(_stack([samples[k].decoded for k in members]), members) for members in by_size.values()]
     return HostBatch(groups, encoded, [s.box for s in samples], [s.flip for s in samples],
                      [s.label for s in samples], [s.index for s in samples])
+
+
+def _stack(images: list[torch.Tensor]) -> torch.Tensor:
+    """In a worker, stacked straight into shared memory, where the batch travels (not copied there afterwards)."""
+    out = torch.empty((len(images), *images[0].shape), dtype=images[0].dtype)
+    if torch.utils.data.get_worker_info() is not None:
+        out.share_memory_()
+    return torch.stack(images, out=out)
 
 
 def decode_one(encoded: torch.Tensor, device, dataset: RobustImageFolder, index: int) -> torch.Tensor | None:

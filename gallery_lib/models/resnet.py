@@ -56,7 +56,7 @@ FAMILY = register_family(ModelFamily(
         "smoke": dict(model="resnet_micro", image_size=64, batch_size=16, steps=16, warmup_steps=4, log_every=4,
                       lr=0.05, lr_warmup_steps=2, num_workers=1, **_TRAINING),
         "full": dict(model="resnet50", image_size=224, batch_size=256, steps=100, warmup_steps=30, log_every=10,
-                     lr_warmup_steps=10, num_workers=8, **_TRAINING),
+                     lr_warmup_steps=10, num_workers=12, **_TRAINING),
     },
     data_profiles={
         "smoke": dict(num_classes=10, train_per_class=32, val_per_class=4, image_size=72),
