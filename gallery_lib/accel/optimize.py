@@ -3,8 +3,8 @@
 ``optimize`` returns the same module (its parameters, ``state_dict`` keys and attributes unchanged) with a chooser
 installed in front of its forward, the way ``nn.Module.compile`` installs a compiled one. The chooser spends the
 model's first training steps on candidates: eager, eager with channels_last input (models with 2-D convolutions;
-the faster layout is kept for the compiled candidates), Inductor, Inductor with CUDA graphs, and max-autotune
-without CUDA graphs. Each runs a few warm-up steps (compilation, autotuning, graph capture) and a few timed ones; a
+the faster layout is kept for the compiled candidates), Inductor, and Inductor with CUDA graphs (max-autotune
+without CUDA graphs when asked for: its autotuning takes minutes). Each runs a few warm-up steps (compilation, autotuning, graph capture) and a few timed ones; a
 step is timed from one training forward to the next, so it is the loop's whole step (backward, optimizer, data).
 The chooser then keeps the fastest, logs each candidate's compile time and steady ms per step and why it chose,
 and caches the choice per model, input shape, autocast state, GPU and torch version
@@ -56,7 +56,9 @@ CANDIDATES: dict[str, Candidate] = {c.name: c for c in (
               cuda_only=True),
     Candidate("aot_eager", {"backend": "aot_eager"}),  # tracing without code generation: a cheap check
 )}
-COMPILED = ("inductor", "inductor-cudagraphs", "max-autotune-no-cudagraphs")
+# Tried by default. max-autotune-no-cudagraphs is offered but not tried unasked: it compiled ResNet-50's training
+# step for over 4 minutes on an H100 (benchmarks/RESULTS.md#resnet50).
+COMPILED = ("inductor", "inductor-cudagraphs")
 
 
 @dataclass
@@ -92,8 +94,8 @@ def optimize(model: nn.Module, *, backend: str = "auto", candidates: Iterable[st
     Args:
         model: the module a training loop calls (forward, then backward and the optimizer step outside).
         backend: ``"auto"`` (try the candidates) or a name from ``CANDIDATES`` to use at once.
-        candidates: names or ``Candidate`` objects to try (default: the three compiled ones on a GPU, inductor on a
-            CPU, after eager in both layouts for a model with 2-D convolutions).
+        candidates: names or ``Candidate`` objects to try (default: ``COMPILED`` on a GPU, inductor on a CPU, after
+            eager in both layouts for a model with 2-D convolutions).
         warmup_steps: steps each candidate runs before it is timed (its compilation happens in the first).
         timing_steps: steps timed per candidate (median, p20 and p80 are logged).
         cache: ``True`` for the default cache file, a path for another, ``False`` to always measure.
