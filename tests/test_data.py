@@ -284,6 +284,20 @@ def test_runs_past_epochs_and_reshuffles():
     assert [i for b in zip(range(6), again) for i in _indices(b[1])] == epochs[0]  # same seed, same order
 
 
+def test_one_dataloader_iteration_spans_the_epochs(mock_root, monkeypatch):
+    """The workers are not drained and restarted at each epoch boundary (a stall of a batch per worker)."""
+    from torch.utils.data import DataLoader
+
+    started = []
+    original = DataLoader.__iter__
+    monkeypatch.setattr(DataLoader, "__iter__", lambda self: (started.append(1), original(self))[1])
+    loader = build_train_loader(RobustImageFolder(mock_root), batch_size=8, image_size=24, device="cpu",
+                                num_workers=1)
+    for _ in zip(range(3 * loader.steps_per_epoch + 1), loader):
+        pass
+    assert loader.epoch == 3 and loader.batches_in_epoch == 1 and len(started) == 1
+
+
 def test_augmentation_does_not_depend_on_worker_count(mock_root):
     """Crops and RandAugment ops are seeded per sample, so recipes with different num_workers see the same images."""
     def batches(num_workers, n=5):

@@ -15,9 +15,10 @@ device (``device_decode.py``): the paths for GPUs that train faster than CPU cor
 Targets are always soft (``batch x num_classes``): mixed ones from Mixup, otherwise one-hot with label smoothing, so
 the loss is always ``timm.loss.SoftTargetCrossEntropy``.
 
-Training is counted in steps, so ``TrainLoader`` never stops: it moves to the next epoch (``sampler.set_epoch``)
-by itself. The transfer runs on the current stream with ``non_blocking=True`` from pinned memory; timm's
-``PrefetchLoader`` side-stream overlap is not used because a uint8 batch copy is a few milliseconds at most
+Training is counted in steps, so ``TrainLoader`` never stops: its sampler moves to the next epoch
+(``set_epoch``) by itself, in one DataLoader iteration, so the workers never drain at an epoch boundary. The
+transfer runs on the current stream with ``non_blocking=True`` from pinned memory; timm's ``PrefetchLoader``
+side-stream overlap is not used because a uint8 batch copy is a few milliseconds at most
 against a training step of a hundred or more, and the single stream needs no cross-stream memory bookkeeping.
 """
 
@@ -70,14 +71,16 @@ class TrainLoader:
         return getattr(self.dataset, "skipped", 0)
 
     def __iter__(self) -> Iterator[Any]:
-        while True:
-            self.sampler.set_epoch(self.epoch)
-            self.batches_in_epoch, self._resume_offset = self._resume_offset, 0
-            self._loader.sampler.start = self.batches_in_epoch * self.batch_size
-            for batch in self._loader:
-                self.batches_in_epoch += 1
-                yield self.finish(batch)
-            self.epoch += 1
+        # One endless DataLoader iteration across epochs: the workers run on into the next epoch instead of
+        # draining and restarting at every boundary (a stall of one batch per worker, each epoch).
+        self.batches_in_epoch, self._resume_offset = self._resume_offset, 0
+        self._loader.sampler.begin(self.epoch, self.batches_in_epoch * self.batch_size,
+                                   per_epoch=self.steps_per_epoch * self.batch_size)
+        for batch in self._loader:
+            if self.batches_in_epoch == self.steps_per_epoch:
+                self.epoch, self.batches_in_epoch = self.epoch + 1, 0
+            self.batches_in_epoch += 1
+            yield self.finish(batch)
 
     def state_dict(self) -> dict[str, int]:
         """The data position: the next batch is batch ``batches_in_epoch`` of ``epoch``."""
@@ -298,19 +301,26 @@ def _posterize_any_bits(img: Image.Image, bits_to_keep: int, **kwargs) -> Image.
 
 
 class _EpochTaggedSampler(torch.utils.data.Sampler):
-    """Yields ``(index, epoch)`` pairs from a ``DistributedSampler`` and forwards ``set_epoch``."""
+    """Yields ``(index, epoch)`` pairs from a ``DistributedSampler``, epoch after epoch without end once ``begin``
+    has set where to start; ``len`` is one epoch's."""
 
     def __init__(self, sampler: DistributedSampler):
         self.sampler = sampler
-        self.start = 0
-        """Indices of the current epoch to skip (a resumed run starts mid-epoch)."""
+        self._epoch, self._start, self._per_epoch = 0, 0, None
 
-    def set_epoch(self, epoch: int) -> None:
-        self.sampler.set_epoch(epoch)
+    def begin(self, epoch: int, start: int, per_epoch: int) -> None:
+        """The next iteration starts at index ``start`` of ``epoch`` and takes ``per_epoch`` indices of each epoch
+        (the ones that fill whole batches, so no batch spans two epochs)."""
+        self._epoch, self._start, self._per_epoch = epoch, start, per_epoch
 
     def __iter__(self):
-        epoch = self.sampler.epoch
-        return ((index, epoch) for index in itertools.islice(self.sampler, self.start, None))
+        epoch, start = self._epoch, self._start
+        while True:
+            self.sampler.set_epoch(epoch)
+            yield from ((index, epoch) for index in itertools.islice(self.sampler, start, self._per_epoch))
+            if self._per_epoch is None:  # iterated without begin(): one epoch, as a plain sampler
+                return
+            epoch, start = epoch + 1, 0
 
     def __len__(self) -> int:
         return len(self.sampler)
