@@ -8,7 +8,8 @@ label-smoothed cross-entropy, batch 256 at 224 px), each variant on a fresh mode
 runs the list again in the same order, so a gain must hold twice. ``loaders``: images per second of each image
 pipeline alone over the JPEG folder (``cpu``: timm's transforms in the workers; ``gpu_augment``; ``gpu_decode``).
 ``fed``: the compiled channels_last step with CUDA graphs on synthetic input, then fed by each image pipeline.
-``optimize``: the plain loop with ``model = gallery_lib.optimize(model)`` - what it tried, chose, and the steady step after the choice.
+``optimize``: the plain loop with ``model = gallery_lib.optimize(model)`` - what it tried, chose, and the steady
+step after the choice.
 Times are CUDA events after warm-up: median with p20 / p80. The JSON is rewritten after every measurement.
 """
 
@@ -117,24 +118,11 @@ def bench_steps(args, record) -> None:
 
 
 def bench_loaders(args, record) -> None:
-    from gallery_lib.data import RobustImageFolder, build_train_loader
+    from gallery_lib.data.throughput import pipeline_throughput
 
-    for pipeline in ("cpu", "gpu_augment", "gpu_decode"):
-        loader = build_train_loader(RobustImageFolder(args.data), batch_size=args.batch, image_size=224,
-                                    device="cuda", color_jitter=0.0, label_smoothing=0.1, channels_last=True,
-                                    num_workers=args.workers, pipeline=pipeline)
-        batches = iter(loader)
-        for _ in range(args.loader_warmup):  # the workers start and their first batches drain
-            next(batches)
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(args.loader_batches):
-            next(batches)
-        torch.cuda.synchronize()
-        seconds = time.perf_counter() - start
-        record("loaders", pipeline, {"img_per_s": args.loader_batches * args.batch / seconds, "workers": args.workers,
-                                 "batches": args.loader_batches, "skipped": loader.skipped})
-        del batches, loader
+    for row in pipeline_throughput(args.data, batch_size=args.batch, image_size=224, device="cuda",
+                                   num_workers=args.workers, batches=args.loader_batches, warmup=args.loader_warmup):
+        record("loaders", row["pipeline"], {**row, "batches": args.loader_batches})
 
 
 def bench_fed(args, record) -> None:

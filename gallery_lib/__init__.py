@@ -27,6 +27,7 @@ _PUBLIC = {
     "RunConfig": "gallery_lib.config",
     "register_family": "gallery_lib.models",
     "optimize": "gallery_lib.accel.optimize",
+    "pipeline_throughput": "gallery_lib.data.throughput",
 }
 __all__ = sorted(_PUBLIC)
 

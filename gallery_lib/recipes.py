@@ -1,9 +1,9 @@
 """Named recipes: each is ``base.replace(...)`` of one base config, so runs differ only where named.
 
-``baseline``    what a user runs today (the Swin reference code, diffusers' ``train_text_to_image.py``):
-                eager, AMP O1 (float16 with a GradScaler on a GPU), standard AdamW, a per-tensor EMA loop
-                when the profile trains an EMA, DDP when several processes.
-``compiled``    the plain ``torch.compile`` peer: compile + bfloat16 autocast + fused AdamW + foreach EMA.
+``baseline``    what a user runs today (the Swin reference code, diffusers' ``train_text_to_image.py``, the
+                torchvision ResNet recipe): eager, AMP O1 (float16 with a GradScaler on a GPU), the family's
+                optimizer unfused, a per-tensor EMA loop when the profile trains an EMA, DDP when several processes.
+``compiled``    the plain ``torch.compile`` peer: compile + bfloat16 autocast + fused optimizer + foreach EMA.
 ``accelerated`` ``compiled`` plus the switches that measured faster for the model's family, which the family
                 declares (``ModelFamily.accelerated`` in ``gallery_lib/models/<family>.py``, each with a pointer
                 to its measurement in ``benchmarks/RESULTS.md``).
@@ -21,14 +21,14 @@ from gallery_lib.config import ConfigError, RunConfig, resolve_device, visible_c
 
 
 def baseline(base: RunConfig) -> RunConfig:
-    """Eager PyTorch with AMP O1 and standard AdamW: the reference everyone starts from."""
+    """Eager PyTorch with AMP O1 and the standard (unfused) optimizer: the reference everyone starts from."""
     return base.replace(recipe="baseline", amp_level="O1", amp_dtype="auto", compile=False, fused_optimizer=False,
                         kernels=False, fused_attention=False, channels_last=False, ema=_ema_mode(base, "loop"),
                         **base.model_family.plain_options())
 
 
 def compiled(base: RunConfig) -> RunConfig:
-    """``torch.compile`` (default mode) with bfloat16 autocast, fused AdamW and a foreach EMA: what a user picks next."""
+    """``torch.compile`` with bfloat16 autocast, a fused optimizer and a foreach EMA: what a user picks next."""
     return base.replace(recipe="compiled", amp_level="O1", amp_dtype="bfloat16", compile=True, compile_mode="default",
                         fused_optimizer=True, kernels=False, fused_attention=False, channels_last=False,
                         ema=_ema_mode(base, "foreach"), **base.model_family.plain_options())

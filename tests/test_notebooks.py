@@ -78,7 +78,16 @@ def _exports_and_samples_a_pipeline(nb, family_dir: Path) -> None:
     assert len(images) >= 3  # data preview, report figure, sampled grid
 
 
+def _shows_the_one_line_optimize_and_the_pipelines(nb, family_dir: Path) -> None:
+    """The ResNet notebook: each image pipeline timed alone, the plain loop with and without optimize(model)."""
+    text = "\n".join(o.get("text", "") for c in nb.cells for o in c.get("outputs", []) if o.output_type == "stream")
+    for pipeline in ("cpu", "gpu_augment", "gpu_decode"):
+        assert f"{pipeline} on cpu:" in text and "img/s" in text
+    assert "optimize: chose" in text and "with optimize(model):" in text and "plain loop:" in text
+
+
 NOTEBOOK_CHECKS = {  # what a notebook shows beyond the recipes, the report and the summary: one entry per notebook
     "swin_transformer": _times_the_step_alone,
     "stable_diffusion": _exports_and_samples_a_pipeline,
+    "resnet50": _shows_the_one_line_optimize_and_the_pipelines,
 }

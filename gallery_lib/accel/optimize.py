@@ -4,8 +4,9 @@
 installed in front of its forward, the way ``nn.Module.compile`` installs a compiled one. The chooser spends the
 model's first training steps on candidates: eager, eager with channels_last input (models with 2-D convolutions;
 the faster layout is kept for the compiled candidates), Inductor, and Inductor with CUDA graphs (max-autotune
-without CUDA graphs when asked for: its autotuning takes minutes). Each runs a few warm-up steps (compilation, autotuning, graph capture) and a few timed ones; a
-step is timed from one training forward to the next, so it is the loop's whole step (backward, optimizer, data).
+without CUDA graphs when asked for: its autotuning takes minutes). Each runs a few warm-up steps (compilation,
+autotuning, graph capture) and a few timed ones; a step is timed from one training forward to the next, so it is
+the loop's whole step (backward, optimizer, data).
 The chooser then keeps the fastest, logs each candidate's compile time and steady ms per step and why it chose,
 and caches the choice per model, input shape, autocast state, GPU and torch version
 (``~/.cache/gallery_lib/optimize.json``), so the next run starts with it at once.
