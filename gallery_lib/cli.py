@@ -16,6 +16,7 @@ from gallery_lib.config import (AMP_DTYPES, AMP_LEVELS, COMPILE_MODES, DEVICES, 
                                 parse_overrides, validate_for_machine)
 from gallery_lib.profiles import PROFILES, base_config
 from gallery_lib.recipes import recipe_config
+from gallery_lib.run.checkpoint import CheckpointError
 
 DEFAULT_RECIPES = "baseline,compiled,accelerated"
 
@@ -34,7 +35,8 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
           help="smoke: tiny model on a CPU; full: the GPU benchmark; auto: full when a GPU is visible (default: auto)")
     _flag(g, "model", help="gallery model, see `gallery list` (default: the profile's)")
     _flag(g, "data_dir",
-          help="ImageNet-style folder with train/<class>/ images (default: data/imagenet_like_<profile>)")
+          help="the model's data: train/<class>/<images> for classifiers, images with train/metadata.jsonl for "
+               "Stable Diffusion (default: the prepared mock set, data/<dataset>_<profile>)")
     _flag(g, "output_dir", default="output", help="output root (default: output)")
     _flag(g, "batch_size", type=int, help="images per process per step")
     _flag(g, "find_batch_size", action="store_true", default=None,
@@ -46,7 +48,8 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
     _flag(g, "nproc_per_node", type=int, help="processes (GPUs) started by torchrun (default: 1)")
     _flag(g, "num_workers", type=int, help="data-loader workers per process")
     _flag(g, "device", choices=DEVICES, help="default: auto")
-    _flag(g, "lr", type=float, help="peak learning rate (default: 5e-4 * global batch / 512)")
+    _flag(g, "lr", type=float, help="peak learning rate (default: the profile's, else 5e-4 per 512 images for "
+                                     "AdamW, 0.1 per 256 for SGD)")
     _flag(g, "seed", type=int, help="default: 0")
     o = p.add_argument_group("optimizations (override the recipe's)")
     _flag(o, "amp_level", choices=AMP_LEVELS, help="O0 fp32, O1 autocast, O2 bf16 weights + fp32 master copies")
@@ -101,15 +104,25 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     return 0
 
 
+def configs_from_args(args: argparse.Namespace) -> list[RunConfig]:
+    """The run configs a ``train`` or ``run`` command asks for, resolved and checked (``ConfigError`` otherwise);
+    nothing is prepared or launched."""
+    base = base_from_args(args)
+    overrides = optimization_overrides(args)
+    recipes = [args.recipe] if hasattr(args, "recipe") else _recipe_list(args.recipes)
+    configs = [recipe_config(base, recipe, overrides) for recipe in recipes]
+    # Checkpointing changes how a run is kept, not what it trains: the run keeps its recipe name (and folder).
+    if getattr(args, "checkpoint_every", None) is not None:
+        configs = [cfg.replace(checkpoint_every=args.checkpoint_every) for cfg in configs]
+    if getattr(args, "resume", False):
+        configs = [cfg.replace(resume=True) for cfg in configs]
+    return configs
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     from gallery_lib.run.launch import launch
 
-    cfg = recipe_config(base_from_args(args), args.recipe, optimization_overrides(args))
-    # Checkpointing changes how a run is kept, not what it trains: the run keeps its recipe name (and folder).
-    if args.checkpoint_every is not None:
-        cfg = cfg.replace(checkpoint_every=args.checkpoint_every)
-    if args.resume:
-        cfg = cfg.replace(resume=True)
+    (cfg,) = configs_from_args(args)
     result = launch(cfg)
     print(f"metrics: {result.metrics_path}")
     return 0
@@ -128,8 +141,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from gallery_lib.workflow import compare, launch_all, prepare
 
     base = base_from_args(args)
-    overrides = optimization_overrides(args)
-    configs = [recipe_config(base, r, overrides) for r in _recipe_list(args.recipes)]
+    configs = configs_from_args(args)
     for cfg in configs:  # every machine check before any data is prepared
         validate_for_machine(cfg)
     if args.data_dir is None:
@@ -141,7 +153,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="gallery", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="gallery", description=__doc__.split("\n\n")[0].replace("``", "`"))
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("list", help="models and recipes").set_defaults(func=cmd_list)
     p = sub.add_parser("prepare", help="make the mock dataset for a profile")
@@ -168,7 +180,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ConfigError, FileNotFoundError) as exc:
+    except (ConfigError, FileNotFoundError, CheckpointError) as exc:
         print(f"gallery: error: {exc}", file=sys.stderr)
         return 2
 

@@ -16,6 +16,7 @@ mixup_alpha=0``, one flat ``config.json``. Checks that depend on the machine (GP
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import os
 from dataclasses import dataclass
@@ -348,8 +349,12 @@ def parse_overrides(assignments: list[str]) -> dict[str, Any]:
     overrides: dict[str, Any] = {}
     for item in assignments:
         key, sep, text = (part.strip() for part in item.partition("="))
-        if not sep or key not in known:
-            raise ConfigError(f"--set {item!r} is invalid: expected FIELD=VALUE with FIELD one of {sorted(known)}.")
+        if not sep:
+            raise ConfigError(f"--set {item!r} is invalid: expected FIELD=VALUE, e.g. --set lr=1e-3.")
+        if key not in known:
+            close = difflib.get_close_matches(key, known, n=3)
+            hint = f"did you mean {' or '.join(close)}?" if close else "`gallery list` and the RunConfig docs list them"
+            raise ConfigError(f"--set {item!r}: there is no setting {key!r}; {hint}")
         overrides[key] = parse_value(text)
     return overrides
 

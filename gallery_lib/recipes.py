@@ -85,8 +85,23 @@ def recipe_config(base: RunConfig, recipe: str, overrides: dict[str, Any]) -> Ru
     """Recipe ``recipe`` with explicit ``overrides`` on top, named after both (``baseline+amp_level=O2+compile``)
     so an overridden run never writes over the plain recipe's results."""
     cfg = apply_recipe(recipe, base)
+    _refuse_ignored(recipe, cfg, overrides)
     if overrides:
         label = "+".join(f"{k}={v}" if not isinstance(v, bool) else (k if v else f"no-{k}")
                          for k, v in overrides.items())
         cfg = cfg.replace(recipe=f"{recipe}+{label}", **overrides)
     return cfg
+
+
+# Settings that only act when a switch is on: asking for one in a recipe that leaves the switch off is a mistake.
+_NEEDS_SWITCH = {"compile_mode": "compile", "compile_scope": "compile", "precompile_workers": "compile",
+                 "kernel_ops": "kernels"}
+
+
+def _refuse_ignored(recipe: str, cfg: RunConfig, overrides: dict[str, Any]) -> None:
+    for name, switch in _NEEDS_SWITCH.items():
+        if name in overrides and not overrides.get(switch, getattr(cfg, switch)):
+            takers = [r for r in RECIPES if getattr(RECIPES[r](cfg), switch)]
+            use = f"use the {' or '.join(takers)} recipe, or " if takers else ""
+            raise ConfigError(f"{name}={overrides[name]!r} has no effect in the {recipe} recipe, which runs with "
+                              f"{switch}=False: {use}add --set {switch}=true.")

@@ -60,7 +60,7 @@ class CaptionFolder(RobustImageDataset):
         super().__init__(root, split, transform, max_consecutive_errors)
         self.image_column = image_column
         self.caption_column = caption_column
-        self.folder = _find_folder(self.root, split)
+        self.folder = find_caption_folder(self.root, split)
         self.paths, self.captions = _read_metadata(self.folder / METADATA, image_column, caption_column)
 
     @property
@@ -99,7 +99,9 @@ def caption_image_transform(resolution: int, *, center_crop: bool = True,
     return transforms.Compose(steps)
 
 
-def _find_folder(root: pathlib.Path, split: str) -> pathlib.Path:
+def find_caption_folder(root: pathlib.Path, split: str) -> pathlib.Path:
+    """The folder holding ``metadata.jsonl`` and the images: ``root/split`` or ``root``; FileNotFoundError saying
+    what is missing otherwise."""
     if not root.is_dir():
         raise FileNotFoundError(f"Caption dataset root {root} does not exist: {_PREPARE_HINT}.")
     folder = root / split

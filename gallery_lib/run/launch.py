@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from gallery_lib.config import RunConfig, validate_for_machine
+from gallery_lib.config import ConfigError, RunConfig, validate_for_machine
+from gallery_lib.run.checkpoint import CheckpointError, check_fresh_start, checkpoint_dir, latest_checkpoint
 from gallery_lib.run.metrics import read_metrics
 from gallery_lib.models import family_env
 
@@ -57,15 +58,29 @@ def _child_env(cfg: RunConfig, device: str) -> dict[str, str]:
     return env
 
 
+def preflight(cfg: RunConfig) -> str:
+    """What a run can be refused for before torchrun starts, each a ``ConfigError`` saying the fix: the machine
+    (``validate_for_machine``, whose resolved device it returns), the kind of data the model trains on, and the
+    checkpoints (one to resume from, or none of an earlier run to overwrite)."""
+    device = validate_for_machine(cfg)
+    check_data = getattr(cfg.model_family.task, "check_data", None)
+    if check_data is not None:
+        check_data(cfg.data_dir, cfg.model)
+    try:
+        if cfg.resume:
+            latest_checkpoint(checkpoint_dir(cfg))
+        else:
+            check_fresh_start(cfg)
+    except CheckpointError as exc:
+        raise ConfigError(str(exc)) from None
+    return device
+
+
 def launch(cfg: RunConfig, *, echo: Callable[[str], None] | None = print) -> RunResult:
     """Runs ``cfg`` to completion in a torchrun subprocess; raises ``RunFailed`` with the log tail on error."""
-    device = validate_for_machine(cfg)
+    device = preflight(cfg)
     run_dir = cfg.run_dir.resolve()
     cfg = cfg.replace(output_dir=str(Path(cfg.output_dir).resolve()), data_dir=str(Path(cfg.data_dir).resolve()))
-    if not Path(cfg.data_dir, "train").is_dir():
-        raise FileNotFoundError(f"no training data at {cfg.data_dir}/train: prepare it first with "
-                                f"`gallery prepare --model {cfg.model}` or pass --data-dir to an ImageNet-style "
-                                "folder.")
     config_path = cfg.save(run_dir / "config.json")
     if not cfg.resume:
         (run_dir / "metrics.jsonl").unlink(missing_ok=True)  # a re-run replaces the metrics; a resume appends

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -76,6 +77,19 @@ class ClassificationTask:
         self.model = cfg.model_family.build(cfg.model, num_classes=self.dataset.num_classes, image_size=cfg.image_size,
                                  pretrained_file=cfg.pretrained).to(dist.device)
         self.criterion = _fused_soft_cross_entropy if opts.fused_loss else _timm_soft_cross_entropy()
+
+    @staticmethod
+    def check_data(data_dir: str, model: str) -> None:
+        """Refuses, before launch, a folder that is not class folders (``train/<class>/<image>``)."""
+        train = Path(data_dir, "train")
+        if not train.is_dir():
+            raise ConfigError(f"no training data at {train}: prepare it with `gallery prepare --model {model}`, or "
+                              "pass --data-dir a folder with train/<class>/<images>.")
+        if not any(child.is_dir() and not child.name.startswith(".") for child in train.iterdir()):
+            kind = " (it looks like a caption folder, for Stable Diffusion)" if (train / "metadata.jsonl").is_file() \
+                else ""
+            raise ConfigError(f"{train} holds no class folders{kind}: {model} trains on train/<class>/<images>; "
+                              f"prepare its data with `gallery prepare --model {model}`.")
 
     def loss(self, module: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor], precision) -> torch.Tensor:
         images, targets = batch

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from gallery_lib.data.loader import TrainLoader, _SampleSeeded, sampled_loader
 from gallery_lib.models.sd_parts import PREDICTION_TYPES, assemble_pipeline, tokenize, training_target
-from gallery_lib.settings import setting
+from gallery_lib.settings import ConfigError, setting
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -126,6 +126,16 @@ class TextToImageTask:
         self.cache_time_s = time.perf_counter() - start
 
     # ----------------------------------------------------------------- the step
+    @staticmethod
+    def check_data(data_dir: str, model: str) -> None:
+        """Refuses, before launch, a folder that is not a caption folder (images with ``metadata.jsonl``)."""
+        from gallery_lib.data.captions import find_caption_folder
+
+        try:
+            find_caption_folder(Path(data_dir), "train")
+        except FileNotFoundError as exc:
+            raise ConfigError(f"{model} trains on captioned images: {exc}") from None
+
     def loss(self, module: torch.nn.Module, batch: dict[str, torch.Tensor], precision) -> torch.Tensor:
         if "pixels" in batch:
             mean, std, context = self._encode(batch["pixels"], batch["input_ids"])
