@@ -114,6 +114,10 @@ def test_flags_and_reasons_for_what_is_left_alone():
     assert report.counts == {"group_norm": 1}
     reasons = dict(report.skipped)
     assert "MyGroupNorm" in reasons["2"] and reasons["5"] == "layer_norm=False"
+    # The log has one line per reason, however many modules share it.
+    lines = report.summary().splitlines()
+    assert len(lines) == 1 + len(set(reasons.values()))
+    assert any(line.strip().startswith("left alone") and "(layer_norm=False)" in line for line in lines[1:])
     report.undo()
     report = apply_kernels(model)
     assert "not the last dim" in dict(report.skipped)["5"]

@@ -52,8 +52,14 @@ class PatchReport:
         self.undone = True
 
     def summary(self) -> str:
+        """One line of swaps, and one per reason a module was left alone (how many, the first of them): a run's log
+        stays readable; ``skipped`` has every module."""
         lines = [f"swapped {len(self.swapped)}: " + ", ".join(f"{k}={v}" for k, v in sorted(self.counts.items()))]
-        lines += [f"  left alone {name}: {reason}" for name, reason in self.skipped]
+        by_reason: dict[str, list[str]] = {}
+        for name, reason in self.skipped:
+            by_reason.setdefault(reason, []).append(name)
+        lines += [f"  left alone {len(names)} module{'s' if len(names) > 1 else ''} ({reason}), e.g. {names[0]}"
+                  for reason, names in by_reason.items()]
         return "\n".join(lines)
 
 
