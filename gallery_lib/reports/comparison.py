@@ -193,6 +193,9 @@ def to_markdown(table: list[dict[str, Any]], reference: str = "baseline") -> str
     return "\n".join(lines) + "\n\n" + legend + "\n"
 
 
+_LINE_STYLES = ("-", "--", ":", "-.")
+
+
 def comparison_figure(runs: list[RunRecord], reference: str = "baseline") -> Figure:
     """2x2 panels: (a) throughput with speedups, (b) step time per step, (c) peak memory, (d) loss curves."""
     table = comparison_table(runs, reference)
@@ -218,9 +221,18 @@ def comparison_figure(runs: list[RunRecord], reference: str = "baseline") -> Fig
     ax_mem.set(title="(c) peak memory (rank 0)", ylabel="GiB (lower is better)")
     ax_mem.margins(y=0.15)
 
-    for run in runs:
+    # Identical curves would hide each other: each run gets its own line style, and its largest per-step distance
+    # from the reference's loss is in its label.
+    reference_losses = next((dict(zip(*_series(r.steps, "loss"))) for r in runs if r.recipe == reference), None)
+    for i, run in enumerate(runs):
         steps, losses = _series(run.steps, "loss")
-        ax_loss.plot(steps, losses, color=colors[run.recipe], label=run.recipe)
+        label = run.recipe
+        shared = [(loss, reference_losses[step]) for step, loss in zip(steps, losses)
+                  if reference_losses and run.recipe != reference and step in reference_losses]
+        if shared:
+            label += f" (largest step difference from {reference}: {max(abs(a - b) for a, b in shared):.2g})"
+        ax_loss.plot(steps, losses, color=colors[run.recipe], linestyle=_LINE_STYLES[i % len(_LINE_STYLES)],
+                     label=label)
     ax_loss.set(title="(d) training loss", xlabel="step", ylabel="loss")
     ax_loss.legend()
 
