@@ -163,6 +163,7 @@ def test_figure_draws_each_run_from_its_own_files(model_dir):
         assert np.allclose(ax_speed.patches[i].get_facecolor(), ax_mem.patches[i].get_facecolor())
         assert np.allclose(ax_speed.patches[i].get_facecolor(), to_rgba(colors.pop()))
     assert GPU in fig.get_suptitle() and f"global batch {BATCH * NPROC}" in fig.get_suptitle()
+    assert "not speed measurements" not in fig.get_suptitle()  # said on CPU runs only
     assert fig._repr_png_().startswith(PNG_MAGIC)
 
 
@@ -254,3 +255,13 @@ def test_write_report_writes_markdown_and_png(model_dir):
     shown = report._repr_markdown_()
     assert "data:image/png;base64," in shown and "](report.png)" not in shown
     assert math.isclose(report.table[1]["speedup"], 2.5)
+
+
+def test_cpu_runs_say_their_timings_are_not_speed_measurements(tmp_path):
+    model_dir = tmp_path / "output" / "tiny"
+    for recipe in ("baseline", "accelerated"):
+        _write_run(model_dir, recipe, losses=[2.0, 1.5, 1.0], times=[50.0, 20.0, 21.0],
+                   summary={"device_name": "CPU", "world_size": 1, "global_batch_size": 8, "samples_per_s": 400.0,
+                            "median_step_time_ms": 20.0, "output_dir": str(model_dir / recipe)})
+    title = comparison_figure(load_runs(model_dir)).get_suptitle()
+    assert "CPU" in title and "they are not speed measurements" in title

@@ -237,7 +237,10 @@ def comparison_figure(runs: list[RunRecord], reference: str = "baseline") -> Fig
     ax_loss.legend()
 
     model = runs[0].config.get("model", runs[0].run_dir.parent.name) if runs else ""
-    fig.suptitle(f"{model}: {_describe(table, 'device')}\nglobal batch {_describe(table, 'global_batch')}")
+    title = f"{model}: {_describe(table, 'device')}\nglobal batch {_describe(table, 'global_batch')}"
+    if any(row["device"] == "CPU" for row in table):
+        title += "\non a CPU these timings check the code path; they are not speed measurements"
+    fig.suptitle(title)
     return fig
 
 
