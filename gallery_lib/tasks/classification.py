@@ -80,10 +80,11 @@ class ClassificationTask:
 
     @staticmethod
     def check_data(data_dir: str, model: str) -> None:
-        """Refuses, before launch, a folder that is not class folders (``train/<class>/<image>``)."""
+        """Refuses, before launch, a missing folder (``FileNotFoundError``) or one that is not class folders
+        (``train/<class>/<image>``; ``ConfigError``)."""
         train = Path(data_dir, "train")
         if not train.is_dir():
-            raise ConfigError(f"no training data at {train}: prepare it with `gallery prepare --model {model}`, or "
+            raise FileNotFoundError(f"no training data at {train}: prepare it with `gallery prepare --model {model}`, or "
                               "pass --data-dir a folder with train/<class>/<images>.")
         if not any(child.is_dir() and not child.name.startswith(".") for child in train.iterdir()):
             kind = " (it looks like a caption folder, for Stable Diffusion)" if (train / "metadata.jsonl").is_file() \

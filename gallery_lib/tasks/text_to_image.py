@@ -128,9 +128,13 @@ class TextToImageTask:
     # ----------------------------------------------------------------- the step
     @staticmethod
     def check_data(data_dir: str, model: str) -> None:
-        """Refuses, before launch, a folder that is not a caption folder (images with ``metadata.jsonl``)."""
+        """Refuses, before launch, a missing folder (``FileNotFoundError``) or one that is not a caption folder
+        (images with ``metadata.jsonl``; ``ConfigError``)."""
         from gallery_lib.data.captions import find_caption_folder
 
+        if not Path(data_dir).is_dir():
+            raise FileNotFoundError(f"no training data at {data_dir}: prepare it with `gallery prepare --model "
+                                    f"{model}`, or pass --data-dir a folder of images with train/metadata.jsonl.")
         try:
             find_caption_folder(Path(data_dir), "train")
         except FileNotFoundError as exc:
