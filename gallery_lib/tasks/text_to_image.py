@@ -15,6 +15,7 @@ the text encoder and the image decoding, at the price of a one-off encoding pass
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,7 +59,8 @@ class TextToImageTask:
                                             prediction_type=cfg.prediction_type, image_size=cfg.image_size)
         # diffusers casts the frozen models to the mixed-precision dtype; the trained UNet keeps fp32 weights.
         self.frozen_dtype = precision.dtype or torch.float32
-        self.parts.vae.to(self.device, dtype=self.frozen_dtype)
+        # nn.Module.to: diffusers' own .to(dtype) warns of fp32-only modules even when the VAE lists none
+        torch.nn.Module.to(self.parts.vae, self.device, dtype=self.frozen_dtype)
         self.parts.text_encoder.to(self.device, dtype=self.frozen_dtype)
         self.model = self.parts.unet.to(self.device).train()
         self.noise_scheduler = self.parts.noise_scheduler
@@ -190,11 +192,25 @@ class TextToImageTask:
         """Saves a diffusers pipeline (the EMA UNet when there is one) to ``<run_dir>/pipeline``; returns the path."""
         unet = ema.module if ema is not None else self.model
         unet.to(memory_format=torch.contiguous_format)  # safetensors stores contiguous tensors only
-        self.parts.vae.to(torch.float32)
+        torch.nn.Module.to(self.parts.vae, torch.float32)
         self.parts.text_encoder.to(torch.float32)
         path = Path(run_dir) / "pipeline"
-        assemble_pipeline(self.parts, unet=unet).save_pretrained(path)
+        with _no_progress_bars():  # a bar per saved part, written into the run's log as text
+            assemble_pipeline(self.parts, unet=unet).save_pretrained(path)
         return str(path)
+
+
+@contextlib.contextmanager
+def _no_progress_bars():
+    from transformers.utils import logging as transformers_logging
+
+    enabled = transformers_logging.is_progress_bar_enabled()
+    transformers_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if enabled:
+            transformers_logging.enable_progress_bar()
 
 
 class _Tokenized(torch.utils.data.Dataset):
