@@ -51,6 +51,8 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
     _flag(g, "lr", type=float, help="peak learning rate (default: the profile's, else 5e-4 per 512 images for "
                                      "AdamW, 0.1 per 256 for SGD)")
     _flag(g, "seed", type=int, help="default: 0")
+    _flag(g, "verbose", action="store_true", default=None,
+          help="log every detail (each module a kernel swap left alone); default: one line per kind")
     o = p.add_argument_group("optimizations (override the recipe's)")
     _flag(o, "amp_level", choices=AMP_LEVELS, help="O0 fp32, O1 autocast, O2 bf16 weights + fp32 master copies")
     _flag(o, "amp_dtype", choices=AMP_DTYPES, help="low-precision dtype (default: auto)")
@@ -62,7 +64,7 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
 
 
 _SIZE_FIELDS = ("model", "data_dir", "output_dir", "batch_size", "find_batch_size", "steps", "warmup_steps",
-                "image_size", "nproc_per_node", "num_workers", "device", "lr", "seed")
+                "image_size", "nproc_per_node", "num_workers", "device", "lr", "seed", "verbose")
 _OPT_FLAGS = {"amp_level": "amp_level", "amp_dtype": "amp_dtype", "compiler_opt": "compile",
               "compile_mode": "compile_mode", "kernel_opt": "kernels"}
 

@@ -166,6 +166,8 @@ class RunConfig:
     max_restarts: int = setting(0, kind=int, minimum=0, hint="0 disables restarts")
     """Times torchrun restarts the workers after a failure (``--max-restarts``); a restarted run resumes from the
     latest checkpoint on its own, so set ``checkpoint_every`` too."""
+    verbose: bool = setting(False, kind=bool)
+    """Log every detail (each module a kernel swap left alone); by default one line per kind of thing."""
 
     options: Any = None
     """The task's own settings: an instance of the model family's ``task.options`` dataclass (built from the flat

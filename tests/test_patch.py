@@ -118,6 +118,7 @@ def test_flags_and_reasons_for_what_is_left_alone():
     lines = report.summary().splitlines()
     assert len(lines) == 1 + len(set(reasons.values()))
     assert any(line.strip().startswith("left alone") and "(layer_norm=False)" in line for line in lines[1:])
+    assert len(report.summary(verbose=True).splitlines()) == 1 + len(reasons)  # verbose: every module
     report.undo()
     report = apply_kernels(model)
     assert "not the last dim" in dict(report.skipped)["5"]

@@ -57,7 +57,7 @@ def apply_accelerations(model: torch.nn.Module, cfg: RunConfig, precision: Preci
         model = model.to(memory_format=torch.channels_last)
         notes.append("channels_last: images and conv weights in NHWC layout")
     if cfg.kernels:
-        notes.append(_apply_kernels(model, cfg.kernel_op_names))
+        notes.append(_apply_kernels(model, cfg.kernel_op_names, cfg.verbose))
     if cfg.fused_attention:  # the family's hook (RunConfig refuses the switch for a family without one)
         note, attention = cfg.model_family.attention_hook(model)
         notes.append(note)
@@ -80,10 +80,10 @@ def apply_accelerations(model: torch.nn.Module, cfg: RunConfig, precision: Preci
                             attention=attention)
 
 
-def _apply_kernels(model: torch.nn.Module, ops: tuple[str, ...]) -> str:
+def _apply_kernels(model: torch.nn.Module, ops: tuple[str, ...], verbose: bool) -> str:
     try:
         from gallery_lib.accel.patch import apply_kernels
     except ImportError as exc:  # the kernels package is optional for the core loop
         raise RuntimeError(f"kernels=True needs gallery_lib.accel.patch, which failed to import: {exc}") from exc
     report = apply_kernels(model, **{op: op in ops for op in KERNEL_OPS})
-    return f"fused kernels: {report.summary()}"
+    return f"fused kernels: {report.summary(verbose)}"

@@ -51,10 +51,12 @@ class PatchReport:
         self._undo_steps.clear()
         self.undone = True
 
-    def summary(self) -> str:
-        """One line of swaps, and one per reason a module was left alone (how many, the first of them): a run's log
-        stays readable; ``skipped`` has every module."""
+    def summary(self, verbose: bool = False) -> str:
+        """One line of swaps, and one per reason a module was left alone (how many, the first of them), so a run's
+        log stays readable; ``verbose`` lists every module left alone, as ``skipped`` has them."""
         lines = [f"swapped {len(self.swapped)}: " + ", ".join(f"{k}={v}" for k, v in sorted(self.counts.items()))]
+        if verbose:
+            return "\n".join(lines + [f"  left alone {name}: {reason}" for name, reason in self.skipped])
         by_reason: dict[str, list[str]] = {}
         for name, reason in self.skipped:
             by_reason.setdefault(reason, []).append(name)
