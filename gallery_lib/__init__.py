@@ -28,6 +28,7 @@ _PUBLIC = {
     "register_family": "gallery_lib.models",
     "optimize": "gallery_lib.accel.optimize",
     "pipeline_throughput": "gallery_lib.data.throughput",
+    "recipe_table": "gallery_lib.reports.recipe_table",
 }
 __all__ = sorted(_PUBLIC)
 

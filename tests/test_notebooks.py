@@ -60,6 +60,9 @@ def test_notebook_runs_headless_in_smoke_profile(path, tmp_path):
         assert recipe in report.read_text()
     text = "\n".join(o.get("text", "") for c in nb.cells for o in c.get("outputs", []) if o.output_type == "stream")
     assert "accelerated:" in text and "img/s" in text  # the summary cell printed this run's own numbers
+    shown = [o["data"]["text/markdown"] for c in nb.cells for o in c.get("outputs", [])
+             if "text/markdown" in o.get("data", {})]
+    assert any("What each recipe runs on this machine (a CPU)" in md for md in shown)  # from the resolved configs
     NOTEBOOK_CHECKS[family](nb, out_dir / family)  # a new notebook adds its entry below
 
 

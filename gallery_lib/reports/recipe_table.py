@@ -1,0 +1,88 @@
+"""What each recipe will run on this machine, read from its resolved config (not from a fixed description).
+
+A recipe resolves differently on a CPU and on a GPU (float16 with a GradScaler or bfloat16, CUDA graphs or not, the
+GPU image pipeline or the CPU one), so a notebook shows this table before its runs start.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from gallery_lib.config import RunConfig, resolve_device, visible_cuda_devices
+
+_COLUMNS = ("recipe", "precision", "compiled", "optimizer", "EMA", "family switches")
+
+
+class RecipeTable:
+    """Rows of ``_COLUMNS``; shows as a Markdown table in a notebook."""
+
+    def __init__(self, rows: list[dict[str, str]], device: str) -> None:
+        self.rows, self.device = rows, device
+
+    def _repr_markdown_(self) -> str:
+        lines = [f"What each recipe runs on this machine ({self.device}):", "",
+                 "| " + " | ".join(_COLUMNS) + " |", "|" + "---|" * len(_COLUMNS)]
+        lines += ["| " + " | ".join(row[c] for c in _COLUMNS) + " |" for row in self.rows]
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self._repr_markdown_()
+
+
+def recipe_table(base: RunConfig, recipes: Sequence[Any]) -> RecipeTable:
+    """The resolved settings of each recipe (a name, or ``(name, overrides)``) on top of ``base``."""
+    from gallery_lib.recipes import recipe_config
+
+    device = resolve_device(base.device, visible_cuda_devices())
+    rows = []
+    for spec in recipes:
+        name, overrides = (spec, {}) if isinstance(spec, str) else spec
+        cfg = recipe_config(base, name, overrides)
+        rows.append({"recipe": cfg.recipe, "precision": _precision(cfg, device), "compiled": _compiled(cfg),
+                     "optimizer": ("fused " if cfg.fused_optimizer else "") + cfg.optimizer,
+                     "EMA": _ema(cfg, device), "family switches": _family_switches(cfg, device)})
+    return RecipeTable(rows, "a GPU" if device == "cuda" else "a CPU")
+
+
+def _precision(cfg: RunConfig, device: str) -> str:
+    from gallery_lib.accel.precision import resolve_amp_dtype
+
+    dtype = resolve_amp_dtype(cfg, device)
+    if dtype is None:
+        return "float32"
+    name = str(dtype).removeprefix("torch.")
+    if cfg.amp_level == "O2":
+        return f"{name} weights, float32 master copies"
+    return f"{name} autocast" + (" + GradScaler" if name == "float16" else "")
+
+
+def _compiled(cfg: RunConfig) -> str:
+    if not cfg.compile:
+        return "no (eager)"
+    scope = "repeated blocks" if cfg.compile_scope == "blocks" else "whole model"
+    graphs = ", CUDA graphs" if cfg.compile_mode in ("reduce-overhead", "max-autotune") else ""
+    return f"{scope}, mode {cfg.compile_mode}{graphs}"
+
+
+def _ema(cfg: RunConfig, device: str) -> str:
+    if cfg.ema == "off":
+        return "none"
+    if cfg.ema in ("fused", "stream") and device != "cuda":
+        return f"foreach ({cfg.ema} needs a GPU)"
+    return cfg.ema
+
+
+def _family_switches(cfg: RunConfig, device: str) -> str:
+    """The switches the family's ``accelerated`` recipe turns, as this recipe has them."""
+    family = cfg.model_family
+    names = [n for n in {**family.accelerated, **family.accelerated_on_gpu}
+             if n not in ("compile_scope", "compile_mode", "ema")]
+    values = []
+    for name in names:
+        if name == "kernel_ops" and not cfg.kernels:
+            continue
+        value = getattr(cfg, name)
+        if name == "image_pipeline" and device != "cuda":
+            value = "cpu"  # the GPU pipelines need a GPU: the run uses the CPU one
+        values.append(f"{name}={value}")
+    return ", ".join(values) or "-"

@@ -1,0 +1,27 @@
+"""The recipe table a notebook shows before its runs: each recipe's settings as resolved on this machine."""
+
+from gallery_lib import base_config, recipe_table
+
+
+def test_the_table_reads_each_recipe_as_resolved_on_this_machine(monkeypatch):
+    base = base_config("smoke", family="stable_diffusion", device="cpu")
+    rows = {row["recipe"]: row for row in recipe_table(base, ["baseline", "accelerated"]).rows}
+    # On a CPU the baseline's AMP runs bfloat16 autocast, not float16 with a GradScaler, and the fused EMA falls back.
+    assert rows["baseline"]["precision"] == "bfloat16 autocast" and rows["baseline"]["compiled"] == "no (eager)"
+    assert rows["accelerated"]["EMA"] == "foreach (fused needs a GPU)"
+    assert "cache_latents=True" in rows["accelerated"]["family switches"]
+    assert "kernel_ops" not in rows["baseline"]["family switches"]  # kernels off: their ops say nothing
+    monkeypatch.setattr("gallery_lib.reports.recipe_table.visible_cuda_devices", lambda: 1)
+    monkeypatch.setattr("gallery_lib.recipes._runs_on_gpu", lambda base: True)
+    gpu = recipe_table(base.replace(device="auto"), ["baseline", ("accelerated", {"batch_size": 6})])
+    rows = {row["recipe"]: row for row in gpu.rows}
+    assert rows["baseline"]["precision"] == "float16 autocast + GradScaler"
+    assert rows["accelerated+batch_size=6"]["compiled"] == "repeated blocks, mode reduce-overhead, CUDA graphs"
+    assert rows["accelerated+batch_size=6"]["EMA"] == "fused"
+    assert "(a GPU)" in gpu._repr_markdown_() and "| accelerated+batch_size=6 |" in gpu._repr_markdown_()
+
+
+def test_gpu_only_switches_read_as_what_a_cpu_run_does():
+    rows = recipe_table(base_config("smoke", family="resnet50", device="cpu"), ["accelerated"]).rows
+    assert rows[0]["family switches"] == "channels_last=True, image_pipeline=cpu"
+    assert rows[0]["optimizer"] == "fused sgd" and rows[0]["EMA"] == "none"
