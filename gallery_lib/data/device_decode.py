@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from PIL import Image, ImageOps
+from PIL import Image
 
 from gallery_lib.data.image_folder import RobustImageFolder, load_rgb
 
@@ -68,7 +68,7 @@ def read_jpeg_bytes(path) -> tuple[torch.Tensor | None, torch.Tensor | None, tup
         upright = img.getexif().get(_EXIF_ORIENTATION, 1) == 1
         if img.format == "JPEG" and img.mode in ("RGB", "L") and upright:
             return torch.frombuffer(bytearray(data), dtype=torch.uint8), None, (img.height, img.width)
-    rgb = load_rgb(path)
+    rgb = load_rgb(io.BytesIO(data))  # the bytes already read, decoded as the CPU path decodes them
     return None, _chw(rgb), (rgb.height, rgb.width)
 
 
@@ -137,19 +137,23 @@ class HostBatch:
 def collate_encoded(samples: list[EncodedSample]) -> HostBatch:
     """Stacks the decoded images by size (a sample the worker failed to decode is in no group: the batch replaces
     it); the JPEG bytes stay a list."""
+    encoded = {k: s.encoded for k, s in enumerate(samples) if s.encoded is not None}
+    decoded = {k: s.decoded for k, s in enumerate(samples) if s.decoded is not None}
+    return HostBatch(stacked_by_size(decoded, stack=_stack_shared), encoded, [s.box for s in samples],
+                     [s.flip for s in samples], [s.label for s in samples], [s.index for s in samples])
+
+
+def stacked_by_size(images: dict[int, torch.Tensor | None], stack=torch.stack) -> list[tuple[torch.Tensor, list[int]]]:
+    """Images (batch position -> CHW tensor, ``None`` for a bad file, which joins no group) stacked by size:
+    ``(N x 3 x H x W, their positions)`` per distinct size."""
     by_size: dict[tuple[int, ...], list[int]] = {}
-    encoded = {}
-    for k, s in enumerate(samples):
-        if s.encoded is not None:
-            encoded[k] = s.encoded
-        elif s.decoded is not None:
-            by_size.setdefault(tuple(s.decoded.shape), []).append(k)
-    groups = [(_stack([samples[k].decoded for k in members]), members) for members in by_size.values()]
-    return HostBatch(groups, encoded, [s.box for s in samples], [s.flip for s in samples],
-                     [s.label for s in samples], [s.index for s in samples])
+    for k, image in images.items():
+        if image is not None:
+            by_size.setdefault(tuple(image.shape), []).append(k)
+    return [(stack([images[k] for k in members]), members) for members in by_size.values()]
 
 
-def _stack(images: list[torch.Tensor]) -> torch.Tensor:
+def _stack_shared(images: list[torch.Tensor]) -> torch.Tensor:
     """In a worker, stacked straight into shared memory, where the batch travels (not copied there afterwards)."""
     out = torch.empty((len(images), *images[0].shape), dtype=images[0].dtype)
     if torch.utils.data.get_worker_info() is not None:
@@ -166,9 +170,7 @@ def decode_one(encoded: torch.Tensor, device, dataset: RobustImageFolder, index:
         return decode_jpeg(encoded, mode=ImageReadMode.RGB, device=device)
     except RuntimeError as decoder_error:
         try:
-            with Image.open(io.BytesIO(encoded.numpy().tobytes())) as img:
-                img.load()
-                return _chw(ImageOps.exif_transpose(img).convert("RGB")).to(device)
+            return _chw(load_rgb(io.BytesIO(encoded.numpy().tobytes()))).to(device)
         except Exception as exc:  # noqa: BLE001 - any decode error means "bad file"
             _logger.warning("Skipped sample %d (%s): %s (JPEG decoder: %s)", index, dataset._image_path(index), exc,
                             decoder_error)
@@ -212,12 +214,7 @@ class DeviceBatches:
         except RuntimeError:  # one bad file fails the whole call: decode one by one to find it
             images = [decode_one(batch.encoded[k], self.device, self.dataset, batch.indices[k])
                       for k in positions]
-        by_size: dict[tuple[int, ...], list[int]] = {}
-        for k, image in zip(positions, images):
-            if image is not None:
-                by_size.setdefault(tuple(image.shape), []).append(k)
-        decoded = dict(zip(positions, images))
-        return [(torch.stack([decoded[k] for k in members]), members) for members in by_size.values()]
+        return stacked_by_size(dict(zip(positions, images)))
 
 
 def crop_resize_flip(groups: list[tuple[torch.Tensor, list[int]]], boxes: list[tuple[int, int, int, int]],

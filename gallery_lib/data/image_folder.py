@@ -16,7 +16,7 @@ import logging
 import multiprocessing
 import os
 import pathlib
-from typing import Callable
+from typing import IO, Callable
 
 import numpy as np
 import torch.utils.data
@@ -168,8 +168,8 @@ class RobustImageFolder(RobustImageDataset):
         return (self.transform(img) if self.transform is not None else img), self.samples[i][1]
 
 
-def load_rgb(path: str | os.PathLike) -> Image.Image:
-    """Decode an image file completely and return it as upright 8-bit RGB.
+def load_rgb(path: str | os.PathLike | IO[bytes]) -> Image.Image:
+    """Decode an image file (a path, or a binary file object) completely and return it as upright 8-bit RGB.
 
     Transparency is composited on white; 16-bit and 32-bit integer greyscale is scaled to 8 bit (PIL's own
     conversion clips it, which turns most 16-bit images white).
