@@ -60,6 +60,18 @@ def _named_state(model: nn.Module) -> dict[str, torch.Tensor]:
     return state
 
 
+def ema_mode_on(mode: str, device_type: str) -> tuple[str, str | None]:
+    """The mode an EMA asked to run in ``mode`` runs in on ``device_type``, and why it differs (``None`` if not):
+    ``fused`` and ``stream`` need a CUDA device and Triton, and fall back to ``foreach``."""
+    if mode in ("loop", "foreach"):
+        return mode, None
+    if device_type != "cuda":
+        return "foreach", f"the EMA lives on {device_type}"
+    if not has_triton:
+        return "foreach", "Triton is not installed"
+    return mode, None
+
+
 class ModelEma:
     """EMA of a model's weights.
 
@@ -112,18 +124,11 @@ class ModelEma:
             self._event = torch.cuda.Event()
 
     def _resolve_mode(self, mode: str) -> str:
-        if mode in ("loop", "foreach"):
-            return mode
-        why = None
-        if self.device.type != "cuda":
-            why = f"the EMA lives on {self.device.type}"
-        elif not has_triton:
-            why = "Triton is not installed"
-        if why is None:
-            return mode
-        warnings.warn(f"ModelEma: mode {mode!r} needs a CUDA device and Triton, but {why}; using 'foreach' instead.",
-                      stacklevel=3)
-        return "foreach"
+        effective, why = ema_mode_on(mode, self.device.type)
+        if why is not None:
+            warnings.warn(f"ModelEma: mode {mode!r} needs a CUDA device and Triton, but {why}; using 'foreach' "
+                          "instead.", stacklevel=3)
+        return effective
 
     # ----------------------------------------------------------------- decay and update
     def get_decay(self, step: int | None = None) -> float:

@@ -65,24 +65,24 @@ def _compiled(cfg: RunConfig) -> str:
 
 
 def _ema(cfg: RunConfig, device: str) -> str:
+    from gallery_lib.accel.ema import ema_mode_on
+
     if cfg.ema == "off":
         return "none"
-    if cfg.ema in ("fused", "stream") and device != "cuda":
-        return f"foreach ({cfg.ema} needs a GPU)"
-    return cfg.ema
+    effective, why = ema_mode_on(cfg.ema, device)
+    return cfg.ema if why is None else f"{effective} ({cfg.ema} needs a GPU)"
 
 
 def _family_switches(cfg: RunConfig, device: str) -> str:
-    """The switches the family's ``accelerated`` recipe turns, as this recipe has them."""
+    """The switches the family's ``accelerated`` recipe turns, as this recipe runs them on ``device`` (task settings
+    through the options' ``for_device`` where they have one)."""
     family = cfg.model_family
-    names = [n for n in {**family.accelerated, **family.accelerated_on_gpu}
-             if n not in ("compile_scope", "compile_mode", "ema")]
+    for_device = getattr(cfg.options, "for_device", None)
+    options = for_device(device) if for_device is not None else cfg.options
     values = []
-    for name in names:
-        if name == "kernel_ops" and not cfg.kernels:
-            continue
-        value = getattr(cfg, name)
-        if name == "image_pipeline" and device != "cuda":
-            value = "cpu"  # the GPU pipelines need a GPU: the run uses the CPU one
+    for name in {**family.accelerated, **family.accelerated_on_gpu}:
+        if name in ("compile_scope", "compile_mode", "ema") or (name == "kernel_ops" and not cfg.kernels):
+            continue  # in their own columns; kernel ops say nothing with the kernels off
+        value = getattr(options, name) if hasattr(options, name) else getattr(cfg, name)
         values.append(f"{name}={value}")
     return ", ".join(values) or "-"

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from gallery_lib.data.device_decode import PIPELINES
 from gallery_lib.settings import ConfigError, setting
 
 
@@ -21,7 +23,7 @@ class ClassificationOptions:
     """Random-erasing probability."""
     color_jitter: float = setting(0.4, kind=float, minimum=0, hint="0 disables it")
     """Colour-jitter strength when there is no ``auto_augment`` (timm's default 0.4)."""
-    image_pipeline: str = setting("cpu", choices=("cpu", "gpu_augment", "gpu_decode"))
+    image_pipeline: str = setting("cpu", choices=PIPELINES)
     """``cpu``: timm's transforms in the DataLoader workers. ``gpu_augment``: the workers only decode, the GPU crops,
     resizes and flips the batch; ``gpu_decode``: the GPU decodes it too (``gallery_lib.data.device_decode``). Without
     a CUDA device a run uses ``cpu``."""
@@ -32,8 +34,9 @@ class ClassificationOptions:
     label_smoothing: float = setting(0.1, kind=float, minimum=0, below=1)
     """Label smoothing applied to the (mixed) targets."""
     fused_loss: bool = setting(False, kind=bool)
-    """Soft-target cross-entropy through ``gallery_lib.accel.kernels.soft_cross_entropy`` (one Triton kernel forward and
-    one backward on a GPU) instead of timm's ``SoftTargetCrossEntropy``; in no recipe (benchmarks/RESULTS.md#kernels)."""
+    """Soft-target cross-entropy through ``gallery_lib.accel.kernels.soft_cross_entropy`` (one Triton kernel forward
+    and one backward on a GPU) instead of timm's ``SoftTargetCrossEntropy``; in no recipe
+    (benchmarks/RESULTS.md#kernels)."""
 
     resume_fields = ()
     """Settings a resumed run must share with its checkpoint (beside the run's own)."""
@@ -42,11 +45,15 @@ class ClassificationOptions:
     def uses_mixup(self) -> bool:
         return self.mixup_alpha > 0 or self.cutmix_alpha > 0
 
+    def for_device(self, device_type: str) -> ClassificationOptions:
+        """These settings as a run on ``device_type`` applies them: without a GPU, the CPU image pipeline."""
+        return self if device_type == "cuda" else dataclasses.replace(self, image_pipeline="cpu")
+
     def check(self, cfg) -> None:
         check_mixup_batch(cfg.batch_size, self.mixup_alpha, self.cutmix_alpha)
         if self.image_pipeline != "cpu" and (self.auto_augment or self.color_jitter):
-            raise ConfigError(f"image_pipeline={self.image_pipeline!r} crops and flips on the GPU, but auto_augment and "
-                              "color_jitter are CPU transforms: set auto_augment=None and color_jitter=0, or "
+            raise ConfigError(f"image_pipeline={self.image_pipeline!r} crops and flips on the GPU, but auto_augment "
+                              "and color_jitter are CPU transforms: set auto_augment=None and color_jitter=0, or "
                               "image_pipeline='cpu'.")
 
 
@@ -67,7 +74,7 @@ class ClassificationTask:
         self.cfg = cfg
         opts: ClassificationOptions = cfg.options
         self.dataset = RobustImageFolder(cfg.data_dir, split="train")
-        self.pipeline = opts.image_pipeline if dist.device.type == "cuda" else "cpu"
+        self.pipeline = opts.for_device(dist.device.type).image_pipeline
         self.loader = build_train_loader(
             self.dataset, batch_size=cfg.batch_size, image_size=cfg.image_size, device=dist.device,
             num_workers=cfg.num_workers, seed=cfg.seed, world_size=dist.world_size, rank=dist.rank,
@@ -84,8 +91,8 @@ class ClassificationTask:
         (``train/<class>/<image>``; ``ConfigError``)."""
         train = Path(data_dir, "train")
         if not train.is_dir():
-            raise FileNotFoundError(f"no training data at {train}: prepare it with `gallery prepare --model {model}`, or "
-                              "pass --data-dir a folder with train/<class>/<images>.")
+            raise FileNotFoundError(f"no training data at {train}: prepare it with `gallery prepare --model {model}`, "
+                                    "or pass --data-dir a folder with train/<class>/<images>.")
         if not any(child.is_dir() and not child.name.startswith(".") for child in train.iterdir()):
             kind = " (it looks like a caption folder, for Stable Diffusion)" if (train / "metadata.jsonl").is_file() \
                 else ""
