@@ -37,11 +37,12 @@ def compiled(base: RunConfig) -> RunConfig:
 def accelerated(base: RunConfig) -> RunConfig:
     """Everything that measured faster than ``compiled`` on the GPU, for the model's family."""
     switches = dict(base.model_family.accelerated)
-    if _runs_on_gpu(base):
+    on_gpu = _runs_on_gpu(base)
+    if on_gpu:
         switches.update(base.model_family.accelerated_on_gpu)
     if "ema" in switches:
         switches["ema"] = _ema_mode(base, switches["ema"])
-    if switches.get("compile_scope") == "blocks" and _runs_on_gpu(base):  # CUDA graphs per block, precompiled
+    if switches.get("compile_scope") == "blocks" and on_gpu:  # CUDA graphs per block, precompiled
         switches.update(compile_mode="reduce-overhead", precompile_workers=_precompile_workers())
     return compiled(base).replace(recipe="accelerated", **switches)
 

@@ -162,7 +162,6 @@ class _Chooser:
         self._compiled: dict[str, Callable] = {}
         self._on_cuda = any(p.is_cuda for p in model.parameters())
         self._has_conv = any(isinstance(m, nn.Conv2d) for m in model.modules())
-        self._layouts_pending = False
         self._compiled_plan: list[Candidate] = []
 
     # ----- the call ------------------------------------------------------------------------------------------
@@ -232,7 +231,7 @@ class _Chooser:
             compiled = [CANDIDATES[n] for n in COMPILED if self._on_cuda or not CANDIDATES[n].cuda_only]
             layouts = [CANDIDATES["eager"], CANDIDATES["eager"].with_layout(True)] if self._has_conv else \
                 [CANDIDATES["eager"]]
-            self.plan, self._layouts_pending = layouts, self._has_conv
+            self.plan = layouts
             self._compiled_plan = compiled
         else:
             self.plan = [c for c in self.plan if self._on_cuda or not c.cuda_only]
@@ -251,7 +250,7 @@ class _Chooser:
             self.log(f"optimize: {r.name:<40} compile {r.compile_time_s:6.1f} s   steady {r.steady_ms:8.2f} ms/step "
                      f"(p20 {r.p20_ms:.2f}, p80 {r.p80_ms:.2f})")
         if not self.plan and self._compiled_plan:  # the layouts are measured: compile in the faster one
-            channels_last = self._layouts_pending and self._faster_layout()
+            channels_last = self._faster_layout()
             self.plan = [c.with_layout(channels_last) for c in self._compiled_plan]
             self._compiled_plan = []
         if self.plan:
