@@ -325,10 +325,16 @@ def _core_field_names() -> set[str]:
 
 
 def _task_setting_names() -> dict[str, str]:
-    """Every task setting of every registered family -> the name of a task that has it."""
+    """Every task setting of every registered family -> the names of the tasks that have it ("a and b")."""
     from gallery_lib.models import FAMILIES
 
-    return {f.name: family.task.name for family in FAMILIES.values() for f in dataclasses.fields(family.options)}
+    tasks: dict[str, list[str]] = {}
+    for family in FAMILIES.values():
+        for f in dataclasses.fields(family.options):
+            names = tasks.setdefault(f.name, [])
+            if family.task.name not in names:
+                names.append(family.task.name)
+    return {name: " and ".join(names) for name, names in tasks.items()}
 
 
 def _check_known(values: dict[str, Any], family) -> None:

@@ -290,7 +290,7 @@ def _unwrap(module: torch.nn.Module) -> torch.nn.Module:
 
 
 def assemble_pipeline(parts: StableDiffusionParts, unet: torch.nn.Module | None = None,
-                      scheduler: str = "ddim") -> StableDiffusionPipeline:
+                      scheduler: str = "ddim", text_encoder: torch.nn.Module | None = None) -> StableDiffusionPipeline:
     """A ``StableDiffusionPipeline`` over ``parts`` (or a trained ``unet``) for sampling and ``save_pretrained``.
 
     Args:
@@ -298,6 +298,7 @@ def assemble_pipeline(parts: StableDiffusionParts, unet: torch.nn.Module | None 
         unet: The UNet to sample with (e.g. the EMA or trained copy); compiled and DDP wrappers are removed.
         scheduler: The inference sampler, built from the training schedule's config (same betas and prediction type):
             ``ddim``, ``ddpm``, ``pndm``, ``euler``, ``euler_a`` or ``dpm_solver``.
+        text_encoder: A trained text encoder in place of the parts' frozen one.
     """
     import diffusers
 
@@ -307,7 +308,8 @@ def assemble_pipeline(parts: StableDiffusionParts, unet: torch.nn.Module | None 
     if not isinstance(unet, diffusers.UNet2DConditionModel):
         raise TypeError(f"unet must be a diffusers UNet2DConditionModel, got {type(unet).__name__}.")
     sampler = getattr(diffusers, _INFERENCE_SCHEDULERS[scheduler]).from_config(parts.noise_scheduler.config)
-    pipe = diffusers.StableDiffusionPipeline(vae=parts.vae, text_encoder=parts.text_encoder, tokenizer=parts.tokenizer,
+    text_encoder = _unwrap(text_encoder if text_encoder is not None else parts.text_encoder)
+    pipe = diffusers.StableDiffusionPipeline(vae=parts.vae, text_encoder=text_encoder, tokenizer=parts.tokenizer,
                                              unet=unet, scheduler=sampler, safety_checker=None, feature_extractor=None,
                                              requires_safety_checker=False)
     pipe.set_progress_bar_config(disable=True)  # one tqdm line per step floods papermill outputs

@@ -65,7 +65,7 @@ def preflight(cfg: RunConfig) -> str:
     device = validate_for_machine(cfg)
     check_data = getattr(cfg.model_family.task, "check_data", None)
     if check_data is not None:
-        check_data(cfg.data_dir, cfg.model)
+        check_data(cfg)
     try:
         if cfg.resume:
             latest_checkpoint(checkpoint_dir(cfg))

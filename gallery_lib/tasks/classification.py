@@ -86,10 +86,10 @@ class ClassificationTask:
         self.criterion = _fused_soft_cross_entropy if opts.fused_loss else _timm_soft_cross_entropy()
 
     @staticmethod
-    def check_data(data_dir: str, model: str) -> None:
+    def check_data(cfg) -> None:
         """Refuses, before launch, a missing folder (``FileNotFoundError``) or one that is not class folders
         (``train/<class>/<image>``; ``ConfigError``)."""
-        train = Path(data_dir, "train")
+        model, train = cfg.model, Path(cfg.data_dir, "train")
         if not train.is_dir():
             raise FileNotFoundError(f"no training data at {train}: prepare it with `gallery prepare --model {model}`, "
                                     "or pass --data-dir a folder with train/<class>/<images>.")

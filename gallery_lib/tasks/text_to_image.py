@@ -129,11 +129,12 @@ class TextToImageTask:
 
     # ----------------------------------------------------------------- the step
     @staticmethod
-    def check_data(data_dir: str, model: str) -> None:
+    def check_data(cfg) -> None:
         """Refuses, before launch, a missing folder (``FileNotFoundError``) or one that is not a caption folder
         (images with ``metadata.jsonl``; ``ConfigError``)."""
         from gallery_lib.data.captions import find_caption_folder
 
+        data_dir, model = cfg.data_dir, cfg.model
         if not Path(data_dir).is_dir():
             raise FileNotFoundError(f"no training data at {data_dir}: prepare it with `gallery prepare --model "
                                     f"{model}`, or pass --data-dir a folder of images with train/metadata.jsonl.")
@@ -143,11 +144,20 @@ class TextToImageTask:
             raise ConfigError(f"{model} trains on captioned images: {exc}") from None
 
     def loss(self, module: torch.nn.Module, batch: dict[str, torch.Tensor], precision) -> torch.Tensor:
+        prediction, target = self._denoise(module, batch, precision)
+        return F.mse_loss(prediction.float(), target.float(), reduction="mean")
+
+    def _denoise(self, module: torch.nn.Module, batch: dict[str, torch.Tensor],
+                 precision) -> tuple[torch.Tensor, torch.Tensor]:
+        """The UNet's prediction for freshly noised latents of ``batch``, and what it should have predicted."""
         if "pixels" in batch:
             mean, std, context = self._encode(batch["pixels"], batch["input_ids"])
         else:
             mean, std, context = batch["latent_mean"], batch["latent_std"], batch["context"]
         # DiagonalGaussianDistribution.sample(): the same draw whether the distribution was just computed or cached.
+        # Contiguous: a CPU VAE may return channels-last latents, and the cache need not keep that layout (the
+        # UNet's kernels, and randn_like, depend on it).
+        mean, std = mean.contiguous(), std.contiguous()
         latents = (mean + std * torch.randn(mean.shape, device=mean.device, dtype=mean.dtype)) * self.scaling_factor
         noise = torch.randn_like(latents)
         timesteps = torch.randint(0, self.noise_scheduler.config.num_train_timesteps, (latents.shape[0],),
@@ -158,7 +168,7 @@ class TextToImageTask:
             noisy = noisy.contiguous(memory_format=torch.channels_last)
         with precision.autocast():
             prediction = module(noisy, timesteps, context, return_dict=False)[0]
-        return F.mse_loss(prediction.float(), target.float(), reduction="mean")
+        return prediction, target
 
     # ----------------------------------------------------------------- reporting and export
     def describe(self) -> str:
@@ -172,17 +182,25 @@ class TextToImageTask:
 
     def train_flops_per_sample(self) -> float | None:
         """UNet forward + backward for one image (the frozen encoders are not counted, as in published SD MFU)."""
+        return self._unet_train_flops(frozen_weights=False)
+
+    def _unet_train_flops(self, *, frozen_weights: bool) -> float | None:
+        """The UNet's forward + backward FLOPs for one image; ``frozen_weights``: the backward computes only the
+        input gradients (LoRA training, whose adapters add a negligible share)."""
         from gallery_lib.models.flops import train_flops_per_sample
 
-        unet = self.model
+        unet = self.parts.unet
         latent = self.cfg.image_size // self.parts.latent_downsample
         context_shape = (1, self.parts.text_encoder.config.max_position_embeddings,
                          self.parts.text_encoder.config.hidden_size)
 
+        def build() -> torch.nn.Module:
+            return type(unet).from_config(unet.config).requires_grad_(not frozen_weights)
+
         def loss_of(model: torch.nn.Module) -> torch.Tensor:
-            sample = torch.randn(1, unet.config.in_channels, latent, latent)
+            sample = torch.randn(1, unet.config.in_channels, latent, latent, requires_grad=frozen_weights)
             return model(sample, torch.tensor([10]), torch.randn(context_shape), return_dict=False)[0].float().sum()
-        return train_flops_per_sample(lambda: type(unet).from_config(unet.config), loss_of)
+        return train_flops_per_sample(build, loss_of)
 
     def summary(self) -> dict[str, Any]:
         return {"cache_time_s": self.cache_time_s, "prediction_type": self.cfg.prediction_type,
