@@ -47,7 +47,7 @@ def test_a_registered_family_resolves_profiles_recipes_and_switches(toy, tmp_pat
 def test_an_option_the_family_cannot_take_fails_before_any_data(toy, tmp_path):
     with pytest.raises(ConfigError, match="fused_attention=True is invalid for 'toy_convnet'.*no attention hook"):
         base_config("smoke", family="toy_convnet", data_root=str(tmp_path), fused_attention=True)
-    with pytest.raises(ConfigError, match="cache_latents=True applies to text-to-image models"):
+    with pytest.raises(ConfigError, match="cache_latents=True applies to text-to-image and dreambooth models"):
         base_config("smoke", family="toy_convnet", data_root=str(tmp_path), cache_latents=True)
     assert not (tmp_path / "toy_images_smoke").exists()
 

@@ -50,7 +50,7 @@ def test_recipes_resolve_the_sd_switches(caption_data, tmp_path, monkeypatch):
         assert (gpu.compile_mode, gpu.precompile_workers) == ("reduce-overhead", workers), cores
     no_ema = apply_recipe("accelerated", base.replace(ema="off"))
     assert no_ema.ema == "off"  # the profile decides whether there is an EMA; the recipe only how it runs
-    with pytest.raises(ConfigError, match="cache_latents=True applies to text-to-image models"):
+    with pytest.raises(ConfigError, match="cache_latents=True applies to text-to-image and dreambooth models"):
         base_config("smoke", cache_latents=True)
 
 

@@ -23,7 +23,8 @@ _MODELS: dict[str, ModelSpec] = {}
 _FAMILY_OF_MODEL: dict[str, str] = {}
 _EXTERNAL: dict[str, tuple[str, str]] = {}  # family -> (module, sys.path root) for families outside gallery_lib
 FAMILY_MODULES_ENV = "GALLERY_FAMILY_MODULES"
-_BUILTIN = ("gallery_lib.models.swin", "gallery_lib.models.stable_diffusion", "gallery_lib.models.resnet")
+_BUILTIN = ("gallery_lib.models.swin", "gallery_lib.models.stable_diffusion", "gallery_lib.models.resnet",
+            "gallery_lib.models.dreambooth")
 _loaded = False
 
 

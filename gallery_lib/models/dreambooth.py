@@ -1,0 +1,56 @@
+"""The DreamBooth family: Stable Diffusion 1.5 fine-tuned on one subject from a few pictures (``tasks/dreambooth.py``),
+with ``dreambooth_tiny``, the same diffusers/transformers classes at CPU-smoke size.
+
+The models are those of the Stable Diffusion family (``sd_parts.py``); what differs is the task, the data (a few
+pictures of the subject plus class pictures for prior preservation) and the batch size: DreamBooth trains at batch 1
+or 2, where launching kernels, the optimizer and the EMA weigh most in a step.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+from gallery_lib.models import register_family
+from gallery_lib.models.family import ModelFamily, ModelSpec
+from gallery_lib.models.sd_parts import build_stable_diffusion
+from gallery_lib.models.stable_diffusion import FAMILY as STABLE_DIFFUSION
+from gallery_lib.tasks.dreambooth import DreamBoothTask
+
+
+def _make_dataset(path, **spec):
+    from data_prep.dreambooth import make_dreambooth_folders
+
+    return make_dreambooth_folders(path, **spec)
+
+
+# diffusers train_dreambooth: AdamW with weight decay 1e-2, gradient clipping at 1.0; an EMA of the trained weights.
+_TRAINING = dict(weight_decay=1e-2, clip_grad=1.0, ema="foreach")
+
+FAMILY = register_family(ModelFamily(
+    name="dreambooth",
+    task=DreamBoothTask,
+    models=(
+        ModelSpec("dreambooth_sd15", partial(build_stable_diffusion, "sd15"), 512, False,
+                  "Stable Diffusion 1.5 (UNet trained, VAE and CLIP text encoder frozen) fine-tuned on one subject"),
+        ModelSpec("dreambooth_tiny", partial(build_stable_diffusion, "sd_tiny"), 32, True,
+                  "the same three diffusers/transformers classes at CPU-smoke size"),
+    ),
+    run_profiles={
+        "smoke": dict(model="dreambooth_tiny", image_size=32, batch_size=1, steps=12, warmup_steps=4, log_every=4,
+                      lr=1e-3, lr_warmup_steps=2, num_workers=1, num_class_images=8, **_TRAINING),
+        # lr: diffusers' DreamBooth example for full fine-tuning (5e-6); LoRA runs take 1e-4.
+        "full": dict(model="dreambooth_sd15", image_size=512, batch_size=1, steps=200, warmup_steps=50,
+                     log_every=10, lr=5e-6, lr_warmup_steps=0, num_workers=2, num_class_images=100, **_TRAINING),
+    },
+    data_profiles={
+        "smoke": dict(num_instance_images=4, num_class_images=8, image_size=32),
+        "full": dict(num_instance_images=6, num_class_images=100, image_size=512),
+    },
+    dataset="dreambooth",
+    make_dataset=_make_dataset,
+    accelerated={"cache_latents": True, "ema": "fused", "kernels": True, "kernel_ops": "geglu",
+                 "compile_scope": "blocks"},
+    block_types=STABLE_DIFFUSION.block_types,
+    block_modules=STABLE_DIFFUSION.block_modules,
+    attention_hook=STABLE_DIFFUSION.attention_hook,
+))

@@ -1,0 +1,308 @@
+"""DreamBooth: teach Stable Diffusion one subject from a few pictures, as diffusers' ``train_dreambooth.py`` does.
+
+Every step trains on the subject's pictures captioned with the instance prompt ("a photo of sks dog": ``sks`` is a
+rare token that comes to mean this one dog) and, with prior preservation, on as many pictures of the class captioned
+with the class prompt ("a photo of dog"), so the model keeps what a dog in general looks like. The batch is the
+instance half followed by the class half; the loss is the instance half's MSE plus ``prior_loss_weight`` times the
+class half's. The UNet trains (fully, or through LoRA adapters with ``lora_rank``, as ``train_dreambooth_lora.py``);
+``train_text_encoder`` trains the CLIP text encoder too. Everything else (the frozen VAE, the DDPM noise, the target)
+is text-to-image training (``text_to_image.py``), whose step this task reuses.
+
+``cache_latents`` encodes every picture once before training, and with a frozen text encoder both prompts once:
+the same function, as for text-to-image. The exported model is a diffusers pipeline folder (full fine-tuning) or
+LoRA weights in the diffusers format (``pytorch_lora_weights.safetensors``), which ``pipe.load_lora_weights`` reads.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from gallery_lib.data.loader import TrainLoader, _SampleSeeded, sampled_loader
+from gallery_lib.settings import ConfigError, setting
+from gallery_lib.tasks.text_to_image import TextToImageOptions, TextToImageTask, _Indices, _no_progress_bars
+
+INSTANCE_FOLDER, CLASS_FOLDER = "instance", "class"
+LORA_TARGETS = {"unet": ("to_k", "to_q", "to_v", "to_out.0"), "text_encoder": ("q_proj", "k_proj", "v_proj",
+                                                                                "out_proj")}
+"""The layers LoRA adapts, as diffusers' DreamBooth LoRA script: the attention projections."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class DreamBoothOptions(TextToImageOptions):
+    """The settings of DreamBooth runs, named as diffusers' ``train_dreambooth.py`` arguments."""
+
+    instance_prompt: str = setting("a photo of sks dog", kind=str)
+    """The caption of every subject picture; it must contain ``identifier``."""
+    class_prompt: str = setting("a photo of dog", kind=str)
+    """The caption of every class picture (prior preservation)."""
+    identifier: str = setting("sks", kind=str)
+    """The rare token that names the subject: a word of the instance prompt, not of the class prompt."""
+    instance_data_dir: str | None = setting(None, kind=str, optional=True)
+    """The folder of subject pictures; ``None``: ``<data_dir>/instance``."""
+    class_data_dir: str | None = setting(None, kind=str, optional=True)
+    """The folder of class pictures; ``None``: ``<data_dir>/class``."""
+    with_prior_preservation: bool = setting(True, kind=bool)
+    prior_loss_weight: float = setting(1.0, kind=float, minimum=0.0)
+    num_class_images: int = setting(100, kind=int, minimum=1)
+    """Class pictures used (the first ones by file name); the class folder must hold at least this many."""
+    train_text_encoder: bool = setting(False, kind=bool)
+    lora_rank: int = setting(0, kind=int, minimum=0)
+    """0: full fine-tuning; ``r > 0``: LoRA adapters of rank ``r`` (alpha ``r``) on the attention projections."""
+
+    resume_fields = ("prediction_type", "lora_rank", "train_text_encoder", "with_prior_preservation")
+
+    def check(self, cfg) -> None:
+        if self.identifier not in self.instance_prompt.split():
+            raise ConfigError(f"instance_prompt={self.instance_prompt!r} does not contain the identifier "
+                              f"{self.identifier!r}: the subject is learnt under that word, e.g. "
+                              f"instance_prompt='a photo of {self.identifier} dog' (or set identifier=).")
+        if self.with_prior_preservation and self.identifier in self.class_prompt.split():
+            raise ConfigError(f"class_prompt={self.class_prompt!r} contains the identifier {self.identifier!r}: the "
+                              "class prompt describes any member of the class, e.g. 'a photo of dog'.")
+
+
+def instance_dir(cfg) -> Path:
+    return Path(cfg.instance_data_dir or Path(cfg.data_dir) / INSTANCE_FOLDER)
+
+
+def class_dir(cfg) -> Path:
+    return Path(cfg.class_data_dir or Path(cfg.data_dir) / CLASS_FOLDER)
+
+
+class UNetWithTextEncoder(torch.nn.Module):
+    """The trained pair when the text encoder trains too: ``(noisy latents, timesteps, token ids) -> (prediction,)``."""
+
+    def __init__(self, unet: torch.nn.Module, text_encoder: torch.nn.Module) -> None:
+        super().__init__()
+        self.unet, self.text_encoder = unet, text_encoder
+
+    def forward(self, sample, timestep, input_ids, return_dict: bool = False):
+        context = self.text_encoder(input_ids, return_dict=False)[0]
+        return self.unet(sample, timestep, context, return_dict=False)
+
+
+class DreamBoothTask(TextToImageTask):
+    name = "dreambooth"
+    options = DreamBoothOptions
+
+    def __init__(self, cfg, dist, precision) -> None:
+        from gallery_lib.data.captions import caption_image_transform
+        from gallery_lib.data.dreambooth import DreamBoothPairs, ImageFiles
+        from gallery_lib.models.sd_parts import tokenize
+
+        self.cfg, self.device = cfg, dist.device
+        self.parts = cfg.model_family.build(cfg.model, pretrained=cfg.pretrained,
+                                            prediction_type=cfg.prediction_type, image_size=cfg.image_size)
+        self.frozen_dtype = precision.dtype or torch.float32
+        torch.nn.Module.to(self.parts.vae, self.device, dtype=self.frozen_dtype)
+        unet, text_encoder = self.parts.unet, self.parts.text_encoder
+        if cfg.lora_rank:
+            _add_lora(unet, cfg.lora_rank, LORA_TARGETS["unet"])
+            if cfg.train_text_encoder:
+                _add_lora(text_encoder, cfg.lora_rank, LORA_TARGETS["text_encoder"])
+        elif cfg.train_text_encoder:
+            text_encoder.requires_grad_(True)
+        if cfg.train_text_encoder:  # trained: fp32 weights under autocast, like the UNet
+            self.model = UNetWithTextEncoder(unet, text_encoder.train()).to(self.device)
+        else:
+            text_encoder.to(self.device, dtype=self.frozen_dtype)
+            self.model = unet.to(self.device)
+        self.model.train()
+        self.noise_scheduler = self.parts.noise_scheduler
+        self.scaling_factor = self.parts.vae_scale_factor
+
+        transform = caption_image_transform(cfg.image_size, center_crop=True)
+        prior = cfg.with_prior_preservation
+        self.dataset = DreamBoothPairs(ImageFiles(instance_dir(cfg), transform),
+                                       ImageFiles(class_dir(cfg), transform, limit=cfg.num_class_images) if prior
+                                       else None)
+        prompts = [cfg.instance_prompt] + ([cfg.class_prompt] if prior else [])
+        # The batch's token ids: the instance prompt for its first half, the class prompt for the second.
+        self.input_ids = tokenize(self.parts.tokenizer, prompts).repeat_interleave(cfg.batch_size, 0).to(self.device)
+        self.cache_time_s = None
+        source = self.dataset
+        if cfg.cache_latents:
+            self._cache(batch_size=cfg.batch_size, num_workers=cfg.num_workers, seed=cfg.seed)
+            source = _Indices(len(self.dataset))
+        loader = sampled_loader(source, batch_size=cfg.batch_size, device=self.device,
+                                num_workers=0 if cfg.cache_latents else cfg.num_workers, seed=cfg.seed,
+                                world_size=dist.world_size, rank=dist.rank)
+        self.loader = TrainLoader(loader, self.dataset,
+                                  finish=self._from_cache if cfg.cache_latents else self._to_device)
+
+    # ----------------------------------------------------------------- batches
+    def _pixels(self, instance: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+        images = torch.cat([instance, other]) if self.cfg.with_prior_preservation else instance
+        return images.to(self.device, non_blocking=True).to(self.frozen_dtype).div_(127.5).sub_(1.0)
+
+    def _to_device(self, batch) -> dict[str, torch.Tensor]:
+        instance, other, _ = batch
+        return {"pixels": self._pixels(instance, other), "input_ids": self.input_ids}
+
+    def _from_cache(self, indices: torch.Tensor) -> dict[str, torch.Tensor]:
+        indices = indices.to(self.device, non_blocking=True)
+        # (batch, halves, ...) -> the instance half, then the class half
+        mean, std = (t[indices].transpose(0, 1).flatten(0, 1) for t in (self._mean, self._std))
+        return {"latent_mean": mean, "latent_std": std, "context": self._context}
+
+    @torch.no_grad()
+    def _encode(self, pixels: torch.Tensor, input_ids: torch.Tensor):
+        """The latent distribution of ``pixels`` and the conditioning: the prompts' embeddings, or their token ids
+        when the text encoder trains (it then runs inside the trained module)."""
+        latent = self.parts.vae.encode(pixels).latent_dist
+        if self.cfg.train_text_encoder:
+            return latent.mean, latent.std, input_ids
+        return latent.mean, latent.std, self.parts.text_encoder(input_ids, return_dict=False)[0]
+
+    @torch.no_grad()
+    def _cache(self, *, batch_size: int, num_workers: int, seed: int) -> None:
+        """Encodes every example once (as the loader would load it in epoch 0), and the prompts once."""
+        start = time.perf_counter()
+        loader = torch.utils.data.DataLoader(_SampleSeeded(self.dataset, seed), batch_size=batch_size,
+                                             sampler=[(k, 0) for k in range(len(self.dataset))],
+                                             num_workers=num_workers, generator=torch.Generator().manual_seed(seed))
+        means, stds = [], []
+        halves = 2 if self.cfg.with_prior_preservation else 1
+        for instance, other, _ in loader:
+            pixels = self._pixels(instance, other)
+            latent = self.parts.vae.encode(pixels).latent_dist
+            # stored per example as (instance, class): (n, halves, C, h, w)
+            means.append(latent.mean.unflatten(0, (halves, -1)).transpose(0, 1))
+            stds.append(latent.std.unflatten(0, (halves, -1)).transpose(0, 1))
+        self._mean, self._std = torch.cat(means), torch.cat(stds)
+        self._context = self._encode_prompts()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.cache_time_s = time.perf_counter() - start
+
+    def _encode_prompts(self) -> torch.Tensor:
+        """The batch's conditioning: each prompt encoded once and repeated (token ids when the text encoder trains)."""
+        if self.cfg.train_text_encoder:
+            return self.input_ids
+        distinct = self.input_ids[::self.cfg.batch_size]
+        return self.parts.text_encoder(distinct, return_dict=False)[0].repeat_interleave(self.cfg.batch_size, 0)
+
+    # ----------------------------------------------------------------- the step
+    def loss(self, module: torch.nn.Module, batch: dict[str, torch.Tensor], precision) -> torch.Tensor:
+        prediction, target = self._denoise(module, batch, precision)
+        prediction, target = prediction.float(), target.float()
+        if not self.cfg.with_prior_preservation:
+            return F.mse_loss(prediction, target, reduction="mean")
+        (prediction, prior_prediction), (target, prior_target) = prediction.chunk(2), target.chunk(2)
+        prior_loss = F.mse_loss(prior_prediction, prior_target, reduction="mean")
+        return F.mse_loss(prediction, target, reduction="mean") + self.cfg.prior_loss_weight * prior_loss
+
+    @staticmethod
+    def check_data(cfg) -> None:
+        """Refuses, before launch, a missing or empty instance folder, and with prior preservation a class folder
+        with fewer than ``num_class_images`` pictures (``ConfigError``, saying the fix)."""
+        from gallery_lib.data.dreambooth import image_files
+
+        folders = [("instance", instance_dir(cfg), 1, "instance_data_dir")]
+        if cfg.with_prior_preservation:
+            folders.append(("class", class_dir(cfg), cfg.num_class_images, "class_data_dir"))
+        for kind, folder, needed, option in folders:
+            if not folder.is_dir():
+                raise ConfigError(f"no {kind} pictures: {folder} is not a folder. Prepare the mock data with "
+                                  f"`gallery prepare --model {cfg.model}`, or set {option}= to a folder of images.")
+            found = len(image_files(folder))
+            if found < needed:
+                fix = (f"add pictures, or lower num_class_images (diffusers would generate the missing ones with "
+                       f"the pipeline; the gallery does not)" if kind == "class" else "add pictures of the subject")
+                raise ConfigError(f"{folder} holds {found} image file(s); the {kind} folder needs at least {needed}: "
+                                  f"{fix}.")
+
+    # ----------------------------------------------------------------- reporting and export
+    def describe(self) -> str:
+        d = self.dataset
+        text = f"{len(d.instance)} pictures of {self.cfg.instance_prompt!r}"
+        if d.class_images is not None:
+            text += (f" and {len(d.class_images)} of {self.cfg.class_prompt!r} (prior preservation, weight "
+                     f"{self.cfg.prior_loss_weight:g})")
+        trained = "UNet" + (" and text encoder" if self.cfg.train_text_encoder else "")
+        how = f"LoRA rank {self.cfg.lora_rank} on the {trained}" if self.cfg.lora_rank else f"the whole {trained}"
+        text += f" at {self.cfg.image_size} px; trains {how}, from {self.parts.source}"
+        if self.cache_time_s is not None:
+            text += f"; latents and prompt embeddings cached in {self.cache_time_s:.1f} s"
+        return text
+
+    def train_flops_per_sample(self) -> float | None:
+        """Per example: the UNet's forward + backward for each of its images (two with prior preservation); with
+        LoRA the frozen UNet's backward computes input gradients only. The text encoder is not counted."""
+        per_image = self._unet_train_flops(frozen_weights=bool(self.cfg.lora_rank))
+        return per_image * (2 if self.cfg.with_prior_preservation else 1) if per_image else None
+
+    def summary(self) -> dict[str, Any]:
+        trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+        return {"cache_time_s": self.cache_time_s, "trainable_parameters": trainable, "lora_rank": self.cfg.lora_rank}
+
+    def export(self, run_dir: str | Path, ema) -> str:
+        """Full fine-tuning: a diffusers pipeline folder in ``<run_dir>/pipeline``. LoRA: the adapters (the EMA's
+        when there is one) in ``<run_dir>/lora`` and, for a random-init base, the base pipeline in
+        ``<run_dir>/pipeline`` to load them into. Returns the folder to load."""
+        from gallery_lib.models.sd_parts import assemble_pipeline
+
+        trained = ema.module if ema is not None else self.model
+        unet, text_encoder = (trained.unet, trained.text_encoder) if self.cfg.train_text_encoder else (trained, None)
+        unet.to(memory_format=torch.contiguous_format)
+        torch.nn.Module.to(self.parts.vae, torch.float32)
+        self.parts.text_encoder.to(torch.float32)
+        run_dir = Path(run_dir)
+        if not self.cfg.lora_rank:
+            with _no_progress_bars():
+                assemble_pipeline(self.parts, unet=unet, text_encoder=text_encoder).save_pretrained(
+                    run_dir / "pipeline")
+            return str(run_dir / "pipeline")
+        save_lora(run_dir / "lora", unet, text_encoder)
+        if self.cfg.pretrained is None:  # the base the adapters were trained on exists nowhere else
+            base_unet = _without_lora(unet)
+            base_text = _without_lora(self.parts.text_encoder) if self.cfg.train_text_encoder else None
+            with _no_progress_bars():
+                assemble_pipeline(self.parts, unet=base_unet, text_encoder=base_text).save_pretrained(
+                    run_dir / "pipeline")
+        return str(run_dir / "lora")
+
+
+def _add_lora(model: torch.nn.Module, rank: int, targets: tuple[str, ...]) -> None:
+    """Freezes ``model`` and adds trainable LoRA adapters (diffusers' DreamBooth LoRA settings: gaussian init,
+    alpha = rank) to its ``targets`` layers; the adapters keep fp32 weights."""
+    from peft import LoraConfig
+
+    model.requires_grad_(False)
+    model.add_adapter(LoraConfig(r=rank, lora_alpha=rank, init_lora_weights="gaussian", target_modules=list(targets)))
+
+
+def save_lora(folder: Path, unet: torch.nn.Module, text_encoder: torch.nn.Module | None) -> None:
+    """The adapters of ``unet`` (and ``text_encoder``) as ``folder/pytorch_lora_weights.safetensors`` in the
+    diffusers format, the file ``StableDiffusionPipeline.load_lora_weights(folder)`` reads."""
+    from diffusers import StableDiffusionPipeline
+    from diffusers.utils import convert_state_dict_to_diffusers
+    from peft.utils import get_peft_model_state_dict
+
+    def layers(model):
+        return convert_state_dict_to_diffusers(get_peft_model_state_dict(model)) if model is not None else None
+
+    StableDiffusionPipeline.save_lora_weights(folder, unet_lora_layers=layers(unet),
+                                              text_encoder_lora_layers=layers(text_encoder), safe_serialization=True)
+
+
+def _without_lora(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of ``model`` with each LoRA-wrapped layer replaced by the layer it wraps: the frozen base."""
+    import copy
+
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    base = copy.deepcopy(model)
+    for name, module in list(base.named_modules()):
+        if isinstance(module, BaseTunerLayer):
+            parent, _, child = name.rpartition(".")
+            setattr(base.get_submodule(parent), child, module.get_base_layer())
+    base.__dict__.pop("peft_config", None)  # so save_pretrained writes the plain model
+    base._hf_peft_config_loaded = False
+    return base

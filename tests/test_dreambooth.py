@@ -1,0 +1,191 @@
+"""DreamBooth on the tiny config: the mock data, bad input refused before launch, prior preservation, the recipes
+learning the same function for full fine-tuning and LoRA, and LoRA weights a plain diffusers pipeline loads."""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+import torch
+
+from gallery_lib.cli import main
+from gallery_lib.config import ConfigError, RunConfig
+from gallery_lib.profiles import base_config
+from gallery_lib.recipes import apply_recipe
+from gallery_lib.run.metrics import read_metrics
+from gallery_lib.run.train import run
+
+pytest.importorskip("diffusers")
+pytest.importorskip("peft")
+
+
+@pytest.fixture(scope="module")
+def dreambooth_data(tmp_path_factory):
+    from data_prep.dreambooth import make_dreambooth_folders
+
+    return make_dreambooth_folders(tmp_path_factory.mktemp("dreambooth"), num_instance_images=4, num_class_images=6,
+                                   image_size=32, progress=False)
+
+
+def tiny(data, tmp_path, **kw) -> RunConfig:
+    values = dict(data_dir=str(data), output_dir=str(tmp_path / "out"), device="cpu", num_workers=0, steps=6,
+                  warmup_steps=2, log_every=3, export_model=False, max_nonfinite_steps=0, num_class_images=6)
+    values.update(kw)
+    return base_config("smoke", family="dreambooth", **values)
+
+
+def losses_of(cfg: RunConfig) -> list[float]:
+    return [s["loss"] for s in read_metrics(cfg.run_dir / "metrics.jsonl")[0]]
+
+
+def test_mock_data_is_one_subject_and_its_class_in_diffusers_layout(tmp_path):
+    from data_prep.dreambooth import make_dreambooth_folders
+
+    root = make_dreambooth_folders(tmp_path / "a", num_instance_images=3, num_class_images=5, image_size=48,
+                                   progress=False)
+    again = make_dreambooth_folders(tmp_path / "b", num_instance_images=3, num_class_images=5, image_size=48,
+                                    progress=False)
+    files = {folder: sorted(p.name for p in (root / folder).iterdir()) for folder in ("instance", "class")}
+    assert files == {"instance": ["00000.png", "00001.png", "00002.png"],
+                     "class": [f"{i:05d}.png" for i in range(5)]}
+    for folder, names in files.items():  # a pure function of the parameters
+        assert all((root / folder / n).read_bytes() == (again / folder / n).read_bytes() for n in names)
+    # The subject wears its blue collar in every picture; no class dog does.
+    from PIL import Image
+    import numpy as np
+
+    def has_collar(path):
+        rgb = np.asarray(Image.open(path), dtype=int)
+        return bool((np.abs(rgb - np.array([30, 70, 210])).sum(-1) < 30).any())
+    assert all(has_collar(root / "instance" / n) for n in files["instance"])
+    assert not any(has_collar(root / "class" / n) for n in files["class"])
+
+
+def _refused(capsys, argv):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("gallery: error: ") and "Traceback" not in err
+    return err
+
+
+@pytest.fixture
+def no_launch(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("a training process was started for bad input")
+
+    monkeypatch.setattr(subprocess, "Popen", refuse)
+
+
+def test_bad_dreambooth_input_is_refused_before_launch(capsys, no_launch, dreambooth_data, tmp_path):
+    train = ["train", "--profile", "smoke", "--model", "dreambooth_tiny", "--data-dir", str(dreambooth_data),
+             "--output-dir", str(tmp_path / "out")]
+    err = _refused(capsys, [*train, "--set", "instance_prompt=a photo of my dog"])
+    assert "does not contain the identifier 'sks'" in err
+    err = _refused(capsys, [*train, "--set", "class_prompt=a photo of sks dog"])
+    assert "class_prompt='a photo of sks dog' contains the identifier" in err
+    err = _refused(capsys, [*train, "--set", "num_class_images=50"])
+    assert "holds 6 image file(s); the class folder needs at least 50" in err and "lower num_class_images" in err
+    err = _refused(capsys, [*train, "--set", f"instance_data_dir={tmp_path / 'nowhere'}"])
+    assert "no instance pictures" in err and "instance_data_dir=" in err
+    (tmp_path / "empty").mkdir()
+    err = _refused(capsys, [*train, "--set", f"instance_data_dir={tmp_path / 'empty'}"])
+    assert "holds 0 image file(s); the instance folder needs at least 1" in err
+    # a caption folder is not DreamBooth data
+    caption_root = tmp_path / "captions"
+    (caption_root / "train").mkdir(parents=True)
+    err = _refused(capsys, ["train", "--profile", "smoke", "--model", "dreambooth_tiny", "--data-dir",
+                            str(caption_root)])
+    assert "no instance pictures" in err
+
+
+def test_prior_preservation_adds_the_weighted_class_half(dreambooth_data, tmp_path):
+    """The loss is MSE(instance half) + prior_loss_weight * MSE(class half), on the very step the loop runs."""
+    from gallery_lib.accel.distributed import DistInfo
+    from gallery_lib.accel.precision import Precision
+    from gallery_lib.tasks import build_task
+
+    cfg = tiny(dreambooth_data, tmp_path, amp_level="O0")
+    precision = Precision.from_config(cfg, "cpu")
+    task = build_task(cfg, DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu")), precision)
+    batch = next(iter(task.loader))
+    assert batch["pixels"].shape[0] == 2 * cfg.batch_size  # instance half, then class half
+
+    def seeded(fn):
+        torch.manual_seed(3)
+        return fn()
+    prediction, target = seeded(lambda: task._denoise(task.model, batch, precision))
+    instance_mse = torch.nn.functional.mse_loss(prediction[:1], target[:1])
+    class_mse = torch.nn.functional.mse_loss(prediction[1:], target[1:])
+    assert class_mse > 0 and not torch.isclose(instance_mse, class_mse)
+    for weight in (0.0, 1.0, 2.5):
+        task.cfg = cfg.replace(prior_loss_weight=weight)
+        loss = seeded(lambda: task.loss(task.model, batch, precision))
+        torch.testing.assert_close(loss, instance_mse + weight * class_mse)
+    task.cfg = cfg.replace(with_prior_preservation=False)  # the same step without a class half
+    assert seeded(lambda: task.loss(task.model, {**batch, "pixels": batch["pixels"][:1],
+                                                 "input_ids": batch["input_ids"][:1]}, precision)) > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("lora_rank, amp_level, rtol", [(0, "O0", 1e-4), (4, "O0", 1e-4), (0, "O1", 3e-2)],
+                         ids=["full-fp32", "lora-fp32", "full-bf16"])
+def test_recipes_give_the_same_losses_step_by_step(dreambooth_data, tmp_path, lora_rank, amp_level, rtol):
+    """30 steps of baseline (online VAE and text encoder, eager, loop EMA), compiled and accelerated (cached latents
+    and prompt embeddings, compiled blocks, fused kernels) from the same seed: the per-step losses agree to ``rtol``
+    (fp32: compiled kernels reorder sums; bf16 autocast keeps 8 mantissa bits)."""
+    base = tiny(dreambooth_data, tmp_path, steps=30, log_every=10, lora_rank=lora_rank,
+                lr=1e-2 if lora_rank else 1e-3)
+    recipes = ("baseline", "compiled", "accelerated") if amp_level == "O0" else ("baseline", "accelerated")
+    curves = {}
+    for name in recipes:
+        cfg = apply_recipe(name, base).replace(amp_level=amp_level,
+                                               amp_dtype="bfloat16" if amp_level != "O0" else "auto")
+        summary = run(cfg)
+        assert summary["trainable_parameters"] < 20_000 if lora_rank else summary["trainable_parameters"] > 500_000
+        curves[name] = torch.tensor(losses_of(cfg))
+    baseline = curves["baseline"]
+    assert len(baseline) == 30
+    for name, curve in curves.items():
+        torch.testing.assert_close(curve, baseline, rtol=rtol, atol=rtol * 0.1, msg=lambda m: f"{name}: {m}")
+    assert (baseline[:5].mean() - baseline[-5:].mean()).abs() > 10 * rtol * baseline[:5].mean()  # it trains
+
+
+def test_lora_weights_load_into_a_plain_diffusers_pipeline_and_change_it(dreambooth_data, tmp_path):
+    from diffusers import StableDiffusionPipeline
+
+    cfg = tiny(dreambooth_data, tmp_path, lora_rank=4, train_text_encoder=True, export_model=True, lr=1e-2)
+    summary = run(apply_recipe("baseline", cfg))
+    lora = cfg.run_dir.parent / "baseline" / "lora"
+    assert (lora / "pytorch_lora_weights.safetensors").is_file()
+    pipe = StableDiffusionPipeline.from_pretrained(lora.parent / "pipeline")  # the random-init base, saved plain
+    assert not any("lora" in name for name in pipe.unet.state_dict())
+    pipe.set_progress_bar_config(disable=True)
+
+    def image():
+        return pipe("a photo of sks dog", num_inference_steps=2, generator=torch.Generator().manual_seed(0),
+                    output_type="pt").images
+    before = image()
+    pipe.load_lora_weights(lora)
+    assert any("lora" in name for name in pipe.unet.state_dict())
+    assert any("lora" in name for name in pipe.text_encoder.state_dict())
+    assert (image() - before).abs().max() > 1e-3
+    assert summary["lora_rank"] == 4
+
+
+def test_text_encoder_trains_with_the_unet(dreambooth_data, tmp_path):
+    cfg = tiny(dreambooth_data, tmp_path, train_text_encoder=True, export_model=True, ema="off")
+    run(apply_recipe("baseline", cfg))
+    from transformers import CLIPTextModel
+
+    from gallery_lib.run.train import seed_everything
+
+    seed_everything(cfg.seed)  # the initial weights, built as the run built them
+    initial = cfg.model_family.build(cfg.model, image_size=cfg.image_size).text_encoder.state_dict()
+    trained = CLIPTextModel.from_pretrained(cfg.run_dir.parent / "baseline" / "pipeline" / "text_encoder")
+    changed = [n for n, p in trained.named_parameters() if not torch.equal(p, initial[n])]
+    assert len(changed) > len(initial) // 2, "the exported text encoder is (mostly) the initial one"
+
+
+def test_refuses_an_identifier_missing_from_the_prompt_in_the_config():
+    with pytest.raises(ConfigError, match="does not contain the identifier 'sks'"):
+        base_config("smoke", family="dreambooth", instance_prompt="a photo of a dog")
