@@ -22,6 +22,7 @@ _PUBLIC = {
     "model_step_config": "gallery_lib.workflow",
     "config_controls": "gallery_lib.reports.widgets",
     "dataset_preview": "gallery_lib.reports.sampling",
+    "dreambooth_preview": "gallery_lib.reports.sampling",
     "load_pipeline": "gallery_lib.reports.sampling",
     "sample_grid": "gallery_lib.reports.sampling",
     "RunConfig": "gallery_lib.config",

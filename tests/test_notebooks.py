@@ -89,8 +89,19 @@ def _shows_the_one_line_optimize_and_the_pipelines(nb, family_dir: Path) -> None
     assert "optimize: chose" in text and "with optimize(model):" in text and "plain loop:" in text
 
 
+def _samples_the_subject_in_a_bucket(nb, family_dir: Path) -> None:
+    """The DreamBooth notebook: the subject and class pictures shown, the grid sampled from the trained weights and
+    saved as a PNG."""
+    images = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
+              if "image/png" in o.get("data", {})]
+    assert len(images) >= 3  # data preview, report figure, sampled grid
+    assert (family_dir / "accelerated" / "samples.png").stat().st_size > 10_000
+    assert "in a bucket" in "\n".join(c.source for c in nb.cells if c.cell_type == "code")
+
+
 NOTEBOOK_CHECKS = {  # what a notebook shows beyond the recipes, the report and the summary: one entry per notebook
     "swin_transformer": _times_the_step_alone,
     "stable_diffusion": _exports_and_samples_a_pipeline,
     "resnet50": _shows_the_one_line_optimize_and_the_pipelines,
+    "dreambooth": _samples_the_subject_in_a_bucket,
 }

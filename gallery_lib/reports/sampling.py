@@ -1,4 +1,5 @@
 """Sampling from a trained text-to-image run: load the exported diffusers pipeline and draw a grid of images.
+The training data is shown the same way (``dataset_preview``, ``dreambooth_preview``).
 
 A run with ``export_model`` saves ``<run_dir>/pipeline`` (the EMA UNet when the run kept an EMA, the frozen VAE and
 text encoder, the tokenizer and the scheduler), a plain ``StableDiffusionPipeline`` folder; this module only loads
@@ -7,6 +8,7 @@ it and arranges the images with their prompts, so what the notebook shows is wha
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Sequence
@@ -15,16 +17,26 @@ import torch
 
 
 def load_pipeline(run_dir: str | os.PathLike, device: str | torch.device | None = None):
-    """The pipeline a run exported, on ``device`` (default: CUDA when present), in bf16 on a GPU."""
+    """The pipeline a run exported, on ``device`` (default: CUDA when present), in bf16 on a GPU.
+
+    A LoRA run (``<run_dir>/lora``) is loaded the diffusers way: its base pipeline (``<run_dir>/pipeline`` for a
+    random-init base, else the run's ``pretrained`` folder), then ``pipe.load_lora_weights(<run_dir>/lora)``.
+    """
     from diffusers import StableDiffusionPipeline
 
-    path = Path(run_dir) / "pipeline"
+    run_dir = Path(run_dir)
+    lora = run_dir / "lora"
+    path = run_dir / "pipeline"
+    if lora.is_dir() and not path.is_dir():
+        path = Path(json.loads((run_dir / "config.json").read_text()).get("pretrained") or path)
     if not (path / "model_index.json").is_file():
         raise FileNotFoundError(f"{path} holds no exported pipeline: run the recipe with export_model=True "
                                 "(the default) to the end first.")
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     pipe = StableDiffusionPipeline.from_pretrained(path, torch_dtype=dtype)
+    if lora.is_dir():
+        pipe.load_lora_weights(lora)
     pipe.set_progress_bar_config(disable=True)
     return pipe.to(device)
 
@@ -48,6 +60,23 @@ def dataset_preview(data_dir: str | os.PathLike, count: int = 8):
     dataset = CaptionFolder(data_dir, split="train")
     samples = [dataset[k] for k in range(min(count, len(dataset)))]
     return image_grid([image for image, _ in samples], [meta["text"] for _, meta in samples])
+
+
+def dreambooth_preview(cfg, count: int = 4):
+    """The first ``count`` subject pictures under the instance prompt, and class pictures under the class prompt."""
+    from gallery_lib.data.dreambooth import ImageFiles
+    from gallery_lib.tasks.dreambooth import class_dir, instance_dir
+
+    folders = [(instance_dir(cfg), cfg.instance_prompt)]
+    if cfg.with_prior_preservation:
+        folders.append((class_dir(cfg), cfg.class_prompt))
+    images, titles = [], []
+    for folder, prompt in folders:
+        pictures = ImageFiles(folder, transform=None)
+        for k in range(min(count, len(pictures))):
+            images.append(pictures[k])
+            titles.append(f"{prompt} ({folder.name}/{pictures.files[k].name})")
+    return image_grid(images, titles, columns=count)
 
 
 def image_grid(images: Sequence, titles: Sequence[str], columns: int = 4):
