@@ -48,6 +48,7 @@ FAMILY = register_family(ModelFamily(
     },
     dataset="dreambooth",
     make_dataset=_make_dataset,
+    # At batch 1, 2.1-2.7x compiled for full fine-tuning and LoRA (benchmarks/RESULTS.md#dreambooth).
     accelerated={"cache_latents": True, "ema": "fused", "kernels": True, "kernel_ops": "geglu",
                  "compile_scope": "blocks"},
     block_types=STABLE_DIFFUSION.block_types,
