@@ -127,8 +127,9 @@ def test_prior_preservation_adds_the_weighted_class_half(dreambooth_data, tmp_pa
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("lora_rank, amp_level, rtol", [(0, "O0", 1e-4), (4, "O0", 1e-4), (0, "O1", 3e-2)],
-                         ids=["full-fp32", "lora-fp32", "full-bf16"])
+@pytest.mark.parametrize("lora_rank, amp_level, rtol", [(0, "O0", 1e-4), (4, "O0", 1e-4), (0, "O1", 3e-2),
+                                                      (4, "O1", 3e-2)],
+                         ids=["full-fp32", "lora-fp32", "full-bf16", "lora-bf16"])
 def test_recipes_give_the_same_losses_step_by_step(dreambooth_data, tmp_path, lora_rank, amp_level, rtol):
     """30 steps of baseline (online VAE and text encoder, eager, loop EMA), compiled and accelerated (cached latents
     and prompt embeddings, compiled blocks, fused kernels) from the same seed: the per-step losses agree to ``rtol``
@@ -147,7 +148,8 @@ def test_recipes_give_the_same_losses_step_by_step(dreambooth_data, tmp_path, lo
     assert len(baseline) == 30
     for name, curve in curves.items():
         torch.testing.assert_close(curve, baseline, rtol=rtol, atol=rtol * 0.1, msg=lambda m: f"{name}: {m}")
-    assert (baseline[:5].mean() - baseline[-5:].mean()).abs() > 10 * rtol * baseline[:5].mean()  # it trains
+    # it trains: the loss falls by several times the tolerance, so agreeing curves are not trivially equal
+    assert baseline[:5].mean() - baseline[-5:].mean() > 3 * rtol * baseline[:5].mean()
 
 
 def test_lora_weights_load_into_a_plain_diffusers_pipeline_and_change_it(dreambooth_data, tmp_path):
