@@ -34,11 +34,19 @@ def load_pipeline(run_dir: str | os.PathLike, device: str | torch.device | None 
                                 "(the default) to the end first.")
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    pipe = StableDiffusionPipeline.from_pretrained(path, torch_dtype=dtype)
+    pipe = StableDiffusionPipeline.from_pretrained(path, **_dtype_argument(dtype))
     if lora.is_dir():
         pipe.load_lora_weights(lora)
     pipe.set_progress_bar_config(disable=True)
     return pipe.to(device)
+
+
+def _dtype_argument(dtype: torch.dtype) -> dict[str, torch.dtype]:
+    """diffusers renamed ``from_pretrained``'s ``torch_dtype`` to ``dtype`` (the old name warns, older releases
+    know only it)."""
+    from diffusers.utils import deprecation_utils
+
+    return {"dtype": dtype} if hasattr(deprecation_utils, "_resolve_dtype") else {"torch_dtype": dtype}
 
 
 def sample_grid(pipe, prompts: Sequence[str], *, steps: int = 25, guidance_scale: float = 5.0, seed: int = 0,

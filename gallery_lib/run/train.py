@@ -42,6 +42,7 @@ import torch
 from gallery_lib.accel.accelerate import apply_accelerations
 from gallery_lib.accel.compile_plan import CompilePlan
 from gallery_lib.accel.distributed import DistInfo, exit_process, init_distributed, shutdown
+from gallery_lib.accel.ema import ema_mode_on
 from gallery_lib.accel.precision import Precision
 from gallery_lib.config import CUDA_GRAPH_COMPILE_MODES, RunConfig, validate_for_machine
 from gallery_lib.run.attention_probe import AttentionProbe
@@ -50,6 +51,7 @@ from gallery_lib.run.checkpoint import LATEST, Checkpointer, check_fresh_start, 
 from gallery_lib.run.logs import rank_logging
 from gallery_lib.run.metrics import MetricsWriter, superseded_path, supersede_steps
 from gallery_lib.run.nonfinite import NonfiniteGuard
+from gallery_lib.run.quiet import quiet_known_noise
 from gallery_lib.run.step_log import StepLog
 from gallery_lib.run.summary import build_summary, describe_summary
 from gallery_lib.run.timing import reset_peak_memory
@@ -91,7 +93,9 @@ def build_ema(model: torch.nn.Module, cfg: RunConfig, optimizer: torch.optim.Opt
         return None
     from gallery_lib.accel.ema import ModelEma
 
-    ema = ModelEma(model, decay=cfg.ema_decay, ratio_warmup=True, mode=cfg.ema)
+    # The fallback (fused needs CUDA and Triton) is said in the run's notes, so ModelEma is not asked to warn of it.
+    mode, _ = ema_mode_on(cfg.ema, next(model.parameters()).device.type)
+    ema = ModelEma(model, decay=cfg.ema_decay, ratio_warmup=True, mode=mode)
     if ema.effective_mode == "stream":
         ema.attach_optimizer(optimizer)  # the next optimizer step waits for the side-stream update
     return ema
@@ -148,6 +152,7 @@ def _train(cfg: RunConfig, dist: DistInfo, extra_summary: dict | None = None) ->
 def _train_from(setup_start: float, cfg: RunConfig, dist: DistInfo, plan: CompilePlan, extra_summary: dict) -> dict:
     """``_train`` once the compile plan is open: set up, resume or start, precompile, train, summarize."""
     reset_peak_memory(dist.device)
+    quiet_known_noise(cfg.verbose)
     configure_backends(cfg)
     seed_everything(cfg.seed)  # identical init on every rank; the loader derives per-rank streams
     precision = Precision.from_config(cfg, dist.device.type)
@@ -159,7 +164,9 @@ def _train_from(setup_start: float, cfg: RunConfig, dist: DistInfo, plan: Compil
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
     ema = build_ema(model, cfg, optimizer)
     if ema is not None:
-        accelerated.notes.append(f"EMA of the weights: {ema.effective_mode} update, decay {cfg.ema_decay} "
+        _, fallback = ema_mode_on(cfg.ema, dist.device.type)
+        asked = f" ({cfg.ema} asked, but {fallback})" if fallback else ""
+        accelerated.notes.append(f"EMA of the weights: {ema.effective_mode} update{asked}, decay {cfg.ema_decay} "
                                  "after diffusers' (1 + step) / (10 + step) warm-up")
     train_module = accelerated.train_module
     train_module.train()
