@@ -96,11 +96,7 @@ class DreamBoothTask(TextToImageTask):
         from gallery_lib.data.dreambooth import DreamBoothPairs, ImageFiles
         from gallery_lib.models.sd_parts import tokenize
 
-        self.cfg, self.device = cfg, dist.device
-        self.parts = cfg.model_family.build(cfg.model, pretrained=cfg.pretrained,
-                                            prediction_type=cfg.prediction_type, image_size=cfg.image_size)
-        self.frozen_dtype = precision.dtype or torch.float32
-        torch.nn.Module.to(self.parts.vae, self.device, dtype=self.frozen_dtype)
+        self._build_parts(cfg, dist, precision)
         unet, text_encoder = self.parts.unet, self.parts.text_encoder
         if cfg.lora_rank:
             _add_lora(unet, cfg.lora_rank, LORA_TARGETS["unet"])
@@ -114,8 +110,6 @@ class DreamBoothTask(TextToImageTask):
             text_encoder.to(self.device, dtype=self.frozen_dtype)
             self.model = unet.to(self.device)
         self.model.train()
-        self.noise_scheduler = self.parts.noise_scheduler
-        self.scaling_factor = self.parts.vae_scale_factor
 
         transform = caption_image_transform(cfg.image_size, center_crop=True)
         prior = cfg.with_prior_preservation
@@ -250,9 +244,7 @@ class DreamBoothTask(TextToImageTask):
 
         trained = ema.module if ema is not None else self.model
         unet, text_encoder = (trained.unet, trained.text_encoder) if self.cfg.train_text_encoder else (trained, None)
-        unet.to(memory_format=torch.contiguous_format)
-        torch.nn.Module.to(self.parts.vae, torch.float32)
-        self.parts.text_encoder.to(torch.float32)
+        self._fp32_contiguous(unet)
         run_dir = Path(run_dir)
         if not self.cfg.lora_rank:
             with _no_progress_bars():

@@ -54,17 +54,9 @@ class TextToImageTask:
     def __init__(self, cfg, dist, precision) -> None:
         from gallery_lib.data.captions import CaptionFolder, caption_image_transform
 
-        self.cfg, self.device = cfg, dist.device
-        self.parts = cfg.model_family.build(cfg.model, pretrained=cfg.pretrained,
-                                            prediction_type=cfg.prediction_type, image_size=cfg.image_size)
-        # diffusers casts the frozen models to the mixed-precision dtype; the trained UNet keeps fp32 weights.
-        self.frozen_dtype = precision.dtype or torch.float32
-        # nn.Module.to: diffusers' own .to(dtype) warns of fp32-only modules even when the VAE lists none
-        torch.nn.Module.to(self.parts.vae, self.device, dtype=self.frozen_dtype)
+        self._build_parts(cfg, dist, precision)
         self.parts.text_encoder.to(self.device, dtype=self.frozen_dtype)
         self.model = self.parts.unet.to(self.device).train()
-        self.noise_scheduler = self.parts.noise_scheduler
-        self.scaling_factor = self.parts.vae_scale_factor
         self.dataset = CaptionFolder(cfg.data_dir, split="train",
                                      transform=caption_image_transform(cfg.image_size, center_crop=True))
         self.cache_time_s = None
@@ -77,6 +69,18 @@ class TextToImageTask:
                                 world_size=dist.world_size, rank=dist.rank)
         self.loader = TrainLoader(loader, self.dataset,
                                   finish=self._from_cache if cfg.cache_latents else self._to_device)
+
+    def _build_parts(self, cfg, dist, precision) -> None:
+        """The SD parts of ``cfg.model``, the frozen VAE on the device, the noise schedule."""
+        self.cfg, self.device = cfg, dist.device
+        self.parts = cfg.model_family.build(cfg.model, pretrained=cfg.pretrained,
+                                            prediction_type=cfg.prediction_type, image_size=cfg.image_size)
+        # diffusers casts the frozen models to the mixed-precision dtype; the trained UNet keeps fp32 weights.
+        self.frozen_dtype = precision.dtype or torch.float32
+        # nn.Module.to: diffusers' own .to(dtype) warns of fp32-only modules even when the VAE lists none
+        torch.nn.Module.to(self.parts.vae, self.device, dtype=self.frozen_dtype)
+        self.noise_scheduler = self.parts.noise_scheduler
+        self.scaling_factor = self.parts.vae_scale_factor
 
     # ----------------------------------------------------------------- batches
     def _to_device(self, batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -209,13 +213,17 @@ class TextToImageTask:
     def export(self, run_dir: str | Path, ema) -> str:
         """Saves a diffusers pipeline (the EMA UNet when there is one) to ``<run_dir>/pipeline``; returns the path."""
         unet = ema.module if ema is not None else self.model
-        unet.to(memory_format=torch.contiguous_format)  # safetensors stores contiguous tensors only
-        torch.nn.Module.to(self.parts.vae, torch.float32)
-        self.parts.text_encoder.to(torch.float32)
+        self._fp32_contiguous(unet)
         path = Path(run_dir) / "pipeline"
         with _no_progress_bars():  # a bar per saved part, written into the run's log as text
             assemble_pipeline(self.parts, unet=unet).save_pretrained(path)
         return str(path)
+
+    def _fp32_contiguous(self, unet: torch.nn.Module) -> None:
+        """The parts as a saved pipeline holds them: fp32, and contiguous (safetensors stores no other layout)."""
+        unet.to(memory_format=torch.contiguous_format)
+        torch.nn.Module.to(self.parts.vae, torch.float32)
+        self.parts.text_encoder.to(torch.float32)
 
 
 @contextlib.contextmanager
