@@ -124,6 +124,10 @@ class RunConfig:
     """Run window/self attention through ``scaled_dot_product_attention`` instead of explicit matmuls."""
     channels_last: bool = setting(False, kind=bool)
     """Keep image tensors (and conv weights) in channels-last memory format."""
+    gradient_checkpointing: bool = setting(False, kind=bool)
+    """Recompute the activations of the model's blocks in the backward pass instead of keeping them (diffusers'
+    ``enable_gradient_checkpointing``, timm's ``set_grad_checkpointing``, transformers'
+    ``gradient_checkpointing_enable``): less memory for more compute, the same function."""
 
     nproc_per_node: int = setting(1, kind=int, minimum=1)
     """Processes (one per GPU, or CPU processes with gloo) started by torchrun."""

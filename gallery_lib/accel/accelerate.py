@@ -3,7 +3,8 @@
 The order matters and is the same for every model and recipe:
 
 1. memory format (channels_last) - parameters must be in their final layout before anything
-   captures them;
+   captures them; gradient checkpointing is switched on here too (it changes no module, only how each
+   block's forward keeps its activations);
 2. kernel swap (``gallery_lib.accel.patch``) - replaces submodules, so it goes before anything that
    traces or snapshots the module tree;
 3. attention backend - same reason, and it changes what the compiler will see;
@@ -56,6 +57,8 @@ def apply_accelerations(model: torch.nn.Module, cfg: RunConfig, precision: Preci
     if cfg.channels_last:
         model = model.to(memory_format=torch.channels_last)
         notes.append("channels_last: images and conv weights in NHWC layout")
+    if cfg.gradient_checkpointing:
+        notes.append(enable_gradient_checkpointing(model))
     if cfg.kernels:
         notes.append(_apply_kernels(model, cfg.kernel_op_names, cfg.verbose))
     if cfg.fused_attention:  # the family's hook (RunConfig refuses the switch for a family without one)
@@ -78,6 +81,33 @@ def apply_accelerations(model: torch.nn.Module, cfg: RunConfig, precision: Preci
         notes.append(f"torch.compile(mode={cfg.compile_mode!r}); compilation happens in the first warm-up steps")
     return AcceleratedModel(module=model, train_module=train_module, compile_plan=plan, notes=notes,
                             attention=attention)
+
+
+_CHECKPOINTING = ("enable_gradient_checkpointing", "activation_checkpointing_enable", "gradient_checkpointing_enable",
+                  "set_grad_checkpointing")
+"""How diffusers, transformers (its current name, then the one before) and timm models switch it on."""
+
+
+def enable_gradient_checkpointing(model: torch.nn.Module) -> str:
+    """Switches on the library's own gradient checkpointing of ``model``, or of each outermost submodule that has
+    it (a UNet and a text encoder trained together); returns the log line. ``ConfigError`` when nothing has it."""
+    from gallery_lib.config import ConfigError
+
+    switched: list[str] = []
+
+    def visit(module: torch.nn.Module, name: str) -> None:
+        method = next((m for m in _CHECKPOINTING if callable(getattr(module, m, None))), None)
+        if method is None:
+            for child_name, child in module.named_children():
+                visit(child, f"{name}.{child_name}" if name else child_name)
+            return
+        getattr(module, method)(*((True,) if method == "set_grad_checkpointing" else ()))
+        switched.append(f"{name or type(module).__name__} ({method})")
+    visit(model, "")
+    if not switched:
+        raise ConfigError(f"gradient_checkpointing=True: {type(model).__name__} has no gradient checkpointing of its "
+                          f"own (none of {', '.join(_CHECKPOINTING)}): drop the switch for this model.")
+    return f"gradient checkpointing: {', '.join(switched)}; blocks recompute their activations in the backward"
 
 
 def _apply_kernels(model: torch.nn.Module, ops: tuple[str, ...], verbose: bool) -> str:

@@ -1,0 +1,45 @@
+"""Gradient checkpointing: the same losses as the plain run (it recomputes, it does not change the function), switched
+on through each library's own method, and refused with a clear error for a model without one."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gallery_lib.accel.accelerate import enable_gradient_checkpointing
+from gallery_lib.config import ConfigError
+from gallery_lib.profiles import base_config
+from gallery_lib.recipes import apply_recipe
+from gallery_lib.run.metrics import read_metrics
+from gallery_lib.run.train import run
+from gallery_lib.workflow import prepare
+
+
+@pytest.mark.parametrize("family, extra", [
+    ("stable_diffusion", {}),
+    ("swin_transformer", {}),
+    ("resnet50", {}),
+    ("dreambooth", {"train_text_encoder": True}),
+])
+def test_checkpointing_trains_the_same_losses(family, extra, tmp_path):
+    pytest.importorskip("diffusers")
+    base = base_config("smoke", family=family, data_root=str(tmp_path / "data"), output_dir=str(tmp_path / "out"),
+                       device="cpu", num_workers=0, steps=5, warmup_steps=1, log_every=5, export_model=False,
+                       amp_level="O0", **extra)
+    prepare(base, progress=False)
+    plain = apply_recipe("baseline", base).replace(amp_level="O0")
+    checkpointed = plain.replace(recipe="baseline+gradient_checkpointing", gradient_checkpointing=True)
+    losses = []
+    for cfg in (plain, checkpointed):
+        summary = run(cfg)
+        losses.append(torch.tensor([s["loss"] for s in read_metrics(cfg.run_dir / "metrics.jsonl")[0]]))
+    torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-6)
+    notes = " ".join(summary["notes"])
+    assert "gradient checkpointing:" in notes
+    if extra.get("train_text_encoder"):  # the UNet and the text encoder trained together: both checkpoint
+        assert "unet (enable_gradient_checkpointing)" in notes and "text_encoder (" in notes
+
+
+def test_a_model_without_checkpointing_is_refused():
+    with pytest.raises(ConfigError, match="Sequential has no gradient checkpointing of its own"):
+        enable_gradient_checkpointing(torch.nn.Sequential(torch.nn.Linear(2, 2)))
