@@ -42,9 +42,11 @@ def run_notebook(path: Path, out_dir: Path, parameters: dict, cell_timeout: int)
 
     out_dir.mkdir(parents=True, exist_ok=True)
     out_path = out_dir / path.name
+    # stdout_file/stderr_file: each cell output is written (and flushed) as it arrives, so a long training cell
+    # shows its runs' progress; log_output would hand it to papermill's logger, which prints nothing unconfigured.
     pm.execute_notebook(str(path), str(out_path), parameters=parameters, kernel_name=ensure_kernel(),
-                        cwd=str(path.parent), execution_timeout=cell_timeout, log_output=True,
-                        progress_bar=False, start_timeout=120)
+                        cwd=str(path.parent), execution_timeout=cell_timeout, stdout_file=sys.stdout,
+                        stderr_file=sys.stderr, progress_bar=False, start_timeout=120)
     return out_path
 
 

@@ -36,7 +36,8 @@ FAMILY = register_family(ModelFamily(
                   "the same three diffusers/transformers classes at CPU-smoke size"),
     ),
     run_profiles={
-        "smoke": dict(model="dreambooth_tiny", image_size=32, batch_size=1, steps=12, warmup_steps=4, log_every=4,
+        # batch 2 (+2 class pictures): the UNet sees SD smoke's shapes, so a CPU gallery compiles them once
+        "smoke": dict(model="dreambooth_tiny", image_size=32, batch_size=2, steps=12, warmup_steps=4, log_every=4,
                       lr=1e-3, lr_warmup_steps=2, num_workers=1, num_class_images=8, **_TRAINING),
         # lr: diffusers' DreamBooth example for full fine-tuning (5e-6); LoRA runs take 1e-4.
         "full": dict(model="dreambooth_sd15", image_size=512, batch_size=1, steps=200, warmup_steps=50,
