@@ -78,8 +78,9 @@ def apply_recipe(name: str, base: RunConfig) -> RunConfig:
 
 
 def describe(name: str) -> str:
-    """The recipe's one-line explanation (its docstring), for notebooks and ``gallery --help``."""
-    return (RECIPES[name].__doc__ or "").strip()
+    """The recipe's one-line explanation (its docstring, as plain text: no reST double backticks), for notebooks,
+    the runs' headers and ``gallery --help``."""
+    return (RECIPES[name].__doc__ or "").strip().splitlines()[0].replace("``", "`")
 
 
 def recipe_config(base: RunConfig, recipe: str, overrides: dict[str, Any]) -> RunConfig:

@@ -13,7 +13,7 @@ from typing import Any, Callable, Sequence, Union
 from gallery_lib.config import ConfigError, RunConfig, validate_for_machine
 from gallery_lib.run.launch import RunResult, launch
 from gallery_lib.profiles import data_spec
-from gallery_lib.recipes import RECIPES, recipe_config
+from gallery_lib.recipes import RECIPES, describe, recipe_config
 
 RecipeSpec = Union[str, "tuple[str, dict[str, Any]]"]
 """A recipe name, or ``(name, overrides)`` for a recipe with some fields changed (``("accelerated",
@@ -54,7 +54,7 @@ def launch_all(configs: Sequence[RunConfig], *, echo: Callable[[str], None] | No
     for cfg in configs:
         if echo:
             name, _, overrides = cfg.recipe.partition("+")  # "compiled+lr=0.002": a recipe with overrides
-            doc = RECIPES[name].__doc__.strip().splitlines()[0] if name in RECIPES else "custom run"
+            doc = describe(name) if name in RECIPES else "custom run"
             echo(f"\n=== {cfg.recipe}: {doc}{' (with overrides)' if overrides else ''} ===")
         results[cfg.recipe] = launch(cfg, echo=echo)
     return results

@@ -30,6 +30,8 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import nn
 
+from gallery_lib.run.quiet import quiet_known_noise
+
 _MIN_GAIN = 0.01  # a compiled candidate must beat eager by 1%, or eager is kept (fewer recompiles and surprises)
 
 
@@ -113,6 +115,7 @@ def optimize(model: nn.Module, *, backend: str = "auto", candidates: Iterable[st
                          "plain module")
     names = list(candidates) if candidates is not None else None
     plan = [_candidate(c) for c in names] if names is not None else None
+    quiet_known_noise()  # it compiles in this process: the same quiet as a gallery run
     chooser = _Chooser(model, backend, plan, warmup_steps, timing_steps, _cache_file(cache), log)
     model._compiled_call_impl = chooser
     return model
