@@ -19,6 +19,9 @@ from gallery_lib.recipes import recipe_config
 from gallery_lib.run.checkpoint import CheckpointError
 
 DEFAULT_RECIPES = "baseline,compiled,accelerated"
+_MIXED_PRECISION = {"no": {"amp_level": "O0"}, "fp16": {"amp_level": "O1", "amp_dtype": "float16"},
+                    "bf16": {"amp_level": "O1", "amp_dtype": "bfloat16"}}
+"""diffusers' ``--mixed_precision`` as the gallery's fields."""
 
 
 def _flag(parser: argparse.ArgumentParser, name: str, **kwargs: Any) -> None:
@@ -61,21 +64,44 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
     _flag(o, "kernel-opt", action="store_true", default=None, help="swap in gallery_lib's fused kernels")
     _flag(o, "set", action="append", default=[], metavar="FIELD=VALUE",
           help="any other RunConfig field, e.g. --set fused_attention=true (repeatable)")
+    a = p.add_argument_group("the same settings as diffusers' and timm's training scripts spell them")
+    a.add_argument("--pretrained", "--pretrained_model_name_or_path", dest="pretrained",
+                   help="a local diffusers folder (SD models) or checkpoint file (classifiers); default: random init")
+    a.add_argument("--resolution", dest="image_size", type=int, help="= --image_size")
+    a.add_argument("--train_batch_size", dest="batch_size", type=int, help="= --batch_size")
+    a.add_argument("--mixed_precision", choices=tuple(_MIXED_PRECISION), help="no: fp32; fp16 or bf16 autocast")
+    a.add_argument("--gradient_checkpointing", "--gradient-checkpointing", "--grad-checkpointing",
+                   "--grad_checkpointing", dest="gradient_checkpointing", action="store_true", default=None,
+                   help="recompute activations in the backward (less memory)")
+    a.add_argument("--use_ema", "--model-ema", "--model_ema", dest="use_ema", action="store_true", default=None,
+                   help="keep an EMA of the weights (the recipe picks how it is updated)")
+    a.add_argument("--torchcompile", nargs="?", const="inductor", metavar="BACKEND",
+                   help="= --compiler-opt (timm's spelling; the backend is inductor)")
 
 
 _SIZE_FIELDS = ("model", "data_dir", "output_dir", "batch_size", "find_batch_size", "steps", "warmup_steps",
-                "image_size", "nproc_per_node", "num_workers", "device", "lr", "seed", "verbose")
+                "image_size", "nproc_per_node", "num_workers", "device", "lr", "seed", "verbose", "pretrained")
 _OPT_FLAGS = {"amp_level": "amp_level", "amp_dtype": "amp_dtype", "compiler_opt": "compile",
               "compile_mode": "compile_mode", "kernel_opt": "kernels"}
 
 
 def base_from_args(args: argparse.Namespace) -> RunConfig:
-    return base_config(args.profile, **{f: getattr(args, f, None) for f in _SIZE_FIELDS})
+    ema = "foreach" if getattr(args, "use_ema", None) else None  # on; the recipe then picks its update
+    return base_config(args.profile, ema=ema, **{f: getattr(args, f, None) for f in _SIZE_FIELDS})
 
 
 def optimization_overrides(args: argparse.Namespace) -> dict[str, Any]:
     overrides = {field: getattr(args, flag) for flag, field in _OPT_FLAGS.items()
                  if getattr(args, flag, None) is not None}
+    overrides.update(_MIXED_PRECISION.get(getattr(args, "mixed_precision", None), {}))
+    if getattr(args, "gradient_checkpointing", None):
+        overrides["gradient_checkpointing"] = True
+    backend = getattr(args, "torchcompile", None)
+    if backend is not None:
+        if backend != "inductor":
+            raise ConfigError(f"--torchcompile {backend}: the gallery compiles with inductor; pass --torchcompile "
+                              "alone (or torch.compile(model, backend=...) in your own loop).")
+        overrides["compile"] = True
     return {**overrides, **parse_overrides(getattr(args, "set", None) or [])}
 
 
@@ -116,7 +142,12 @@ def configs_from_args(args: argparse.Namespace) -> list[RunConfig]:
     # Checkpointing changes how a run is kept, not what it trains: the run keeps its recipe name (and folder).
     if getattr(args, "checkpoint_every", None) is not None:
         configs = [cfg.replace(checkpoint_every=args.checkpoint_every) for cfg in configs]
-    if getattr(args, "resume", False):
+    resume_from = getattr(args, "resume_from_checkpoint", None)
+    if resume_from not in (None, "latest"):
+        raise ConfigError(f"--resume_from_checkpoint {resume_from}: a run resumes from its own "
+                          "<run>/checkpoints/latest; pass latest (or --resume). To continue from another run's "
+                          "checkpoint, give this run that run's --output_dir.")
+    if getattr(args, "resume", False) or resume_from == "latest":
         configs = [cfg.replace(resume=True) for cfg in configs]
     return configs
 
@@ -165,7 +196,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_run_flags(p)
     _flag(p, "recipe", default="baseline", help="baseline, compiled or accelerated (default: baseline)")
     _flag(p, "checkpoint_every", type=int, help="save a checkpoint every N steps in <run>/checkpoints (default: off)")
+    p.add_argument("--checkpointing_steps", dest="checkpoint_every", type=int, help="= --checkpoint_every")
     _flag(p, "resume", action="store_true", help="continue the run from <run>/checkpoints/latest")
+    p.add_argument("--resume_from_checkpoint", metavar="latest", help="= --resume (diffusers' spelling)")
     p.set_defaults(func=cmd_train)
     p = sub.add_parser("compare", help="write the report of a model's runs")
     _add_run_flags(p)

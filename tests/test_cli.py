@@ -68,3 +68,32 @@ def test_missing_data_folder_is_reported(capsys, tmp_path, monkeypatch):
 def test_list_and_console_entry_point():
     out = subprocess.run([sys.executable, "-m", "gallery_lib.cli", "list"], capture_output=True, text=True, check=True)
     assert "swin_tiny_patch4_window7_224" in out.stdout and "accelerated" in out.stdout
+
+
+def test_diffusers_and_timm_spellings_set_the_same_fields():
+    from gallery_lib.cli import build_parser, configs_from_args
+
+    diffusers = ("train --profile smoke --model sd_tiny --recipe compiled --train_batch_size 3 --resolution 64 "
+                 "--mixed_precision fp16 --gradient_checkpointing --use_ema --checkpointing_steps 5 "
+                 "--resume_from_checkpoint latest --pretrained_model_name_or_path /models/sd15")
+    (cfg,) = configs_from_args(build_parser().parse_args(diffusers.split()))
+    assert (cfg.batch_size, cfg.image_size, cfg.amp_level, cfg.amp_dtype) == (3, 64, "O1", "float16")
+    assert cfg.gradient_checkpointing and cfg.ema == "foreach" and cfg.checkpoint_every == 5 and cfg.resume
+    assert cfg.pretrained == "/models/sd15"
+    assert cfg.recipe == "compiled+amp_level=O1+amp_dtype=float16+gradient_checkpointing"  # named after its changes
+    timm = "train --profile smoke --model swin_micro --grad-checkpointing --model-ema --torchcompile --amp-dtype bfloat16"
+    (cfg,) = configs_from_args(build_parser().parse_args(timm.split()))
+    assert cfg.compile and cfg.gradient_checkpointing and cfg.ema == "loop" and cfg.amp_dtype == "bfloat16"
+    (cfg,) = configs_from_args(build_parser().parse_args("train --profile smoke --mixed_precision no".split()))
+    assert cfg.amp_level == "O0"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--torchcompile", "cudagraphs"], "--torchcompile cudagraphs: the gallery compiles with inductor"),
+    (["--resume_from_checkpoint", "/somewhere/checkpoint-500"], "a run resumes from its own"),
+])
+def test_spellings_the_gallery_cannot_honour_are_refused(argv, message, capsys):
+    from gallery_lib.cli import main
+
+    assert main(["train", "--profile", "smoke", "--model", "swin_micro", *argv]) == 2
+    assert message in capsys.readouterr().err
