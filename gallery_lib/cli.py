@@ -73,6 +73,9 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
     a.add_argument("--gradient_checkpointing", "--gradient-checkpointing", "--grad-checkpointing",
                    "--grad_checkpointing", dest="gradient_checkpointing", action="store_true", default=None,
                    help="recompute activations in the backward (less memory)")
+    a.add_argument("--gradient_accumulation_steps", "--grad-accum-steps", "--grad_accum_steps",
+                   dest="gradient_accumulation_steps", type=int,
+                   help="batches whose gradients add up before each optimizer step")
     a.add_argument("--use_ema", "--model-ema", "--model_ema", dest="use_ema", action="store_true", default=None,
                    help="keep an EMA of the weights (the recipe picks how it is updated)")
     a.add_argument("--torchcompile", nargs="?", const="inductor", metavar="BACKEND",
@@ -96,6 +99,8 @@ def optimization_overrides(args: argparse.Namespace) -> dict[str, Any]:
     overrides.update(_MIXED_PRECISION.get(getattr(args, "mixed_precision", None), {}))
     if getattr(args, "gradient_checkpointing", None):
         overrides["gradient_checkpointing"] = True
+    if getattr(args, "gradient_accumulation_steps", None) is not None:
+        overrides["gradient_accumulation_steps"] = args.gradient_accumulation_steps
     backend = getattr(args, "torchcompile", None)
     if backend is not None:
         if backend != "inductor":

@@ -124,6 +124,10 @@ class RunConfig:
     """Run window/self attention through ``scaled_dot_product_attention`` instead of explicit matmuls."""
     channels_last: bool = setting(False, kind=bool)
     """Keep image tensors (and conv weights) in channels-last memory format."""
+    gradient_accumulation_steps: int = setting(1, kind=int, minimum=1)
+    """Batches whose gradients add up before each optimizer step: an effective batch of ``batch_size`` times this
+    per process, in the memory of one batch. Each batch's loss is divided by it, so the step follows the mean loss
+    (with DDP the gradients are averaged at every batch: correct, not the fastest)."""
     gradient_checkpointing: bool = setting(False, kind=bool)
     """Recompute the activations of the model's blocks in the backward pass instead of keeping them (diffusers'
     ``enable_gradient_checkpointing``, timm's ``set_grad_checkpointing``, transformers'
@@ -279,7 +283,8 @@ class RunConfig:
 
     @property
     def global_batch_size(self) -> int:
-        return self.batch_size * self.nproc_per_node
+        """Samples per optimizer step, over every process and accumulated batch."""
+        return self.batch_size * self.nproc_per_node * self.gradient_accumulation_steps
 
     @property
     def peak_lr(self) -> float:

@@ -75,15 +75,18 @@ def test_diffusers_and_timm_spellings_set_the_same_fields():
 
     diffusers = ("train --profile smoke --model sd_tiny --recipe compiled --train_batch_size 3 --resolution 64 "
                  "--mixed_precision fp16 --gradient_checkpointing --use_ema --checkpointing_steps 5 "
-                 "--resume_from_checkpoint latest --pretrained_model_name_or_path /models/sd15")
+                 "--resume_from_checkpoint latest --pretrained_model_name_or_path /models/sd15 --gradient_accumulation_steps 2")
     (cfg,) = configs_from_args(build_parser().parse_args(diffusers.split()))
     assert (cfg.batch_size, cfg.image_size, cfg.amp_level, cfg.amp_dtype) == (3, 64, "O1", "float16")
     assert cfg.gradient_checkpointing and cfg.ema == "foreach" and cfg.checkpoint_every == 5 and cfg.resume
-    assert cfg.pretrained == "/models/sd15"
-    assert cfg.recipe == "compiled+amp_level=O1+amp_dtype=float16+gradient_checkpointing"  # named after its changes
-    timm = "train --profile smoke --model swin_micro --grad-checkpointing --model-ema --torchcompile --amp-dtype bfloat16"
+    assert cfg.pretrained == "/models/sd15" and cfg.gradient_accumulation_steps == 2 and cfg.global_batch_size == 6
+    assert cfg.recipe == ("compiled+amp_level=O1+amp_dtype=float16+gradient_checkpointing"
+                          "+gradient_accumulation_steps=2")  # named after its changes
+    timm = ("train --profile smoke --model swin_micro --grad-checkpointing --model-ema --torchcompile --amp-dtype bfloat16"
+            " --grad-accum-steps 3")
     (cfg,) = configs_from_args(build_parser().parse_args(timm.split()))
     assert cfg.compile and cfg.gradient_checkpointing and cfg.ema == "loop" and cfg.amp_dtype == "bfloat16"
+    assert cfg.gradient_accumulation_steps == 3
     (cfg,) = configs_from_args(build_parser().parse_args("train --profile smoke --mixed_precision no".split()))
     assert cfg.amp_level == "O0"
 

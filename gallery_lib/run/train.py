@@ -172,7 +172,7 @@ def _train_from(setup_start: float, cfg: RunConfig, dist: DistInfo, plan: Compil
     train_module.train()
     log = print if dist.is_main else (lambda *a, **k: None)
     log(f"[gallery] {cfg.model} | recipe {cfg.recipe} | {dist.world_size} x {dist.device.type} | "
-        f"batch {cfg.batch_size}/process ({cfg.global_batch_size} global) | {cfg.steps} steps "
+        f"batch {cfg.batch_size}/process{_accumulated(cfg)} ({cfg.global_batch_size} global) | {cfg.steps} steps "
         f"({cfg.warmup_steps} warm-up) | {task.describe()}")
     for note in accelerated.notes:
         log(f"[gallery]   {note}")
@@ -195,10 +195,8 @@ def _train_from(setup_start: float, cfg: RunConfig, dist: DistInfo, plan: Compil
     cuda_graphs = cfg.compile and cfg.compile_mode in CUDA_GRAPH_COMPILE_MODES
     step_log = StepLog(cfg, dist.device, writer, loader, start=start, warmup_steps=warmup_steps, log=log)
     for step in range(start, cfg.steps):
-        if cuda_graphs:  # CUDA-graph trees: outputs of the previous step's graphs may now be overwritten
-            torch.compiler.cudagraph_mark_step_begin()
-        loss = task.loss(train_module, next(batches), precision)
-        precision.backward(loss)
+        loss = _forward_backward(task, train_module, batches, precision, cfg.gradient_accumulation_steps,
+                                 cuda_graphs)
         lr = optimizer.param_groups[0]["lr"]
         skipped = guard.update(loss, optimizer, update)
         optimizer.zero_grad(set_to_none=True)
@@ -249,6 +247,27 @@ def _resume_or_start(cfg: RunConfig, dist: DistInfo, ckpt: Checkpointer, log) ->
 def _batches(cfg: RunConfig, loader):
     """The loader's batches; ``reuse_batch`` repeats its first (benchmarks of the model step alone)."""
     return itertools.repeat(next(iter(loader))) if cfg.reuse_batch else iter(loader)
+
+
+def _accumulated(cfg: RunConfig) -> str:
+    return f" x {cfg.gradient_accumulation_steps} accumulated" if cfg.gradient_accumulation_steps > 1 else ""
+
+
+def _forward_backward(task, module, batches, precision: Precision, micro_batches: int,
+                      cuda_graphs: bool) -> torch.Tensor:
+    """The loss of the next batch and its backward; with ``micro_batches`` > 1, that many batches whose gradients
+    add up to those of their mean loss, which it returns."""
+    total = None
+    for _ in range(micro_batches):
+        if cuda_graphs:  # CUDA-graph trees: outputs of the previous graphs' replay may now be overwritten
+            torch.compiler.cudagraph_mark_step_begin()
+        loss = task.loss(module, next(batches), precision)
+        if micro_batches == 1:
+            precision.backward(loss)
+            return loss
+        precision.backward(loss / micro_batches)
+        total = loss.detach() if total is None else total + loss.detach()
+    return total / micro_batches
 
 
 def _update(model, optimizer, scheduler, ema, precision: Precision, clip_grad: float | None) -> None:
