@@ -64,3 +64,17 @@ def test_accumulated_batches_train_like_one_large_batch(recipe, tmp_path):
         assert summary["global_batch_size"] == 8
     torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-6)
     assert (losses[0][0] - losses[0][-1]).abs() > 1e-3  # it trains
+
+
+@pytest.mark.parametrize("capability, expected", [((7, 0), torch.float16), ((7, 5), torch.float16),
+                                                  ((8, 0), torch.bfloat16), ((9, 0), torch.bfloat16)])
+def test_pre_ampere_gpus_get_float16_with_a_scaler_and_a_note(monkeypatch, capability, expected):
+    from gallery_lib.accel.precision import Precision, resolve_amp_dtype
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    cfg = apply_recipe("compiled", base_config("smoke", family="swin_transformer"))  # asks for bfloat16
+    assert cfg.amp_dtype == "bfloat16"
+    assert resolve_amp_dtype(cfg, "cuda") == expected
+    assert resolve_amp_dtype(cfg, "cpu") == torch.bfloat16
+    described = Precision(level="O1", dtype=expected, device="cuda").describe()
+    assert ("has no bfloat16 tensor cores" in described) == (expected == torch.float16)

@@ -18,13 +18,26 @@ from gallery_lib.config import RunConfig
 
 
 def resolve_amp_dtype(cfg: RunConfig, device: str) -> torch.dtype | None:
-    """The low-precision dtype of ``cfg`` on ``device`` (``None`` for O0)."""
+    """The low-precision dtype of ``cfg`` on ``device`` (``None`` for O0): bfloat16 becomes float16 (with a
+    GradScaler) on a GPU without bfloat16 tensor cores (``no_bfloat16_reason``)."""
     if cfg.amp_level == "O0":
         return None
     if cfg.amp_dtype == "auto":
         # The Swin reference trains with float16 + GradScaler; CPUs have no fast float16 path.
         return torch.float16 if device == "cuda" and cfg.amp_level == "O1" else torch.bfloat16
-    return getattr(torch, cfg.amp_dtype)
+    dtype = getattr(torch, cfg.amp_dtype)
+    return torch.float16 if dtype == torch.bfloat16 and no_bfloat16_reason(device) else dtype
+
+
+def no_bfloat16_reason(device: str) -> str | None:
+    """Why this CUDA device cannot run bfloat16 math fast (pre-Ampere: T4, V100), or ``None``."""
+    if device != "cuda":
+        return None
+    major, minor = torch.cuda.get_device_capability()
+    if major >= 8:
+        return None
+    return (f"this GPU (compute capability {major}.{minor}) has no bfloat16 tensor cores, so bfloat16 was replaced "
+            "by float16 with a GradScaler")
 
 
 @dataclass
@@ -98,6 +111,9 @@ class Precision:
         if self.dtype is None:
             return "O0: fp32 weights and math"
         name = str(self.dtype).replace("torch.", "")
+        fallback = no_bfloat16_reason(self.device) if self.dtype == torch.float16 else None
+        if fallback:
+            name += f" ({fallback})"
         if self.level == "O2":
             return f"O2: {name} weights, fp32 master copies in the optimizer, autocast math"
         return f"O1: fp32 weights, {name} autocast" + (" with GradScaler" if self.scaler else "")
