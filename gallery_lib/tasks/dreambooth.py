@@ -23,9 +23,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from gallery_lib.data.loader import TrainLoader, _SampleSeeded, sampled_loader
+from gallery_lib.data.loader import _SampleSeeded
 from gallery_lib.settings import ConfigError, setting
-from gallery_lib.tasks.text_to_image import TextToImageOptions, TextToImageTask, _Indices, _no_progress_bars
+from gallery_lib.tasks.text_to_image import TextToImageOptions, TextToImageTask, _no_progress_bars
 
 INSTANCE_FOLDER, CLASS_FOLDER = "instance", "class"
 LORA_TARGETS = {"unet": ("to_k", "to_q", "to_v", "to_out.0"), "text_encoder": ("q_proj", "k_proj", "v_proj",
@@ -119,16 +119,7 @@ class DreamBoothTask(TextToImageTask):
         prompts = [cfg.instance_prompt] + ([cfg.class_prompt] if prior else [])
         # The batch's token ids: the instance prompt for its first half, the class prompt for the second.
         self.input_ids = tokenize(self.parts.tokenizer, prompts).repeat_interleave(cfg.batch_size, 0).to(self.device)
-        self.cache_time_s = None
-        source = self.dataset
-        if cfg.cache_latents:
-            self._cache(batch_size=cfg.batch_size, num_workers=cfg.num_workers, seed=cfg.seed)
-            source = _Indices(len(self.dataset))
-        loader = sampled_loader(source, batch_size=cfg.batch_size, device=self.device,
-                                num_workers=0 if cfg.cache_latents else cfg.num_workers, seed=cfg.seed,
-                                world_size=dist.world_size, rank=dist.rank)
-        self.loader = TrainLoader(loader, self.dataset,
-                                  finish=self._from_cache if cfg.cache_latents else self._to_device)
+        self._build_loader(self.dataset, dist)
 
     # ----------------------------------------------------------------- batches
     def _pixels(self, instance: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
@@ -155,11 +146,11 @@ class DreamBoothTask(TextToImageTask):
         return latent.mean, latent.std, self.parts.text_encoder(input_ids, return_dict=False)[0]
 
     @torch.no_grad()
-    def _cache(self, *, batch_size: int, num_workers: int, seed: int) -> None:
-        """Encodes every example once (as the loader would load it in epoch 0), and the prompts once."""
+    def _cache(self, source, *, batch_size: int, num_workers: int, seed: int) -> None:
+        """Encodes every example of ``source`` once (as the loader would load it in epoch 0), and the prompts once."""
         start = time.perf_counter()
-        loader = torch.utils.data.DataLoader(_SampleSeeded(self.dataset, seed), batch_size=batch_size,
-                                             sampler=[(k, 0) for k in range(len(self.dataset))],
+        loader = torch.utils.data.DataLoader(_SampleSeeded(source, seed), batch_size=batch_size,
+                                             sampler=[(k, 0) for k in range(len(source))],
                                              num_workers=num_workers, generator=torch.Generator().manual_seed(seed))
         means, stds = [], []
         halves = 2 if self.cfg.with_prior_preservation else 1
@@ -207,8 +198,8 @@ class DreamBoothTask(TextToImageTask):
                                   f"`gallery prepare --model {cfg.model}`, or set {option}= to a folder of images.")
             found = len(image_files(folder))
             if found < needed:
-                fix = (f"add pictures, or lower num_class_images (diffusers would generate the missing ones with "
-                       f"the pipeline; the gallery does not)" if kind == "class" else "add pictures of the subject")
+                fix = ("add pictures, or lower num_class_images (diffusers would generate the missing ones with "
+                       "the pipeline; the gallery does not)" if kind == "class" else "add pictures of the subject")
                 raise ConfigError(f"{folder} holds {found} image file(s); the {kind} folder needs at least {needed}: "
                                   f"{fix}.")
 

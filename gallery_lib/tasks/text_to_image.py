@@ -59,16 +59,7 @@ class TextToImageTask:
         self.model = self.parts.unet.to(self.device).train()
         self.dataset = CaptionFolder(cfg.data_dir, split="train",
                                      transform=caption_image_transform(cfg.image_size, center_crop=True))
-        self.cache_time_s = None
-        source = _Tokenized(self.dataset, self.parts.tokenizer)
-        if cfg.cache_latents:
-            self._cache(source, batch_size=cfg.batch_size, num_workers=cfg.num_workers, seed=cfg.seed)
-            source = _Indices(len(self.dataset))
-        loader = sampled_loader(source, batch_size=cfg.batch_size, device=self.device,
-                                num_workers=0 if cfg.cache_latents else cfg.num_workers, seed=cfg.seed,
-                                world_size=dist.world_size, rank=dist.rank)
-        self.loader = TrainLoader(loader, self.dataset,
-                                  finish=self._from_cache if cfg.cache_latents else self._to_device)
+        self._build_loader(_Tokenized(self.dataset, self.parts.tokenizer), dist)
 
     def _build_parts(self, cfg, dist, precision) -> None:
         """The SD parts of ``cfg.model``, the frozen VAE on the device, the noise schedule."""
@@ -81,6 +72,20 @@ class TextToImageTask:
         torch.nn.Module.to(self.parts.vae, self.device, dtype=self.frozen_dtype)
         self.noise_scheduler = self.parts.noise_scheduler
         self.scaling_factor = self.parts.vae_scale_factor
+
+    def _build_loader(self, source: torch.utils.data.Dataset, dist) -> None:
+        """``self.loader`` over ``source``; with ``cache_latents``, over the indices of the cache ``_cache`` fills
+        from ``source`` first."""
+        cfg = self.cfg
+        self.cache_time_s = None
+        if cfg.cache_latents:
+            self._cache(source, batch_size=cfg.batch_size, num_workers=cfg.num_workers, seed=cfg.seed)
+            source = _Indices(len(source))
+        loader = sampled_loader(source, batch_size=cfg.batch_size, device=self.device,
+                                num_workers=0 if cfg.cache_latents else cfg.num_workers, seed=cfg.seed,
+                                world_size=dist.world_size, rank=dist.rank)
+        self.loader = TrainLoader(loader, self.dataset,
+                                  finish=self._from_cache if cfg.cache_latents else self._to_device)
 
     # ----------------------------------------------------------------- batches
     def _to_device(self, batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> dict[str, torch.Tensor]:
