@@ -71,9 +71,10 @@ def test_accumulated_batches_train_like_one_large_batch(recipe, tmp_path):
 def test_pre_ampere_gpus_get_float16_with_a_scaler_and_a_note(monkeypatch, capability, expected):
     from gallery_lib.accel.precision import Precision, resolve_amp_dtype
 
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
     cfg = apply_recipe("compiled", base_config("smoke", family="swin_transformer"))  # asks for bfloat16
     assert cfg.amp_dtype == "bfloat16"
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert resolve_amp_dtype(cfg, "cuda") == expected
     assert resolve_amp_dtype(cfg, "cpu") == torch.bfloat16
     described = Precision(level="O1", dtype=expected, device="cuda").describe()

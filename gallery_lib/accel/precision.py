@@ -31,7 +31,7 @@ def resolve_amp_dtype(cfg: RunConfig, device: str) -> torch.dtype | None:
 
 def no_bfloat16_reason(device: str) -> str | None:
     """Why this CUDA device cannot run bfloat16 math fast (pre-Ampere: T4, V100), or ``None``."""
-    if device != "cuda":
+    if device != "cuda" or not torch.cuda.is_available():  # a config planned for a GPU this machine lacks
         return None
     major, minor = torch.cuda.get_device_capability()
     if major >= 8:
