@@ -42,7 +42,6 @@ import torch
 from gallery_lib.accel.accelerate import apply_accelerations
 from gallery_lib.accel.compile_plan import CompilePlan
 from gallery_lib.accel.distributed import DistInfo, exit_process, init_distributed, shutdown
-from gallery_lib.accel.ema import ema_mode_on
 from gallery_lib.accel.precision import Precision
 from gallery_lib.config import CUDA_GRAPH_COMPILE_MODES, RunConfig, validate_for_machine
 from gallery_lib.run.attention_probe import AttentionProbe
@@ -88,17 +87,20 @@ def build_optimizer(model: torch.nn.Module, cfg: RunConfig, precision: Precision
 
 
 def build_ema(model: torch.nn.Module, cfg: RunConfig, optimizer: torch.optim.Optimizer):
-    """The EMA of ``model`` that ``cfg.ema`` asks for (``None`` when off), with diffusers' default decay ramp."""
+    """The EMA of ``model`` that ``cfg.ema`` asks for, with diffusers' default decay ramp, and the log line saying how
+    it updates (and why, when it cannot run in the mode asked); ``(None, None)`` when off."""
     if cfg.ema == "off":
-        return None
-    from gallery_lib.accel.ema import ModelEma
+        return None, None
+    from gallery_lib.accel.ema import ModelEma, ema_mode_on
 
-    # The fallback (fused needs CUDA and Triton) is said in the run's notes, so ModelEma is not asked to warn of it.
-    mode, _ = ema_mode_on(cfg.ema, next(model.parameters()).device.type)
+    # A fallback (fused needs CUDA and Triton) is said in the note, so ModelEma is not asked to warn of it.
+    mode, fallback = ema_mode_on(cfg.ema, next(model.parameters()).device.type)
     ema = ModelEma(model, decay=cfg.ema_decay, ratio_warmup=True, mode=mode)
     if ema.effective_mode == "stream":
         ema.attach_optimizer(optimizer)  # the next optimizer step waits for the side-stream update
-    return ema
+    asked = f" ({cfg.ema} asked, but {fallback})" if fallback else ""
+    return ema, (f"EMA of the weights: {ema.effective_mode} update{asked}, decay {cfg.ema_decay} after diffusers' "
+                 "(1 + step) / (10 + step) warm-up")
 
 
 def lr_lambda(cfg: RunConfig):
@@ -162,12 +164,9 @@ def _train_from(setup_start: float, cfg: RunConfig, dist: DistInfo, plan: Compil
     accelerated = apply_accelerations(model, cfg, precision, dist, plan)
     optimizer = build_optimizer(model, cfg, precision)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
-    ema = build_ema(model, cfg, optimizer)
-    if ema is not None:
-        _, fallback = ema_mode_on(cfg.ema, dist.device.type)
-        asked = f" ({cfg.ema} asked, but {fallback})" if fallback else ""
-        accelerated.notes.append(f"EMA of the weights: {ema.effective_mode} update{asked}, decay {cfg.ema_decay} "
-                                 "after diffusers' (1 + step) / (10 + step) warm-up")
+    ema, ema_note = build_ema(model, cfg, optimizer)
+    if ema_note:
+        accelerated.notes.append(ema_note)
     train_module = accelerated.train_module
     train_module.train()
     log = print if dist.is_main else (lambda *a, **k: None)
