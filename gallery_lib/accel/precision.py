@@ -46,6 +46,8 @@ class Precision:
     dtype: torch.dtype | None
     device: str
     scaler: torch.amp.GradScaler | None = None
+    fallback: str | None = None
+    """Why ``dtype`` is not the one the config asked for (bfloat16 on a GPU without it), or ``None``."""
     master_params: dict[torch.nn.Parameter, torch.Tensor] = field(default_factory=dict)
     """O2 only: model parameter -> its fp32 master copy."""
 
@@ -53,7 +55,8 @@ class Precision:
     def from_config(cls, cfg: RunConfig, device: str) -> Precision:
         dtype = resolve_amp_dtype(cfg, device)
         scaler = torch.amp.GradScaler(device) if dtype == torch.float16 else None
-        return cls(level=cfg.amp_level, dtype=dtype, device=device, scaler=scaler)
+        fallback = no_bfloat16_reason(device) if cfg.amp_dtype == "bfloat16" and dtype == torch.float16 else None
+        return cls(level=cfg.amp_level, dtype=dtype, device=device, scaler=scaler, fallback=fallback)
 
     def autocast(self) -> contextlib.AbstractContextManager:
         if self.dtype is None:
@@ -111,9 +114,8 @@ class Precision:
         if self.dtype is None:
             return "O0: fp32 weights and math"
         name = str(self.dtype).replace("torch.", "")
-        fallback = no_bfloat16_reason(self.device) if self.dtype == torch.float16 else None
-        if fallback:
-            name += f" ({fallback})"
+        if self.fallback:
+            name += f" ({self.fallback})"
         if self.level == "O2":
             return f"O2: {name} weights, fp32 master copies in the optimizer, autocast math"
         return f"O1: fp32 weights, {name} autocast" + (" with GradScaler" if self.scaler else "")
