@@ -27,7 +27,6 @@ import torch.fx
 import torch.nn.functional as F
 
 _GELU = (torch._C._nn.gelu, F.gelu)
-_CHUNK = ("chunk",)
 
 
 def gallery_backend(gm: torch.fx.GraphModule, example_inputs):
@@ -88,12 +87,10 @@ def _is_half(node) -> bool:
 
 def _splits_last_in_two(chunk: torch.fx.Node) -> bool:
     """``h.chunk(2, dim=-1)`` or ``torch.chunk(h, 2, -1)``."""
-    if chunk.op == "call_method" and chunk.target in _CHUNK:
-        args = chunk.args[1:]
-    elif chunk.op == "call_function" and chunk.target is torch.chunk:
-        args = chunk.args[1:]
-    else:
+    if not ((chunk.op == "call_method" and chunk.target == "chunk")
+            or (chunk.op == "call_function" and chunk.target is torch.chunk)):
         return False
+    args = chunk.args[1:]
     chunks = args[0] if args else chunk.kwargs.get("chunks")
     dim = args[1] if len(args) > 1 else chunk.kwargs.get("dim", 0)
     return chunks == 2 and dim == -1
