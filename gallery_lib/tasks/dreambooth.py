@@ -15,7 +15,6 @@ LoRA weights in the diffusers format (``pytorch_lora_weights.safetensors``), whi
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,7 +22,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from gallery_lib.data.loader import _SampleSeeded
 from gallery_lib.settings import ConfigError, setting
 from gallery_lib.tasks.text_to_image import TextToImageOptions, TextToImageTask, _no_progress_bars
 
@@ -122,13 +120,13 @@ class DreamBoothTask(TextToImageTask):
         self._build_loader(self.dataset, dist)
 
     # ----------------------------------------------------------------- batches
-    def _pixels(self, instance: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
-        images = torch.cat([instance, other]) if self.cfg.with_prior_preservation else instance
-        return images.to(self.device, non_blocking=True).to(self.frozen_dtype).div_(127.5).sub_(1.0)
+    def _pair_pixels(self, instance: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+        """The batch's images: the instance half, then (with prior preservation) the class half."""
+        return self._pixels(torch.cat([instance, other]) if self.cfg.with_prior_preservation else instance)
 
     def _to_device(self, batch) -> dict[str, torch.Tensor]:
         instance, other, _ = batch
-        return {"pixels": self._pixels(instance, other), "input_ids": self.input_ids}
+        return {"pixels": self._pair_pixels(instance, other), "input_ids": self.input_ids}
 
     def _from_cache(self, indices: torch.Tensor) -> dict[str, torch.Tensor]:
         indices = indices.to(self.device, non_blocking=True)
@@ -146,25 +144,18 @@ class DreamBoothTask(TextToImageTask):
         return latent.mean, latent.std, self.parts.text_encoder(input_ids, return_dict=False)[0]
 
     @torch.no_grad()
-    def _cache(self, source, *, batch_size: int, num_workers: int, seed: int) -> None:
-        """Encodes every example of ``source`` once (as the loader would load it in epoch 0), and the prompts once."""
-        start = time.perf_counter()
-        loader = torch.utils.data.DataLoader(_SampleSeeded(source, seed), batch_size=batch_size,
-                                             sampler=[(k, 0) for k in range(len(source))],
-                                             num_workers=num_workers, generator=torch.Generator().manual_seed(seed))
+    def _cache(self, batches) -> None:
+        """Encodes every example of the epoch-0 ``batches`` once, and the prompts once."""
         means, stds = [], []
         halves = 2 if self.cfg.with_prior_preservation else 1
-        for instance, other, _ in loader:
-            pixels = self._pixels(instance, other)
+        for instance, other, _ in batches:
+            pixels = self._pair_pixels(instance, other)
             latent = self.parts.vae.encode(pixels).latent_dist
             # stored per example as (instance, class): (n, halves, C, h, w)
             means.append(latent.mean.unflatten(0, (halves, -1)).transpose(0, 1))
             stds.append(latent.std.unflatten(0, (halves, -1)).transpose(0, 1))
         self._mean, self._std = torch.cat(means), torch.cat(stds)
         self._context = self._encode_prompts()
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        self.cache_time_s = time.perf_counter() - start
 
     def _encode_prompts(self) -> torch.Tensor:
         """The batch's conditioning: each prompt encoded once and repeated (token ids when the text encoder trains)."""

@@ -79,7 +79,11 @@ class TextToImageTask:
         cfg = self.cfg
         self.cache_time_s = None
         if cfg.cache_latents:
-            self._cache(source, batch_size=cfg.batch_size, num_workers=cfg.num_workers, seed=cfg.seed)
+            start = time.perf_counter()
+            self._cache(self._first_epoch(source))
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self.cache_time_s = time.perf_counter() - start
             source = _Indices(len(source))
         loader = sampled_loader(source, batch_size=cfg.batch_size, device=self.device,
                                 num_workers=0 if cfg.cache_latents else cfg.num_workers, seed=cfg.seed,
@@ -87,13 +91,26 @@ class TextToImageTask:
         self.loader = TrainLoader(loader, self.dataset,
                                   finish=self._from_cache if cfg.cache_latents else self._to_device)
 
+    def _first_epoch(self, source: torch.utils.data.Dataset) -> torch.utils.data.DataLoader:
+        """Every sample of ``source`` in order, each loaded as the training loader loads it in epoch 0."""
+        cfg = self.cfg
+        # Its own generator: a DataLoader without one draws its worker seed from the global RNG, which would shift
+        # every later noise draw against a run that does not cache.
+        return torch.utils.data.DataLoader(_SampleSeeded(source, cfg.seed), batch_size=cfg.batch_size,
+                                           sampler=[(k, 0) for k in range(len(source))], num_workers=cfg.num_workers,
+                                           generator=torch.Generator().manual_seed(cfg.seed))
+
     # ----------------------------------------------------------------- batches
-    def _to_device(self, batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> dict[str, torch.Tensor]:
-        images, input_ids, _ = batch
+    def _pixels(self, images: torch.Tensor) -> torch.Tensor:
+        """uint8 images on the device, in the frozen VAE's dtype and in [-1, 1]."""
         pixels = images.to(self.device, non_blocking=True).to(self.frozen_dtype).div_(127.5).sub_(1.0)
         if self.cfg.channels_last:
             pixels = pixels.contiguous(memory_format=torch.channels_last)
-        return {"pixels": pixels, "input_ids": input_ids.to(self.device, non_blocking=True)}
+        return pixels
+
+    def _to_device(self, batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> dict[str, torch.Tensor]:
+        images, input_ids, _ = batch
+        return {"pixels": self._pixels(images), "input_ids": input_ids.to(self.device, non_blocking=True)}
 
     def _from_cache(self, indices: torch.Tensor) -> dict[str, torch.Tensor]:
         indices = indices.to(self.device, non_blocking=True)
@@ -107,19 +124,13 @@ class TextToImageTask:
         return dist.mean, dist.std, context
 
     @torch.no_grad()
-    def _cache(self, source: _Tokenized, *, batch_size: int, num_workers: int, seed: int) -> None:
-        """Encodes every sample once (sample ``k`` as the loader would load it in epoch 0)."""
-        start = time.perf_counter()
-        keyed = _SampleSeeded(source, seed)
-        # Its own generator: a DataLoader without one draws its worker seed from the global RNG, which would shift
-        # every later noise draw against a run that does not cache.
-        loader = torch.utils.data.DataLoader(keyed, batch_size=batch_size, sampler=[(k, 0) for k in range(len(source))],
-                                             num_workers=num_workers, generator=torch.Generator().manual_seed(seed))
+    def _cache(self, batches) -> None:
+        """Encodes every sample of the epoch-0 ``batches`` once; each distinct caption is encoded and stored once."""
         means, stds, caption_of, contexts, seen = [], [], [], [], {}
-        for images, input_ids, _ in loader:
+        for images, input_ids, _ in batches:
             batch = self._to_device((images, input_ids, None))
             keys = [tuple(ids) for ids in input_ids.tolist()]
-            new = []  # first occurrences of a caption: each distinct caption is encoded and stored once
+            new = []  # first occurrences of a caption
             for i, key in enumerate(keys):
                 if key not in seen:
                     seen[key] = len(seen)
@@ -132,9 +143,6 @@ class TextToImageTask:
         self._mean, self._std = torch.cat(means), torch.cat(stds)
         self._context = torch.cat(contexts)
         self._caption_of = torch.tensor(caption_of, device=self.device)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        self.cache_time_s = time.perf_counter() - start
 
     # ----------------------------------------------------------------- the step
     @staticmethod
