@@ -117,9 +117,7 @@ def _draw_dog(draw: ImageDraw.ImageDraw, look: dict, cx: float, cy: float, s: fl
 
     coat = look["coat"]
     body_y, rear_y = (-0.05, 0.02) if sitting else (0.0, 0.0)
-    tail = [box(-0.5, -0.25 if look["tail_up"] else 0.1, 0.08, 0.3)]
-    for part in tail:
-        draw.ellipse(part, fill=coat)
+    draw.ellipse(box(-0.5, -0.25 if look["tail_up"] else 0.1, 0.08, 0.3), fill=coat)  # tail
     for x in ((-0.3, 0.3) if not sitting else (-0.25, 0.25)):  # legs: straight when standing, hind one folded
         if sitting and x < 0:
             draw.ellipse(box(x, 0.22, 0.3, 0.14), fill=coat)
