@@ -32,6 +32,7 @@ COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-
 COMPILE_SCOPES = ("model", "blocks")
 EMA_MODES = ("off", "loop", "foreach", "fused", "stream")
 OPTIMIZERS = ("adamw", "sgd")
+DATA_PARALLEL_MODES = ("ddp", "zero2")
 KERNEL_OPS = ("group_norm_silu", "layer_norm", "geglu")
 # Compile modes that capture CUDA graphs: only meaningful with a GPU.
 CUDA_GRAPH_COMPILE_MODES = ("reduce-overhead", "max-autotune")
@@ -135,12 +136,21 @@ class RunConfig:
 
     nproc_per_node: int = setting(1, kind=int, minimum=1)
     """Processes (one per GPU, or CPU processes with gloo) started by torchrun."""
+    data_parallel: str = setting("ddp", choices=DATA_PARALLEL_MODES)
+    """How the processes share the training: ``ddp`` (DistributedDataParallel: each process holds all the gradients
+    and the whole optimizer state) or ``zero2`` (ZeRO-2 through FSDP2's ``fully_shard`` with
+    ``reshard_after_forward=False``: the weights stay whole between forward and backward, the gradients and the
+    optimizer state are sharded over the processes; see ``gallery_lib.accel.distributed``)."""
     device: str = setting("auto", choices=DEVICES)
     """``auto`` picks CUDA when present, else CPU."""
     num_workers: int = setting(4, kind=int, minimum=0)
     """Data-loader worker processes per training process."""
     seed: int = setting(0, kind=int, minimum=0)
     """Seed for model init, data order and augmentation."""
+    sdpa_math: bool = setting(False, kind=bool)
+    """Force PyTorch's ``math`` attention kernel (flash, memory-efficient and cuDNN attention switched off): attention
+    as explicit matmuls and a softmax, with its memory, as before PyTorch 2's fused kernels (the NVIDIA talk's
+    baseline; the optimization ladder's first rungs)."""
     deterministic: bool = setting(False, kind=bool)
     """Ask PyTorch for deterministic algorithms (slower; for exact comparisons)."""
     reuse_batch: bool = setting(False, kind=bool)
@@ -246,6 +256,9 @@ class RunConfig:
                               "(no loss scaling needed). Use amp_dtype='bfloat16' or 'auto', or amp_level='O1'.")
         if not self.recipe:
             raise ConfigError(f"recipe={self.recipe!r} is invalid: expected a recipe name.")
+        if self.sdpa_math and self.fused_attention:
+            raise ConfigError("sdpa_math=True and fused_attention=True contradict each other: the attention registry "
+                              "picks its own kernels. Keep one of them.")
         if self.fused_attention and self.model_family.attention_hook is None:
             raise ConfigError(f"fused_attention=True is invalid for {self.model!r}: its family "
                               f"({self.family}) has no attention hook. Set fused_attention=false.")

@@ -70,6 +70,10 @@ def configure_backends(cfg: RunConfig) -> None:
     else:
         torch.backends.cudnn.benchmark = True
         torch.set_float32_matmul_precision("high")  # TF32 for fp32 matmuls, as every GPU trainer enables
+    fused_sdpa = not cfg.sdpa_math  # set both ways: in-process runs (tests) must not inherit the last run's choice
+    torch.backends.cuda.enable_flash_sdp(fused_sdpa)
+    torch.backends.cuda.enable_mem_efficient_sdp(fused_sdpa)
+    torch.backends.cuda.enable_cudnn_sdp(fused_sdpa)
 
 
 def build_optimizer(model: torch.nn.Module, cfg: RunConfig, precision: Precision) -> torch.optim.Optimizer:
