@@ -30,6 +30,10 @@ _PUBLIC = {
     "optimize": "gallery_lib.accel.optimize",
     "pipeline_throughput": "gallery_lib.data.throughput",
     "recipe_table": "gallery_lib.reports.recipe_table",
+    "run_ladder": "gallery_lib.ladder",
+    "default_sizes": "gallery_lib.ladder",
+    "ladder_plan": "gallery_lib.reports.ladder",
+    "ladder_report": "gallery_lib.reports.ladder",
 }
 __all__ = sorted(_PUBLIC)
 

@@ -116,6 +116,7 @@ def _recipe_list(text: str) -> list[str]:
 
 def cmd_list(args: argparse.Namespace) -> int:
     from gallery_lib.models import FAMILIES
+    from gallery_lib.ladder import RUNGS, recipe_name
     from gallery_lib.recipes import RECIPES, describe
 
     print("models:")
@@ -125,6 +126,9 @@ def cmd_list(args: argparse.Namespace) -> int:
     print("recipes:")
     for name in RECIPES:
         print(f"  {name:12s} {describe(name).splitlines()[0]}")
+    print("optimization ladder rungs (Stable Diffusion; notebooks/optimization_ladder.ipynb):")
+    for rung in RUNGS:
+        print(f"  {recipe_name(rung):28s} {rung.title}")
     return 0
 
 

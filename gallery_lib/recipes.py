@@ -70,17 +70,26 @@ RECIPES: dict[str, Callable[[RunConfig], RunConfig]] = {
 }
 
 
+def all_recipes() -> dict[str, Callable[[RunConfig], RunConfig]]:
+    """``RECIPES`` and the optimization ladder's rungs (``gallery_lib.ladder``), which train Stable Diffusion only."""
+    from gallery_lib.ladder import rung_recipes
+
+    return {**RECIPES, **rung_recipes()}
+
+
 def apply_recipe(name: str, base: RunConfig) -> RunConfig:
     """Resolves recipe ``name`` on top of ``base``; unknown names fail with the list of recipes."""
-    if name not in RECIPES:
-        raise ConfigError(f"recipe={name!r} is not known: choose one of {', '.join(RECIPES)}.")
-    return RECIPES[name](base)
+    recipes = all_recipes()
+    if name not in recipes:
+        raise ConfigError(f"recipe={name!r} is not known: choose one of {', '.join(RECIPES)} (or a ladder rung, "
+                          "ladder-00-tf32 ... : `gallery list`).")
+    return recipes[name](base)
 
 
 def describe(name: str) -> str:
     """The recipe's one-line explanation (its docstring, as plain text: no reST double backticks), for notebooks,
     the runs' headers and ``gallery --help``."""
-    return (RECIPES[name].__doc__ or "").strip().splitlines()[0].replace("``", "`")
+    return (all_recipes()[name].__doc__ or "").strip().splitlines()[0].replace("``", "`")
 
 
 def recipe_config(base: RunConfig, recipe: str, overrides: dict[str, Any]) -> RunConfig:

@@ -13,7 +13,7 @@ from typing import Any, Callable, Sequence, Union
 from gallery_lib.config import ConfigError, RunConfig, validate_for_machine
 from gallery_lib.run.launch import RunResult, launch
 from gallery_lib.profiles import data_spec
-from gallery_lib.recipes import RECIPES, describe, recipe_config
+from gallery_lib.recipes import RECIPES, all_recipes, describe, recipe_config
 
 RecipeSpec = Union[str, "tuple[str, dict[str, Any]]"]
 """A recipe name, or ``(name, overrides)`` for a recipe with some fields changed (``("accelerated",
@@ -33,7 +33,7 @@ def resolve_recipes(base: RunConfig, recipes: Sequence[RecipeSpec]) -> list[RunC
     if not recipes:
         raise ConfigError("no recipes given: pass at least one of " + ", ".join(RECIPES))
     specs = [(spec, {}) if isinstance(spec, str) else spec for spec in recipes]
-    unknown = [name for name, _ in specs if name not in RECIPES]
+    unknown = [name for name, _ in specs if name not in all_recipes()]
     if unknown:
         raise ConfigError(f"unknown recipe(s) {unknown}: choose from {', '.join(RECIPES)}.")
     return [recipe_config(base, name, overrides) for name, overrides in specs]
@@ -54,7 +54,7 @@ def launch_all(configs: Sequence[RunConfig], *, echo: Callable[[str], None] | No
     for cfg in configs:
         if echo:
             name, _, overrides = cfg.recipe.partition("+")  # "compiled+lr=0.002": a recipe with overrides
-            doc = describe(name) if name in RECIPES else "custom run"
+            doc = describe(name) if name in all_recipes() else "custom run"
             echo(f"\n=== {cfg.recipe}: {doc}{' (with overrides)' if overrides else ''} ===")
         results[cfg.recipe] = launch(cfg, echo=echo)
     return results

@@ -1,0 +1,241 @@
+"""The optimization ladder: Stable Diffusion training made faster one switch at a time.
+
+A talk on PyTorch training optimizations for Stable Diffusion measured, on one 80 GB A100, what each optimization
+buys for SD UNet training over a TF32 HuggingFace baseline at batch 8 (``Rung.talk``). The ladder runs those rungs
+on the GPU at hand, each a recipe that adds one switch to the rung it builds on, then the rungs past the talk that
+this library adds. ``ladder_configs(base)`` resolves every rung; ``run_ladder(base)`` runs them one after another
+(``notebooks/optimization_ladder.ipynb``); each rung is also a recipe of its own (``gallery train --recipe
+ladder-05-batch``), and ``gallery_lib.reports.ladder`` tables and plots the results.
+
+Two rungs leave the straight line:
+
+- ``zero2`` shards gradients and optimizer states over the GPUs (a memory technique for several GPUs). The rungs
+  past the talk build on ``ema``, the rung before it, so that every rung above it runs the same on one GPU and on
+  several; on one GPU ZeRO-2 has nothing to shard and shows only its own cost.
+- ``cuda_graphs`` needs a GPU. On a CPU (the smoke profile) it is left out and the rungs above it build on the rung
+  below it.
+
+Batch sizes: the talk went from batch 8 to 48, which FlashAttention's memory savings allowed; activation
+checkpointing then doubles that. Custom profiles scale the base batch by the same factors.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+from typing import Any, Callable
+
+from gallery_lib.config import ConfigError, RunConfig, resolve_device, visible_cuda_devices
+
+
+@dataclass(frozen=True)
+class LadderSizes:
+    """The batch sizes and loader workers the rungs switch to."""
+
+    large_batch: int
+    """The ``batch`` rung's batch size (the talk's 48)."""
+    checkpointing_batch: int
+    """The ``checkpointing`` rung's batch size: what activation checkpointing makes room for."""
+    loader_workers: int
+    """The ``loader`` rung's worker processes (the baseline loads in the main process, as diffusers' default)."""
+
+
+# (large batch, checkpointing batch) per profile: the smoke data set holds 32 images.
+_PROFILE_BATCHES = {"full": (48, 96), "smoke": (8, 16)}
+
+
+def default_sizes(base: RunConfig) -> LadderSizes:
+    large, checkpointing = _PROFILE_BATCHES.get(base.profile, (6 * base.batch_size, 12 * base.batch_size))
+    workers = max(base.num_workers, min(8, (os.cpu_count() or 1) // 2))
+    return LadderSizes(large_batch=large, checkpointing_batch=checkpointing, loader_workers=workers)
+
+
+@dataclass(frozen=True)
+class Rung:
+    """One rung: the switches it adds to the rung it builds on, and what they buy."""
+
+    name: str
+    title: str
+    """Its label in the table and the plot."""
+    adds: Callable[[RunConfig, LadderSizes], dict[str, Any]]
+    """``adds(config it builds on, sizes)`` -> the fields it changes."""
+    why: str
+    """What the switch does, and what it costs (one or two sentences for the notebook)."""
+    talk: tuple[float, float] | None = None
+    """The talk's (speedup over its baseline, peak memory in GB) on an 80 GB A100; ``None`` past the talk."""
+    builds_on: str | None = None
+    """The rung it adds to; ``None``: the one listed before it."""
+    needs_gpu: bool = False
+
+
+def _tf32_baseline(base: RunConfig, sizes: LadderSizes) -> dict[str, Any]:
+    from gallery_lib.recipes import baseline
+
+    plain = baseline(base).to_dict()  # eager, unfused AdamW, a per-tensor EMA loop, online VAE and CLIP
+    del plain["recipe"], plain["extra"]
+    return {**plain, "amp_level": "O0", "sdpa_math": True, "num_workers": 0}
+
+
+def _precompile_workers() -> int:
+    from gallery_lib.recipes import _precompile_workers as workers
+
+    return workers()
+
+
+RUNGS: tuple[Rung, ...] = (
+    Rung("tf32", "baseline: TF32", _tf32_baseline,
+         "fp32 weights and activations with TF32 matmuls, the frozen VAE and CLIP encoding every batch, attention "
+         "as explicit matmuls (PyTorch's math kernel, as the talk's baseline ran), data loaded in the training "
+         "process (diffusers' default), a per-tensor EMA loop.", talk=(1.00, 69.5)),
+    Rung("amp", "fp16 AMP", lambda cfg, s: {"amp_level": "O1", "amp_dtype": "auto"},
+         "autocast to float16 with a GradScaler (bfloat16 on a CPU): tensor-core matmuls at half the bytes; the "
+         "fp32 weights stay.", talk=(1.18, 71.7)),
+    Rung("loader", "tuned data loader", lambda cfg, s: {"num_workers": s.loader_workers},
+         "worker processes decode and augment the next batches into pinned memory while the GPU trains.",
+         talk=(1.41, 71.7)),
+    Rung("fused", "fused layers + fused AdamW", lambda cfg, s: {"kernels": True, "kernel_ops": "all",
+                                                                 "fused_optimizer": True},
+         "the library's Triton kernels (GroupNorm+SiLU, LayerNorm, GEGLU) in place of several eager kernels each, "
+         "and one kernel for the whole AdamW update.", talk=(1.56, 66.9)),
+    Rung("attention", "fused attention", lambda cfg, s: {"sdpa_math": False},
+         "PyTorch's SDPA picks its fused kernels again (FlashAttention, cuDNN): the 4096 x 4096 attention matrices "
+         "are never stored, which frees most of the memory.", talk=(2.23, 25.5)),
+    Rung("batch", "larger batch", lambda cfg, s: {"batch_size": s.large_batch},
+         "the freed memory goes to a larger batch: fewer, fuller kernels per image.", talk=(2.91, 73.0)),
+    Rung("ema", "fused EMA", lambda cfg, s: {"ema": "off" if cfg.ema == "off" else "fused"},
+         "one Triton kernel updates the whole EMA (the talk ran its fused EMA on several streams; on a side stream "
+         "it only competes with the next forward for bandwidth: gallery_lib/accel/ema.py).", talk=(2.93, 72.9)),
+    Rung("zero2", "ZeRO-2", lambda cfg, s: {"data_parallel": "zero2"},
+         "gradients and AdamW states sharded over the GPUs (FSDP2): less memory per GPU with several GPUs, nothing "
+         "to shard on one. The talk spent the memory on batch 56.", talk=(2.96, 72.4)),
+    Rung("bf16", "bfloat16", lambda cfg, s: {"amp_dtype": "bfloat16"}, builds_on="ema",
+         why="bfloat16 autocast needs no loss scaling: no GradScaler, no unscale pass, no inf check per step."),
+    Rung("compile", "torch.compile", lambda cfg, s: {"compile": True, "compile_mode": "default",
+                                                      "compile_scope": "model"},
+         "Inductor fuses the elementwise work around the matmuls and convolutions of the whole UNet into generated "
+         "kernels (minutes of compilation on the first run)."),
+    Rung("regional", "regional compile, precompiled", lambda cfg, s: {"compile_scope": "blocks",
+                                                                       "precompile_workers": _precompile_workers()},
+         "each repeated block compiled once and shared by its copies, the distinct ones compiled in parallel "
+         "processes before the first step: the same speed for a fraction of the compile time."),
+    Rung("cuda_graphs", "CUDA graphs", lambda cfg, s: {"compile_mode": "reduce-overhead"}, needs_gpu=True,
+         why="each block's kernels replay as one CUDA graph: no Python or launch overhead between them."),
+    Rung("cached_latents", "cached latents", lambda cfg, s: {"cache_latents": True},
+         "every image encoded by the VAE and every caption by CLIP once, before training; each step samples a fresh "
+         "latent from the cached distribution (the same function), so the frozen encoders leave the loop."),
+    Rung("kernels", "kernels that beat the compiler", lambda cfg, s: {"kernel_ops": "geglu"},
+         "only the fused kernels that measured faster than Inductor's own code stay (GEGLU); the compiler fuses "
+         "GroupNorm+SiLU and LayerNorm as well. This is the accelerated recipe."),
+    Rung("checkpointing", "activation checkpointing, larger batch",
+         lambda cfg, s: {"gradient_checkpointing": True, "batch_size": s.checkpointing_batch},
+         "blocks recompute their activations in the backward instead of storing them: about a third more compute "
+         "for room for a batch twice as large. It pays only if the larger batch runs that much faster per image."),
+)
+RUNG_NAMES = tuple(rung.name for rung in RUNGS)
+
+
+def recipe_name(rung: Rung) -> str:
+    """The rung's recipe and run-folder name, e.g. ``ladder-05-batch``."""
+    return f"ladder-{RUNGS.index(rung):02d}-{rung.name}"
+
+
+def rung_named(name: str) -> Rung:
+    """A rung by its name (``batch``) or recipe name (``ladder-05-batch``)."""
+    for rung in RUNGS:
+        if name in (rung.name, recipe_name(rung)):
+            return rung
+    raise ConfigError(f"rung {name!r} is not on the ladder: choose from {', '.join(RUNG_NAMES)}.")
+
+
+def ladder_configs(base: RunConfig, rungs: list[str] | None = None, *, sizes: LadderSizes | None = None,
+                   on_gpu: bool | None = None) -> dict[str, RunConfig | None]:
+    """The config of every rung (or of ``rungs``), by rung name; ``None`` for a rung this machine cannot run (a GPU
+    rung on a CPU). Each rung is resolved on the rungs below it, so asking for one rung resolves those too."""
+    _check_family(base)
+    sizes = sizes or default_sizes(base)
+    if on_gpu is None:
+        on_gpu = resolve_device(base.device, visible_cuda_devices()) == "cuda"
+    resolved: dict[str, RunConfig | None] = {}
+    effective: dict[str, RunConfig] = {}  # what a rung builds on: a rung left out passes its own base up
+    below: RunConfig | None = None
+    for rung in RUNGS:
+        under = effective[rung.builds_on] if rung.builds_on else below
+        if rung.needs_gpu and not on_gpu:
+            resolved[rung.name] = None
+            effective[rung.name] = under
+        else:
+            start = base if under is None else under
+            cfg = start.replace(**rung.adds(start, sizes), recipe=recipe_name(rung))
+            resolved[rung.name] = effective[rung.name] = cfg
+        below = effective[rung.name]
+    if rungs is None:
+        return resolved
+    return {rung_named(name).name: resolved[rung_named(name).name] for name in rungs}
+
+
+def _check_family(base: RunConfig) -> None:
+    needed = ("cache_latents",)  # the ladder's own switches of the text-to-image task
+    own = {f.name for f in fields(base.model_family.options)}
+    if not set(needed) <= own:
+        raise ConfigError(f"the optimization ladder trains Stable Diffusion's UNet; {base.model!r} is a "
+                          f"{base.task} model. Use model='sd15' (or 'sd_tiny' on a CPU).")
+
+
+def rung_recipes() -> dict[str, Callable[[RunConfig], RunConfig]]:
+    """Every rung as a recipe (``base -> config``), for ``gallery_lib.recipes``."""
+    def make(rung: Rung) -> Callable[[RunConfig], RunConfig]:
+        def recipe(base: RunConfig) -> RunConfig:
+            cfg = ladder_configs(base)[rung.name]
+            if cfg is None:
+                raise ConfigError(f"the ladder's {rung.name} rung needs a GPU: this machine has none.")
+            return cfg
+        recipe.__doc__ = f"Optimization ladder, rung {RUNGS.index(rung)}: {rung.title}. {rung.why}"
+        return recipe
+    return {recipe_name(rung): make(rung) for rung in RUNGS}
+
+
+@dataclass
+class RungResult:
+    """One rung's run: its config and summary, or why it did not run."""
+
+    rung: Rung
+    config: RunConfig | None
+    summary: dict | None = None
+    failure: str | None = None
+    """``None`` when it ran; otherwise why not (``needs a GPU``, ``out of memory``, the error's last line)."""
+
+
+def run_ladder(base: RunConfig, rungs: list[str] | None = None, *, sizes: LadderSizes | None = None,
+               echo: Callable[[str], None] | None = print) -> list[RungResult]:
+    """Runs the rungs one after another, each in its own training process. Every config is resolved and checked for
+    this machine before the first starts; a rung that fails (out of memory, say) is reported and the ladder goes on."""
+    from gallery_lib.config import validate_for_machine
+    from gallery_lib.recipes import describe
+    from gallery_lib.run.launch import RunFailed, launch
+
+    configs = ladder_configs(base, rungs, sizes=sizes)
+    for cfg in configs.values():
+        if cfg is not None:
+            validate_for_machine(cfg)
+    results = []
+    for name, cfg in configs.items():
+        rung = rung_named(name)
+        if cfg is None:
+            results.append(RungResult(rung, None, failure="needs a GPU"))
+            continue
+        if echo:
+            echo(f"\n=== {cfg.recipe}: {describe(cfg.recipe)} ===")
+        try:
+            results.append(RungResult(rung, cfg, summary=launch(cfg, echo=echo).summary))
+        except RunFailed as exc:
+            results.append(RungResult(rung, cfg, failure=_failure_reason(str(exc))))
+            if echo:
+                echo(f"[ladder] {rung.name} did not finish: {results[-1].failure}; going on with the next rung")
+    return results
+
+
+def _failure_reason(message: str) -> str:
+    if "out of memory" in message.lower():
+        return "out of memory"
+    lines = [line.strip() for line in message.splitlines() if "Error" in line]
+    return lines[-1][:200] if lines else message.splitlines()[0][:200]

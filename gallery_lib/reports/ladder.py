@@ -1,0 +1,184 @@
+"""The optimization ladder's report: each rung's speed and memory beside the talk's A100 figures.
+
+``ladder_report(results, model_dir)`` takes what ``gallery_lib.ladder.run_ladder`` returned and writes
+``ladder.md``, ``ladder.png`` and ``ladder.json`` into the model's output folder. Speedups are throughput ratios
+(images per second), so a rung that changes the batch size is compared fairly; the ``gain`` column compares a rung
+with the rung it builds on, which is what the rung itself bought.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from matplotlib.figure import Figure
+
+from gallery_lib.ladder import RungResult, recipe_name
+from gallery_lib.reports.comparison import _png_bytes, _ReportFigure
+
+LADDER_MD, LADDER_PNG, LADDER_JSON = "ladder.md", "ladder.png", "ladder.json"
+BOUGHT_NOTHING = 1.03
+"""A rung whose throughput is within 3% of the rung it builds on bought nothing measurable."""
+
+
+def ladder_rows(results: list[RungResult]) -> list[dict[str, Any]]:
+    """One row per rung: its throughput, step time and peak memory, its speedup over the first rung, its gain over
+    the rung it builds on, and the talk's figures."""
+    speed = {r.rung.name: r.summary["samples_per_s"] for r in results if r.summary}
+    first = speed.get(results[0].rung.name) if results else None
+    rows, below = [], None
+    for result in results:
+        rung, summary = result.rung, result.summary
+        parent = rung.builds_on or below
+        row: dict[str, Any] = {
+            "rung": recipe_name(rung), "name": rung.name, "title": rung.title, "builds_on": parent,
+            "batch_size": result.config.batch_size if result.config else None,
+            "img_per_s": None, "median_step_ms": None, "p20_step_ms": None, "p80_step_ms": None, "peak_mem_gib": None,
+            "speedup": None, "gain": None, "talk_speedup": rung.talk[0] if rung.talk else None,
+            "talk_peak_mem_gb": rung.talk[1] if rung.talk else None, "failure": result.failure,
+            "device": summary["device_name"] if summary else None,
+        }
+        if summary:
+            row.update(img_per_s=summary["samples_per_s"], median_step_ms=summary["median_step_time_ms"],
+                       p20_step_ms=summary["p20_step_time_ms"], p80_step_ms=summary["p80_step_time_ms"],
+                       peak_mem_gib=summary["peak_mem_mb"] / 1024)
+            row["speedup"] = row["img_per_s"] / first if first else None
+            row["gain"] = row["img_per_s"] / speed[parent] if parent in speed else None
+        rows.append(row)
+        if result.config is not None:  # a rung left out passes the one below it up
+            below = rung.name
+    return rows
+
+
+def findings(rows: list[dict[str, Any]]) -> list[str]:
+    """What the ladder says on this machine, from its own numbers: the top speedup, the rungs that bought nothing,
+    the ones that did not run."""
+    lines = []
+    ran = [row for row in rows if row["img_per_s"] is not None]
+    if ran:
+        top = max(ran, key=lambda row: row["img_per_s"])
+        lines.append(f"Fastest rung: {top['title']} ({top['rung']}), {top['img_per_s']:.1f} img/s, "
+                     f"{top['speedup']:.2f}x the first rung, on {top['device']}.")
+    flat = [f"{row['title']} ({row['gain']:.2f}x)" for row in ran
+            if row["gain"] is not None and row["gain"] < BOUGHT_NOTHING]
+    if flat:
+        lines.append("Bought no speed here (under 3% over the rung each builds on): " + ", ".join(flat) + ".")
+    for row in rows:
+        if row["failure"]:
+            lines.append(f"{row['title']} ({row['rung']}) did not run: {row['failure']}.")
+    if any(row["device"] == "CPU" for row in ran):
+        lines.append("These are CPU smoke numbers: they check every rung's code path, not its speed.")
+    return lines
+
+
+def to_markdown(rows: list[dict[str, Any]]) -> str:
+    head = ("| rung | batch | img/s | step ms [p20-p80] | peak GiB | speedup | gain over the rung below | "
+            "talk: speedup | talk: GB |")
+    lines = [head, "|" + "---|" * head.count(" | ") + "---|"]
+    for row in rows:
+        step = (f"{row['median_step_ms']:.1f} [{row['p20_step_ms']:.1f}-{row['p80_step_ms']:.1f}]"
+                if row["median_step_ms"] is not None else (row["failure"] or ""))
+        lines.append(f"| {row['rung']} ({row['title']}) | {_fmt(row['batch_size'], '{}')} | "
+                     f"{_fmt(row['img_per_s'], '{:.1f}')} | {step} | {_fmt(row['peak_mem_gib'], '{:.1f}')} | "
+                     f"{_fmt(row['speedup'], '{:.2f}x')} | {_fmt(row['gain'], '{:.2f}x')} | "
+                     f"{_fmt(row['talk_speedup'], '{:.2f}x')} | {_fmt(row['talk_peak_mem_gb'], '{:.1f}')} |")
+    return "\n".join(lines)
+
+
+def ladder_figure(rows: list[dict[str, Any]]) -> Figure:
+    """(a) cumulative speedup per rung, (b) peak memory per rung; the talk's A100 figures as black markers."""
+    fig = _ReportFigure(figsize=(12, 8), layout="constrained")
+    ax_speed, ax_mem = fig.subplots(2, 1, sharex=True)
+    x = range(len(rows))
+    labels = [f"{i}. {row['title']}" for i, row in enumerate(rows)]
+    for ax, key, talk_key, fmt, title, unit in (
+            (ax_speed, "speedup", "talk_speedup", "{:.2f}x", "(a) throughput over the first rung", "speedup"),
+            (ax_mem, "peak_mem_gib", "talk_peak_mem_gb", "{:.1f}", "(b) peak memory", "GiB (the talk: GB)")):
+        values = [row[key] if row[key] is not None else 0.0 for row in rows]
+        bars = ax.bar(x, values, color=["C0" if row["talk_speedup"] is not None else "C1" for row in rows])
+        ax.bar_label(bars, labels=[fmt.format(row[key]) if row[key] is not None else (row["failure"] or "")
+                                   for row in rows], padding=2, fontsize=8)
+        talk = [(i, row[talk_key]) for i, row in enumerate(rows) if row[talk_key] is not None]
+        if talk:
+            ax.plot(*zip(*talk), "kD--", label="the talk (one 80 GB A100)")
+            ax.legend(loc="upper left")
+        ax.set(title=title, ylabel=unit)
+        ax.margins(y=0.15)
+    ax_mem.set_xticks(list(x), labels, rotation=35, ha="right")
+    device = next((row["device"] for row in rows if row["device"]), "no rung ran")
+    fig.suptitle(f"Stable Diffusion UNet training, rung by rung, on {device}")
+    return fig
+
+
+@dataclass
+class LadderReport:
+    """What ``ladder_report`` wrote; a notebook cell shows the table, the findings and the figure."""
+
+    rows: list[dict[str, Any]]
+    markdown: str
+    figure: Figure
+    paths: dict[str, Path]
+
+    def _repr_markdown_(self) -> str:
+        data = base64.b64encode(_png_bytes(self.figure)).decode("ascii")
+        return self.markdown.replace(f"]({LADDER_PNG})", f"](data:image/png;base64,{data})")
+
+
+def ladder_report(results: list[RungResult], model_dir: str | os.PathLike) -> LadderReport:
+    """Writes ``ladder.md``, ``ladder.png`` and ``ladder.json`` (the rows) into ``model_dir`` and returns them."""
+    model_dir = Path(model_dir)
+    model_dir.mkdir(parents=True, exist_ok=True)
+    rows = ladder_rows(results)
+    figure = ladder_figure(rows)
+    markdown = ("# The optimization ladder\n\n" + to_markdown(rows) + "\n\n"
+                + "\n".join(f"- {line}" for line in findings(rows)) + f"\n\n![ladder]({LADDER_PNG})\n")
+    paths = {"markdown": model_dir / LADDER_MD, "figure": model_dir / LADDER_PNG, "rows": model_dir / LADDER_JSON}
+    paths["markdown"].write_text(markdown, encoding="utf-8")
+    figure.savefig(paths["figure"], dpi=110)
+    paths["rows"].write_text(json.dumps(rows, indent=2) + "\n", encoding="utf-8")
+    return LadderReport(rows=rows, markdown=markdown, figure=figure, paths=paths)
+
+
+def _fmt(value: Any, fmt: str) -> str:
+    return "" if value is None else fmt.format(value)
+
+
+class LadderPlan:
+    """What each rung changes on this machine, read from the resolved configs; shows as a Markdown table."""
+
+    def __init__(self, rows: list[tuple[str, str, str, str]]) -> None:
+        self.rows = rows
+
+    def _repr_markdown_(self) -> str:
+        lines = ["| rung | builds on | switches it changes | what they do |", "|---|---|---|---|"]
+        lines += [f"| {' | '.join(row)} |" for row in self.rows]
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self._repr_markdown_()
+
+
+def ladder_plan(base, rungs: list[str] | None = None, *, sizes=None) -> LadderPlan:
+    """Each rung's config against the config it builds on: the fields it changes, as ``field=value``."""
+    from gallery_lib.ladder import ladder_configs, rung_named
+
+    configs = ladder_configs(base, sizes=sizes)
+    wanted = {rung_named(name).name for name in rungs} if rungs else set(configs)
+    rows, below = [], None
+    for name, cfg in configs.items():
+        rung = rung_named(name)
+        under_name = rung.builds_on or below
+        under = configs.get(under_name) if under_name else None
+        if cfg is None:
+            changes = "(left out: needs a GPU)"
+        else:
+            now, then = cfg.to_dict(), (under.to_dict() if under is not None else base.to_dict())
+            changes = ", ".join(f"`{k}={v}`" for k, v in now.items() if then.get(k) != v and k != "recipe")
+            below = name
+        if name in wanted:
+            rows.append((f"{recipe_name(rung)}: {rung.title}", under_name or "the profile", changes, rung.why))
+    return LadderPlan(rows)

@@ -1,0 +1,144 @@
+"""The optimization ladder: each rung adds only its own switches, the top rungs are the accelerated recipe, the math
+attention switch really forces PyTorch's math kernel, and the report computes speedups and findings from the runs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from gallery_lib.config import ConfigError, RunConfig
+from gallery_lib.ladder import (RUNG_NAMES, RUNGS, LadderSizes, RungResult, ladder_configs, recipe_name, rung_named,
+                                run_ladder)
+from gallery_lib.profiles import base_config
+from gallery_lib.recipes import accelerated, apply_recipe, describe
+from gallery_lib.reports.ladder import findings, ladder_plan, ladder_report, ladder_rows
+from gallery_lib.run.train import configure_backends
+
+SIZES = LadderSizes(large_batch=48, checkpointing_batch=96, loader_workers=8)
+
+
+def _full_base() -> RunConfig:
+    return base_config("full", family="stable_diffusion", data_root="/data")
+
+
+def _changes(cfg: RunConfig, under: RunConfig) -> set[str]:
+    now, then = cfg.to_dict(), under.to_dict()
+    return {name for name, value in now.items() if then[name] != value and name != "recipe"}
+
+
+def test_each_rung_changes_only_its_own_switches():
+    base = _full_base()
+    configs = ladder_configs(base, sizes=SIZES, on_gpu=True)
+    assert list(configs) == list(RUNG_NAMES)
+    below = None
+    for rung in RUNGS[1:]:
+        under = configs[rung.builds_on or below or RUNGS[0].name]
+        cfg = configs[rung.name]
+        assert cfg.recipe == recipe_name(rung)
+        changed = _changes(cfg, under)
+        assert changed and changed <= set(rung.adds(under, SIZES)), rung.name  # something, and only its own
+        below = rung.name
+    first = configs["tf32"]  # the talk's baseline: fp32/TF32, math attention, loading in the training process
+    assert (first.amp_level, first.sdpa_math, first.num_workers, first.compile, first.cache_latents) == (
+        "O0", True, 0, False, False)
+    assert (first.ema, first.fused_optimizer, first.kernels) == ("loop", False, False)
+    # past the talk the rungs build on the EMA rung: ZeRO-2 stays a branch of its own
+    assert configs["zero2"].data_parallel == "zero2" and configs["bf16"].data_parallel == "ddp"
+    assert configs["checkpointing"].batch_size == 96 and configs["checkpointing"].gradient_checkpointing
+
+
+def test_the_kernels_rung_is_the_accelerated_recipe_at_the_large_batch(monkeypatch):
+    monkeypatch.setattr("gallery_lib.recipes._runs_on_gpu", lambda base: True)
+    base = _full_base()
+    rung = ladder_configs(base, sizes=SIZES, on_gpu=True)["kernels"]
+    reference = accelerated(base.replace(batch_size=SIZES.large_batch))
+    assert rung.replace(recipe="accelerated", num_workers=reference.num_workers) == reference
+
+
+def test_on_a_cpu_the_cuda_graph_rung_is_left_out_and_the_next_builds_below_it():
+    base = base_config("smoke", family="stable_diffusion", data_root="/data")
+    configs = ladder_configs(base, on_gpu=False)
+    assert configs["cuda_graphs"] is None
+    assert configs["cached_latents"].compile_mode == "default"
+    assert _changes(configs["cached_latents"], configs["regional"]) == {"cache_latents"}
+    assert configs["batch"].batch_size == 8 and configs["checkpointing"].batch_size == 16  # the 32-image smoke set
+    with pytest.raises(ConfigError, match="cuda_graphs rung needs a GPU"):
+        apply_recipe("ladder-11-cuda_graphs", base)
+
+
+def test_rungs_are_recipes_and_the_ladder_refuses_other_families():
+    base = base_config("smoke", family="stable_diffusion", data_root="/data")
+    assert apply_recipe("ladder-05-batch", base) == ladder_configs(base)["batch"]
+    assert describe("ladder-04-attention").startswith("Optimization ladder, rung 4: fused attention.")
+    assert rung_named("ladder-04-attention") is rung_named("attention")
+    with pytest.raises(ConfigError, match="not on the ladder"):
+        rung_named("turbo")
+    swin = base_config("smoke", family="swin_transformer", data_root="/data")
+    with pytest.raises(ConfigError, match="trains Stable Diffusion's UNet.*model='sd15'"):
+        ladder_configs(swin)
+
+
+def test_sdpa_math_forces_the_math_kernel_and_the_next_run_gets_the_fused_ones_back():
+    q = torch.randn(1, 2, 64, 16)
+    math_kernel = 0  # torch's SDPBackend numbering: 0 math, 1 flash
+    configure_backends(RunConfig(model="sd_tiny", sdpa_math=True))
+    try:
+        assert torch._fused_sdp_choice(q, q, q) == math_kernel
+    finally:
+        configure_backends(RunConfig(model="sd_tiny"))
+    assert torch._fused_sdp_choice(q, q, q) != math_kernel
+    with pytest.raises(ConfigError, match="sdpa_math=True and fused_attention=True contradict"):
+        RunConfig(model="sd_tiny", sdpa_math=True, fused_attention=True)
+
+
+def _result(name: str, img_per_s: float | None, mem_gib: float = 10.0, failure: str | None = None) -> RungResult:
+    cfg = ladder_configs(_full_base(), sizes=SIZES, on_gpu=True)[name]
+    summary = None if img_per_s is None else {
+        "samples_per_s": img_per_s, "median_step_time_ms": 1000 * cfg.batch_size / img_per_s,
+        "p20_step_time_ms": 990 * cfg.batch_size / img_per_s, "p80_step_time_ms": 1010 * cfg.batch_size / img_per_s,
+        "peak_mem_mb": mem_gib * 1024, "device_name": "NVIDIA H100 80GB HBM3"}
+    return RungResult(rung_named(name), cfg, summary=summary, failure=failure)
+
+
+def test_report_speedups_gains_and_findings(tmp_path):
+    results = [_result("tf32", 10.0, 60), _result("amp", 12.0, 62), _result("ema", 30.0, 70),
+               _result("zero2", 29.0, 71), _result("bf16", 30.5, 70), _result("compile", None, failure="out of memory")]
+    rows = ladder_rows(results)
+    by = {row["name"]: row for row in rows}
+    assert by["amp"]["speedup"] == pytest.approx(1.2) and by["amp"]["gain"] == pytest.approx(1.2)
+    assert by["bf16"]["builds_on"] == "ema" and by["bf16"]["gain"] == pytest.approx(30.5 / 30.0)
+    assert by["zero2"]["gain"] == pytest.approx(29 / 30) and by["tf32"]["talk_speedup"] == 1.0
+    assert by["compile"]["img_per_s"] is None and by["compile"]["failure"] == "out of memory"
+    said = "\n".join(findings(rows))
+    assert "Fastest rung: bfloat16 (ladder-08-bf16), 30.5 img/s, 3.05x the first rung" in said
+    assert "ZeRO-2 (0.97x)" in said and "bfloat16 (1.02x)" in said and "fused EMA" not in said.split("Bought")[1]
+    assert "torch.compile (ladder-09-compile) did not run: out of memory" in said
+    report = ladder_report(results, tmp_path)
+    assert "| ladder-01-amp (fp16 AMP) | 8 | 12.0 |" in report.markdown
+    assert json.loads((tmp_path / "ladder.json").read_text())[1]["speedup"] == pytest.approx(1.2)
+    assert (tmp_path / "ladder.png").stat().st_size > 10_000
+    assert "data:image/png;base64," in report._repr_markdown_()
+
+
+def test_plan_lists_what_each_rung_changes():
+    text = str(ladder_plan(base_config("smoke", family="stable_diffusion", data_root="/data"), ["attention",
+                                                                                               "cuda_graphs"]))
+    assert "| ladder-04-attention: fused attention | fused | `sdpa_math=False` |" in text
+    assert "(left out: needs a GPU)" in text and "ladder-05" not in text
+
+
+def test_a_failing_rung_is_reported_and_the_ladder_goes_on(monkeypatch):
+    from gallery_lib.run.launch import RunFailed, RunResult
+
+    def fake_launch(cfg, echo=None):
+        if cfg.recipe.endswith("amp"):
+            raise RunFailed("training exited with code 1\ntorch.OutOfMemoryError: CUDA out of memory. Tried ...")
+        return RunResult(cfg, cfg.run_dir, {"samples_per_s": 1.0})
+
+    monkeypatch.setattr("gallery_lib.run.launch.launch", fake_launch)
+    base = base_config("smoke", family="stable_diffusion", data_root="/data")
+    results = run_ladder(base, ["tf32", "amp", "loader", "cuda_graphs"], echo=None)
+    assert [(r.rung.name, r.failure) for r in results] == [("tf32", None), ("amp", "out of memory"),
+                                                          ("loader", None), ("cuda_graphs", "needs a GPU")]
