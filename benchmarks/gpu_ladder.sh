@@ -1,0 +1,14 @@
+# The optimization ladder on one GPU, in parts that fit a time-limited call (each part's JSON lands in $OUT).
+#   bash benchmarks/gpu_ladder.sh PART RUNGS   e.g.  bash benchmarks/gpu_ladder.sh part1 tf32,amp,loader
+# (on the GPU machine; the diffusers wheels in .whl/). Join the parts with bench_ladder.py --merge.
+set -x
+part=$1
+rungs=$2
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+out=${OUT:-benchmarks/results}
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
+python3 benchmarks/bench_ladder.py --profile full --rungs "$rungs" --steps 30 --set warmup_steps=10 \
+  --set log_every=5 --set export_model=false --output-dir /tmp/ladder --data-root /tmp/data \
+  --out "$out/ladder_$part.json" > "$out/ladder_$part.log" 2>&1
+grep "\[ladder\]\|done:\|Error\|error:\|compilation\|precompil" "$out/ladder_$part.log" | tail -40
