@@ -100,12 +100,14 @@ def ladder_figure(rows: list[dict[str, Any]]) -> Figure:
             (ax_mem, "peak_mem_gib", "talk_peak_mem_gb", "{:.1f}", "(b) peak memory", "GiB (the talk: GB)")):
         values = [row[key] if row[key] is not None else 0.0 for row in rows]
         bars = ax.bar(x, values, color=["C0" if row["talk_speedup"] is not None else "C1" for row in rows])
+        ax.bar([0], [0], color="C0", label="the talk's rungs, this machine")  # legend entries for the two colours
+        ax.bar([0], [0], color="C1", label="past the talk, this machine")
         ax.bar_label(bars, labels=[fmt.format(row[key]) if row[key] is not None else (row["failure"] or "")
                                    for row in rows], padding=2, fontsize=8)
         talk = [(i, row[talk_key]) for i, row in enumerate(rows) if row[talk_key] is not None]
         if talk:
             ax.plot(*zip(*talk), "kD--", label="the talk (one 80 GB A100)")
-            ax.legend(loc="upper left")
+        ax.legend(loc="upper left", fontsize=8)
         ax.set(title=title, ylabel=unit)
         ax.margins(y=0.15)
     ax_mem.set_xticks(list(x), labels, rotation=35, ha="right")
