@@ -146,3 +146,11 @@ def test_attention_probe_reports_what_ran():
                            torch.ones(1, 2), None)
     plain()
     assert plain.report(lines.append) == {} and "no scaled_dot_product_attention call" in lines[-1]
+
+
+def test_progress_line_eta_uses_the_interval_median_pace():
+    from gallery_lib.run.step_log import eta
+
+    assert eta([100.0, 900.0, 200.0], 30) == " | ETA 0:06"  # median 200 ms: a slow outlier does not set the pace
+    assert eta([1000.0], 4000) == " | ETA 1:06:40"
+    assert eta([100.0], 0) == "" and eta([], 5) == ""

@@ -61,5 +61,16 @@ class StepLog:
         self.losses.extend(values)
         self._pending.clear()
         self.log(f"[gallery] step {steps_done}/{self.cfg.steps} | loss {values[-1]:.4f} | "
-                 f"{batch * 1e3 / times[-1]:.1f} img/s | {times[-1]:.1f} ms/step | peak {peak / 1024:.2f} GiB")
+                 f"{batch * 1e3 / times[-1]:.1f} img/s | {times[-1]:.1f} ms/step | peak {peak / 1024:.2f} GiB"
+                 f"{eta(times, self.cfg.steps - steps_done)}")
         return skips
+
+
+def eta(interval_ms: list[float], steps_left: int) -> str:
+    """`` | ETA m:ss`` for the steps left at this interval's median pace (warm-up intervals overestimate it: they
+    hold the compilation); empty when nothing is left."""
+    if steps_left <= 0 or not interval_ms:
+        return ""
+    seconds = round(sorted(interval_ms)[len(interval_ms) // 2] * steps_left / 1e3)
+    hours, rest = divmod(seconds, 3600)
+    return f" | ETA {hours}:{rest // 60:02d}:{rest % 60:02d}" if hours else f" | ETA {rest // 60}:{rest % 60:02d}"
