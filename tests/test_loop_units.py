@@ -154,3 +154,22 @@ def test_progress_line_eta_uses_the_interval_median_pace():
     assert eta([100.0, 900.0, 200.0], 30) == " | ETA 0:06"  # median 200 ms: a slow outlier does not set the pace
     assert eta([1000.0], 4000) == " | ETA 1:06:40"
     assert eta([100.0], 0) == "" and eta([], 5) == ""
+
+
+def test_progress_bar_follows_the_step_lines_from_a_resumed_start():
+    import io
+
+    from gallery_lib.run.progress import StepProgress
+
+    out = io.StringIO()
+    bar = StepProgress("accelerated", enabled=True, file=out, mininterval=0)
+    bar.feed("[gallery] sd_tiny | recipe accelerated | ...")  # not a step line: no bar yet
+    assert bar.bar is None
+    bar.feed("[gallery] step 40/100 | loss 0.1234 | 55.0 img/s | 10.0 ms/step | peak 1.00 GiB | ETA 0:01")
+    assert (bar.bar.n, bar.bar.total) == (40, 100)
+    bar.feed("[gallery] step 50/100 | loss nan | 56.0 img/s | 9.9 ms/step | peak 1.00 GiB | ETA 0:00")
+    bar.close()
+    assert bar.bar.n == 50 and "loss nan, 56.0 img/s" in out.getvalue() and "accelerated" in out.getvalue()
+    quiet = StepProgress("baseline", enabled=False)
+    quiet.feed("[gallery] step 4/4 | loss 1.0 | 1.0 img/s | 1.0 ms/step | peak 0.1 GiB")
+    assert quiet.bar is None

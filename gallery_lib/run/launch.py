@@ -20,6 +20,7 @@ from typing import Callable
 from gallery_lib.config import ConfigError, RunConfig, validate_for_machine
 from gallery_lib.run.checkpoint import CheckpointError, check_fresh_start, checkpoint_dir, latest_checkpoint
 from gallery_lib.run.metrics import read_metrics
+from gallery_lib.run.progress import StepProgress
 from gallery_lib.models import family_env
 
 
@@ -76,8 +77,11 @@ def preflight(cfg: RunConfig) -> str:
     return device
 
 
-def launch(cfg: RunConfig, *, echo: Callable[[str], None] | None = print) -> RunResult:
-    """Runs ``cfg`` to completion in a torchrun subprocess; raises ``RunFailed`` with the log tail on error."""
+def launch(cfg: RunConfig, *, echo: Callable[[str], None] | None = print,
+           progress: bool | None = None) -> RunResult:
+    """Runs ``cfg`` to completion in a torchrun subprocess; raises ``RunFailed`` with the log tail on error.
+    ``progress``: a bar over the steps (``gallery_lib.run.progress``); ``None`` shows one in a notebook or a
+    terminal when ``echo`` is on."""
     device = preflight(cfg)
     run_dir = cfg.run_dir.resolve()
     cfg = cfg.replace(output_dir=str(Path(cfg.output_dir).resolve()), data_dir=str(Path(cfg.data_dir).resolve()))
@@ -87,12 +91,15 @@ def launch(cfg: RunConfig, *, echo: Callable[[str], None] | None = print) -> Run
     proc = subprocess.Popen(torchrun_command(cfg, config_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, bufsize=1, env=_child_env(cfg, device), cwd=os.getcwd())
     tail: deque[str] = deque(maxlen=200)  # room for torchrun's own traceback and summary
+    bar = StepProgress(cfg.recipe, enabled=False if echo is None else progress)
     assert proc.stdout is not None
     for line in proc.stdout:
         tail.append(line.rstrip("\n"))
+        bar.feed(line)
         if echo:
             echo(line.rstrip("\n"))
     code = proc.wait()
+    bar.close()
     if code != 0:
         raise RunFailed(_failure_message(run_dir, code, list(tail)))
     _, summary = read_metrics(run_dir / "metrics.jsonl")
