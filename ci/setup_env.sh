@@ -5,9 +5,11 @@
 #
 # The environment is .venv/ at the repository root (override with GALLERY_VENV). On a GPU machine a
 # conda environment from environment.yml works too: activate it and set GALLERY_VENV to its prefix.
-# Torch comes first and is pinned where no GPU is present (the CPU machines we test on carry this
-# pair; timm needs torchvision); on a GPU machine pip's default torch build is the CUDA one.
-# Override with GALLERY_TORCH_SPEC="torch==X torchvision==Y" (and PIP_EXTRA_INDEX_URL for another index).
+# Torch comes first, in the range the gallery is tested with, built for this machine: on a GPU machine from PyTorch's
+# index for the CUDA that the driver runs (gallery_lib/gpu_check.py reads nvidia-smi; an error if torch then cannot
+# see the GPU); on a CPU machine the CPU build from PyTorch's CPU index when it answers, else PyPI's default build
+# (which carries the CUDA libraries, ~3 GB). Override with GALLERY_TORCH_SPEC="torch==X torchvision==Y" (installed
+# as given, from pip's configured indexes) or GALLERY_TORCH_INDEX=cu128|cu130|cpu.
 set -euo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
 extras=${1:-notebooks}
@@ -24,15 +26,36 @@ if [ -f "$stamp" ] && [ "$stamp" -nt "$repo/pyproject.toml" ] && "$py" -c "impor
   echo "[setup] $venv is up to date ($extras)"
   exit 0
 fi
+tested_range="torch>=2.11,<2.15 torchvision>=0.26,<0.30"  # pyproject.toml says the same
+cpu_pin="torch==2.14.1 torchvision==0.29.1"                 # what CPU CI runs
 if ! "$py" -c "import torch, torchvision" 2>/dev/null; then
-  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
-    spec=${GALLERY_TORCH_SPEC:-"torch torchvision"}
+  if [ -n "${GALLERY_TORCH_SPEC:-}" ]; then
+    echo "[setup] installing $GALLERY_TORCH_SPEC"
+    # shellcheck disable=SC2086
+    "$py" -m pip install --quiet $GALLERY_TORCH_SPEC
   else
-    spec=${GALLERY_TORCH_SPEC:-"torch==2.14.1 torchvision==0.29.1"}
+    tag=${GALLERY_TORCH_INDEX:-$(cd "$repo" && "$python" -m gallery_lib.gpu_check)} || exit 1
+    index="https://download.pytorch.org/whl/$tag"
+    if [ "$tag" = cpu ]; then
+      echo "[setup] no GPU: trying PyTorch's CPU build ($index)"
+      # shellcheck disable=SC2086
+      if ! "$py" -m pip install --quiet --timeout 10 --retries 0 --index-url "$index" $cpu_pin 2>/dev/null; then
+        echo "[setup] PyTorch's CPU index did not answer: installing PyPI's $cpu_pin (with CUDA libraries)"
+        # shellcheck disable=SC2086
+        "$py" -m pip install --quiet $cpu_pin
+      fi
+    else
+      echo "[setup] GPU driver wants $tag: installing $tested_range from $index"
+      # shellcheck disable=SC2086
+      "$py" -m pip install --quiet --index-url "$index" $tested_range
+      if ! "$py" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+        echo "[setup] ERROR: torch was installed from $index but cannot use the GPU that nvidia-smi lists." >&2
+        nvidia-smi --query-gpu=name,driver_version --format=csv >&2 || true
+        echo "[setup] Set GALLERY_TORCH_INDEX to a CUDA tag this driver runs (e.g. cu126), remove $venv, retry." >&2
+        exit 1
+      fi
+    fi
   fi
-  echo "[setup] installing $spec"
-  # shellcheck disable=SC2086
-  "$py" -m pip install --quiet $spec
 fi
 echo "[setup] installing gallery-lib[$extras]"
 "$py" -m pip install --quiet -e "$repo[$extras]"

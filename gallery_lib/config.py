@@ -396,7 +396,12 @@ def visible_cuda_devices() -> int:
 
 
 def resolve_device(requested: str, cuda_devices: int) -> str:
-    """``cuda`` or ``cpu`` for a ``RunConfig.device`` value: ``auto`` takes the GPU when one is visible."""
+    """``cuda`` or ``cpu`` for a ``RunConfig.device`` value: ``auto`` takes the GPU when one is visible (and fails
+    when ``nvidia-smi`` lists one that torch cannot use: ``gallery_lib.gpu_check``)."""
+    if requested == "auto" and not cuda_devices:
+        from gallery_lib.gpu_check import check_gpu_usable
+
+        check_gpu_usable()
     return requested if requested != "auto" else ("cuda" if cuda_devices else "cpu")
 
 

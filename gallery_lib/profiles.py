@@ -21,6 +21,9 @@ def resolve_profile(profile: str) -> str:
     if profile == "auto":
         import torch
 
+        from gallery_lib.gpu_check import check_gpu_usable
+
+        check_gpu_usable()  # a GPU torch cannot use is an error, not a quiet smoke run
         return "full" if torch.cuda.is_available() else "smoke"
     return profile
 
