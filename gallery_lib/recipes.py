@@ -3,7 +3,10 @@
 ``baseline``    what a user runs today (the Swin reference code, diffusers' ``train_text_to_image.py``, the
                 torchvision ResNet recipe): eager, AMP O1 (float16 with a GradScaler on a GPU), the family's
                 optimizer unfused, a per-tensor EMA loop when the profile trains an EMA, DDP when several processes.
-``compiled``    the plain ``torch.compile`` peer: compile + bfloat16 autocast + fused optimizer + foreach EMA.
+``compiled``    plain ``torch.compile``: compile + bfloat16 autocast + fused optimizer + foreach EMA.
+``peer``        the strongest plain-PyTorch setup a skilled user writes in a few lines: ``compiled`` plus the switches
+                the family declares (``ModelFamily.peer``: cached latents for diffusion, channels_last for convnets).
+                ``accelerated`` has to beat it; ``gallery bench`` measures both.
 ``accelerated`` ``compiled`` plus the switches that measured faster for the model's family, which the family
                 declares (``ModelFamily.accelerated`` in ``gallery_lib/models/<family>.py``, each with a pointer
                 to its measurement in ``benchmarks/RESULTS.md``).
@@ -32,6 +35,17 @@ def compiled(base: RunConfig) -> RunConfig:
     return base.replace(recipe="compiled", amp_level="O1", amp_dtype="bfloat16", compile=True, compile_mode="default",
                         fused_optimizer=True, kernels=False, fused_attention=False, channels_last=False,
                         ema=_ema_mode(base, "foreach"), **base.model_family.plain_options())
+
+
+def peer(base: RunConfig) -> RunConfig:
+    """The strongest plain-PyTorch setup a skilled user writes in a few lines: ``compiled`` plus the family's peer.
+
+    What such a user adds for the family (``ModelFamily.peer``): the frozen encoders run once over the data for
+    Stable Diffusion and DreamBooth (cached latents), channels_last for convnets, nothing more for Swin. It is the bar
+    ``accelerated`` is measured against (``gallery bench``), so that its gains are over the best a user gets without
+    this library, not over the easy setup.
+    """
+    return compiled(base).replace(recipe="peer", **base.model_family.peer)
 
 
 def accelerated(base: RunConfig) -> RunConfig:
@@ -66,6 +80,7 @@ def _ema_mode(base: RunConfig, mode: str) -> str:
 RECIPES: dict[str, Callable[[RunConfig], RunConfig]] = {
     "baseline": baseline,
     "compiled": compiled,
+    "peer": peer,
     "accelerated": accelerated,
 }
 
@@ -113,6 +128,11 @@ def _refuse_ignored(recipe: str, cfg: RunConfig, overrides: dict[str, Any]) -> N
     for name, switch in _NEEDS_SWITCH.items():
         if name in overrides and not overrides.get(switch, getattr(cfg, switch)):
             takers = [r for r in RECIPES if getattr(RECIPES[r](cfg), switch)]
-            use = f"use the {' or '.join(takers)} recipe, or " if takers else ""
+            use = f"use the {_either(takers)} recipe, or " if takers else ""
             raise ConfigError(f"{name}={overrides[name]!r} has no effect in the {recipe} recipe, which runs with "
                               f"{switch}=False: {use}add --set {switch}=true.")
+
+
+def _either(names: list[str]) -> str:
+    """``a``, ``a or b``, ``a, b or c``."""
+    return " or ".join(filter(None, [", ".join(names[:-1]), names[-1]]))

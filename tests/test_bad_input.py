@@ -47,7 +47,7 @@ def _refused(capsys, argv: list[str]) -> str:
 BAD_INPUT = [  # (argv, what the error says)
     (["--recipe", "baseline", "--compile-mode", "reduce-overhead"],
      "compile_mode='reduce-overhead' has no effect in the baseline recipe, which runs with compile=False: use the "
-     "compiled or accelerated recipe"),
+     "compiled, peer or accelerated recipe"),
     (["--recipe", "compiled", "--set", "kernel_ops=geglu"], "has no effect in the compiled recipe"),
     (["--set", "fused_attention=maybe"], "fused_attention='maybe' is invalid: expected true or false"),
     (["--set", "fused_atention=1"], "there is no setting 'fused_atention'; did you mean fused_attention?"),

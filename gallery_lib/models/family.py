@@ -3,8 +3,8 @@
 A family module (``models/swin.py``, ``models/stable_diffusion.py``) builds one ``ModelFamily`` and registers it
 (``gallery_lib.models.register_family``). Everything else in the library reads from it: the config (which models
 exist, which task and task settings they take), the profiles (run and data sizes), the recipes (the switches that
-measured faster for this family), data preparation, regional compilation (the repeated block types) and the
-attention backend hook. None of them branches on a family or task name.
+measured faster for this family, and those of its plain-PyTorch peer), data preparation, regional compilation (the
+repeated block types) and the attention backend hook. None of them branches on a family or task name.
 """
 
 from __future__ import annotations
@@ -53,6 +53,10 @@ class ModelFamily:
     faster (each kept with a one-line pointer to ``benchmarks/RESULTS.md``)."""
     accelerated_on_gpu: Mapping[str, Any] = field(default_factory=dict)
     """Switches the ``accelerated`` recipe adds to ``accelerated`` only when the run has a GPU (CUDA graphs, say)."""
+    peer: Mapping[str, Any] = field(default_factory=dict)
+    """What the ``peer`` recipe switches on top of ``compiled``: what a skilled user adds to ``torch.compile`` in a few
+    lines of plain PyTorch for this family (cached latents for diffusion, channels_last for convnets), so that
+    ``accelerated`` is measured against the strongest setup a user gets without this library."""
     block_types: tuple[str, ...] = ()
     """Class names of the repeated blocks that ``compile_scope='blocks'`` compiles in place (outermost match)."""
     block_modules: tuple[str, ...] = ()
@@ -81,6 +85,6 @@ class ModelFamily:
         return next(spec for spec in self.models if spec.name == model).build(**kwargs)
 
     def plain_options(self) -> dict[str, Any]:
-        """The task settings that ``accelerated`` switches, at their defaults: what the plain recipes run."""
+        """The task settings that ``accelerated`` or ``peer`` switch, at their defaults: what the plain recipes run."""
         defaults = {f.name: f.default for f in dataclasses.fields(self.options)}
-        return {name: defaults[name] for name in self.accelerated if name in defaults}
+        return {name: defaults[name] for name in {**self.accelerated, **self.peer} if name in defaults}

@@ -68,6 +68,7 @@ FAMILY = register_family(ModelFamily(
     # kept: channels_last (1.79x eager), CUDA graphs (+1.5% compiled), the crops on the GPU (RESULTS.md#resnet50)
     accelerated={"channels_last": True, "image_pipeline": "gpu_augment"},
     accelerated_on_gpu={"compile_mode": "reduce-overhead"},
+    peer={"channels_last": True},  # one line every convnet user knows
     block_types=("Bottleneck", "BasicBlock"),
     block_modules=("timm.models.resnet",),
 ))

@@ -55,6 +55,8 @@ FAMILY = register_family(ModelFamily(
     # graphs precompiled in parallel on a GPU (#sd15-compile-time). Not kept: channels_last, the GroupNorm+SiLU kernel.
     accelerated={"cache_latents": True, "ema": "fused", "kernels": True, "kernel_ops": "geglu",
                  "compile_scope": "blocks"},
+    # The plain-PyTorch peer encodes the images and captions once too: a few lines in any training script.
+    peer={"cache_latents": True},
     # Matched by class name, outermost first: a Transformer2DModel compiles whole, its blocks not again.
     block_types=("Transformer2DModel", "BasicTransformerBlock", "ResnetBlock2D"),
     block_modules=("diffusers.models.unets.unet_2d_blocks", "gallery_lib.accel.patch"),
