@@ -1,4 +1,4 @@
-"""The ``gallery`` command: ``prepare``, ``train``, ``compare``, ``run`` (all steps for one model), ``list``.
+"""The ``gallery`` command: ``prepare``, ``train``, ``compare``, ``run`` (all steps for one model), ``bench``, ``list``.
 
 Flags follow the TorchAcc gallery where one exists (``--batch_size``, ``--nproc_per_node``,
 ``--amp_level O1|O2``, ``--compiler-opt``, ``--kernel-opt``); every flag accepts dashes or
@@ -9,16 +9,20 @@ is then named after both (``baseline+compiler-opt``) so it never overwrites the 
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
+from pathlib import Path
 from typing import Any, Sequence
 
 from gallery_lib.config import (AMP_DTYPES, AMP_LEVELS, COMPILE_MODES, DEVICES, ConfigError, RunConfig,
                                 parse_overrides, validate_for_machine)
 from gallery_lib.profiles import PROFILES, base_config
 from gallery_lib.recipes import recipe_config
+from gallery_lib.run.bench import DEFAULT_RECIPES as _BENCH_RECIPES
 from gallery_lib.run.checkpoint import CheckpointError
 
 DEFAULT_RECIPES = "baseline,compiled,accelerated"
+BENCH_RECIPES = ",".join(_BENCH_RECIPES)
 _MIXED_PRECISION = {"no": {"amp_level": "O0"}, "fp16": {"amp_level": "O1", "amp_dtype": "float16"},
                     "bf16": {"amp_level": "O1", "amp_dtype": "bfloat16"}}
 """diffusers' ``--mixed_precision`` as the gallery's fields."""
@@ -194,6 +198,47 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from gallery_lib.reports.bench import bench_table
+    from gallery_lib.reports.bench_goals import describe_goals
+    from gallery_lib.run import bench
+
+    models = bench.resolve_models(_recipe_list(args.models or ""), args.profile)
+    recipes = _recipe_list(args.recipes)
+    if not recipes:
+        raise ConfigError(f"--recipes {args.recipes!r} names no recipe: pass some of {BENCH_RECIPES}.")
+    runs = bench.plan_runs(models, recipes, bench.parse_batch_sizes(args.batch_size, models), profile=args.profile,
+                           warmup_steps=args.warmup_steps, timed_steps=args.timed_steps, output_dir=args.output_dir,
+                           data_root=args.data_root, overrides=parse_overrides(args.set))
+    out = Path(args.out) if args.out else bench.default_out_path(bench.gpu_name())
+    record = bench.run_bench(runs, out, command=args.command_line, profile=args.profile)
+    print(f"\n{bench_table(record['rows'])}\n\n{describe_goals(record['rows'], record['device'])}")
+    print(f"\nwrote {out} and {out.with_suffix('.png')}")
+    return 0
+
+
+def _add_bench_flags(p: argparse.ArgumentParser) -> None:
+    _flag(p, "models", help="comma-separated gallery models, or family shortcuts meaning the profile's model of a "
+                            "family: sd, swin, resnet, dreambooth (default: every family's)")
+    _flag(p, "recipes", default=BENCH_RECIPES,
+          help="comma-separated; a recipe with fields changed as RECIPE+FIELD=VALUE, e.g. accelerated+ema=off "
+               f"(default: {BENCH_RECIPES})")
+    _flag(p, "batch_size", action="append", default=[], metavar="[MODEL=]SIZES",
+          help="comma-separated batch sizes for every model (32,48), or for one (sd=32,48); repeatable "
+               "(default: the profile's)")
+    _flag(p, "profile", choices=PROFILES, default="auto",
+          help="smoke: the tiny models on a CPU; full: the GPU models; auto: full when a GPU is visible")
+    _flag(p, "warmup_steps", type=int, help="untimed steps first, compilation included (default: the profile's)")
+    _flag(p, "timed_steps", type=int, help="steps timed after warm-up (default: 30 on a GPU, at least that; the "
+                                            "profile's on a CPU)")
+    _flag(p, "set", action="append", default=[], metavar="FIELD=VALUE",
+          help="any RunConfig field, for every run (repeatable)")
+    _flag(p, "data_root", default="data", help="where each model's mock data is prepared (default: data)")
+    _flag(p, "output_dir", default="output/bench", help="the runs' output root (default: output/bench)")
+    _flag(p, "out", help="the result file (default: benchmarks/results/bench-<gpu>-<date>.json); its figure is "
+                         "written beside it as .png")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gallery", description=__doc__.split("\n\n")[0].replace("``", "`"))
     sub = parser.add_subparsers(dest="command", required=True)
@@ -203,7 +248,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_prepare)
     p = sub.add_parser("train", help="one training run (one recipe)")
     _add_run_flags(p)
-    _flag(p, "recipe", default="baseline", help="baseline, compiled or accelerated (default: baseline)")
+    _flag(p, "recipe", default="baseline", help="baseline, compiled, peer or accelerated (default: baseline)")
     _flag(p, "checkpoint_every", type=int, help="save a checkpoint every N steps in <run>/checkpoints (default: off)")
     p.add_argument("--checkpointing_steps", dest="checkpoint_every", type=int, help="= --checkpoint_every")
     _flag(p, "resume", action="store_true", help="continue the run from <run>/checkpoints/latest")
@@ -217,11 +262,16 @@ def build_parser() -> argparse.ArgumentParser:
     _add_run_flags(p)
     _flag(p, "recipes", default=DEFAULT_RECIPES, help=f"comma-separated (default: {DEFAULT_RECIPES})")
     p.set_defaults(func=cmd_run)
+    p = sub.add_parser("bench", help="time each model's training step per recipe and batch size; write a result "
+                                     "file, a figure and which of issue 24's goals the run met")
+    _add_bench_flags(p)
+    p.set_defaults(func=cmd_bench)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.command_line = "gallery " + shlex.join(sys.argv[1:] if argv is None else argv)
     try:
         return args.func(args)
     except (ConfigError, FileNotFoundError, CheckpointError) as exc:

@@ -1,0 +1,168 @@
+"""``gallery bench`` and the ``peer`` recipe: the peer's switches per family, the goal verdicts on hand-made rows,
+one real CPU bench through the command, and its refusal of bad input before anything runs."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import subprocess
+import time
+
+import pytest
+
+from gallery_lib.cli import main
+from gallery_lib.config import ConfigError
+from gallery_lib.models import FAMILIES, unregister_family
+from gallery_lib.profiles import base_config
+from gallery_lib.recipes import RECIPES, apply_recipe
+from gallery_lib.reports.bench import bench_table, write_figure
+from gallery_lib.reports.bench_goals import MET, NOT_MEASURED, NOT_MET, check_goals
+from gallery_lib.run.bench import parse_batch_sizes, resolve_models
+
+ROW_FIELDS = {"model", "recipe", "batch_size", "samples_per_s", "median_step_ms", "p20_step_ms", "p80_step_ms",
+              "peak_mem_gib", "mfu", "compile_s", "flops_per_sample"}
+
+
+@pytest.fixture
+def toy():
+    import toy_family  # importing it registers the family (tests/toy_family.py)
+
+    if "toy_convnet" not in FAMILIES:  # unregistered by an earlier test: import it again
+        importlib.reload(toy_family)
+    yield FAMILIES["toy_convnet"]
+    unregister_family("toy_convnet")
+
+
+@pytest.mark.parametrize("family, switches", [
+    ("stable_diffusion", {"cache_latents": True}),
+    ("dreambooth", {"cache_latents": True}),
+    ("resnet50", {"channels_last": True}),
+    ("swin_transformer", {}),
+])
+def test_peer_is_compiled_plus_the_family_switches(family, switches):
+    base = base_config("smoke", family=family)
+    compiled, peer = apply_recipe("compiled", base), apply_recipe("peer", base)
+    assert dict(FAMILIES[family].peer) == switches
+    assert peer == compiled.replace(recipe="peer", **switches)
+    assert peer.compile and peer.fused_optimizer and peer.amp_dtype == "bfloat16" and peer.ema == compiled.ema
+    assert not (peer.kernels or peer.fused_attention) and peer.compile_scope == "model"  # nothing of this library
+    assert list(RECIPES).index("peer") == list(RECIPES).index("compiled") + 1
+
+
+def row(model, recipe, batch, samples_per_s, p20=10.0, p80=10.2, ema="fused", **extra):
+    return {"model": model, "recipe": recipe, "batch_size": batch, "samples_per_s": samples_per_s,
+            "median_step_ms": (p20 + p80) / 2, "p20_step_ms": p20, "p80_step_ms": p80, "peak_mem_gib": 40.0,
+            "mfu": 0.4, "compile_s": 60.0, "flops_per_sample": 2.4e12, "ema": ema, **extra}
+
+
+def verdicts(rows):
+    return [(g.status, g.numbers) for g in check_goals(rows)]
+
+
+def test_goals_met_with_their_numbers():
+    rows = [row("sd15", "peer", 32, 120.0, ema="foreach"), row("sd15", "accelerated", 32, 140.0),
+            row("sd15", "accelerated", 48, 155.0), row("sd15", "accelerated+ema=off", 32, 141.0, ema="off"),
+            row("swin_tiny_patch4_window7_224", "peer", 128, 3800.0, p20=33.0, p80=34.0),
+            row("swin_tiny_patch4_window7_224", "accelerated", 128, 5000.0, p20=25.5, p80=26.0)]
+    (sd, sd_text), (best, best_text), (swin, swin_text), (ema, ema_text) = verdicts(rows)
+    assert (sd, best, swin, ema) == (MET, MET, MET, MET)
+    assert "140.0 against 120.0 samples/s = 1.17x" in sd_text
+    assert "best 155.0 samples/s at batch 48, MFU 40.0%" in best_text
+    assert "5,000.0 against 3,800.0 samples/s = 1.32x" in swin_text and "p80/p20 1.020" in swin_text
+    assert "EMA costs 0.7%" in ema_text
+
+
+def test_goals_not_met_say_why():
+    rows = [row("sd15", "peer", 32, 124.0), row("sd15", "accelerated", 32, 121.0),
+            row("sd15", "accelerated", 64, 0, error="out of memory"),
+            row("sd15", "accelerated+ema=off", 32, 123.0, ema="off"),
+            row("swin_tiny_patch4_window7_224", "peer", 128, 3800.0),
+            row("swin_tiny_patch4_window7_224", "accelerated", 128, 5100.0, p20=28.6, p80=38.0)]
+    (sd, sd_text), (best, best_text), (swin, swin_text), (ema, ema_text) = verdicts(rows)
+    assert (sd, best, swin, ema) == (NOT_MET, NOT_MET, NOT_MET, NOT_MET)
+    assert "= 0.98x" in sd_text and "batches run: 32, 64 (out of memory)" in best_text
+    assert "= 1.34x" in swin_text and "p80/p20 1.329" in swin_text  # fast enough, but not steady
+    assert "EMA costs 1.7%" in ema_text
+    failed = [row("sd15", "peer", 32, 124.0), row("sd15", "accelerated", 32, 0, error="out of memory")]
+    assert verdicts(failed)[0] == (NOT_MET, "accelerated failed: out of memory")
+
+
+def test_goals_not_measured_name_what_is_missing():
+    tiny = [row("sd_tiny", "peer", 4, 9.0), row("sd_tiny", "accelerated", 4, 12.0)]
+    assert [status for status, _ in verdicts(tiny)] == [NOT_MEASURED] * 4
+    other_batch = [row("sd15", "peer", 8, 70.0), row("sd15", "accelerated", 8, 85.0)]
+    status, numbers = verdicts(other_batch)[0]
+    assert status == NOT_MEASURED and numbers == "no accelerated and no peer row at batch 32"
+    peer_failed = [row("sd15", "peer", 32, 0, error="out of memory"), row("sd15", "accelerated", 32, 140.0)]
+    assert verdicts(peer_failed)[0] == (NOT_MEASURED, "peer failed: out of memory")
+
+
+def test_table_and_figure_show_ratios_and_failures(tmp_path):
+    rows = [row("sd15", "peer", 32, 120.0), row("sd15", "accelerated", 32, 150.0),
+            {"model": "sd15", "recipe": "accelerated", "batch_size": 64, "error": "out of memory"}]
+    table = bench_table(rows)
+    assert "| sd15 | accelerated | 32 | 150.0 | 1.25x |" in table and "| 64 | error: out of memory |" in table
+    record = {"rows": rows, "device": "NVIDIA H100 80GB HBM3", "torch": "2.11.0", "date": "2026-11-24 10:00:00"}
+    assert write_figure(record, tmp_path / "bench.png").stat().st_size > 10_000
+
+
+def test_models_by_name_or_family_shortcut():
+    assert resolve_models(["sd", "swin", "resnet"], "smoke") == ["sd_tiny", "swin_micro", "resnet_micro"]
+    assert resolve_models(["sd", "swin_transformer", "resnet50"], "full") == [
+        "sd15", "swin_tiny_patch4_window7_224", "resnet50"]
+    assert resolve_models([], "smoke") == [f.run_profiles["smoke"]["model"] for f in FAMILIES.values()]
+    assert parse_batch_sizes(["32,48", "sd15=8"], ["sd15", "resnet50"]) == {"sd15": [8], "resnet50": [32, 48]}
+    assert parse_batch_sizes(["swin=128"], ["sd15", "swin_tiny_patch4_window7_224"]) == {
+        "sd15": None, "swin_tiny_patch4_window7_224": [128]}
+    with pytest.raises(ConfigError, match="'s' matches swin_transformer and stable_diffusion"):
+        resolve_models(["s"], "smoke")
+
+
+@pytest.fixture
+def no_launch(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("a process was started for bad input")
+
+    monkeypatch.setattr(subprocess, "Popen", refuse)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--models", "resnet9"], "--models 'resnet9' is no model or family: name a model"),
+    (["--recipes", "baseline,turbo"], "recipe='turbo' is not known: choose one of baseline, compiled, peer"),
+    (["--recipes", ","], "names no recipe"),
+    (["--batch-size", "0"], "--batch-size '0' is invalid: expected positive integers"),
+    (["--batch-size", "-8"], "--batch-size '-8' is invalid"),
+    (["--batch-size", "big"], "--batch-size 'big' is invalid"),
+    (["--batch-size", "vit=32"], "'vit' is not among the benched models"),
+    (["--recipes", "peer+ema=sometimes"], "ema='sometimes' is not known"),
+])
+def test_bad_input_is_refused_in_one_line_before_anything_runs(argv, message, capsys, tmp_path, monkeypatch,
+                                                              no_launch):
+    monkeypatch.chdir(tmp_path)
+    start = time.perf_counter()
+    assert main(["bench", "--profile", "smoke", "--models", "swin", *argv]) == 2
+    assert time.perf_counter() - start < 5
+    err = capsys.readouterr().err
+    assert err.startswith("gallery: error: ") and message in err and err.count("\n") == 1 and "Traceback" not in err
+    assert list(tmp_path.iterdir()) == []  # no data, no runs, no result file
+
+
+def test_cpu_bench_writes_rows_a_figure_and_the_goals(toy, tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    argv = ["bench", "--models", "toy", "--recipes", "baseline,peer", "--batch-size", "4,8", "--warmup-steps", "1",
+            "--timed-steps", "3", "--data-root", str(tmp_path / "data"), "--output-dir", str(tmp_path / "runs"),
+            "--out", str(out)]
+    assert main(argv) == 0
+    record = json.loads(out.read_text())
+    assert record["command"] == "gallery " + " ".join(argv) and record["profile"] == "smoke"
+    assert record["device"] == "CPU" and record["torch"] and record["date"]
+    assert [(r["recipe"], r["batch_size"]) for r in record["rows"]] == [
+        ("baseline", 4), ("peer", 4), ("baseline", 8), ("peer", 8)]
+    for r in record["rows"]:
+        assert ROW_FIELDS <= set(r) and "error" not in r and r["model"] == "toy_convnet"
+        assert r["samples_per_s"] > 0 and r["p20_step_ms"] <= r["median_step_ms"] <= r["p80_step_ms"]
+        assert r["timed_steps"] == 3 and r["mfu"] is None  # no GPU matmul rate to divide by on a CPU
+    assert out.with_suffix(".png").stat().st_size > 10_000
+    printed = capsys.readouterr().out
+    assert "| toy_convnet | peer | 8 |" in printed and printed.count("[not measured]") == 4
+    assert [g["status"] for g in record["goals"]] == [NOT_MEASURED] * 4
