@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import shlex
 import sys
-from pathlib import Path
 from typing import Any, Sequence
 
 from gallery_lib.config import (AMP_DTYPES, AMP_LEVELS, COMPILE_MODES, DEVICES, ConfigError, RunConfig,
@@ -210,7 +209,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     runs = bench.plan_runs(models, recipes, bench.parse_batch_sizes(args.batch_size, models), profile=args.profile,
                            warmup_steps=args.warmup_steps, timed_steps=args.timed_steps, output_dir=args.output_dir,
                            data_root=args.data_root, overrides=parse_overrides(args.set))
-    out = Path(args.out) if args.out else bench.default_out_path(bench.gpu_name())
+    out = bench.out_path(args.out, bench.gpu_name())
     record = bench.run_bench(runs, out, command=args.command_line, profile=args.profile)
     print(f"\n{bench_table(record['rows'])}\n\n{describe_goals(record['rows'], record['device'])}")
     print(f"\nwrote {out} and {out.with_suffix('.png')}")
@@ -235,8 +234,8 @@ def _add_bench_flags(p: argparse.ArgumentParser) -> None:
           help="any RunConfig field, for every run (repeatable)")
     _flag(p, "data_root", default="data", help="where each model's mock data is prepared (default: data)")
     _flag(p, "output_dir", default="output/bench", help="the runs' output root (default: output/bench)")
-    _flag(p, "out", help="the result file (default: benchmarks/results/bench-<gpu>-<date>.json); its figure is "
-                         "written beside it as .png")
+    _flag(p, "out", help="the result file, or a folder to write it in (default: benchmarks/results/"
+                         "bench-<gpu>-<date>.json); its figure is written beside it as .png")
 
 
 def build_parser() -> argparse.ArgumentParser:

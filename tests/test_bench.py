@@ -7,6 +7,7 @@ import importlib
 import json
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 
@@ -166,3 +167,36 @@ def test_cpu_bench_writes_rows_a_figure_and_the_goals(toy, tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "| toy_convnet | peer | 8 |" in printed and printed.count("[not measured]") == 4
     assert [g["status"] for g in record["goals"]] == [NOT_MEASURED] * 4
+
+
+def test_a_gpu_plan_times_at_least_30_steps_after_warm_up(monkeypatch, tmp_path):
+    from gallery_lib.run.bench import plan_runs
+
+    monkeypatch.setattr("gallery_lib.config.visible_cuda_devices", lambda: 1)  # planned as on a one-GPU machine
+    plan = dict(profile="full", warmup_steps=None, output_dir=str(tmp_path), data_root=str(tmp_path), overrides={})
+    sizes = parse_batch_sizes(["sd=32", "swin=128"], ["sd15", "swin_tiny_patch4_window7_224"])
+    runs = plan_runs(["sd15", "swin_tiny_patch4_window7_224"], ["peer", "accelerated"], sizes, timed_steps=None,
+                     **plan)
+    assert [(c.model, c.recipe, c.batch_size) for c in runs] == [
+        ("sd15", "peer", 32), ("sd15", "accelerated", 32),
+        ("swin_tiny_patch4_window7_224", "peer", 128), ("swin_tiny_patch4_window7_224", "accelerated", 128)]
+    assert all(c.reuse_batch and c.steps - c.warmup_steps == 30 for c in runs)
+    assert runs[0].cache_latents and runs[0].compile_scope == "model" and not runs[0].kernels
+    assert len({c.run_dir for c in runs}) == 4
+    with pytest.raises(ConfigError, match="--timed-steps 10 is too few on a GPU"):
+        plan_runs(["sd15"], ["peer"], {"sd15": [32]}, timed_steps=10, **plan)
+
+
+def test_default_result_file_names_the_gpu_and_date_and_never_overwrites(monkeypatch, tmp_path):
+    from gallery_lib.run.bench import default_out_path, out_path
+
+    monkeypatch.chdir(tmp_path)
+    first = default_out_path("NVIDIA H100 80GB HBM3", "2026-11-24")
+    assert str(first) == "benchmarks/results/bench-nvidia-h100-80gb-hbm3-2026-11-24.json"
+    first.parent.mkdir(parents=True)
+    first.write_text("{}")
+    second = default_out_path("NVIDIA H100 80GB HBM3", "2026-11-24")
+    assert second.name == "bench-nvidia-h100-80gb-hbm3-2026-11-24-2.json"
+    assert default_out_path(None, "2026-11-24").name == "bench-cpu-2026-11-24.json"
+    assert out_path(str(tmp_path), "NVIDIA H200").parent == tmp_path  # a folder: the default name in it
+    assert out_path("mine.json", "NVIDIA H200") == Path("mine.json")

@@ -208,15 +208,23 @@ def error_row(cfg: RunConfig, message: str) -> dict:
             "error_detail": message[-1500:], "run_dir": str(cfg.run_dir)}
 
 
-def default_out_path(gpu: str | None, date: str | None = None) -> Path:
-    """``benchmarks/results/bench-<gpu-slug>-<date>.json``, numbered (``-2``, ...) rather than overwriting a bench
-    run earlier that day."""
+def out_path(out: str | None, gpu: str | None) -> Path:
+    """``--out``: a file, or a folder for the default name (a GPU machine's output folder, say); default:
+    ``benchmarks/results/bench-<gpu-slug>-<date>.json``."""
+    if out and not Path(out).is_dir():
+        return Path(out)
+    return default_out_path(gpu, folder=Path(out) if out else RESULTS_DIR)
+
+
+def default_out_path(gpu: str | None, date: str | None = None, folder: Path = RESULTS_DIR) -> Path:
+    """``<folder>/bench-<gpu-slug>-<date>.json``, numbered (``-2``, ...) rather than overwriting a bench run earlier
+    that day."""
     slug = re.sub(r"[^a-z0-9]+", "-", (gpu or "cpu").lower()).strip("-")
     stem = f"bench-{slug}-{date or time.strftime('%Y-%m-%d')}"
-    path, n = RESULTS_DIR / f"{stem}.json", 1
+    path, n = folder / f"{stem}.json", 1
     while path.exists():
         n += 1
-        path = RESULTS_DIR / f"{stem}-{n}.json"
+        path = folder / f"{stem}-{n}.json"
     return path
 
 
