@@ -12,4 +12,6 @@ bash "$repo/ci/setup_env.sh" notebooks,sd,lab
 venv=${GALLERY_VENV:-$repo/.venv}
 "$venv/bin/python" -c "import sys; sys.path.insert(0, '$repo/ci'); import run_notebooks; run_notebooks.ensure_kernel()"
 cd "$repo"
-exec "$venv/bin/jupyter" lab notebooks/ --ip "${GALLERY_LAB_IP:-127.0.0.1}" "$@"
+root_flag=()
+[ "$(id -u)" = 0 ] && root_flag=(--allow-root)  # containers on cloud machines often run as root
+exec "$venv/bin/jupyter" lab notebooks/ --ip "${GALLERY_LAB_IP:-127.0.0.1}" "${root_flag[@]}" "$@"

@@ -7,7 +7,8 @@
 # collected") is an error here: a test command that tests nothing must not pass.
 set -uo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
-bash "$repo/ci/setup_env.sh" notebooks,sd,test || exit 1
+bash "$repo/ci/setup_env.sh" notebooks,sd,lab,test || exit 1
+bash "$repo/ci/setup_browser.sh"  # chromium + playwright for the browser tests (they skip without them)
 venv=${GALLERY_VENV:-$repo/.venv}
 cd "$repo"
 "$venv/bin/python" -m pytest "$@"

@@ -1,0 +1,153 @@
+"""The notebooks in a real browser: JupyterLab on 127.0.0.1, each notebook opened in headless Chromium, all its
+cells run in the smoke profile, the widget form and the report figure seen in the page. Screenshots go to
+``output/browser/``.
+
+Needs Debian's ``chromium`` and the ``playwright`` package (``ci/setup_browser.sh`` installs both; ``ci/test.sh``
+calls it). Elsewhere the tests skip, unless ``GALLERY_REQUIRE_BROWSER=1`` (set by ``.ci/run``) makes a missing
+browser a failure.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+NOTEBOOKS = sorted((REPO / "notebooks").glob("*.ipynb"))
+SCREENSHOTS = REPO / "output" / "browser"
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+
+pytestmark = [pytest.mark.browser, pytest.mark.slow]
+
+
+def _missing() -> str | None:
+    try:
+        import playwright.sync_api  # noqa: F401
+    except ImportError:
+        return "the playwright package is not installed (bash ci/setup_browser.sh)"
+    if CHROMIUM is None:
+        return "no chromium executable on PATH (bash ci/setup_browser.sh)"
+    return None
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory):
+    """A JupyterLab server on a copy of the notebooks (their outputs land in the copy), token-protected."""
+    missing = _missing()
+    if missing:
+        if os.environ.get("GALLERY_REQUIRE_BROWSER") == "1":
+            pytest.fail(f"browser test required but {missing}")
+        pytest.skip(missing)
+    root = tmp_path_factory.mktemp("lab")
+    shutil.copytree(REPO / "notebooks", root / "notebooks")
+    sys.path.insert(0, str(REPO / "ci"))
+    import run_notebooks
+
+    run_notebooks.ensure_kernel()  # the notebooks' python3 kernel is this interpreter
+    port, token = _free_port(), "gallery-browser-test"
+    settings = root / "lab-settings"  # every cell in the page (no windowing: prompts are read from the DOM), no news
+    for plugin, values in {"notebook-extension/tracker": '{"windowingMode": "none", "autoStartDefaultKernel": true}',
+                           "apputils-extension/notification": '{"fetchNews": "false"}'}.items():
+        path = settings / "@jupyterlab" / f"{plugin}.jupyterlab-settings"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(values)
+    server = subprocess.Popen(
+        [sys.executable, "-m", "jupyterlab", "--no-browser", "--ip=127.0.0.1", f"--port={port}",
+         f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={root}", "--ServerApp.open_browser=False",
+         *(["--allow-root"] if os.geteuid() == 0 else [])],  # CI containers run as root
+        stdout=subprocess.DEVNULL, stderr=open(root / "lab.log", "w"),
+        env=dict(os.environ, PYTHONPATH=str(REPO), JUPYTERLAB_SETTINGS_DIR=str(settings)))
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_until_up(f"{url}/api/status?token={token}", server, root / "lab.log")
+        yield url, token
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _wait_until_up(status_url: str, server: subprocess.Popen, log: Path, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise RuntimeError(f"JupyterLab exited with {server.returncode}:\n{log.read_text()[-3000:]}")
+        try:
+            with urllib.request.urlopen(status_url, timeout=5):
+                return
+        except OSError:
+            time.sleep(1)
+    raise RuntimeError(f"JupyterLab did not answer within {timeout} s:\n{log.read_text()[-3000:]}")
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_notebook_runs_in_jupyterlab_in_a_real_browser(lab, path):
+    from playwright.sync_api import sync_playwright
+
+    url, token = lab
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        try:
+            page.goto(f"{url}/lab/tree/notebooks/{path.name}?token={token}")
+            page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=120_000)
+            page.wait_for_timeout(3000)
+            if page.locator(".jp-Dialog").count():  # a kernel chooser, should the setting above not apply
+                page.locator(".jp-Dialog").get_by_role("button", name="Select").click()
+            _wait_for_kernel_idle(page, 180)
+            page.get_by_role("menuitem", name="Run", exact=True).click()
+            page.get_by_text("Run All Cells", exact=True).click()
+            _wait_for_all_cells(page, timeout=1200)
+            page.screenshot(path=str(SCREENSHOTS / f"{path.stem}.png"), full_page=True)
+            outputs = page.locator(".jp-OutputArea-output").all_inner_texts()
+            assert not [text for text in outputs if "Traceback (most recent call last)" in text], outputs[-3:]
+            assert page.locator(".jp-OutputArea-output .widget-select-multiple").count() == 1  # the form
+            assert page.locator(".jp-OutputArea-output img").count() >= 1  # the report figure, and more
+        finally:
+            page.screenshot(path=str(SCREENSHOTS / f"{path.stem}.last.png"))
+            browser.close()
+
+
+def _kernel_status(page) -> str:
+    return page.locator(".jp-Notebook-ExecutionIndicator").first.get_attribute("data-status") or ""
+
+
+def _wait_for_kernel_idle(page, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while _kernel_status(page) != "idle":
+        if time.monotonic() > deadline:
+            raise AssertionError(f"the kernel did not start within {timeout} s (status {_kernel_status(page)!r})")
+        time.sleep(1)
+
+
+def _wait_for_all_cells(page, timeout: float) -> None:
+    """Until every code cell has an execution count (none pending ``[*]`` or blank) and the kernel is idle."""
+    deadline = time.monotonic() + timeout
+    idle_since = None
+    while time.monotonic() < deadline:
+        prompts = page.locator(".jp-CodeCell .jp-InputArea-prompt").all_inner_texts()
+        done = prompts and all(text.strip().startswith("[") and text.strip()[1:-2].strip().isdigit()
+                               for text in prompts)
+        idle = _kernel_status(page) == "idle"
+        if done and idle:
+            return
+        idle_since = (idle_since or time.monotonic()) if idle else None
+        if idle_since and time.monotonic() - idle_since > 30:  # "Run All" stops at a failing cell
+            outputs = page.locator(".jp-OutputArea-output").all_inner_texts()
+            raise AssertionError(f"the kernel went idle with cells not run: {prompts}\n{outputs[-2:]}")
+        time.sleep(2)
+    raise AssertionError(f"cells still running after {timeout} s: {prompts}")
