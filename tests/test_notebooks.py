@@ -35,7 +35,13 @@ def test_notebook_is_committed_clean_with_one_parameters_cell(path):
     assert all(not c.outputs and c.execution_count is None for c in code), "strip outputs before committing"
     params = [c for c in code if "parameters" in c.metadata.get("tags", [])]
     assert len(params) == 1, "exactly one cell tagged 'parameters'"
-    assert all(f"{name} =" in params[0].source for name in INJECTED)
+    import papermill
+
+    declared = papermill.inspect_notebook(str(path))  # what `papermill --help-notebook` lists
+    assert len(declared) == len(params[0].source.splitlines()), "every line of the parameters cell is a parameter"
+    assert set(INJECTED) <= set(declared)
+    untyped = [name for name, p in declared.items() if p["inferred_type_name"] in ("None", None)]
+    assert not untyped, f"annotate the parameters (name: type = value  # help): {untyped}"
     assert nb.metadata.kernelspec.name == "python3"
     assert len(code) <= 12, "notebooks stay thin: the work belongs in gallery_lib"
 
