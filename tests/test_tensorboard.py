@@ -1,0 +1,51 @@
+"""report_to='tensorboard': the step records become scalars, the summary text, a figure an image; a resumed run
+purges the steps after its checkpoint; metrics.jsonl stays the record."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("tensorboard", reason="the test extra installs tensorboard")
+
+from matplotlib.figure import Figure  # noqa: E402
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
+
+from gallery_lib.run.metrics import MetricsWriter, read_metrics  # noqa: E402
+from gallery_lib.run.tensorboard import TeeWriter, TensorBoardWriter, log_figure  # noqa: E402
+
+
+def _step(step: int, loss: float) -> dict:
+    return {"type": "step", "step": step, "loss": loss, "lr": 1e-3, "step_time_ms": 10.0, "samples_per_s": 800.0,
+            "peak_mem_mb": 1024.0}
+
+
+def _events(log_dir):
+    events = EventAccumulator(str(log_dir), size_guidance={"tensors": 0, "scalars": 0, "images": 0})
+    events.Reload()
+    return events
+
+
+def test_steps_become_scalars_beside_the_jsonl_and_a_resume_purges_the_superseded_steps(tmp_path):
+    tb_dir = tmp_path / "tensorboard"
+    writer = TeeWriter(MetricsWriter(tmp_path / "metrics.jsonl"), TensorBoardWriter(tb_dir))
+    for step in range(6):
+        writer.write(_step(step, 1.0 - 0.1 * step))
+    writer.close()
+    resumed = TeeWriter(MetricsWriter(tmp_path / "metrics.jsonl", mode="a"), TensorBoardWriter(tb_dir, start_step=4))
+    for step in (4, 5):
+        resumed.write(_step(step, 5.0))  # the resumed run trains steps 4 and 5 again
+    resumed.write({"type": "summary", "steps": 6, "samples_per_s": 800.0, "final_loss": 5.0,
+                   "device_name": "CPU"})
+    resumed.close()
+    losses = {event.step: event.value for event in _events(tb_dir).Scalars("train/loss")}
+    assert losses == pytest.approx({0: 1.0, 1: 0.9, 2: 0.8, 3: 0.7, 4: 5.0, 5: 5.0})
+    assert "train/samples_per_s" in _events(tb_dir).Tags()["scalars"]
+    steps, summary = read_metrics(tmp_path / "metrics.jsonl")
+    assert summary["final_loss"] == 5.0 and len(steps) == 8  # the JSONL keeps every line it was given
+
+
+def test_a_figure_lands_as_an_image(tmp_path):
+    figure = Figure()
+    figure.subplots().plot([0, 1], [1, 0])
+    log_figure(tmp_path / "tb", "report", figure)
+    assert _events(tmp_path / "tb").Tags()["images"] == ["report"]
