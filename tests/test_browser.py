@@ -103,7 +103,7 @@ def test_notebook_runs_in_jupyterlab_in_a_real_browser(lab, path):
         browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
         page = browser.new_page(viewport={"width": 1400, "height": 1000})
         try:
-            page.goto(f"{url}/lab/tree/notebooks/{path.name}?token={token}")
+            page.goto(f"{url}/lab/tree/notebooks/{path.name}?reset&token={token}")  # reset: no earlier tabs
             page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=120_000)
             page.wait_for_timeout(3000)
             if page.locator(".jp-Dialog").count():  # a kernel chooser, should the setting above not apply
@@ -120,10 +120,21 @@ def test_notebook_runs_in_jupyterlab_in_a_real_browser(lab, path):
         finally:
             page.screenshot(path=str(SCREENSHOTS / f"{path.stem}.last.png"))
             browser.close()
+            _shut_down_kernels(url, token)  # the next notebook gets the machine's cores
+
+
+def _shut_down_kernels(url: str, token: str) -> None:
+    import json
+
+    with urllib.request.urlopen(f"{url}/api/sessions?token={token}", timeout=30) as response:
+        sessions = json.load(response)
+    for session in sessions:
+        request = urllib.request.Request(f"{url}/api/sessions/{session['id']}?token={token}", method="DELETE")
+        urllib.request.urlopen(request, timeout=30).close()
 
 
 def _kernel_status(page) -> str:
-    return page.locator(".jp-Notebook-ExecutionIndicator").first.get_attribute("data-status") or ""
+    return page.locator(".jp-Notebook-ExecutionIndicator:visible").first.get_attribute("data-status") or ""
 
 
 def _wait_for_kernel_idle(page, timeout: float) -> None:
@@ -139,7 +150,7 @@ def _wait_for_all_cells(page, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     idle_since = None
     while time.monotonic() < deadline:
-        prompts = page.locator(".jp-CodeCell .jp-InputArea-prompt").all_inner_texts()
+        prompts = page.locator(".jp-NotebookPanel:visible .jp-CodeCell .jp-InputArea-prompt").all_inner_texts()
         done = prompts and all(text.strip().startswith("[") and text.strip()[1:-2].strip().isdigit()
                                for text in prompts)
         idle = _kernel_status(page) == "idle"
