@@ -84,3 +84,20 @@ def test_pre_ampere_gpus_get_float16_with_a_scaler_and_a_note(monkeypatch, capab
     # the baseline asks for float16 itself (amp_dtype auto): nothing was replaced, so nothing is said
     baseline = Precision.from_config(apply_recipe("baseline", cfg), "cuda")
     assert baseline.dtype == torch.float16 and "bfloat16" not in baseline.describe()
+
+
+def test_checkpointed_blocks_can_go_to_the_precompile_workers(tmp_path):
+    """The precompile workers get the blocks pickled (``torch.save`` of meta copies): with checkpointing on, a block
+    holds the checkpoint function, which diffusers defines as a closure that pickle refuses."""
+    import io
+
+    from gallery_lib.accel.precompile.record import meta_copy
+    from gallery_lib.models import get_family
+
+    unet = get_family("stable_diffusion").build("sd_tiny", pretrained=None, prediction_type="epsilon",
+                                                image_size=32).unet
+    enable_gradient_checkpointing(unet)
+    blocks = [m for m in unet.modules() if type(m).__name__ in ("Transformer2DModel", "CrossAttnDownBlock2D")]
+    assert blocks and any(getattr(m, "gradient_checkpointing", False) for m in unet.modules())
+    for block in blocks:
+        torch.save(meta_copy(block), io.BytesIO())  # raised "Can't pickle local object" before

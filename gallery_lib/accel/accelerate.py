@@ -20,10 +20,12 @@ Each step appends a line to ``notes``; the training log prints them so a run say
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
+import torch.utils.checkpoint
 
 from gallery_lib.config import KERNEL_OPS, RunConfig
 from gallery_lib.accel.compile_plan import CompilePlan
@@ -88,6 +90,12 @@ _CHECKPOINTING = ("enable_gradient_checkpointing", "activation_checkpointing_ena
 """How diffusers, transformers (its current name, then the one before) and timm models switch it on."""
 
 
+def checkpointed_call(module: torch.nn.Module, *args):
+    """diffusers' default checkpoint function (non-reentrant ``torch.utils.checkpoint`` of the module's call), defined
+    at module level: the blocks that hold it can be pickled for the precompile workers."""
+    return torch.utils.checkpoint.checkpoint(module.__call__, *args, use_reentrant=False)
+
+
 def enable_gradient_checkpointing(model: torch.nn.Module) -> str:
     """Switches on the library's own gradient checkpointing of ``model``, or of each outermost submodule that has
     it (a UNet and a text encoder trained together); returns the log line. ``ConfigError`` when nothing has it."""
@@ -101,7 +109,13 @@ def enable_gradient_checkpointing(model: torch.nn.Module) -> str:
             for child_name, child in module.named_children():
                 visit(child, f"{name}.{child_name}" if name else child_name)
             return
-        getattr(module, method)(*((True,) if method == "set_grad_checkpointing" else ()))
+        switch = getattr(module, method)
+        if method == "set_grad_checkpointing":
+            switch(True)
+        elif "gradient_checkpointing_func" in inspect.signature(switch).parameters:
+            switch(gradient_checkpointing_func=checkpointed_call)  # diffusers' own is a closure: no pickling
+        else:
+            switch()
         switched.append(f"{name or type(module).__name__} ({method})")
     visit(model, "")
     if not switched:
