@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from gallery_lib.config import RunConfig, parse_overrides
-from gallery_lib.ladder import RUNG_NAMES, RungResult, ladder_configs, rung_named
+from gallery_lib.ladder import RUNG_NAMES, RungResult, failure_reason, ladder_configs, rung_named
 from gallery_lib.profiles import base_config
 from gallery_lib.reports.ladder import ladder_report
 from gallery_lib.run.launch import RunFailed, launch
@@ -70,9 +70,7 @@ def merge(paths: list[str], out: str, report_dir: str | None) -> dict:
         if name in entries:
             entry = entries[name]
             config = RunConfig.from_dict(entry["config"]) if entry["config"] else None
-            failure = entry.get("failure")
-            if failure and "out of memory" in failure.lower():
-                failure = "out of memory"
+            failure = failure_reason(entry["failure"]) if entry.get("failure") else None
             results.append(RungResult(rung_named(name), config, summary=entry.get("summary"), failure=failure))
     record = {"command": "python " + " ".join(sys.argv), "parts": [{"file": p, "command": part["command"],
               "date": part["date"], "gpu": part["gpu"], "torch": part["torch"]} for p, part in zip(paths, parts)]}

@@ -228,13 +228,14 @@ def run_ladder(base: RunConfig, rungs: list[str] | None = None, *, sizes: Ladder
         try:
             results.append(RungResult(rung, cfg, summary=launch(cfg, echo=echo).summary))
         except RunFailed as exc:
-            results.append(RungResult(rung, cfg, failure=_failure_reason(str(exc))))
+            results.append(RungResult(rung, cfg, failure=failure_reason(str(exc))))
             if echo:
                 echo(f"[ladder] {rung.name} did not finish: {results[-1].failure}; going on with the next rung")
     return results
 
 
-def _failure_reason(message: str) -> str:
+def failure_reason(message: str) -> str:
+    """A failed run's message in a table cell's worth: ``out of memory``, else its last error line."""
     if "out of memory" in message.lower():
         return "out of memory"
     lines = [line.strip() for line in message.splitlines() if "Error" in line]

@@ -142,3 +142,26 @@ def test_a_failing_rung_is_reported_and_the_ladder_goes_on(monkeypatch):
     results = run_ladder(base, ["tf32", "amp", "loader", "cuda_graphs"], echo=None)
     assert [(r.rung.name, r.failure) for r in results] == [("tf32", None), ("amp", "out of memory"),
                                                           ("loader", None), ("cuda_graphs", "needs a GPU")]
+
+
+def test_bench_ladder_joins_parts_in_ladder_order_with_short_failures(tmp_path):
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("bench_ladder", Path(__file__).parents[1] / "benchmarks" /
+                                                  "bench_ladder.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    parts = []
+    for i, entries in enumerate([[_result("amp", 12.0), _result("tf32", 10.0)],
+                                 [_result("checkpointing", None), _result("amp", 13.0)]]):
+        rungs = [{"rung": r.rung.name, "config": r.config.to_dict(), **({"summary": r.summary} if r.summary else
+                  {"failure": "training exited with code 1\n  File x\nAttributeError: Can't pickle local object"})}
+                 for r in entries]
+        parts.append(tmp_path / f"part{i}.json")
+        parts[-1].write_text(json.dumps({"command": "c", "date": "d", "gpu": "g", "torch": "t", "rungs": rungs}))
+    record = bench.merge([str(p) for p in parts], str(tmp_path / "ladder.json"), str(tmp_path / "report"))
+    assert [row["name"] for row in record["rows"]] == ["tf32", "amp", "checkpointing"]
+    assert record["rows"][1]["speedup"] == pytest.approx(1.3)  # the later part's amp
+    assert record["rows"][2]["failure"] == "AttributeError: Can't pickle local object"
+    assert (tmp_path / "report" / "ladder.md").exists()
