@@ -141,6 +141,13 @@ class RunConfig:
     and the whole optimizer state) or ``zero2`` (ZeRO-2 through FSDP2's ``fully_shard`` with
     ``reshard_after_forward=False``: the weights stay whole between forward and backward, the gradients and the
     optimizer state are sharded over the processes; see ``gallery_lib.accel.distributed``)."""
+    ddp_bucket_cap_mb: int = setting(25, kind=int, minimum=1)
+    """DDP only: the size in MB of the gradient buckets DDP all-reduces while the backward still runs (PyTorch's
+    default, 25). Larger buckets mean fewer, longer all-reduces; smaller ones start overlapping sooner."""
+    ddp_static_graph: bool = setting(False, kind=bool)
+    """DDP only: promise DDP that every step uses the same parameters in the same graph, so it can skip its per-step
+    bookkeeping after the first step. Off by default: a model whose steps use different parameters (data-dependent
+    branches) breaks the promise (see ``gallery_lib.accel.distributed``)."""
     device: str = setting("auto", choices=DEVICES)
     """``auto`` picks CUDA when present, else CPU."""
     num_workers: int = setting(4, kind=int, minimum=0)
@@ -259,6 +266,19 @@ class RunConfig:
         if self.sdpa_math and self.fused_attention:
             raise ConfigError("sdpa_math=True and fused_attention=True contradict each other: the attention registry "
                               "picks its own kernels. Keep one of them.")
+        if self.data_parallel == "zero2" and self.compile and self.compile_mode in CUDA_GRAPH_COMPILE_MODES:
+            raise ConfigError(f"compile_mode={self.compile_mode!r} captures CUDA graphs, and data_parallel='zero2' "
+                              "all-gathers and reduce-scatters in hooks outside them: use compile_mode='default' or "
+                              "'max-autotune-no-cudagraphs' with zero2, or data_parallel='ddp'.")
+        if self.data_parallel == "zero2" and self.amp_level == "O2":
+            raise ConfigError("amp_level='O2' is invalid with data_parallel='zero2': O2's fp32 master copies are taken "
+                              "from the parameters that ZeRO-2 replaces by sharded ones. Use amp_level='O1' (fp32 "
+                              "sharded weights, autocast math) or data_parallel='ddp'.")
+        if self.data_parallel == "zero2" and self.precompile_workers:
+            raise ConfigError(f"precompile_workers={self.precompile_workers} is invalid with data_parallel='zero2': "
+                              "the workers compile copies of the blocks, and sharded blocks cannot be copied. Set "
+                              "precompile_workers=0 (the blocks then compile in the first steps) or "
+                              "data_parallel='ddp'.")
         if self.fused_attention and self.model_family.attention_hook is None:
             raise ConfigError(f"fused_attention=True is invalid for {self.model!r}: its family "
                               f"({self.family}) has no attention hook. Set fused_attention=false.")

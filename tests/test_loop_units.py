@@ -75,7 +75,7 @@ def test_step_log_writes_each_step_once_per_flush(tmp_path):
     path = tmp_path / "metrics.jsonl"
     loader = SimpleNamespace(skipped=3)
     with MetricsWriter(path) as writer:
-        log = StepLog(c, torch.device("cpu"), writer, loader, start=0, warmup_steps=2, log=lines.append)
+        log = StepLog(c, CPU, writer, loader, start=0, warmup_steps=2, log=lines.append)
         for step in range(4):
             log.record(torch.tensor(float(step)), 0.1 * step, step == 2)
             assert log.due(step + 1) == (step == 3)

@@ -9,11 +9,13 @@ The order matters and is the same for every model and recipe:
    traces or snapshots the module tree;
 3. attention backend - same reason, and it changes what the compiler will see;
 4. precision (O2) - fp32 master copies are taken from the final modules, then weights are cast;
-5. distributed wrapper (DDP) - wraps the module that is trained;
+5. data parallelism (``gallery_lib.accel.distributed``) - DDP wraps the module that is trained; ZeRO-2 shards it in
+   place (FSDP2's ``fully_shard`` on each repeated block, then on the root) after taking a plain template of it,
+   from which the EMA and the export rebuild plain modules;
 6. compile - last. The whole model (``compile_scope='model'``) is compiled on the DDP-wrapped module, so
    TorchDynamo's DDPOptimizer can split graphs at gradient-bucket boundaries and overlap communication
-   with the backward pass (PyTorch's recommended order for DDP). The blocks (``compile_scope='blocks'``)
-   are compiled in place inside whatever wraps them, as torchtitan compiles per block.
+   with the backward pass (PyTorch's recommended order for DDP), or on the sharded root. The blocks
+   (``compile_scope='blocks'``) are compiled in place inside whatever wraps them, as torchtitan compiles per block.
 
 Each step appends a line to ``notes``; the training log prints them so a run says what it did.
 """
@@ -29,7 +31,7 @@ import torch.utils.checkpoint
 
 from gallery_lib.config import KERNEL_OPS, RunConfig
 from gallery_lib.accel.compile_plan import CompilePlan
-from gallery_lib.accel.distributed import DistInfo, wrap_ddp
+from gallery_lib.accel.distributed import DistInfo, apply_zero2, wrap_ddp
 from gallery_lib.accel.precision import Precision
 
 if TYPE_CHECKING:  # imported where fused_attention is on: the core loop does not need the registry
@@ -39,7 +41,7 @@ if TYPE_CHECKING:  # imported where fused_attention is on: the core loop does no
 @dataclass
 class AcceleratedModel:
     module: torch.nn.Module
-    """The plain model (parameters, state_dict keys as built)."""
+    """The model as built (parameters, state_dict keys); with ZeRO-2, sharded in place."""
     train_module: torch.nn.Module
     """What the loop calls: possibly DDP-wrapped and compiled."""
     compile_plan: CompilePlan
@@ -47,6 +49,9 @@ class AcceleratedModel:
     notes: list[str] = field(default_factory=list)
     attention: AttentionHook | None = None
     """The attention hook when ``fused_attention``: its ``selector.chosen`` says what each attention shape ran."""
+    template: torch.nn.Module | None = None
+    """ZeRO-2: the model before sharding, its parameters on the meta device (``meta_template``): what the EMA and the
+    export build plain modules from. ``None`` with DDP."""
 
 
 def apply_accelerations(model: torch.nn.Module, cfg: RunConfig, precision: Precision, dist: DistInfo,
@@ -68,9 +73,7 @@ def apply_accelerations(model: torch.nn.Module, cfg: RunConfig, precision: Preci
         notes.append(note)
     precision.cast_model(model)
     notes.append(f"precision: {precision.describe()}")
-    train_module = wrap_ddp(model, dist)
-    if train_module is not model:
-        notes.append(f"DDP over {dist.world_size} processes")
+    train_module, template = _apply_data_parallel(model, cfg, dist, notes)
     mode = None if cfg.compile_mode == "default" else cfg.compile_mode
     if cfg.compile and cfg.compile_scope == "blocks":
         # Static shapes, as whole-model compilation has: each block shape gets its own graph.
@@ -82,7 +85,22 @@ def apply_accelerations(model: torch.nn.Module, cfg: RunConfig, precision: Preci
         train_module = torch.compile(train_module, mode=mode)
         notes.append(f"torch.compile(mode={cfg.compile_mode!r}); compilation happens in the first warm-up steps")
     return AcceleratedModel(module=model, train_module=train_module, compile_plan=plan, notes=notes,
-                            attention=attention)
+                            attention=attention, template=template)
+
+
+def _apply_data_parallel(model: torch.nn.Module, cfg: RunConfig, dist: DistInfo,
+                         notes: list[str]) -> tuple[torch.nn.Module, torch.nn.Module | None]:
+    """The module the loop trains (DDP-wrapped, or ``model`` sharded in place) and, for ZeRO-2, the plain template."""
+    if cfg.data_parallel == "zero2":
+        blocks, template = apply_zero2(model, cfg.model_family.block_types, dist)
+        notes.append(f"ZeRO-2 over {dist.world_size} process(es): FSDP2 fully_shard(reshard_after_forward=False) of "
+                     f"{len(blocks)} blocks and the root; gradients and optimizer state sharded")
+        return model, template
+    train_module = wrap_ddp(model, dist, bucket_cap_mb=cfg.ddp_bucket_cap_mb, static_graph=cfg.ddp_static_graph)
+    if train_module is not model:
+        notes.append(f"DDP over {dist.world_size} processes: gradients as bucket views, {cfg.ddp_bucket_cap_mb} MB "
+                     f"buckets{', static graph' if cfg.ddp_static_graph else ''}")
+    return train_module, None
 
 
 _CHECKPOINTING = ("enable_gradient_checkpointing", "activation_checkpointing_enable", "gradient_checkpointing_enable",

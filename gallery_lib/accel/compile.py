@@ -24,12 +24,14 @@ def registered_block_types() -> tuple[str, ...]:
 
 
 def _matches(module: nn.Module, block_types: tuple) -> bool:
-    return any(type(module).__name__ == t if isinstance(t, str) else isinstance(module, t) for t in block_types)
+    names = {cls.__name__ for cls in type(module).__mro__}
+    return any(t in names if isinstance(t, str) else isinstance(module, t) for t in block_types)
 
 
 def block_names(model: nn.Module, block_types: Iterable[type | str] | None = None) -> list[str]:
     """Qualified names of the blocks ``regional_compile`` compiles: outermost matches of ``block_types`` (default:
-    ``registered_block_types()``), in module order. Classes match by type, names by class name, so that neither
+    ``registered_block_types()``), in module order. Classes match by type, names by the name of the module's class or
+    of a class it derives from (a block sharded by FSDP2 is an ``FSDP<Block>`` subclass of it), so that neither
     diffusers nor timm has to be importable; a Transformer2DModel is compiled whole, its inner blocks not again."""
     types = tuple(block_types) if block_types is not None else registered_block_types()
     names: list[str] = []

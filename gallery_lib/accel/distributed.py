@@ -1,15 +1,64 @@
-"""Process-group setup for runs started by torchrun (NCCL on GPUs, gloo on CPUs) and the DDP wrapper."""
+"""Process groups, and how the processes of a run share the training: DDP or ZeRO-2 (``RunConfig.data_parallel``).
+
+``init_distributed`` reads torchrun's environment and starts the process group (NCCL on GPUs, gloo on CPUs) when more
+than one process runs, and for ZeRO-2 also with one process: FSDP2 needs a device mesh, and a one-process ZeRO-2 run
+measures what sharding costs and saves beside DDP's memory on the same GPU.
+
+``ddp``: ``wrap_ddp`` wraps the model in ``DistributedDataParallel`` with its speed switches. Gradients are views
+into the all-reduce buckets (``gradient_as_bucket_view``: no copy between them, and no second gradient buffer), the
+bucket size is ``ddp_bucket_cap_mb`` (PyTorch's 25 MB by default), and ``ddp_static_graph`` tells DDP that every step
+uses the same parameters in the same graph. It is off by default: the training loop's graph is static (every step runs
+forward and backward of the whole model; accumulated batches each run a synchronized backward), but a model with
+data-dependent control flow or parameters that some steps leave unused breaks it (silently wrong reduction order,
+or an error at the second step), which a recipe cannot know of an arbitrary model.
+
+``zero2``: ``apply_zero2`` shards the model with PyTorch's own engine, FSDP2: ``fully_shard(reshard_after_forward=
+False)`` on each of the family's repeated blocks (``ModelFamily.block_types``, found as regional compilation finds
+them), then on the root. Parameters, gradients and optimizer state are DTensors sharded on dim 0 over the processes.
+Before its forward each block all-gathers its weights and keeps them until its backward (ZeRO-2: no second all-gather
+in the backward, the whole weights in memory during the step), whose gradients are reduce-scattered to their shards.
+
+What works with ``zero2`` (each tested on CPU processes with gloo, in ``tests/test_distributed.py`` unless said), and
+what ``RunConfig`` refuses with a ``ConfigError`` naming the fix:
+
+- Precision: O0 and O1 keep fp32 (sharded) weights and run the math under autocast, as with DDP: the same function.
+  FSDP's ``MixedPrecisionPolicy`` stays off (its low-precision all-gather would round the weights that O1 keeps in
+  fp32). A float16 GradScaler unscales the DTensor gradients (checked by hand on a CPU). Refused: O2, whose fp32
+  master copies are taken from the module's parameters before the wrapper, and FSDP2 replaces those parameters.
+- ``torch.compile``: ``compile_scope='blocks'`` compiles each block in place inside its FSDP wrapper (the hooks that
+  all-gather and reduce-scatter run around the compiled forward, as torchtitan does it). ``compile_scope='model'``
+  compiles the sharded root and trains the same losses (checked by hand, not in the tests: its graphs break at every
+  block's hooks and recompile, and it compiles many times slower than DDP's single graph; prefer ``blocks``). Refused: the CUDA-graph modes (``reduce-overhead``, ``max-autotune``: the all-gathers, reduce-scatters
+  and their stream waits run in hooks outside the captured graphs) and ``precompile_workers`` (the workers compile
+  from copies of the blocks, and FSDP2 modules cannot be copied).
+- Gradient clipping: ``clip_grad_norm_`` reduces the norm of the DTensor gradients over every shard. The fused AdamW
+  steps the shards, its non-finite skip flag included.
+- Gradient accumulation: each accumulated batch's gradients are reduce-scattered and added to the sharded gradients,
+  as DDP all-reduces each one: correct, not the fastest.
+- Gradient checkpointing: the library's own, as without ZeRO-2 (checked by hand).
+- EMA (``ModelEma(template=...)``): sharded like the weights, updated shard by shard.
+- Checkpoints: ``torch.distributed.checkpoint`` (``gallery_lib.run.sharded_checkpoint``); they also load on another
+  process count.
+- Export: ``gather_full_module`` gathers the full weights to rank 0's CPU and loads them into a plain copy of the model
+  (``meta_template``, taken before sharding), which the task saves.
+- ``channels_last``: FSDP2 shards contiguous parameters only, so the conv weights go back to NCHW before sharding;
+  the images and activations stay channels-last.
+
+Peak memory per process (``peak_mem_mb`` in the run summary) compares the two on the same batch.
+"""
 
 from __future__ import annotations
 
 import atexit
+import copy
 import os
 import sys
 from dataclasses import dataclass
-from typing import NoReturn
+from typing import Iterable, NoReturn
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 
 @dataclass(frozen=True)
@@ -24,8 +73,8 @@ class DistInfo:
         return self.rank == 0
 
 
-def init_distributed(device_type: str) -> DistInfo:
-    """Reads torchrun's environment; starts a process group when more than one process runs."""
+def init_distributed(device_type: str, *, zero2: bool = False) -> DistInfo:
+    """Reads torchrun's environment; starts a process group when more than one process runs, or for ZeRO-2."""
     rank = int(os.environ.get("RANK", 0))
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -34,17 +83,93 @@ def init_distributed(device_type: str) -> DistInfo:
         device = torch.device("cuda", local_rank)
     else:
         device = torch.device("cpu")
-    if world_size > 1 and not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if device_type == "cuda" else "gloo",
-                                device_id=device if device_type == "cuda" else None)
+    if (world_size > 1 or zero2) and not dist.is_initialized():
+        backend = "nccl" if device_type == "cuda" else "gloo"
+        device_id = {"device_id": device} if device_type == "cuda" else {}
+        if "MASTER_ADDR" in os.environ:  # started by torchrun
+            dist.init_process_group(backend=backend, **device_id)
+        else:  # one process started in-process (``run(cfg)``): a group of one over an in-memory store
+            dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, **device_id)
     return DistInfo(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
 
 
-def wrap_ddp(model: torch.nn.Module, info: DistInfo) -> torch.nn.Module:
+def wrap_ddp(model: nn.Module, info: DistInfo, *, bucket_cap_mb: int = 25, static_graph: bool = False) -> nn.Module:
+    """``model`` in DDP with gradients as bucket views (the model itself with one process)."""
     if info.world_size == 1:
         return model
     device_ids = [info.local_rank] if info.device.type == "cuda" else None
-    return torch.nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
+    return nn.parallel.DistributedDataParallel(model, device_ids=device_ids, bucket_cap_mb=bucket_cap_mb,
+                                               gradient_as_bucket_view=True, static_graph=static_graph)
+
+
+def apply_zero2(model: nn.Module, block_types: Iterable[str], info: DistInfo) -> tuple[list[str], nn.Module]:
+    """Shards ``model`` in place, ZeRO-2 style (module docstring): each block of ``block_types``, then the root.
+
+    Returns the sharded blocks' names and ``meta_template(model)`` taken before sharding.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from gallery_lib.accel.compile import block_names
+
+    template = meta_template(model)
+    _contiguous_parameters(model)
+    mesh = init_device_mesh(info.device.type, (info.world_size,))
+    try:
+        names = block_names(model, tuple(block_types))
+    except ValueError:  # no repeated block: one group, the whole model gathered at once
+        names = []
+    for name in names:
+        fully_shard(model.get_submodule(name), mesh=mesh, reshard_after_forward=False)
+    fully_shard(model, mesh=mesh, reshard_after_forward=False)
+    return names, template
+
+
+def _contiguous_parameters(model: nn.Module) -> None:
+    """FSDP2 shards contiguous parameters only: channels-last conv weights go back to NCHW (the same values; a conv
+    with channels-last input still computes channels-last)."""
+    with torch.no_grad():
+        for p in model.parameters():
+            if not p.is_contiguous():
+                p.data = p.data.contiguous()
+
+
+def meta_template(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` with its parameters on the meta device (no memory) and its buffers copied: the plain module
+    that the EMA and the export rebuild from, since an FSDP2 module cannot be deep-copied."""
+    memo = {id(p): nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+            for p in model.parameters()}
+    return copy.deepcopy(model, memo)
+
+
+def is_sharded(model: nn.Module) -> bool:
+    """Whether ``model``'s parameters are DTensors (a ZeRO-2 model, or an EMA of one)."""
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def reshard(model: nn.Module) -> None:
+    """Registers the sharded parameters again after a forward without backward (the attention probe's): with
+    ``reshard_after_forward=False`` the whole weights would stay registered until the next backward."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
+def gather_full_module(module: nn.Module, template: nn.Module, info: DistInfo) -> nn.Module | None:
+    """A plain copy of a sharded ``module`` (the model or its EMA) with the full weights, on rank 0's CPU; ``None`` on
+    the other ranks. Every rank must call it (the weights are gathered)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    state = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if not info.is_main:
+        return None
+    plain = copy.deepcopy(template)
+    plain.load_state_dict(state, assign=True)
+    return plain.cpu()
 
 
 def all_reduce_sum(value: float, info: DistInfo) -> float:
@@ -53,6 +178,15 @@ def all_reduce_sum(value: float, info: DistInfo) -> float:
     t = torch.tensor([value], dtype=torch.float64, device=info.device)
     dist.all_reduce(t)
     return float(t.item())
+
+
+def mean_over_ranks(values: torch.Tensor, info: DistInfo) -> torch.Tensor:
+    """The mean of ``values`` over the processes (each rank's losses of the same steps): no host sync."""
+    if info.world_size == 1:
+        return values
+    total = values.clone()
+    dist.all_reduce(total)
+    return total / info.world_size
 
 
 def shutdown() -> None:

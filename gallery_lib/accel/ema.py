@@ -26,6 +26,12 @@ which parameters train.
 
 On a CPU (or without Triton) ``fused`` and ``stream`` fall back to ``foreach`` with one warning;
 ``effective_mode`` tells which mode runs.
+
+A ZeRO-2 model (FSDP2: its parameters are sharded DTensors) cannot be deep-copied; ``ModelEma(model, template=...)``
+builds the EMA module from the model's plain template instead (``gallery_lib.accel.distributed.meta_template``) and
+gives it clones of the sharded parameters. Each process then averages its own shards (the updates run on the DTensors'
+local tensors, in every mode), ``state_dict`` holds sharded DTensors (saved by ``torch.distributed.checkpoint``) and
+``gather_full_module`` gathers the full EMA weights for an export.
 """
 
 from __future__ import annotations
@@ -60,6 +66,28 @@ def _named_state(model: nn.Module) -> dict[str, torch.Tensor]:
     return state
 
 
+def _local(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """This process's shards of sharded (DTensor) tensors, views that updates write through; others as they are."""
+    if not torch.distributed.is_available():
+        return tensors
+    from torch.distributed.tensor import DTensor
+
+    return [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
+
+
+def _copy_with_template(model: nn.Module, template: nn.Module) -> nn.Module:
+    """``template`` (``model``'s structure, parameters on the meta device) holding clones of ``model``'s tensors."""
+    copied = copy.deepcopy(template)
+    for name, tensor in _named_state(model).items():
+        owner, _, leaf = name.rpartition(".")
+        module = copied.get_submodule(owner)
+        if leaf in module._parameters:
+            module._parameters[leaf] = nn.Parameter(tensor.detach().clone(), requires_grad=False)
+        else:
+            module._buffers[leaf] = tensor.detach().clone()
+    return copied
+
+
 def ema_mode_on(mode: str, device_type: str) -> tuple[str, str | None]:
     """The mode an EMA asked to run in ``mode`` runs in on ``device_type``, and why it differs (``None`` if not):
     ``fused`` and ``stream`` need a CUDA device and Triton, and fall back to ``foreach``."""
@@ -83,6 +111,8 @@ class ModelEma:
         mode: one of ``loop``, ``foreach``, ``fused``, ``stream`` (module docstring).
         stream_programs: in ``stream`` mode, the number of persistent Triton programs of the update kernel
             (``None``: one program per block, the full-width kernel).
+        template: for a model that cannot be deep-copied (ZeRO-2's sharded one), a copy of its structure with the
+            parameters on the meta device; the EMA is built from it (module docstring).
     """
 
     def __init__(
@@ -93,6 +123,7 @@ class ModelEma:
         ratio_warmup: bool = False,
         mode: str = "foreach",
         stream_programs: int | None = None,
+        template: nn.Module | None = None,
     ):
         if mode not in MODES:
             raise ValueError(f"ModelEma: unknown mode {mode!r}; use one of {MODES}")
@@ -105,13 +136,14 @@ class ModelEma:
         self.stream_programs = stream_programs
         self.step = 0  # number of updates applied (skipped steps excluded)
 
-        self._module = copy.deepcopy(model).eval().requires_grad_(False)
+        ema_model = copy.deepcopy(model) if template is None else _copy_with_template(model, template)
+        self._module = ema_model.eval().requires_grad_(False)
         trained = {name for name, p in model.named_parameters() if p.requires_grad and p.is_floating_point()}
         self._avg_names = [name for name in _named_state(model) if name in trained]
         self._copy_names = [name for name in _named_state(model) if name not in trained]
         ema_state = _named_state(self._module)
-        self._ema_avg = [ema_state[n] for n in self._avg_names]
-        self._ema_copy = [ema_state[n] for n in self._copy_names]
+        self._ema_avg = _local([ema_state[n] for n in self._avg_names])
+        self._ema_copy = _local([ema_state[n] for n in self._copy_names])
 
         self.device = next(iter(ema_state.values())).device if ema_state else torch.device("cpu")
         self.effective_mode = self._resolve_mode(mode)
@@ -153,8 +185,8 @@ class ModelEma:
         weight = 1.0 - self.get_decay(self.step)
         model_state = _named_state(unwrap_model(model))
         try:
-            model_avg = [model_state[n] for n in self._avg_names]
-            model_copy = [model_state[n] for n in self._copy_names]
+            model_avg = _local([model_state[n] for n in self._avg_names])
+            model_copy = _local([model_state[n] for n in self._copy_names])
         except KeyError as e:
             raise ValueError(f"ModelEma.update: the model has no tensor {e}; pass the model the EMA was built from")
 
@@ -227,10 +259,10 @@ class ModelEma:
         model_state = _named_state(unwrap_model(model))
         ema_state = _named_state(self._module)
         names = [n for n in ema_state if n in model_state]
-        model_t = [model_state[n] for n in names]
+        model_t = _local([model_state[n] for n in names])
         with torch.no_grad():
             backup = [t.detach().clone() for t in model_t]
-            foreach_copy_(model_t, [ema_state[n] for n in names])
+            foreach_copy_(model_t, _local([ema_state[n] for n in names]))
         try:
             yield model
         finally:

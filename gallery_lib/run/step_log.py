@@ -3,7 +3,8 @@
 Each step adds its loss (a device tensor), learning rate and skip flag (``record``); every ``log_every`` steps, at
 the last step and before a checkpoint, ``flush`` reads them back with the interval's CUDA-event step times (the one
 host sync), writes one ``metrics.jsonl`` record per step (rank 0) and prints one line. The step times and losses of
-the whole run stay here for the summary.
+the whole run stay here for the summary. With several processes a step's loss is the mean of theirs (one all-reduce
+per interval): the loss of the global batch, whatever the number of processes that share it.
 """
 
 from __future__ import annotations
@@ -12,14 +13,16 @@ from typing import Any, Callable
 
 import torch
 
+from gallery_lib.accel.distributed import DistInfo, mean_over_ranks
 from gallery_lib.run.metrics import MetricsWriter
 from gallery_lib.run.timing import StepTimer, peak_memory_mb
 
 
 class StepLog:
-    def __init__(self, cfg, device: torch.device, writer: MetricsWriter | None, loader, *, start: int,
+    def __init__(self, cfg, dist: DistInfo, writer: MetricsWriter | None, loader, *, start: int,
                  warmup_steps: int, log: Callable[[str], Any]) -> None:
-        self.cfg, self.device, self.writer, self.loader, self.log = cfg, device, writer, loader, log
+        self.cfg, self.dist, self.writer, self.loader, self.log = cfg, dist, writer, loader, log
+        self.device = dist.device
         self.start, self.warmup_steps = start, warmup_steps
         self.step_times: list[float] = []
         """Milliseconds per step of this process's run, in order (warm-up steps first)."""
@@ -45,7 +48,7 @@ class StepLog:
         flags as bools."""
         times = self._timer.collect()  # the host sync of this logging interval
         losses, lrs, flags = zip(*self._pending)
-        values = torch.stack(losses).float().cpu().tolist()
+        values = mean_over_ranks(torch.stack(losses).float(), self.dist).cpu().tolist()
         skips = [flag if isinstance(flag, bool) else bool(flag.item()) for flag in flags]
         peak = peak_memory_mb(self.device)
         batch = self.cfg.global_batch_size

@@ -41,7 +41,8 @@ import torch
 
 from gallery_lib.accel.accelerate import apply_accelerations
 from gallery_lib.accel.compile_plan import CompilePlan
-from gallery_lib.accel.distributed import DistInfo, exit_process, init_distributed, shutdown
+from gallery_lib.accel.distributed import (DistInfo, exit_process, gather_full_module, init_distributed, reshard,
+                                           shutdown)
 from gallery_lib.accel.precision import Precision
 from gallery_lib.config import CUDA_GRAPH_COMPILE_MODES, RunConfig, validate_for_machine
 from gallery_lib.run.attention_probe import AttentionProbe
@@ -90,16 +91,18 @@ def build_optimizer(model: torch.nn.Module, cfg: RunConfig, precision: Precision
     return torch.optim.AdamW(groups, lr=cfg.peak_lr, betas=(0.9, 0.999), eps=1e-8, **kwargs)
 
 
-def build_ema(model: torch.nn.Module, cfg: RunConfig, optimizer: torch.optim.Optimizer):
+def build_ema(model: torch.nn.Module, cfg: RunConfig, optimizer: torch.optim.Optimizer,
+              template: torch.nn.Module | None = None):
     """The EMA of ``model`` that ``cfg.ema`` asks for, with diffusers' default decay ramp, and the log line saying how
-    it updates (and why, when it cannot run in the mode asked); ``(None, None)`` when off."""
+    it updates (and why, when it cannot run in the mode asked); ``(None, None)`` when off. ``template``: a sharded
+    model's plain template (``AcceleratedModel.template``)."""
     if cfg.ema == "off":
         return None, None
     from gallery_lib.accel.ema import ModelEma, ema_mode_on
 
     # A fallback (fused needs CUDA and Triton) is said in the note, so ModelEma is not asked to warn of it.
     mode, fallback = ema_mode_on(cfg.ema, next(model.parameters()).device.type)
-    ema = ModelEma(model, decay=cfg.ema_decay, ratio_warmup=True, mode=mode)
+    ema = ModelEma(model, decay=cfg.ema_decay, ratio_warmup=True, mode=mode, template=template)
     if ema.effective_mode == "stream":
         ema.attach_optimizer(optimizer)  # the next optimizer step waits for the side-stream update
     asked = f" ({cfg.ema} asked, but {fallback})" if fallback else ""
@@ -134,7 +137,13 @@ def run(cfg: RunConfig, dist: DistInfo | None = None) -> dict:
     the chosen size and the summary gets ``batch_size_search: {"tried": [...], "chosen": N}``.
     """
     if dist is None:  # called in-process; under torchrun main() has validated and started the group
-        dist = init_distributed(validate_for_machine(cfg))
+        owns_group = not torch.distributed.is_initialized()
+        dist = init_distributed(validate_for_machine(cfg), zero2=cfg.data_parallel == "zero2")
+        try:
+            return run(cfg, dist)
+        finally:
+            if owns_group:
+                shutdown()
     if not cfg.find_batch_size:
         return _train(cfg, dist)
     check_fresh_start(cfg)  # now, rather than after the search
@@ -168,7 +177,7 @@ def _train_from(setup_start: float, cfg: RunConfig, dist: DistInfo, plan: Compil
     accelerated = apply_accelerations(model, cfg, precision, dist, plan)
     optimizer = build_optimizer(model, cfg, precision)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
-    ema, ema_note = build_ema(model, cfg, optimizer)
+    ema, ema_note = build_ema(model, cfg, optimizer, accelerated.template)
     if ema_note:
         accelerated.notes.append(ema_note)
     train_module = accelerated.train_module
@@ -194,9 +203,11 @@ def _train_from(setup_start: float, cfg: RunConfig, dist: DistInfo, plan: Compil
     precompile_forward = functools.partial(task.loss, accelerated.module, first_batch, precision)
     if not plan.precompile(accelerated.module, precompile_forward, log, meanwhile=probe):
         probe()  # with precompile workers it runs while they compile
+    if accelerated.template is not None:
+        reshard(model)  # the probe's forward left the whole weights registered
     update = functools.partial(_update, model, optimizer, scheduler, ema, precision, cfg.clip_grad)
     cuda_graphs = cfg.compile and cfg.compile_mode in CUDA_GRAPH_COMPILE_MODES
-    step_log = StepLog(cfg, dist.device, writer, loader, start=start, warmup_steps=warmup_steps, log=log)
+    step_log = StepLog(cfg, dist, writer, loader, start=start, warmup_steps=warmup_steps, log=log)
     for step in range(start, cfg.steps):
         loss = _forward_backward(task, train_module, batches, precision, cfg.gradient_accumulation_steps,
                                  cuda_graphs)
@@ -220,15 +231,25 @@ def _train_from(setup_start: float, cfg: RunConfig, dist: DistInfo, plan: Compil
                             skipped_samples=loader.skipped, nonfinite_steps=guard.total, notes=accelerated.notes,
                             flops_per_sample=flops_per_sample, **task.summary(), **extra_summary,
                             **plan.summary(log), **probe.report(log))
-    if cfg.export_model and dist.is_main:
-        summary["exported_to"] = task.export(cfg.run_dir, ema)
-        if summary["exported_to"]:  # classifiers export nothing: their checkpoints are the model
+    if cfg.export_model:
+        trained = _exported_module(model, ema, accelerated.template, dist)
+        if dist.is_main:
+            summary["exported_to"] = task.export(cfg.run_dir, trained)
+        if summary.get("exported_to"):  # classifiers export nothing: their checkpoints are the model
             log(f"[gallery] saved the trained model to {summary['exported_to']}")
     if writer:
         writer.write(summary)
         writer.close()
     log(describe_summary(summary))
     return summary
+
+
+def _exported_module(model: torch.nn.Module, ema, template: torch.nn.Module | None,
+                     dist: DistInfo) -> torch.nn.Module | None:
+    """The weights a run exports: the EMA's when it keeps one. A sharded (ZeRO-2) one is gathered, on every rank, into
+    a plain module on rank 0 (``None`` elsewhere)."""
+    trained = ema.module if ema is not None else model
+    return trained if template is None else gather_full_module(trained, template, dist)
 
 
 def _resume_or_start(cfg: RunConfig, dist: DistInfo, ckpt: Checkpointer, log) -> tuple[int, dict, bool]:
@@ -286,13 +307,23 @@ def _update(model, optimizer, scheduler, ema, precision: Precision, clip_grad: f
         ema.update_from_scaler(model, precision.scaler, scale_before)
 
 
+def _count_every_node(cfg: RunConfig, dist: DistInfo) -> RunConfig:
+    """With several nodes, ``nproc_per_node`` counts every node's processes inside the training processes, so that
+    the global batch, the learning-rate rule, the summary and the checkpoints count the whole job."""
+    if dist.world_size <= cfg.nproc_per_node:
+        return cfg
+    return cfg.replace(nproc_per_node=dist.world_size,
+                       extra={**cfg.extra, "nnodes": dist.world_size // cfg.nproc_per_node})
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Run one training job from a saved config (used by torchrun).")
     parser.add_argument("--config", required=True, help="path to a config.json written by the launcher")
     args = parser.parse_args(argv)
     cfg = RunConfig.load(args.config)
     device_type = validate_for_machine(cfg)
-    dist = init_distributed(device_type)
+    dist = init_distributed(device_type, zero2=cfg.data_parallel == "zero2")
+    cfg = _count_every_node(cfg, dist)
     try:
         with rank_logging(Path(cfg.run_dir) / "logs", dist.rank):
             run(cfg, dist)

@@ -121,7 +121,7 @@ class ClassificationTask:
     def summary(self) -> dict[str, Any]:
         return {}
 
-    def export(self, run_dir, ema) -> str | None:
+    def export(self, run_dir, model: torch.nn.Module) -> str | None:
         return None  # classifiers keep their checkpoints; there is no pipeline to assemble
 
 

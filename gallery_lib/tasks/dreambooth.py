@@ -218,14 +218,13 @@ class DreamBoothTask(TextToImageTask):
         trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
         return {"cache_time_s": self.cache_time_s, "trainable_parameters": trainable, "lora_rank": self.cfg.lora_rank}
 
-    def export(self, run_dir: str | Path, ema) -> str:
+    def export(self, run_dir: str | Path, model: torch.nn.Module) -> str:
         """Full fine-tuning: a diffusers pipeline folder in ``<run_dir>/pipeline``. LoRA: the adapters (the EMA's
         when there is one) in ``<run_dir>/lora`` and, for a random-init base, the base pipeline in
         ``<run_dir>/pipeline`` to load them into. Returns the folder to load."""
         from gallery_lib.models.sd_parts import assemble_pipeline
 
-        trained = ema.module if ema is not None else self.model
-        unet, text_encoder = (trained.unet, trained.text_encoder) if self.cfg.train_text_encoder else (trained, None)
+        unet, text_encoder = (model.unet, model.text_encoder) if self.cfg.train_text_encoder else (model, None)
         self._fp32_contiguous(unet)
         run_dir = Path(run_dir)
         if not self.cfg.lora_rank:
@@ -236,7 +235,7 @@ class DreamBoothTask(TextToImageTask):
         save_lora(run_dir / "lora", unet, text_encoder)
         if self.cfg.pretrained is None:  # the base the adapters were trained on exists nowhere else
             base_unet = _without_lora(unet)
-            base_text = _without_lora(self.parts.text_encoder) if self.cfg.train_text_encoder else None
+            base_text = _without_lora(text_encoder) if self.cfg.train_text_encoder else None
             with _no_progress_bars():
                 assemble_pipeline(self.parts, unet=base_unet, text_encoder=base_text).save_pretrained(
                     run_dir / "pipeline")

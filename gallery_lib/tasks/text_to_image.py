@@ -223,13 +223,13 @@ class TextToImageTask:
         return {"cache_time_s": self.cache_time_s, "prediction_type": self.cfg.prediction_type,
                 "offline_tokenizer": self.parts.offline_tokenizer}
 
-    def export(self, run_dir: str | Path, ema) -> str:
-        """Saves a diffusers pipeline (the EMA UNet when there is one) to ``<run_dir>/pipeline``; returns the path."""
-        unet = ema.module if ema is not None else self.model
-        self._fp32_contiguous(unet)
+    def export(self, run_dir: str | Path, model: torch.nn.Module) -> str:
+        """Saves a diffusers pipeline with the UNet ``model`` (the EMA's when there is one) to ``<run_dir>/pipeline``;
+        returns the path."""
+        self._fp32_contiguous(model)
         path = Path(run_dir) / "pipeline"
         with _no_progress_bars():  # a bar per saved part, written into the run's log as text
-            assemble_pipeline(self.parts, unet=unet).save_pretrained(path)
+            assemble_pipeline(self.parts, unet=model).save_pretrained(path)
         return str(path)
 
     def _fp32_contiguous(self, unet: torch.nn.Module) -> None:
