@@ -14,6 +14,14 @@ A kill before the pointer moves leaves ``latest`` naming the previous, complete 
 ``.tmp`` that the next save removes). The newest ``keep`` checkpoints are kept; the one ``latest`` names never
 goes. Loading checks the format, the config fields that must match (``RESUME_FIELDS``) and the data position,
 and raises ``CheckpointError`` naming the problem: a bad checkpoint never turns into a silent fresh start.
+
+ZeRO-2 runs (``data_parallel='zero2'``) keep this layout; their sharded model, optimizer state and EMA go into a
+``step_<N>.dcp`` folder beside ``step_<N>.pt`` (``sharded_checkpoint.py``), pruned with it. A ZeRO-2 checkpoint
+resumes exactly on the same process count, and also loads on another one that keeps the global batch
+(``batch_size`` x processes): the data position then continues by global sample count, since each global batch holds
+the same samples on any number of processes, and each process takes the RNG state of rank ``rank % saved processes``
+(random draws in the model, dropout or diffusion noise, then differ from the uninterrupted run's). A DDP checkpoint
+resumes on its own process count only.
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ import json
 import os
 import random
 import re
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,13 +44,16 @@ import gallery_lib
 from gallery_lib.config import RunConfig
 from gallery_lib.accel.distributed import DistInfo
 from gallery_lib.accel.precision import Precision
+from gallery_lib.run.sharded_checkpoint import SUFFIX as SHARDED_SUFFIX, load_sharded, save_sharded
 
 FORMAT_VERSION = 1
 RESUME_FIELDS = ("model", "image_size", "batch_size", "nproc_per_node", "amp_level", "amp_dtype", "seed")
 """Config fields a resumed run must share with the saved one: they shape the state or the data stream. The task
-adds its own (``options.resume_fields``, e.g. ``prediction_type``)."""
+adds its own (``options.resume_fields``, e.g. ``prediction_type``). ZeRO-2 checkpoints leave out ``batch_size`` and
+``nproc_per_node``, and check the global batch instead (they reshard)."""
+RESHARDABLE = ("batch_size", "nproc_per_node")
 LATEST = "latest"
-_STEP_FILE = re.compile(r"^step_(\d+)\.pt$")
+_STEP_FILE = re.compile(r"^step_(\d+)(\.pt|" + re.escape(SHARDED_SUFFIX) + ")$")
 
 
 class CheckpointError(RuntimeError):
@@ -53,7 +65,10 @@ def checkpoint_dir(cfg: RunConfig) -> Path:
 
 
 def resume_signature(cfg: RunConfig) -> dict[str, Any]:
-    return {name: getattr(cfg, name) for name in RESUME_FIELDS + cfg.options.resume_fields}
+    fields = RESUME_FIELDS + cfg.options.resume_fields
+    if cfg.data_parallel == "zero2":
+        fields = tuple(name for name in fields if name not in RESHARDABLE)
+    return {name: getattr(cfg, name) for name in fields}
 
 
 def config_hash(cfg: RunConfig) -> str:
@@ -90,7 +105,7 @@ def write_checkpoint(state: dict[str, Any], directory: str | os.PathLike, step: 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     for stale in directory.glob("*.tmp"):  # left by a save that was killed
-        stale.unlink(missing_ok=True)
+        shutil.rmtree(stale, ignore_errors=True) if stale.is_dir() else stale.unlink(missing_ok=True)
     path = directory / f"step_{step}.pt"
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "wb") as f:
@@ -169,6 +184,11 @@ class Checkpointer:
     def check_fresh_start(self) -> None:
         check_fresh_start(self.cfg)
 
+    @property
+    def sharded(self) -> bool:
+        """ZeRO-2: the model, optimizer and EMA are saved as shards (``sharded_checkpoint.py``)."""
+        return self.cfg.data_parallel == "zero2"
+
     def save(self, step: int, counters: dict[str, int]) -> Path | None:
         """Writes the state after ``step`` completed steps; returns the file on rank 0, ``None`` elsewhere."""
         rng = _rng_state(self.dist.device)
@@ -177,44 +197,58 @@ class Checkpointer:
             torch.distributed.all_gather_object(gathered, rng)
         else:
             gathered = [rng]
+        shards = (save_sharded(self.directory, step, self.model, self.optimizer, self.ema, self.dist)
+                  if self.sharded else None)
         path = None
         if self.dist.is_main:
-            masters = list(self.precision.master_params.values())
-            state = {
-                "format": FORMAT_VERSION,
-                "meta": {"step": step, "torch_version": str(torch.__version__),
-                         "gallery_lib_version": gallery_lib.__version__, "config_hash": config_hash(self.cfg),
-                         "signature": resume_signature(self.cfg), "world_size": self.dist.world_size},
-                "model": self.model.state_dict(),
-                "optimizer": self.optimizer.state_dict(),
-                "scheduler": self.scheduler.state_dict(),
-                "scaler": self.precision.scaler.state_dict() if self.precision.scaler else None,
-                "master_params": masters or None,
-                "ema": self.ema.state_dict() if self.ema is not None else None,
-                "rng": gathered,
-                "data": self.loader.state_dict(),
-                "counters": dict(counters),
-            }
+            state = self._state(step, counters, gathered, shards)
             path = write_checkpoint(state, self.directory, step, self.cfg.keep_checkpoints)
         if self.dist.world_size > 1:
             torch.distributed.barrier()
         return path
+
+    def _state(self, step: int, counters: dict[str, int], rng: list[Any], shards: str | None) -> dict[str, Any]:
+        """What ``step_<step>.pt`` holds; with ``shards`` (the shard folder's name) the model, optimizer and EMA are
+        there instead."""
+        masters = list(self.precision.master_params.values())
+        state = {
+            "format": FORMAT_VERSION,
+            "meta": {"step": step, "torch_version": str(torch.__version__),
+                     "gallery_lib_version": gallery_lib.__version__, "config_hash": config_hash(self.cfg),
+                     "signature": resume_signature(self.cfg), "world_size": self.dist.world_size,
+                     "data_parallel": self.cfg.data_parallel,
+                     "global_batch": self.cfg.batch_size * self.dist.world_size},
+            "model": None if shards else self.model.state_dict(),
+            "optimizer": None if shards else self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "scaler": self.precision.scaler.state_dict() if self.precision.scaler else None,
+            "master_params": masters or None,
+            "ema": self.ema.state_dict() if self.ema is not None and not shards else None,
+            "rng": rng,
+            "data": self.loader.state_dict(),
+            "counters": dict(counters),
+        }
+        if shards:
+            state.update(sharded=shards, ema_step=self.ema.step if self.ema is not None else None)
+        return state
 
     def restore(self, path: str | os.PathLike | None = None) -> tuple[int, dict[str, int]]:
         """Loads ``path`` (default: the ``latest`` one) into every part; returns ``(steps done, counters)``."""
         path = Path(path) if path is not None else latest_checkpoint(self.directory)
         state = read_checkpoint(path)
         meta = state["meta"]
-        check_compatible(meta, self.cfg, path)
-        if meta["world_size"] != self.dist.world_size:
-            raise CheckpointError(f"{path} was written by {meta['world_size']} process(es), this run has "
-                                  f"{self.dist.world_size}: resume with nproc_per_node={meta['world_size']}.")
-        if meta["step"] >= self.cfg.steps:
-            raise CheckpointError(f"{path} is at step {meta['step']} and the run has steps={self.cfg.steps}: "
-                                  "nothing is left to train; raise steps to continue training.")
+        self._check_fits(meta, path)
         try:
-            self.model.load_state_dict(state["model"])
-            self.optimizer.load_state_dict(state["optimizer"])
+            if "sharded" in state:
+                saved_ema = state["ema_step"] is not None
+                self._check_ema(saved_ema)
+                load_sharded(path.parent / state["sharded"], self.model, self.optimizer, self.ema, state["ema_step"])
+            else:
+                self._check_ema(state.get("ema") is not None)
+                self.model.load_state_dict(state["model"])
+                self.optimizer.load_state_dict(state["optimizer"])
+                if self.ema is not None:
+                    self.ema.load_state_dict(state["ema"])
             self.scheduler.load_state_dict(state["scheduler"])
             if (state["scaler"] is None) != (self.precision.scaler is None):
                 raise ValueError("one of the saved run and this run uses a GradScaler and the other does not")
@@ -226,16 +260,40 @@ class Checkpointer:
             with torch.no_grad():
                 for master, saved in zip(masters, state["master_params"] or ()):
                     master.copy_(saved)  # in place: the optimizer holds these tensors
-            if (state.get("ema") is None) != (self.ema is None):
-                raise ValueError("one of the saved run and this run keeps an EMA of the weights and the other does "
-                                 "not (the ema setting differs)")
-            if self.ema is not None:
-                self.ema.load_state_dict(state["ema"])
             self.loader.load_state_dict(state["data"])
-        except (RuntimeError, ValueError, KeyError) as exc:
+        except (RuntimeError, ValueError, KeyError, FileNotFoundError) as exc:
             raise CheckpointError(f"checkpoint {path} does not fit this run: {exc}") from exc
-        _set_rng_state(state["rng"][self.dist.rank], self.dist.device)
+        saved_rng = state["rng"]  # one per saved rank; a resharded ZeRO-2 run reuses them round-robin
+        _set_rng_state(saved_rng[self.dist.rank % len(saved_rng)], self.dist.device)
         return meta["step"], dict(state["counters"])
+
+    def _check_fits(self, meta: dict[str, Any], path: Path) -> None:
+        """``CheckpointError`` unless the checkpoint at ``path`` (its ``meta``) can continue this run."""
+        saved_mode = meta.get("data_parallel", "ddp")
+        if saved_mode != self.cfg.data_parallel:
+            raise CheckpointError(f"{path} was written by a data_parallel={saved_mode!r} run and this run is "
+                                  f"data_parallel={self.cfg.data_parallel!r} (their checkpoints differ): resume with "
+                                  f"data_parallel={saved_mode!r}.")
+        check_compatible(meta, self.cfg, path)
+        world, batch = self.dist.world_size, self.cfg.batch_size
+        if self.sharded and meta["global_batch"] != batch * world:
+            fix = (f"set batch_size={meta['global_batch'] // world}" if meta["global_batch"] % world == 0
+                   else f"use a process count that divides {meta['global_batch']}")
+            raise CheckpointError(f"{path} was written with a global batch of {meta['global_batch']} "
+                                  f"({meta['world_size']} process(es)); this run's is {batch * world} ({world} x "
+                                  f"batch_size {batch}). A ZeRO-2 checkpoint resumes on another process count with "
+                                  f"the same global batch: {fix}.")
+        if not self.sharded and meta["world_size"] != world:
+            raise CheckpointError(f"{path} was written by {meta['world_size']} process(es), this run has "
+                                  f"{world}: resume with nproc_per_node={meta['world_size']}.")
+        if meta["step"] >= self.cfg.steps:
+            raise CheckpointError(f"{path} is at step {meta['step']} and the run has steps={self.cfg.steps}: "
+                                  "nothing is left to train; raise steps to continue training.")
+
+    def _check_ema(self, saved: bool) -> None:
+        if saved != (self.ema is not None):
+            raise ValueError("one of the saved run and this run keeps an EMA of the weights and the other does not "
+                             "(the ema setting differs)")
 
 
 def _rng_state(device: torch.device) -> dict[str, Any]:
@@ -257,10 +315,18 @@ def _set_rng_state(state: dict[str, Any], device: torch.device) -> None:
 
 
 def _prune(directory: Path, keep: int, protect: str) -> None:
-    steps = sorted((int(m.group(1)), p) for p in directory.iterdir() if (m := _STEP_FILE.match(p.name)))
-    for _, path in steps[:-keep]:
-        if path.name != protect:
-            path.unlink(missing_ok=True)
+    """Keeps the newest ``keep`` checkpoints and ``protect``; a checkpoint is its ``.pt`` file and, for ZeRO-2, its
+    shard folder (a shard folder whose file was never written goes too)."""
+    parts: dict[int, list[Path]] = {}
+    for path in directory.iterdir():
+        if m := _STEP_FILE.match(path.name):
+            parts.setdefault(int(m.group(1)), []).append(path)
+    complete = sorted(step for step, paths in parts.items() if any(p.suffix == ".pt" for p in paths))
+    kept = set(complete[-keep:]) | {int(m.group(1)) for m in [_STEP_FILE.match(protect)] if m}
+    for step, paths in parts.items():
+        if step not in kept:
+            for path in paths:
+                shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
 
 
 def _fsync_dir(directory: Path) -> None:
