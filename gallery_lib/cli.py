@@ -164,12 +164,24 @@ def configs_from_args(args: argparse.Namespace) -> list[RunConfig]:
     return configs
 
 
+def _add_node_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("several nodes (torchrun's own flags, passed through; give them on every node)")
+    _flag(g, "nnodes", type=int, default=1, help="nodes in the job (default: 1, torchrun --standalone)")
+    _flag(g, "node_rank", type=int, help="this node's rank: 0 on the node at --rdzv-endpoint (static rendezvous)")
+    _flag(g, "rdzv_endpoint", metavar="HOST:PORT", help="node 0's address, the same on every node")
+    _flag(g, "rdzv_backend", help="static (torchrun's default, with --node-rank) or c10d (with --rdzv-id)")
+    _flag(g, "rdzv_id", help="a job id shared by the nodes (c10d)")
+
+
 def cmd_train(args: argparse.Namespace) -> int:
-    from gallery_lib.run.launch import launch
+    from gallery_lib.run.launch import Nodes, launch
 
     (cfg,) = configs_from_args(args)
-    result = launch(cfg)
-    print(f"metrics: {result.metrics_path}")
+    nodes = Nodes(nnodes=args.nnodes, node_rank=args.node_rank, rdzv_endpoint=args.rdzv_endpoint,
+                  rdzv_backend=args.rdzv_backend, rdzv_id=args.rdzv_id)
+    result = launch(cfg, nodes=nodes)
+    print(f"metrics: {result.metrics_path}" if result.summary else
+          f"this node's part is done; rank 0's node writes {result.metrics_path}")
     return 0
 
 
@@ -252,6 +264,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpointing_steps", dest="checkpoint_every", type=int, help="= --checkpoint_every")
     _flag(p, "resume", action="store_true", help="continue the run from <run>/checkpoints/latest")
     p.add_argument("--resume_from_checkpoint", metavar="latest", help="= --resume (diffusers' spelling)")
+    _add_node_flags(p)
     p.set_defaults(func=cmd_train)
     p = sub.add_parser("compare", help="write the report of a model's runs")
     _add_run_flags(p)

@@ -5,6 +5,12 @@ this machine (before anything slow starts), writes ``config.json`` into the run'
 runs ``torchrun --standalone --nproc-per-node N [--max-restarts R] -m gallery_lib.run.train --config ...``, prints
 rank 0's lines as they arrive, and returns a ``RunResult`` that carries its own output path, so a notebook
 never plots one run's files under another run's name.
+
+Several nodes: ``launch(cfg, nodes=Nodes(...))`` on every node passes torchrun's own flags through (``--nnodes``,
+``--node-rank``, ``--rdzv-endpoint``, and ``--rdzv-backend``, ``--rdzv-id`` when given) instead of ``--standalone``.
+The global batch is then ``batch_size * nproc_per_node * nnodes``. Global rank 0 writes the metrics; with the static
+rendezvous it runs on node 0, and the other nodes' launchers return without a summary. Checkpoints need a filesystem
+that every node shares.
 """
 
 from __future__ import annotations
@@ -16,6 +22,8 @@ from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
+
+RDZV_BACKENDS = ("static", "c10d")
 
 from gallery_lib.config import ConfigError, RunConfig, validate_for_machine
 from gallery_lib.run.checkpoint import CheckpointError, check_fresh_start, checkpoint_dir, latest_checkpoint
@@ -43,10 +51,71 @@ class RunResult:
         return self.summary["samples_per_s"]
 
 
-def torchrun_command(cfg: RunConfig, config_path: Path) -> list[str]:
+@dataclass(frozen=True)
+class Nodes:
+    """torchrun's multi-node flags, named as torchrun names them; the default is one node (``--standalone``)."""
+
+    nnodes: int = 1
+    node_rank: int | None = None
+    """This node's rank, 0 on the node at ``rdzv_endpoint``: the static rendezvous (torchrun's default) needs it."""
+    rdzv_endpoint: str | None = None
+    """``HOST:PORT`` of node 0, the same on every node."""
+    rdzv_backend: str | None = None
+    """``static`` (torchrun's default: fixed node ranks) or ``c10d`` (the rendezvous numbers the nodes)."""
+    rdzv_id: str | None = None
+    """A job id shared by the nodes (``c10d``)."""
+
+    @property
+    def standalone(self) -> bool:
+        return self.nnodes == 1 and self.rdzv_endpoint is None
+
+    def check(self, cfg: RunConfig) -> None:
+        """``ConfigError`` naming the fix for flags that torchrun would refuse or misread."""
+        if self.nnodes < 1:
+            raise ConfigError(f"--nnodes {self.nnodes} is invalid: expected an integer >= 1.")
+        if self.rdzv_backend not in (None, *RDZV_BACKENDS):
+            raise ConfigError(f"--rdzv-backend {self.rdzv_backend} is not known: choose one of "
+                              f"{', '.join(RDZV_BACKENDS)}.")
+        if self.standalone:
+            if self.node_rank not in (None, 0) or self.rdzv_id or self.rdzv_backend:
+                raise ConfigError("--node-rank, --rdzv-id and --rdzv-backend describe a job over several nodes: give "
+                                  "--nnodes N and --rdzv-endpoint HOST:PORT too, or drop them for one node.")
+            return
+        if not self.rdzv_endpoint or ":" not in self.rdzv_endpoint:
+            raise ConfigError(f"--nnodes {self.nnodes} needs --rdzv-endpoint HOST:PORT, the address of node 0 that "
+                              f"every node can reach (got {self.rdzv_endpoint!r}).")
+        if self.rdzv_backend in (None, "static") and self.node_rank is None:
+            raise ConfigError("the static rendezvous needs --node-rank on every node: 0 on the node at "
+                              f"{self.rdzv_endpoint}, 1 to {self.nnodes - 1} on the others (or --rdzv-backend c10d "
+                              "--rdzv-id JOB, which numbers the nodes itself).")
+        if self.node_rank is not None and not 0 <= self.node_rank < self.nnodes:
+            raise ConfigError(f"--node-rank {self.node_rank} is invalid with --nnodes {self.nnodes}: expected 0 to "
+                              f"{self.nnodes - 1}.")
+        if cfg.find_batch_size:
+            raise ConfigError("find_batch_size=True is invalid on several nodes: search with one process, then set "
+                              "batch_size to the size it chose.")
+
+    def torchrun_flags(self) -> list[str]:
+        if self.standalone:
+            return ["--standalone"]
+        given = {"--nnodes": self.nnodes, "--node-rank": self.node_rank, "--rdzv-endpoint": self.rdzv_endpoint,
+                 "--rdzv-backend": self.rdzv_backend, "--rdzv-id": self.rdzv_id}
+        return [f"{flag}={value}" for flag, value in given.items() if value is not None]
+
+    @property
+    def runs_rank_0(self) -> bool | None:
+        """Whether global rank 0, which writes ``metrics.jsonl``, runs on this node; ``None``: the c10d rendezvous
+        decides."""
+        if self.standalone:
+            return True
+        return None if self.node_rank is None else self.node_rank == 0
+
+
+def torchrun_command(cfg: RunConfig, config_path: Path, nodes: Nodes = Nodes()) -> list[str]:
     restarts = [f"--max-restarts={cfg.max_restarts}"] if cfg.max_restarts > 0 else []
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={cfg.nproc_per_node}",
-            *restarts, "-m", "gallery_lib.run.train", "--config", str(config_path)]
+    return [sys.executable, "-m", "torch.distributed.run", *nodes.torchrun_flags(),
+            f"--nproc-per-node={cfg.nproc_per_node}", *restarts, "-m", "gallery_lib.run.train", "--config",
+            str(config_path)]
 
 
 def _child_env(cfg: RunConfig, device: str) -> dict[str, str]:
@@ -78,18 +147,20 @@ def preflight(cfg: RunConfig) -> str:
 
 
 def launch(cfg: RunConfig, *, echo: Callable[[str], None] | None = print,
-           progress: bool | None = None) -> RunResult:
+           progress: bool | None = None, nodes: Nodes = Nodes()) -> RunResult:
     """Runs ``cfg`` to completion in a torchrun subprocess; raises ``RunFailed`` with the log tail on error.
     ``progress``: a bar over the steps (``gallery_lib.run.progress``); ``None`` shows one in a notebook or a
-    terminal when ``echo`` is on."""
+    terminal when ``echo`` is on. ``nodes``: this node's part of a job over several (module docstring)."""
+    nodes.check(cfg)
     device = preflight(cfg)
     run_dir = cfg.run_dir.resolve()
     cfg = cfg.replace(output_dir=str(Path(cfg.output_dir).resolve()), data_dir=str(Path(cfg.data_dir).resolve()))
     config_path = cfg.save(run_dir / "config.json")
-    if not cfg.resume:
+    if not cfg.resume and nodes.standalone:  # on several nodes rank 0's writer alone replaces the file
         (run_dir / "metrics.jsonl").unlink(missing_ok=True)  # a re-run replaces the metrics; a resume appends
-    proc = subprocess.Popen(torchrun_command(cfg, config_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, bufsize=1, env=_child_env(cfg, device), cwd=os.getcwd())
+    proc = subprocess.Popen(torchrun_command(cfg, config_path, nodes), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, bufsize=1, env=_child_env(cfg, device),
+                            cwd=os.getcwd())
     tail: deque[str] = deque(maxlen=200)  # room for torchrun's own traceback and summary
     bar = StepProgress(cfg.recipe, enabled=False if echo is None else progress)
     assert proc.stdout is not None
@@ -102,11 +173,22 @@ def launch(cfg: RunConfig, *, echo: Callable[[str], None] | None = print,
     bar.close()
     if code != 0:
         raise RunFailed(_failure_message(run_dir, code, list(tail)))
-    _, summary = read_metrics(run_dir / "metrics.jsonl")
-    if summary is None:
-        raise RunFailed(f"run in {run_dir} exited cleanly but wrote no summary line to metrics.jsonl")
+    summary = _summary(run_dir, nodes)
     # Re-read: the run rewrites its config.json when a batch-size search picked the size it trained at.
     return RunResult(config=RunConfig.load(config_path), run_dir=run_dir, summary=summary)
+
+
+def _summary(run_dir: Path, nodes: Nodes) -> dict:
+    """The run's summary record; ``{}`` on a node where global rank 0 did not run (its node holds the metrics)."""
+    metrics = run_dir / "metrics.jsonl"
+    if nodes.runs_rank_0 is False:
+        return {}
+    summary = read_metrics(metrics)[1] if metrics.is_file() or nodes.standalone else None
+    if summary is None and nodes.runs_rank_0 is None:  # c10d: rank 0 may have run on another node
+        return {}
+    if summary is None:
+        raise RunFailed(f"run in {run_dir} exited cleanly but wrote no summary line to metrics.jsonl")
+    return summary
 
 
 def _failure_message(run_dir: Path, code: int, console_tail: list[str]) -> str:
