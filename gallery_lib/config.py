@@ -263,6 +263,11 @@ class RunConfig:
                               "(no loss scaling needed). Use amp_dtype='bfloat16' or 'auto', or amp_level='O1'.")
         if not self.recipe:
             raise ConfigError(f"recipe={self.recipe!r} is invalid: expected a recipe name.")
+        if self.gradient_checkpointing and self.compile and self.compile_mode in CUDA_GRAPH_COMPILE_MODES:
+            # The backward recomputes each checkpointed block, which would record CUDA graphs inside the backward.
+            raise ConfigError(f"gradient_checkpointing=True cannot run with compile_mode={self.compile_mode!r}: a block "
+                              "recomputed in the backward pass cannot replay as a CUDA graph. Use "
+                              "compile_mode='default' (or 'max-autotune-no-cudagraphs'), or drop the checkpointing.")
         if self.sdpa_math and self.fused_attention:
             raise ConfigError("sdpa_math=True and fused_attention=True contradict each other: the attention registry "
                               "picks its own kernels. Keep one of them.")

@@ -127,9 +127,11 @@ RUNGS: tuple[Rung, ...] = (
          "only the fused kernels that measured faster than Inductor's own code stay (GEGLU); the compiler fuses "
          "GroupNorm+SiLU and LayerNorm as well. This is the accelerated recipe."),
     Rung("checkpointing", "activation checkpointing, larger batch",
-         lambda cfg, s: {"gradient_checkpointing": True, "batch_size": s.checkpointing_batch},
+         lambda cfg, s: {"gradient_checkpointing": True, "batch_size": s.checkpointing_batch,
+                         "compile_mode": "default"},
          "blocks recompute their activations in the backward instead of storing them: about a third more compute "
-         "for room for a batch twice as large. It pays only if the larger batch runs that much faster per image."),
+         "for room for a batch twice as large. It pays only if the larger batch runs that much faster per image. "
+         "Without CUDA graphs: a block recomputed in the backward cannot replay inside its graph."),
 )
 RUNG_NAMES = tuple(rung.name for rung in RUNGS)
 

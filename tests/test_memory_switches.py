@@ -101,3 +101,14 @@ def test_checkpointed_blocks_can_go_to_the_precompile_workers(tmp_path):
     assert blocks and any(getattr(m, "gradient_checkpointing", False) for m in unet.modules())
     for block in blocks:
         torch.save(meta_copy(block), io.BytesIO())  # raised "Can't pickle local object" before
+
+
+def test_checkpointing_with_cuda_graphs_is_refused_with_the_fix():
+    """Recomputing a block in the backward records CUDA graphs inside the backward: cuDNN's search fails in the
+    capture (seen on an H100, benchmarks/results/ladder_h100/ladder_part6.log)."""
+    from gallery_lib.config import RunConfig
+
+    with pytest.raises(ConfigError, match="gradient_checkpointing=True cannot run with compile_mode='reduce-overhead'"
+                                          ".*compile_mode='default'"):
+        RunConfig(model="sd_tiny", gradient_checkpointing=True, compile=True, compile_mode="reduce-overhead")
+    RunConfig(model="sd_tiny", gradient_checkpointing=True, compile=True, compile_mode="default")
