@@ -13,8 +13,8 @@ import shlex
 import sys
 from typing import Any, Sequence
 
-from gallery_lib.config import (AMP_DTYPES, AMP_LEVELS, COMPILE_MODES, DEVICES, ConfigError, RunConfig,
-                                parse_overrides, validate_for_machine)
+from gallery_lib.config import (AMP_DTYPES, AMP_LEVELS, COMPILE_MODES, DEVICES, REPORT_TO, ConfigError,
+                                RunConfig, parse_overrides, validate_for_machine)
 from gallery_lib.profiles import PROFILES, base_config
 from gallery_lib.recipes import recipe_config
 from gallery_lib.run.bench import DEFAULT_RECIPES as _BENCH_RECIPES
@@ -81,12 +81,15 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
                    help="batches whose gradients add up before each optimizer step")
     a.add_argument("--use_ema", "--model-ema", "--model_ema", dest="use_ema", action="store_true", default=None,
                    help="keep an EMA of the weights (the recipe picks how it is updated)")
+    a.add_argument("--report_to", "--report-to", dest="report_to", choices=REPORT_TO,
+                   help="also log to TensorBoard (<run_dir>/tensorboard); metrics.jsonl is always written")
     a.add_argument("--torchcompile", nargs="?", const="inductor", metavar="BACKEND",
                    help="= --compiler-opt (timm's spelling; the backend is inductor)")
 
 
 _SIZE_FIELDS = ("model", "data_dir", "output_dir", "batch_size", "find_batch_size", "steps", "warmup_steps",
-                "image_size", "nproc_per_node", "num_workers", "device", "lr", "seed", "verbose", "pretrained")
+                "image_size", "nproc_per_node", "num_workers", "device", "lr", "seed", "verbose", "pretrained",
+                "report_to")
 _OPT_FLAGS = {"amp_level": "amp_level", "amp_dtype": "amp_dtype", "compiler_opt": "compile",
               "compile_mode": "compile_mode", "kernel_opt": "kernels"}
 

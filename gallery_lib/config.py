@@ -33,6 +33,7 @@ COMPILE_SCOPES = ("model", "blocks")
 EMA_MODES = ("off", "loop", "foreach", "fused", "stream")
 OPTIMIZERS = ("adamw", "sgd")
 DATA_PARALLEL_MODES = ("ddp", "zero2")
+REPORT_TO = ("none", "tensorboard")
 KERNEL_OPS = ("group_norm_silu", "layer_norm", "geglu")
 # Compile modes that capture CUDA graphs: only meaningful with a GPU.
 CUDA_GRAPH_COMPILE_MODES = ("reduce-overhead", "max-autotune")
@@ -191,6 +192,10 @@ class RunConfig:
     max_restarts: int = setting(0, kind=int, minimum=0, hint="0 disables restarts")
     """Times torchrun restarts the workers after a failure (``--max-restarts``); a restarted run resumes from the
     latest checkpoint on its own, so set ``checkpoint_every`` too."""
+    report_to: str = setting("none", choices=REPORT_TO)
+    """Where the metrics go besides ``metrics.jsonl`` (which stays the record): ``none``, or ``tensorboard`` (step
+    scalars and the summary in ``<run_dir>/tensorboard/``, the reports' figure beside the runs; needs the
+    ``tensorboard`` package, the ``tracking`` extra). diffusers' ``--report_to``."""
     verbose: bool = setting(False, kind=bool)
     """Log every detail (each module a kernel swap left alone); by default one line per kind of thing."""
 
@@ -436,6 +441,12 @@ def validate_for_machine(cfg: RunConfig, *, cuda_devices: int | None = None, cpu
     Raises ``ConfigError`` naming the fix when a GPU-only option is asked for on a CPU machine, or
     when more processes are asked for than the machine has devices for.
     """
+    if cfg.report_to == "tensorboard":
+        import importlib.util
+
+        if importlib.util.find_spec("tensorboard") is None:
+            raise ConfigError("report_to='tensorboard' needs the tensorboard package: pip install tensorboard (or "
+                              "pip install -e '.[tracking]'), or set report_to='none'.")
     if cuda_devices is None:
         cuda_devices = visible_cuda_devices()
     cpu_count = cpu_count or os.cpu_count() or 1

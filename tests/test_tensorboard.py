@@ -49,3 +49,27 @@ def test_a_figure_lands_as_an_image(tmp_path):
     figure.subplots().plot([0, 1], [1, 0])
     log_figure(tmp_path / "tb", "report", figure)
     assert _events(tmp_path / "tb").Tags()["images"] == ["report"]
+
+
+def test_a_run_reports_to_tensorboard_and_its_report_figure_follows(tmp_path):
+    """A real (tiny) run with report_to='tensorboard': its steps as scalars beside metrics.jsonl, the report's figure
+    in the model folder's tensorboard/; the flag spelled as diffusers spells it."""
+    from gallery_lib.cli import build_parser, base_from_args
+    from gallery_lib.profiles import base_config
+    from gallery_lib.run.train import run
+    from gallery_lib.workflow import compare, prepare
+
+    args = build_parser().parse_args(["train", "--model", "swin_micro", "--report_to", "tensorboard"])
+    assert base_from_args(args).report_to == "tensorboard"
+    cfg = base_config("smoke", family="swin_transformer", data_root=str(tmp_path / "data"), steps=4, warmup_steps=1,
+                      log_every=2, output_dir=str(tmp_path / "out"), report_to="tensorboard", num_workers=0,
+                      recipe="baseline")
+    prepare(cfg, progress=False)
+    cfg.save(cfg.run_dir / "config.json")  # as the launcher does
+    run(cfg)
+    steps, _ = read_metrics(cfg.run_dir / "metrics.jsonl")
+    scalars = _events(cfg.run_dir / "tensorboard").Scalars("train/loss")
+    assert [e.step for e in scalars] == [s["step"] for s in steps]
+    assert [e.value for e in scalars] == pytest.approx([s["loss"] for s in steps])
+    report = compare(cfg, ["baseline"])
+    assert _events(report.paths["tensorboard"]).Tags()["images"] == ["recipe comparison"]

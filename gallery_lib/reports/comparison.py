@@ -261,6 +261,11 @@ def write_report(model_dir: str | os.PathLike, recipes: list[str] | None = None,
     png = _png_bytes(figure)
     paths["figure"].write_bytes(png)
     paths["markdown"].write_text(markdown, encoding="utf-8")
+    if any(run.config.get("report_to") == "tensorboard" for run in runs):
+        from gallery_lib.run.tensorboard import log_figure
+
+        paths["tensorboard"] = model_dir / "tensorboard"
+        log_figure(paths["tensorboard"], "recipe comparison", figure)
     return Report(table=table, markdown=markdown, figure=figure, paths=paths, runs=runs, _png=png)
 
 

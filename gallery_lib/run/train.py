@@ -195,7 +195,7 @@ def _train_from(setup_start: float, cfg: RunConfig, dist: DistInfo, plan: Compil
     start, counters, resumed = _resume_or_start(cfg, dist, ckpt, log)
     warmup_steps = min(cfg.warmup_steps, cfg.steps - start - 1)  # a restarted process compiles and warms up again
     guard = NonfiniteGuard(cfg, precision, dist, counters)
-    writer = MetricsWriter(cfg.run_dir / "metrics.jsonl", mode="a" if resumed else "w") if dist.is_main else None
+    writer = _metrics_writer(cfg, start, resumed) if dist.is_main else None
     batches = _batches(cfg, loader)
     first_batch = next(batches)
     batches = itertools.chain([first_batch], batches)
@@ -266,6 +266,16 @@ def _resume_or_start(cfg: RunConfig, dist: DistInfo, ckpt: Checkpointer, log) ->
             log(f"[gallery] {moved} metrics line(s) of the stopped run from step {start} on are superseded: "
                 f"moved to {superseded_path(cfg.run_dir / 'metrics.jsonl')}")
     return start, counters, True
+
+
+def _metrics_writer(cfg: RunConfig, start: int, resumed: bool):
+    """``metrics.jsonl`` (appended to by a resumed run), and TensorBoard beside it when ``report_to`` asks."""
+    jsonl = MetricsWriter(cfg.run_dir / "metrics.jsonl", mode="a" if resumed else "w")
+    if cfg.report_to != "tensorboard":
+        return jsonl
+    from gallery_lib.run.tensorboard import TeeWriter, TensorBoardWriter
+
+    return TeeWriter(jsonl, TensorBoardWriter(cfg.run_dir / "tensorboard", start_step=start))
 
 
 def _batches(cfg: RunConfig, loader):
