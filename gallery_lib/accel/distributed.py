@@ -28,9 +28,10 @@ what ``RunConfig`` refuses with a ``ConfigError`` naming the fix:
 - ``torch.compile``: ``compile_scope='blocks'`` compiles each block in place inside its FSDP wrapper (the hooks that
   all-gather and reduce-scatter run around the compiled forward, as torchtitan does it). ``compile_scope='model'``
   compiles the sharded root and trains the same losses (checked by hand, not in the tests: its graphs break at every
-  block's hooks and recompile, and it compiles many times slower than DDP's single graph; prefer ``blocks``). Refused: the CUDA-graph modes (``reduce-overhead``, ``max-autotune``: the all-gathers, reduce-scatters
-  and their stream waits run in hooks outside the captured graphs) and ``precompile_workers`` (the workers compile
-  from copies of the blocks, and FSDP2 modules cannot be copied).
+  block's hooks and recompile, and it compiles many times slower than DDP's single graph; prefer ``blocks``).
+  Refused: the CUDA-graph modes (``reduce-overhead``, ``max-autotune``: the all-gathers, reduce-scatters and their
+  stream waits run in hooks outside the captured graphs) and ``precompile_workers`` (the workers compile from copies
+  of the blocks, and FSDP2 modules cannot be copied).
 - Gradient clipping: ``clip_grad_norm_`` reduces the norm of the DTensor gradients over every shard. The fused AdamW
   steps the shards, its non-finite skip flag included.
 - Gradient accumulation: each accumulated batch's gradients are reduce-scattered and added to the sharded gradients,
