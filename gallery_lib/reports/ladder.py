@@ -107,9 +107,10 @@ def ladder_figure(rows: list[dict[str, Any]]) -> Figure:
         talk = [(i, row[talk_key]) for i, row in enumerate(rows) if row[talk_key] is not None]
         if talk:
             ax.plot(*zip(*talk), "kD--", label="the talk (one 80 GB A100)")
-        ax.legend(loc="upper left", fontsize=8)
         ax.set(title=title, ylabel=unit)
-        ax.margins(y=0.15)
+        top = max([v for v in values] + [value for _, value in talk] + [1.0])
+        ax.set_ylim(0, top * 1.35)  # headroom for the legend above the bars
+        ax.legend(loc="upper center", ncols=3, fontsize=8)
     ax_mem.set_xticks(list(x), labels, rotation=35, ha="right")
     device = next((row["device"] for row in rows if row["device"]), "no rung ran")
     fig.suptitle(f"Stable Diffusion UNet training, rung by rung, on {device}")
