@@ -87,9 +87,14 @@ class Report:
     _png: bytes = field(repr=False)
 
     def _repr_markdown_(self) -> str:
-        # A relative link would resolve against the notebook's folder, not the report's: embed the image instead.
-        data = base64.b64encode(self._png).decode("ascii")
-        return self.markdown.replace(f"]({REPORT_PNG})", f"](data:image/png;base64,{data})")
+        return with_inline_image(self.markdown, REPORT_PNG, self._png)
+
+
+def with_inline_image(markdown: str, link: str, png: bytes) -> str:
+    """``markdown`` with its image link ``](link)`` replaced by the PNG itself: in a notebook a relative link would
+    resolve against the notebook's folder, not the report's."""
+    data = base64.b64encode(png).decode("ascii")
+    return markdown.replace(f"]({link})", f"](data:image/png;base64,{data})")
 
 
 class _ReportFigure(Figure):

@@ -8,7 +8,6 @@ with the rung it builds on, which is what the rung itself bought.
 
 from __future__ import annotations
 
-import base64
 import json
 import os
 from dataclasses import dataclass
@@ -18,7 +17,7 @@ from typing import Any
 from matplotlib.figure import Figure
 
 from gallery_lib.ladder import RungResult, recipe_name
-from gallery_lib.reports.comparison import _png_bytes, _ReportFigure
+from gallery_lib.reports.comparison import _png_bytes, _ReportFigure, with_inline_image
 
 LADDER_MD, LADDER_PNG, LADDER_JSON = "ladder.md", "ladder.png", "ladder.json"
 BOUGHT_NOTHING = 1.03
@@ -127,8 +126,7 @@ class LadderReport:
     paths: dict[str, Path]
 
     def _repr_markdown_(self) -> str:
-        data = base64.b64encode(_png_bytes(self.figure)).decode("ascii")
-        return self.markdown.replace(f"]({LADDER_PNG})", f"](data:image/png;base64,{data})")
+        return with_inline_image(self.markdown, LADDER_PNG, _png_bytes(self.figure))
 
 
 def ladder_report(results: list[RungResult], model_dir: str | os.PathLike) -> LadderReport:
