@@ -20,7 +20,8 @@ from __future__ import annotations
 import os
 from typing import Any, Callable
 
-from gallery_lib.config import ConfigError, RunConfig, resolve_device, visible_cuda_devices
+from gallery_lib.config import (CUDA_GRAPH_COMPILE_MODES, ConfigError, RunConfig, resolve_device,
+                                visible_cuda_devices)
 
 
 def baseline(base: RunConfig) -> RunConfig:
@@ -58,6 +59,8 @@ def accelerated(base: RunConfig) -> RunConfig:
         switches["ema"] = _ema_mode(base, switches["ema"])
     if switches.get("compile_scope") == "blocks" and on_gpu:  # CUDA graphs per block, precompiled
         switches.update(compile_mode="reduce-overhead", precompile_workers=_precompile_workers())
+    if base.gradient_checkpointing and switches.get("compile_mode") in CUDA_GRAPH_COMPILE_MODES:
+        switches["compile_mode"] = "default"  # a block recomputed in the backward cannot replay as a CUDA graph
     return compiled(base).replace(recipe="accelerated", **switches)
 
 
@@ -110,6 +113,8 @@ def describe(name: str) -> str:
 def recipe_config(base: RunConfig, recipe: str, overrides: dict[str, Any]) -> RunConfig:
     """Recipe ``recipe`` with explicit ``overrides`` on top, named after both (``baseline+amp_level=O2+compile``)
     so an overridden run never writes over the plain recipe's results."""
+    if overrides.get("gradient_checkpointing"):  # the recipe then leaves out what checkpointing cannot run with
+        base = base.replace(gradient_checkpointing=True)
     cfg = apply_recipe(recipe, base)
     _refuse_ignored(recipe, cfg, overrides)
     if overrides:

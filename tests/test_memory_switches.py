@@ -112,3 +112,17 @@ def test_checkpointing_with_cuda_graphs_is_refused_with_the_fix():
                                           ".*compile_mode='default'"):
         RunConfig(model="sd_tiny", gradient_checkpointing=True, compile=True, compile_mode="reduce-overhead")
     RunConfig(model="sd_tiny", gradient_checkpointing=True, compile=True, compile_mode="default")
+
+
+def test_accelerated_with_checkpointing_leaves_out_its_cuda_graphs(monkeypatch):
+    """On a GPU the accelerated SD recipe replays its blocks as CUDA graphs; asked for checkpointing (the 24 GB GPU
+    case), it compiles them without graphs instead of failing."""
+    from gallery_lib.recipes import recipe_config
+
+    monkeypatch.setattr("gallery_lib.recipes._runs_on_gpu", lambda base: True)
+    base = base_config("full", family="stable_diffusion", data_root="/data")
+    assert apply_recipe("accelerated", base).compile_mode == "reduce-overhead"
+    cfg = recipe_config(base, "accelerated", {"gradient_checkpointing": True})
+    assert (cfg.gradient_checkpointing, cfg.compile, cfg.compile_mode, cfg.recipe) == (
+        True, True, "default", "accelerated+gradient_checkpointing")
+    assert apply_recipe("accelerated", base.replace(gradient_checkpointing=True)).compile_mode == "default"
