@@ -159,8 +159,9 @@ def check_compatible(meta: dict[str, Any], cfg: RunConfig, path: Path) -> None:
 class Checkpointer:
     """Saves and restores one run's training state; called from the loop in ``train.py``.
 
-    Every rank calls ``save`` (it gathers the per-rank RNG states, rank 0 writes, all ranks wait at a barrier)
-    and ``restore`` (each rank reads the file and takes its own RNG state).
+    Every rank calls ``save`` (it gathers the per-rank RNG states, with ZeRO-2 every rank writes its shards, rank 0
+    writes the file, all ranks wait at a barrier) and ``restore`` (each rank reads the file, and its shards, and takes
+    its own RNG state).
     """
 
     cfg: RunConfig
