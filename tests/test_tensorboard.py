@@ -73,3 +73,19 @@ def test_a_run_reports_to_tensorboard_and_its_report_figure_follows(tmp_path):
     assert [e.value for e in scalars] == pytest.approx([s["loss"] for s in steps])
     report = compare(cfg, ["baseline"])
     assert _events(report.paths["tensorboard"]).Tags()["images"] == ["recipe comparison"]
+
+
+def test_sample_grids_go_to_the_runs_that_report_to_tensorboard(tmp_path):
+    import json
+
+    from gallery_lib.run.tensorboard import log_to_run
+
+    figure = Figure()
+    figure.subplots().imshow([[0, 1], [1, 0]])
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "plain" / "config.json").write_text(json.dumps({"report_to": "none"}))
+    assert not log_to_run(tmp_path / "plain", "samples", figure) and not (tmp_path / "plain" / "tensorboard").exists()
+    (tmp_path / "tracked").mkdir()
+    (tmp_path / "tracked" / "config.json").write_text(json.dumps({"report_to": "tensorboard"}))
+    assert log_to_run(tmp_path / "tracked", "samples", figure)
+    assert _events(tmp_path / "tracked" / "tensorboard").Tags()["images"] == ["samples"]

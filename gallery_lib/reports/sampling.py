@@ -50,15 +50,21 @@ def _dtype_argument(dtype: torch.dtype) -> dict[str, torch.dtype]:
 
 
 def sample_grid(pipe, prompts: Sequence[str], *, steps: int = 25, guidance_scale: float = 5.0, seed: int = 0,
-                size: int | None = None):
-    """One image per prompt, tiled with the prompts as titles (a matplotlib figure); seeded, so a call repeats."""
+                size: int | None = None, run_dir: str | os.PathLike | None = None):
+    """One image per prompt, tiled with the prompts as titles (a matplotlib figure); seeded, so a call repeats.
+    With ``run_dir`` (the run the pipeline came from) the grid also goes to its TensorBoard when it reports there."""
     if not prompts:
         raise ValueError("sample_grid needs at least one prompt")
     size = size or pipe.unet.config.sample_size * pipe.vae_scale_factor
     generator = torch.Generator(device="cpu").manual_seed(seed)
     images = pipe(list(prompts), num_inference_steps=steps, guidance_scale=guidance_scale, height=size, width=size,
                   generator=generator).images
-    return image_grid(images, prompts)
+    grid = image_grid(images, prompts)
+    if run_dir is not None:
+        from gallery_lib.run.tensorboard import log_to_run
+
+        log_to_run(run_dir, "samples", grid)
+    return grid
 
 
 def dataset_preview(data_dir: str | os.PathLike, count: int = 8):

@@ -73,3 +73,15 @@ def log_figure(log_dir: str | Path, tag: str, figure) -> None:
         writer.add_figure(tag, figure, close=False)
     finally:
         writer.close()
+
+
+def log_to_run(run_dir: str | Path, tag: str, figure) -> bool:
+    """``figure`` into the run's TensorBoard folder when its ``config.json`` says ``report_to='tensorboard'``; whether
+    it was logged."""
+    import json
+
+    config = Path(run_dir) / "config.json"
+    if not config.is_file() or json.loads(config.read_text()).get("report_to") != "tensorboard":
+        return False
+    log_figure(Path(run_dir) / "tensorboard", tag, figure)
+    return True
