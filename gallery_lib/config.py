@@ -128,8 +128,9 @@ class RunConfig:
     """Keep image tensors (and conv weights) in channels-last memory format."""
     gradient_accumulation_steps: int = setting(1, kind=int, minimum=1)
     """Batches whose gradients add up before each optimizer step: an effective batch of ``batch_size`` times this
-    per process, in the memory of one batch. Each batch's loss is divided by it, so the step follows the mean loss
-    (with DDP the gradients are averaged at every batch: correct, not the fastest)."""
+    per process, in the memory of one batch. Each batch's loss is divided by it, so the step follows the mean loss.
+    With DDP the gradients are all-reduced once per step, with the last batch (``no_sync`` before it); ZeRO-2
+    reduce-scatters each batch's, so that no process holds whole gradients."""
     gradient_checkpointing: bool = setting(False, kind=bool)
     """Recompute the activations of the model's blocks in the backward pass instead of keeping them (diffusers'
     ``enable_gradient_checkpointing``, timm's ``set_grad_checkpointing``, transformers'

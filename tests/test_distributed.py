@@ -299,3 +299,33 @@ def test_zero2_refuses_what_cannot_work(fields, message):
     with pytest.raises(ConfigError, match=message):
         RunConfig(model="swin_micro", data_parallel="zero2", **fields)
     RunConfig(model="swin_micro", data_parallel="ddp", **fields)  # each is fine with DDP
+
+
+def test_ddp_accumulates_with_one_all_reduce_per_step_as_one_process(smoke_data, tmp_path):
+    """2 processes x 3 images x 2 accumulated batches against one process's batches of 12: the first batch's backward
+    runs under DDP's no_sync, the last one all-reduces the sum."""
+    reference = dist_cfg(smoke_data, tmp_path / "one", nproc_per_node=1, batch_size=12)
+    run(reference)
+    accumulated = dist_cfg(smoke_data, tmp_path / "ddp", batch_size=3, gradient_accumulation_steps=2)
+    launch(accumulated, echo=None)
+    assert losses(accumulated) == pytest.approx(losses(reference), **FP32)
+
+
+def test_gradient_sync_skips_ddp_all_reduce_but_not_the_last_batch():
+    from torch import nn
+
+    from gallery_lib.accel.distributed import gradient_sync
+
+    class FakeDDP(nn.parallel.DistributedDataParallel):
+        def __init__(self):
+            nn.Module.__init__(self)
+            self.require_backward_grad_sync = True
+
+    ddp = FakeDDP()
+    with gradient_sync(ddp, enabled=False):
+        assert ddp.require_backward_grad_sync is False
+    assert ddp.require_backward_grad_sync is True
+    with gradient_sync(ddp, enabled=True):
+        assert ddp.require_backward_grad_sync is True
+    with gradient_sync(nn.Linear(2, 2), enabled=False):  # a plain or ZeRO-2 module: nothing to skip
+        pass

@@ -51,11 +51,12 @@ Peak memory per process (``peak_mem_mb`` in the run summary) compares the two on
 from __future__ import annotations
 
 import atexit
+import contextlib
 import copy
 import os
 import sys
 from dataclasses import dataclass
-from typing import Iterable, NoReturn
+from typing import Iterable, Iterator, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -210,3 +211,17 @@ def exit_process(code: int) -> NoReturn:
         sys.stderr.flush()
     finally:
         os._exit(code)
+
+
+@contextlib.contextmanager
+def gradient_sync(module: nn.Module, enabled: bool) -> Iterator[None]:
+    """Backward passes inside all-reduce a DDP module's gradients only when ``enabled`` (DDP's ``no_sync``): an
+    accumulated step keeps the gradients of its first batches local and reduces their sum with the last one, one
+    all-reduce per step instead of one per batch. ZeRO-2 reduce-scatters every batch: skipping it would hold whole
+    unsharded gradients until the last batch, the memory ZeRO-2 is there to save."""
+    inner = getattr(module, "_orig_mod", module)  # through torch.compile's wrapper
+    if enabled or not isinstance(inner, nn.parallel.DistributedDataParallel):
+        yield
+        return
+    with inner.no_sync():
+        yield

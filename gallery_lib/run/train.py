@@ -41,8 +41,8 @@ import torch
 
 from gallery_lib.accel.accelerate import apply_accelerations
 from gallery_lib.accel.compile_plan import CompilePlan
-from gallery_lib.accel.distributed import (DistInfo, exit_process, gather_full_module, init_distributed, reshard,
-                                           shutdown)
+from gallery_lib.accel.distributed import (DistInfo, exit_process, gather_full_module, gradient_sync,
+                                           init_distributed, reshard, shutdown)
 from gallery_lib.accel.precision import Precision
 from gallery_lib.config import CUDA_GRAPH_COMPILE_MODES, RunConfig, validate_for_machine
 from gallery_lib.run.attention_probe import AttentionProbe
@@ -292,14 +292,15 @@ def _forward_backward(task, module, batches, precision: Precision, micro_batches
     """The loss of the next batch and its backward; with ``micro_batches`` > 1, that many batches whose gradients
     add up to those of their mean loss, which it returns."""
     total = None
-    for _ in range(micro_batches):
+    for index in range(micro_batches):
         if cuda_graphs:  # CUDA-graph trees: outputs of the previous graphs' replay may now be overwritten
             torch.compiler.cudagraph_mark_step_begin()
-        loss = task.loss(module, next(batches), precision)
-        if micro_batches == 1:
-            precision.backward(loss)
-            return loss
-        precision.backward(loss / micro_batches)
+        with gradient_sync(module, enabled=index == micro_batches - 1):  # reduce once, after the last batch
+            loss = task.loss(module, next(batches), precision)
+            if micro_batches == 1:
+                precision.backward(loss)
+                return loss
+            precision.backward(loss / micro_batches)
         total = loss.detach() if total is None else total + loss.detach()
     return total / micro_batches
 
