@@ -21,7 +21,8 @@ from pathlib import Path
 import torch
 
 from gallery_lib.config import RunConfig, parse_overrides
-from gallery_lib.ladder import RUNG_NAMES, RungResult, failure_reason, ladder_configs, rung_named
+from gallery_lib.ladder import (RUNG_NAMES, RungResult, failure_reason, ladder_configs, rung_named,
+                                rung_parents)
 from gallery_lib.profiles import base_config
 from gallery_lib.reports.ladder import ladder_report
 from gallery_lib.run.launch import RunFailed, launch
@@ -65,13 +66,15 @@ def merge(paths: list[str], out: str, report_dir: str | None) -> dict:
     """The rungs of several result files in ladder order (a rung run twice: the later file's), with the report."""
     parts = [json.loads(Path(p).read_text()) for p in paths]
     entries = {entry["rung"]: entry for part in parts for entry in part["rungs"]}
+    parents = rung_parents(on_gpu=any(part["gpu"] for part in parts))
     results = []
     for name in RUNG_NAMES:
         if name in entries:
             entry = entries[name]
             config = RunConfig.from_dict(entry["config"]) if entry["config"] else None
             failure = failure_reason(entry["failure"]) if entry.get("failure") else None
-            results.append(RungResult(rung_named(name), config, summary=entry.get("summary"), failure=failure))
+            results.append(RungResult(rung_named(name), config, summary=entry.get("summary"), failure=failure,
+                                      builds_on=parents[name]))
     record = {"command": "python " + " ".join(sys.argv), "parts": [{"file": p, "command": part["command"],
               "date": part["date"], "gpu": part["gpu"], "torch": part["torch"]} for p, part in zip(paths, parts)]}
     if report_dir:

@@ -25,7 +25,8 @@ import os
 from dataclasses import dataclass, fields
 from typing import Any, Callable
 
-from gallery_lib.config import ConfigError, RunConfig, resolve_device, visible_cuda_devices
+from gallery_lib.config import ConfigError, RunConfig
+from gallery_lib.recipes import baseline, precompile_workers_for_machine, runs_on_gpu
 
 
 @dataclass(frozen=True)
@@ -69,17 +70,9 @@ class Rung:
 
 
 def _tf32_baseline(base: RunConfig, sizes: LadderSizes) -> dict[str, Any]:
-    from gallery_lib.recipes import baseline
-
     plain = baseline(base).to_dict()  # eager, unfused AdamW, a per-tensor EMA loop, online VAE and CLIP
     del plain["recipe"], plain["extra"]
     return {**plain, "amp_level": "O0", "sdpa_math": True, "num_workers": 0}
-
-
-def _precompile_workers() -> int:
-    from gallery_lib.recipes import _precompile_workers as workers
-
-    return workers()
 
 
 RUNGS: tuple[Rung, ...] = (
@@ -114,8 +107,8 @@ RUNGS: tuple[Rung, ...] = (
                                                       "compile_scope": "model"},
          "Inductor fuses the elementwise work around the matmuls and convolutions of the whole UNet into generated "
          "kernels (minutes of compilation on the first run)."),
-    Rung("regional", "regional compile, precompiled", lambda cfg, s: {"compile_scope": "blocks",
-                                                                       "precompile_workers": _precompile_workers()},
+    Rung("regional", "regional compile, precompiled",
+         lambda cfg, s: {"compile_scope": "blocks", "precompile_workers": precompile_workers_for_machine()},
          "each repeated block compiled once and shared by its copies, the distinct ones compiled in parallel "
          "processes before the first step: the same speed for a fraction of the compile time."),
     Rung("cuda_graphs", "CUDA graphs", lambda cfg, s: {"compile_mode": "reduce-overhead"}, needs_gpu=True,
@@ -149,27 +142,33 @@ def rung_named(name: str) -> Rung:
     raise ConfigError(f"rung {name!r} is not on the ladder: choose from {', '.join(RUNG_NAMES)}.")
 
 
+def rung_parents(on_gpu: bool) -> dict[str, str | None]:
+    """The rung each rung builds on, by name (``None`` for the first): its ``builds_on``, else the nearest rung below
+    it that this machine runs (a rung left out passes the one below it up)."""
+    parents: dict[str, str | None] = {}
+    below = None
+    for rung in RUNGS:
+        parents[rung.name] = rung.builds_on or below
+        if on_gpu or not rung.needs_gpu:
+            below = rung.name
+    return parents
+
+
 def ladder_configs(base: RunConfig, rungs: list[str] | None = None, *, sizes: LadderSizes | None = None,
                    on_gpu: bool | None = None) -> dict[str, RunConfig | None]:
     """The config of every rung (or of ``rungs``), by rung name; ``None`` for a rung this machine cannot run (a GPU
     rung on a CPU). Each rung is resolved on the rungs below it, so asking for one rung resolves those too."""
     _check_family(base)
     sizes = sizes or default_sizes(base)
-    if on_gpu is None:
-        on_gpu = resolve_device(base.device, visible_cuda_devices()) == "cuda"
+    on_gpu = runs_on_gpu(base) if on_gpu is None else on_gpu
     resolved: dict[str, RunConfig | None] = {}
-    effective: dict[str, RunConfig] = {}  # what a rung builds on: a rung left out passes its own base up
-    below: RunConfig | None = None
     for rung in RUNGS:
-        under = effective[rung.builds_on] if rung.builds_on else below
         if rung.needs_gpu and not on_gpu:
             resolved[rung.name] = None
-            effective[rung.name] = under
-        else:
-            start = base if under is None else under
-            cfg = start.replace(**rung.adds(start, sizes), recipe=recipe_name(rung))
-            resolved[rung.name] = effective[rung.name] = cfg
-        below = effective[rung.name]
+            continue
+        parent = rung_parents(on_gpu)[rung.name]
+        start = base if parent is None else resolved[parent]
+        resolved[rung.name] = start.replace(**rung.adds(start, sizes), recipe=recipe_name(rung))
     if rungs is None:
         return resolved
     return {rung_named(name).name: resolved[rung_named(name).name] for name in rungs}
@@ -205,6 +204,8 @@ class RungResult:
     summary: dict | None = None
     failure: str | None = None
     """``None`` when it ran; otherwise why not (``needs a GPU``, ``out of memory``, the error's last line)."""
+    builds_on: str | None = None
+    """The rung it builds on on this machine (``rung_parents``), whether or not that one ran too."""
 
 
 def run_ladder(base: RunConfig, rungs: list[str] | None = None, *, sizes: LadderSizes | None = None,
@@ -215,7 +216,9 @@ def run_ladder(base: RunConfig, rungs: list[str] | None = None, *, sizes: Ladder
     from gallery_lib.recipes import describe
     from gallery_lib.run.launch import RunFailed, launch
 
-    configs = ladder_configs(base, rungs, sizes=sizes)
+    on_gpu = runs_on_gpu(base)
+    configs = ladder_configs(base, rungs, sizes=sizes, on_gpu=on_gpu)
+    parents = rung_parents(on_gpu)
     for cfg in configs.values():
         if cfg is not None:
             validate_for_machine(cfg)
@@ -223,14 +226,14 @@ def run_ladder(base: RunConfig, rungs: list[str] | None = None, *, sizes: Ladder
     for name, cfg in configs.items():
         rung = rung_named(name)
         if cfg is None:
-            results.append(RungResult(rung, None, failure="needs a GPU"))
+            results.append(RungResult(rung, None, failure="needs a GPU", builds_on=parents[name]))
             continue
         if echo:
             echo(f"\n=== {cfg.recipe}: {describe(cfg.recipe)} ===")
         try:
-            results.append(RungResult(rung, cfg, summary=launch(cfg, echo=echo).summary))
+            results.append(RungResult(rung, cfg, summary=launch(cfg, echo=echo).summary, builds_on=parents[name]))
         except RunFailed as exc:
-            results.append(RungResult(rung, cfg, failure=failure_reason(str(exc))))
+            results.append(RungResult(rung, cfg, failure=failure_reason(str(exc)), builds_on=parents[name]))
             if echo:
                 echo(f"[ladder] {rung.name} did not finish: {results[-1].failure}; going on with the next rung")
     return results

@@ -52,23 +52,24 @@ def peer(base: RunConfig) -> RunConfig:
 def accelerated(base: RunConfig) -> RunConfig:
     """Everything that measured faster than ``compiled`` on the GPU, for the model's family."""
     switches = dict(base.model_family.accelerated)
-    on_gpu = _runs_on_gpu(base)
+    on_gpu = runs_on_gpu(base)
     if on_gpu:
         switches.update(base.model_family.accelerated_on_gpu)
     if "ema" in switches:
         switches["ema"] = _ema_mode(base, switches["ema"])
     if switches.get("compile_scope") == "blocks" and on_gpu:  # CUDA graphs per block, precompiled
-        switches.update(compile_mode="reduce-overhead", precompile_workers=_precompile_workers())
+        switches.update(compile_mode="reduce-overhead", precompile_workers=precompile_workers_for_machine())
     if base.gradient_checkpointing and switches.get("compile_mode") in CUDA_GRAPH_COMPILE_MODES:
         switches["compile_mode"] = "default"  # a block recomputed in the backward cannot replay as a CUDA graph
     return compiled(base).replace(recipe="accelerated", **switches)
 
 
-def _runs_on_gpu(base: RunConfig) -> bool:
+def runs_on_gpu(base: RunConfig) -> bool:
+    """Whether runs of ``base`` train on a GPU here (``device`` resolved on this machine)."""
     return resolve_device(base.device, visible_cuda_devices()) == "cuda"
 
 
-def _precompile_workers() -> int:
+def precompile_workers_for_machine() -> int:
     """Half the cores, at most 8 (benchmarks/RESULTS.md#sd15-compile-time); 0 (compile in the warm-up steps) where
     there are too few cores for parallel compilation to pay."""
     workers = min(8, (os.cpu_count() or 1) // 2)

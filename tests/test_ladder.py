@@ -10,7 +10,7 @@ import torch
 
 from gallery_lib.config import ConfigError, RunConfig
 from gallery_lib.ladder import (RUNG_NAMES, RUNGS, LadderSizes, RungResult, ladder_configs, recipe_name, rung_named,
-                                run_ladder)
+                                rung_parents, run_ladder)
 from gallery_lib.profiles import base_config
 from gallery_lib.recipes import accelerated, apply_recipe, describe
 from gallery_lib.reports.ladder import findings, ladder_plan, ladder_report, ladder_rows
@@ -50,7 +50,7 @@ def test_each_rung_changes_only_its_own_switches():
 
 
 def test_the_kernels_rung_is_the_accelerated_recipe_at_the_large_batch(monkeypatch):
-    monkeypatch.setattr("gallery_lib.recipes._runs_on_gpu", lambda base: True)
+    monkeypatch.setattr("gallery_lib.recipes.runs_on_gpu", lambda base: True)
     base = _full_base()
     rung = ladder_configs(base, sizes=SIZES, on_gpu=True)["kernels"]
     reference = accelerated(base.replace(batch_size=SIZES.large_batch))
@@ -99,7 +99,7 @@ def _result(name: str, img_per_s: float | None, mem_gib: float = 10.0, failure: 
         "samples_per_s": img_per_s, "median_step_time_ms": 1000 * cfg.batch_size / img_per_s,
         "p20_step_time_ms": 990 * cfg.batch_size / img_per_s, "p80_step_time_ms": 1010 * cfg.batch_size / img_per_s,
         "peak_mem_mb": mem_gib * 1024, "device_name": "NVIDIA H100 80GB HBM3"}
-    return RungResult(rung_named(name), cfg, summary=summary, failure=failure)
+    return RungResult(rung_named(name), cfg, summary=summary, failure=failure, builds_on=rung_parents(True)[name])
 
 
 def test_report_speedups_gains_and_findings(tmp_path):
@@ -120,6 +120,16 @@ def test_report_speedups_gains_and_findings(tmp_path):
     assert json.loads((tmp_path / "ladder.json").read_text())[1]["speedup"] == pytest.approx(1.2)
     assert (tmp_path / "ladder.png").stat().st_size > 10_000
     assert "data:image/png;base64," in report._repr_markdown_()
+
+
+def test_a_rung_run_without_the_one_it_builds_on_has_no_gain():
+    """Picked alone with the first rung, the kernels rung builds on cached latents all the same: no gain is claimed
+    over the first rung, and the CPU parents skip the left-out CUDA-graph rung."""
+    rows = ladder_rows([_result("tf32", 10.0), _result("kernels", 75.0)])
+    assert rows[1]["builds_on"] == "cached_latents" and rows[1]["gain"] is None
+    assert rows[1]["speedup"] == pytest.approx(7.5)
+    assert rung_parents(True)["cached_latents"] == "cuda_graphs"
+    assert rung_parents(False)["cached_latents"] == "regional" and rung_parents(False)["bf16"] == "ema"
 
 
 def test_plan_lists_what_each_rung_changes():

@@ -119,7 +119,7 @@ def test_accelerated_with_checkpointing_leaves_out_its_cuda_graphs(monkeypatch):
     case), it compiles them without graphs instead of failing."""
     from gallery_lib.recipes import recipe_config
 
-    monkeypatch.setattr("gallery_lib.recipes._runs_on_gpu", lambda base: True)
+    monkeypatch.setattr("gallery_lib.recipes.runs_on_gpu", lambda base: True)
     base = base_config("full", family="stable_diffusion", data_root="/data")
     assert apply_recipe("accelerated", base).compile_mode == "reduce-overhead"
     cfg = recipe_config(base, "accelerated", {"gradient_checkpointing": True})

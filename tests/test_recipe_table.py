@@ -12,7 +12,7 @@ def test_the_table_reads_each_recipe_as_resolved_on_this_machine(monkeypatch):
     assert "cache_latents=True" in rows["accelerated"]["family switches"]
     assert "kernel_ops" not in rows["baseline"]["family switches"]  # kernels off: their ops say nothing
     monkeypatch.setattr("gallery_lib.reports.recipe_table.visible_cuda_devices", lambda: 1)
-    monkeypatch.setattr("gallery_lib.recipes._runs_on_gpu", lambda base: True)
+    monkeypatch.setattr("gallery_lib.recipes.runs_on_gpu", lambda base: True)
     gpu = recipe_table(base.replace(device="auto"), ["baseline", ("accelerated", {"batch_size": 6})])
     rows = {row["recipe"]: row for row in gpu.rows}
     assert rows["baseline"]["precision"] == "float16 autocast + GradScaler"

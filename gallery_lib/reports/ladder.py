@@ -29,10 +29,9 @@ def ladder_rows(results: list[RungResult]) -> list[dict[str, Any]]:
     the rung it builds on, and the talk's figures."""
     speed = {r.rung.name: r.summary["samples_per_s"] for r in results if r.summary}
     first = speed.get(results[0].rung.name) if results else None
-    rows, below = [], None
+    rows = []
     for result in results:
-        rung, summary = result.rung, result.summary
-        parent = rung.builds_on or below
+        rung, summary, parent = result.rung, result.summary, result.builds_on
         row: dict[str, Any] = {
             "rung": recipe_name(rung), "name": rung.name, "title": rung.title, "builds_on": parent,
             "batch_size": result.config.batch_size if result.config else None,
@@ -48,8 +47,6 @@ def ladder_rows(results: list[RungResult]) -> list[dict[str, Any]]:
             row["speedup"] = row["img_per_s"] / first if first else None
             row["gain"] = row["img_per_s"] / speed[parent] if parent in speed else None
         rows.append(row)
-        if result.config is not None:  # a rung left out passes the one below it up
-            below = rung.name
     return rows
 
 
@@ -165,21 +162,22 @@ class LadderPlan:
 
 def ladder_plan(base, rungs: list[str] | None = None, *, sizes=None) -> LadderPlan:
     """Each rung's config against the config it builds on: the fields it changes, as ``field=value``."""
-    from gallery_lib.ladder import ladder_configs, rung_named
+    from gallery_lib.ladder import ladder_configs, rung_named, rung_parents
+    from gallery_lib.recipes import runs_on_gpu
 
-    configs = ladder_configs(base, sizes=sizes)
+    on_gpu = runs_on_gpu(base)
+    configs = ladder_configs(base, sizes=sizes, on_gpu=on_gpu)
+    parents = rung_parents(on_gpu)
     wanted = {rung_named(name).name for name in rungs} if rungs else set(configs)
-    rows, below = [], None
+    rows = []
     for name, cfg in configs.items():
         rung = rung_named(name)
-        under_name = rung.builds_on or below
-        under = configs.get(under_name) if under_name else None
+        under_name = parents[name]
         if cfg is None:
             changes = "(left out: needs a GPU)"
         else:
-            now, then = cfg.to_dict(), (under.to_dict() if under is not None else base.to_dict())
+            now, then = cfg.to_dict(), (configs[under_name] if under_name else base).to_dict()
             changes = ", ".join(f"`{k}={v}`" for k, v in now.items() if then.get(k) != v and k != "recipe")
-            below = name
         if name in wanted:
             rows.append((f"{recipe_name(rung)}: {rung.title}", under_name or "the profile", changes, rung.why))
     return LadderPlan(rows)
