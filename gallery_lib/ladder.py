@@ -161,12 +161,13 @@ def ladder_configs(base: RunConfig, rungs: list[str] | None = None, *, sizes: La
     _check_family(base)
     sizes = sizes or default_sizes(base)
     on_gpu = runs_on_gpu(base) if on_gpu is None else on_gpu
+    parents = rung_parents(on_gpu)
     resolved: dict[str, RunConfig | None] = {}
     for rung in RUNGS:
         if rung.needs_gpu and not on_gpu:
             resolved[rung.name] = None
             continue
-        parent = rung_parents(on_gpu)[rung.name]
+        parent = parents[rung.name]
         start = base if parent is None else resolved[parent]
         resolved[rung.name] = start.replace(**rung.adds(start, sizes), recipe=recipe_name(rung))
     if rungs is None:

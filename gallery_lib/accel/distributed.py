@@ -8,9 +8,9 @@ measures what sharding costs and saves beside DDP's memory on the same GPU.
 into the all-reduce buckets (``gradient_as_bucket_view``: no copy between them, and no second gradient buffer), the
 bucket size is ``ddp_bucket_cap_mb`` (PyTorch's 25 MB by default), and ``ddp_static_graph`` tells DDP that every step
 uses the same parameters in the same graph. It is off by default: the training loop's graph is static (every step runs
-forward and backward of the whole model; accumulated batches each run a synchronized backward), but a model with
-data-dependent control flow or parameters that some steps leave unused breaks it (silently wrong reduction order,
-or an error at the second step), which a recipe cannot know of an arbitrary model.
+forward and backward of the whole model), but a model with data-dependent control flow or parameters that some steps
+leave unused breaks it (silently wrong reduction order, or an error at the second step), which a recipe cannot know
+of an arbitrary model.
 
 ``zero2``: ``apply_zero2`` shards the model with PyTorch's own engine, FSDP2: ``fully_shard(reshard_after_forward=
 False)`` on each of the family's repeated blocks (``ModelFamily.block_types``, found as regional compilation finds
@@ -34,8 +34,8 @@ what ``RunConfig`` refuses with a ``ConfigError`` naming the fix:
   of the blocks, and FSDP2 modules cannot be copied).
 - Gradient clipping: ``clip_grad_norm_`` reduces the norm of the DTensor gradients over every shard. The fused AdamW
   steps the shards, its non-finite skip flag included.
-- Gradient accumulation: each accumulated batch's gradients are reduce-scattered and added to the sharded gradients,
-  as DDP all-reduces each one: correct, not the fastest.
+- Gradient accumulation: each accumulated batch's gradients are reduce-scattered and added to the sharded gradients
+  (``gradient_sync`` says why DDP all-reduces once per step instead, and ZeRO-2 does not).
 - Gradient checkpointing: the library's own, as without ZeRO-2 (checked by hand).
 - EMA (``ModelEma(template=...)``): sharded like the weights, updated shard by shard.
 - Checkpoints: ``torch.distributed.checkpoint`` (``gallery_lib.run.sharded_checkpoint``); they also load on another
