@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -121,9 +121,11 @@ class LadderReport:
     markdown: str
     figure: Figure
     paths: dict[str, Path]
+    png: bytes = field(repr=False)
+    """The figure as written to ``ladder.png``, rendered once."""
 
     def _repr_markdown_(self) -> str:
-        return with_inline_image(self.markdown, LADDER_PNG, _png_bytes(self.figure))
+        return with_inline_image(self.markdown, LADDER_PNG, self.png)
 
 
 def ladder_report(results: list[RungResult], model_dir: str | os.PathLike) -> LadderReport:
@@ -136,9 +138,10 @@ def ladder_report(results: list[RungResult], model_dir: str | os.PathLike) -> La
                 + "\n".join(f"- {line}" for line in findings(rows)) + f"\n\n![ladder]({LADDER_PNG})\n")
     paths = {"markdown": model_dir / LADDER_MD, "figure": model_dir / LADDER_PNG, "rows": model_dir / LADDER_JSON}
     paths["markdown"].write_text(markdown, encoding="utf-8")
-    figure.savefig(paths["figure"], dpi=110)
+    png = _png_bytes(figure)
+    paths["figure"].write_bytes(png)
     paths["rows"].write_text(json.dumps(rows, indent=2) + "\n", encoding="utf-8")
-    return LadderReport(rows=rows, markdown=markdown, figure=figure, paths=paths)
+    return LadderReport(rows=rows, markdown=markdown, figure=figure, paths=paths, png=png)
 
 
 def _fmt(value: Any, fmt: str) -> str:
