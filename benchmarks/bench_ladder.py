@@ -24,6 +24,7 @@ from gallery_lib.config import RunConfig, parse_overrides
 from gallery_lib.ladder import (RUNG_NAMES, RungResult, failure_reason, ladder_configs, rung_named,
                                 rung_parents)
 from gallery_lib.profiles import base_config
+from gallery_lib.run.bench import gpu_name
 from gallery_lib.reports.ladder import ladder_report
 from gallery_lib.run.launch import RunFailed, launch
 from gallery_lib.workflow import prepare
@@ -39,7 +40,7 @@ def run_rungs(args: argparse.Namespace) -> dict:
     configs = ladder_configs(base, args.rungs.split(",") if args.rungs else None)
     prepare(base, progress=False)
     record = {"command": "python " + " ".join(sys.argv), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-              "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+              "gpu": gpu_name(),  # from nvidia-smi: no CUDA context held in this process during the runs
               "torch": torch.__version__, "python": platform.python_version(), "model": base.model,
               "timing": "CUDA events per step after warm-up; median with p20/p80; data loading included",
               "rungs": []}

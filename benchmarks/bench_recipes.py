@@ -31,6 +31,7 @@ import torch
 from gallery_lib.config import parse_overrides
 from gallery_lib.run.launch import launch
 from gallery_lib.profiles import base_config
+from gallery_lib.run.bench import gpu_name
 from gallery_lib.recipes import apply_recipe, recipe_config
 from gallery_lib.reports.comparison import mfu
 from gallery_lib.workflow import prepare
@@ -78,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     record = {
         "command": "python " + " ".join(sys.argv),
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "gpu": gpu_name(),  # from nvidia-smi: no CUDA context held in this process during the runs
         "torch": torch.__version__, "python": platform.python_version(),
         "model": base.model, "image_size": base.image_size, "batch_size_per_process": base.batch_size,
         "steps": base.steps, "warmup_steps": base.warmup_steps,
