@@ -40,7 +40,7 @@ def run_rungs(args: argparse.Namespace) -> dict:
     configs = ladder_configs(base, args.rungs.split(",") if args.rungs else None)
     prepare(base, progress=False)
     record = {"command": "python " + " ".join(sys.argv), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-              "gpu": gpu_name(),  # from nvidia-smi: no CUDA context held in this process during the runs
+              "gpu": gpu_name(),  # from nvidia-smi: CUDA stays uninitialized in this process
               "torch": torch.__version__, "python": platform.python_version(), "model": base.model,
               "timing": "CUDA events per step after warm-up; median with p20/p80; data loading included",
               "rungs": []}

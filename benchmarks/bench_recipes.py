@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     record = {
         "command": "python " + " ".join(sys.argv),
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "gpu": gpu_name(),  # from nvidia-smi: no CUDA context held in this process during the runs
+        "gpu": gpu_name(),  # from nvidia-smi: CUDA stays uninitialized in this process
         "torch": torch.__version__, "python": platform.python_version(),
         "model": base.model, "image_size": base.image_size, "batch_size_per_process": base.batch_size,
         "steps": base.steps, "warmup_steps": base.warmup_steps,
