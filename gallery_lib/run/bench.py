@@ -191,6 +191,7 @@ def result_row(cfg: RunConfig, summary: dict) -> dict:
         "median_step_ms": summary["median_step_time_ms"], "p20_step_ms": summary["p20_step_time_ms"],
         "p80_step_ms": summary["p80_step_time_ms"], "peak_mem_gib": summary["peak_mem_mb"] / 1024,
         "peak_mem_kind": summary["peak_mem_kind"],
+        "peak_reserved_gib": summary["peak_reserved_mb"] / 1024 if summary.get("peak_reserved_mb") else None,
         "mfu": mfu(speed, summary["train_flops_per_sample"], summary["matmul_tflops"]),
         "compile_s": summary["warmup_time_s"] + (summary["precompile_time_s"] or 0.0),
         "flops_per_sample": summary["train_flops_per_sample"], "matmul_tflops": summary["matmul_tflops"],

@@ -12,7 +12,7 @@ import torch
 from gallery_lib.accel.distributed import DistInfo, all_reduce_sum
 from gallery_lib.models.flops import measured_matmul_tflops
 from gallery_lib.run.step_log import StepLog
-from gallery_lib.run.timing import peak_memory_mb, summarize_times
+from gallery_lib.run.timing import peak_memory_mb, peak_reserved_mb, summarize_times
 
 
 def build_summary(cfg, dist: DistInfo, step_log: StepLog, *, warmup_steps: int, setup_time: float,
@@ -33,6 +33,7 @@ def build_summary(cfg, dist: DistInfo, step_log: StepLog, *, warmup_steps: int, 
         "samples_per_s": cfg.global_batch_size * 1e3 / timing["median_step_time_ms"],
         "peak_mem_mb": peak_memory_mb(dist.device),
         "peak_mem_kind": "cuda_max_allocated" if dist.device.type == "cuda" else "cpu_max_rss",
+        "peak_reserved_mb": peak_reserved_mb(dist.device),
         "final_loss": losses[-1], "mean_loss_last_10": sum(losses[-10:]) / len(losses[-10:]),
         "skipped_samples": int(all_reduce_sum(float(skipped_samples), dist)), "nonfinite_steps": nonfinite_steps,
         "reuse_batch": cfg.reuse_batch, "notes": notes, "ema": cfg.ema, "train_flops_per_sample": flops_per_sample,

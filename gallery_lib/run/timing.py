@@ -49,6 +49,13 @@ def peak_memory_mb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def peak_reserved_mb(device: torch.device) -> float | None:
+    """Peak CUDA memory the caching allocator held (what must fit on the card); None on a CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_reserved(device) / 2**20
+    return None
+
+
 def reset_peak_memory(device: torch.device) -> None:
     """Starts a new CUDA peak, so a run reports its own even after others in the same process (a batch-size
     search's trials); a CPU's peak resident set size cannot be reset."""
