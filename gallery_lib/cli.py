@@ -157,13 +157,11 @@ def configs_from_args(args: argparse.Namespace) -> list[RunConfig]:
     # Checkpointing changes how a run is kept, not what it trains: the run keeps its recipe name (and folder).
     if getattr(args, "checkpoint_every", None) is not None:
         configs = [cfg.replace(checkpoint_every=args.checkpoint_every) for cfg in configs]
-    resume_from = getattr(args, "resume_from_checkpoint", None)
-    if resume_from not in (None, "latest"):
-        raise ConfigError(f"--resume_from_checkpoint {resume_from}: a run resumes from its own "
-                          "<run>/checkpoints/latest; pass latest (or --resume). To continue from another run's "
-                          "checkpoint, give this run that run's --output_dir.")
-    if getattr(args, "resume", False) or resume_from == "latest":
+    resume = getattr(args, "resume_from_checkpoint", None) or getattr(args, "resume", None)
+    if resume == "latest":
         configs = [cfg.replace(resume=True) for cfg in configs]
+    elif resume:
+        configs = [cfg.replace(resume=True, resume_from=resume) for cfg in configs]
     return configs
 
 
@@ -265,8 +263,10 @@ def build_parser() -> argparse.ArgumentParser:
     _flag(p, "recipe", default="baseline", help="baseline, compiled, peer or accelerated (default: baseline)")
     _flag(p, "checkpoint_every", type=int, help="save a checkpoint every N steps in <run>/checkpoints (default: off)")
     p.add_argument("--checkpointing_steps", dest="checkpoint_every", type=int, help="= --checkpoint_every")
-    _flag(p, "resume", action="store_true", help="continue the run from <run>/checkpoints/latest")
-    p.add_argument("--resume_from_checkpoint", metavar="latest", help="= --resume (diffusers' spelling)")
+    _flag(p, "resume", nargs="?", const="latest", metavar="latest|PATH",
+          help="continue the run from its own <run>/checkpoints/latest, or from the checkpoint PATH names (a "
+               "step_<N>.pt file, a checkpoints folder or a run folder, e.g. another run's)")
+    p.add_argument("--resume_from_checkpoint", metavar="latest|PATH", help="= --resume (diffusers' spelling)")
     _add_node_flags(p)
     p.set_defaults(func=cmd_train)
     p = sub.add_parser("compare", help="write the report of a model's runs")

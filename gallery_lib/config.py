@@ -184,6 +184,11 @@ class RunConfig:
     resume: bool = setting(False, kind=bool)
     """Continue from ``<run_dir>/checkpoints/latest`` (model, optimizer, scheduler, scaler, RNG, data position);
     an error if there is no checkpoint to resume from."""
+    resume_from: str | None = setting(None, kind=str, optional=True)
+    """A checkpoint to continue from instead of the run's own latest: a ``step_<N>.pt`` file, a ``checkpoints``
+    folder or a run folder (the checkpoint its ``latest`` names), e.g. another run's. Implies ``resume``; the state
+    must fit the run as with ``resume``. The run writes its metrics afresh and its checkpoints to its own folder.
+    diffusers' ``--resume_from_checkpoint PATH``."""
     max_nonfinite_steps: int = setting(5, kind=int, minimum=0, hint="0 disables the check")
     """Stop (with a checkpoint) after this many non-finite losses in a row; each such step is skipped. 0 turns
     the check off, which also removes its per-step host sync (see ``train.py``)."""
@@ -257,7 +262,7 @@ class RunConfig:
             # Ranks would have to agree on an OOM raised mid-collective (Lightning's finder has the same limit).
             raise ConfigError(f"find_batch_size=True is invalid with nproc_per_node={self.nproc_per_node}: run the "
                               "search with nproc_per_node=1, then set batch_size to the size it chose.")
-        if self.find_batch_size and self.resume:
+        if self.find_batch_size and (self.resume or self.resume_from):
             raise ConfigError("find_batch_size=True is invalid with resume=True: a resumed run keeps the batch size "
                               "of its checkpoint. Drop find_batch_size and set batch_size to the saved run's value.")
         if self.precompile_workers and not (self.compile and self.compile_scope == "blocks"):

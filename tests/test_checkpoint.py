@@ -308,11 +308,68 @@ def test_nonfinite_losses_in_a_row_stop_with_a_checkpoint(smoke_data, tmp_path, 
 
 
 def test_cli_train_has_resume_flags():
-    from gallery_lib.cli import build_parser
+    from gallery_lib.cli import build_parser, configs_from_args
+
+    def config(*argv):
+        (cfg,) = configs_from_args(build_parser().parse_args(["train", "--profile", "smoke", *argv]))
+        return cfg.resume, cfg.resume_from
 
     args = build_parser().parse_args(["train", "--resume", "--checkpoint_every", "5"])
-    assert args.resume is True and args.checkpoint_every == 5
-    assert build_parser().parse_args(["train"]).resume is False
+    assert args.resume == "latest" and args.checkpoint_every == 5
+    assert config() == (False, None)
+    assert config("--resume") == config("--resume", "latest") == config("--resume_from_checkpoint", "latest") \
+        == (True, None)
+    assert config("--resume", "runs/a/checkpoints/step_4.pt") == (True, "runs/a/checkpoints/step_4.pt")
+    assert config("--resume_from_checkpoint", "runs/a") == (True, "runs/a")
+
+
+def test_resume_from_another_runs_checkpoint_continues_its_trajectory(reference, smoke_data, tmp_path):
+    """diffusers' --resume_from_checkpoint PATH: a new run folder starts from another run's step-4 checkpoint, trains
+    the same steps 4-7 as the uninterrupted run, writes its own metrics and checkpoints, and leaves the source alone."""
+    source = reference.run_dir / "checkpoints"
+    before = {p.name: p.stat().st_mtime_ns for p in source.iterdir()}
+    cfg = resume_cfg(smoke_data, tmp_path, resume=True, resume_from=str(source / "step_4.pt"))
+    summary = run(cfg)
+    assert summary["resumed_from_step"] == 4
+    steps, _ = read_metrics(cfg.run_dir / "metrics.jsonl")
+    assert [s["step"] for s in steps] == [4, 5, 6, 7]  # its own metrics, from the checkpoint's step
+    assert {s["step"]: s["loss"] for s in steps} == {n: step_losses(reference)[n] for n in range(4, STEPS)}
+    own = cfg.run_dir / "checkpoints"
+    assert sorted(p.name for p in own.glob("step_*.pt")) == ["step_6.pt", "step_8.pt"]
+    assert_same_state(own / "step_8.pt", source / "step_8.pt")
+    assert {p.name: p.stat().st_mtime_ns for p in source.iterdir()} == before
+
+
+def test_resume_from_names_a_checkpoint_file_or_folder(reference, smoke_data, tmp_path):
+    from gallery_lib.run.checkpoint import checkpoint_at, resume_source
+    from gallery_lib.run.launch import preflight
+
+    folder = reference.run_dir / "checkpoints"
+    assert checkpoint_at(folder / "step_2.pt") == folder / "step_2.pt"
+    assert checkpoint_at(folder) == checkpoint_at(reference.run_dir) == folder / "step_8.pt"  # their latest
+    with pytest.raises(CheckpointError, match="no such file or folder"):
+        checkpoint_at(tmp_path / "nowhere")
+    with pytest.raises(CheckpointError, match="no checkpoint to resume from"):
+        checkpoint_at(tmp_path)  # a folder without checkpoints
+    cfg = resume_cfg(smoke_data, tmp_path, resume_from=str(folder))
+    assert resume_source(cfg) == folder / "step_8.pt"
+    assert resume_source(cfg.replace(resume_from=None)) is None  # resume_from alone implies resume
+    # The run's own folder holds checkpoints of an earlier run: they must not mix with those of the continued one.
+    (cfg.run_dir / "checkpoints").mkdir(parents=True)
+    (cfg.run_dir / "checkpoints" / LATEST).write_text("step_2.pt\n")
+    with pytest.raises(ConfigError, match="holds checkpoints of an earlier run"):
+        preflight(cfg)
+
+
+def test_cli_names_a_missing_checkpoint_before_starting(smoke_data, tmp_path, capsys):
+    from gallery_lib.cli import main
+
+    argv = ["train", "--profile", "smoke", "--model", "swin_micro", "--data_dir", str(smoke_data),
+            "--output_dir", str(tmp_path), "--resume_from_checkpoint", str(tmp_path / "checkpoint-500")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "checkpoint-500': no such file or folder" in err and "Traceback" not in err
+    assert not (tmp_path / "swin_transformer").exists()  # refused before the run folder was made
 
 
 def test_device_guard_skips_nonfinite_steps_without_a_host_sync(smoke_data, tmp_path, monkeypatch):

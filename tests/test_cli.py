@@ -93,7 +93,6 @@ def test_diffusers_and_timm_spellings_set_the_same_fields():
 
 @pytest.mark.parametrize("argv, message", [
     (["--torchcompile", "cudagraphs"], "--torchcompile cudagraphs: the gallery compiles with inductor"),
-    (["--resume_from_checkpoint", "/somewhere/checkpoint-500"], "a run resumes from its own"),
 ])
 def test_spellings_the_gallery_cannot_honour_are_refused(argv, message, capsys):
     from gallery_lib.cli import main

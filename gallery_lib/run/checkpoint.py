@@ -125,6 +125,42 @@ def write_checkpoint(state: dict[str, Any], directory: str | os.PathLike, step: 
     return path
 
 
+def resume_source(cfg: RunConfig, restarted: bool = False) -> Path | None:
+    """The checkpoint file a run continues from, ``None`` for a fresh start: after a torchrun restart the run's own
+    latest, once it wrote one; else ``resume_from``'s; else, with ``resume``, the run's own latest.
+    ``CheckpointError`` (saying what to pass) when the asked-for checkpoint is not there."""
+    own = checkpoint_dir(cfg)
+    if restarted and (own / LATEST).is_file():
+        return latest_checkpoint(own)
+    if cfg.resume_from:
+        return checkpoint_at(cfg.resume_from)
+    return latest_checkpoint(own) if cfg.resume else None
+
+
+def checkpoint_at(location: str | os.PathLike) -> Path:
+    """The checkpoint ``location`` names: a ``step_<N>.pt`` file, or a checkpoints folder or a run folder (the file
+    its ``latest`` names)."""
+    path = Path(location).expanduser()
+    if path.is_file():
+        return path
+    if path.is_dir():
+        folder = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+        return latest_checkpoint(folder)
+    raise CheckpointError(f"resume_from={str(location)!r}: no such file or folder. Pass a step_<N>.pt checkpoint, "
+                          "the checkpoints folder that holds it, or the run folder (output/<model>/<recipe>).")
+
+
+def is_own_checkpoint(cfg: RunConfig, path: Path) -> bool:
+    """Whether ``path`` is in the run's own checkpoints folder (the run continues itself, appending its metrics)."""
+    return path.resolve().parent == checkpoint_dir(cfg).resolve()
+
+
+def continues_itself(cfg: RunConfig) -> bool:
+    """Whether the run starts from a checkpoint of its own folder (``resume``, or ``resume_from`` pointing there)."""
+    source = resume_source(cfg)
+    return source is not None and is_own_checkpoint(cfg, source)
+
+
 def read_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     """Loads a checkpoint file on the CPU; ``CheckpointError`` if it is missing, truncated or not ours."""
     path = Path(path)

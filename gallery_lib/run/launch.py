@@ -26,7 +26,7 @@ from typing import Callable
 RDZV_BACKENDS = ("static", "c10d")
 
 from gallery_lib.config import ConfigError, RunConfig, validate_for_machine
-from gallery_lib.run.checkpoint import CheckpointError, check_fresh_start, checkpoint_dir, latest_checkpoint
+from gallery_lib.run.checkpoint import CheckpointError, check_fresh_start, continues_itself
 from gallery_lib.run.metrics import read_metrics
 from gallery_lib.run.progress import StepProgress
 from gallery_lib.models import family_env
@@ -137,9 +137,7 @@ def preflight(cfg: RunConfig) -> str:
     if check_data is not None:
         check_data(cfg)
     try:
-        if cfg.resume:
-            latest_checkpoint(checkpoint_dir(cfg))
-        else:
+        if not continues_itself(cfg):  # a fresh start, or from another run's checkpoint: none of its own to mix
             check_fresh_start(cfg)
     except CheckpointError as exc:
         raise ConfigError(str(exc)) from None
@@ -154,9 +152,10 @@ def launch(cfg: RunConfig, *, echo: Callable[[str], None] | None = print,
     nodes.check(cfg)
     device = preflight(cfg)
     run_dir = cfg.run_dir.resolve()
-    cfg = cfg.replace(output_dir=str(Path(cfg.output_dir).resolve()), data_dir=str(Path(cfg.data_dir).resolve()))
+    cfg = cfg.replace(output_dir=str(Path(cfg.output_dir).resolve()), data_dir=str(Path(cfg.data_dir).resolve()),
+                      resume_from=str(Path(cfg.resume_from).expanduser().resolve()) if cfg.resume_from else None)
     config_path = cfg.save(run_dir / "config.json")
-    if not cfg.resume and nodes.standalone:  # on several nodes rank 0's writer alone replaces the file
+    if not continues_itself(cfg) and nodes.standalone:  # on several nodes rank 0's writer alone replaces the file
         (run_dir / "metrics.jsonl").unlink(missing_ok=True)  # a re-run replaces the metrics; a resume appends
     proc = subprocess.Popen(torchrun_command(cfg, config_path, nodes), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, bufsize=1, env=_child_env(cfg, device),

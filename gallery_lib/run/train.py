@@ -47,7 +47,7 @@ from gallery_lib.accel.precision import Precision
 from gallery_lib.config import CUDA_GRAPH_COMPILE_MODES, RunConfig, validate_for_machine
 from gallery_lib.run.attention_probe import AttentionProbe
 from gallery_lib.run.batch_size import search_run_batch_size
-from gallery_lib.run.checkpoint import LATEST, Checkpointer, check_fresh_start, checkpoint_dir
+from gallery_lib.run.checkpoint import Checkpointer, check_fresh_start, is_own_checkpoint, resume_source
 from gallery_lib.run.logs import rank_logging
 from gallery_lib.run.metrics import MetricsWriter, superseded_path, supersede_steps
 from gallery_lib.run.nonfinite import NonfiniteGuard
@@ -123,11 +123,6 @@ def lr_lambda(cfg: RunConfig):
 def restart_count() -> int:
     """How many times torchrun has restarted this job's workers (0 outside torchrun or on the first attempt)."""
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
-
-
-def resumes_after_restart(cfg: RunConfig) -> bool:
-    """A torchrun restart of a run that has a checkpoint continues from it, as ``resume=True`` would."""
-    return restart_count() > 0 and (checkpoint_dir(cfg) / LATEST).is_file()
 
 
 def run(cfg: RunConfig, dist: DistInfo | None = None) -> dict:
@@ -253,13 +248,19 @@ def _exported_module(model: torch.nn.Module, ema, template: torch.nn.Module | No
 
 
 def _resume_or_start(cfg: RunConfig, dist: DistInfo, ckpt: Checkpointer, log) -> tuple[int, dict, bool]:
-    """The first step, the non-finite counters and whether the run resumed (from ``resume`` or a torchrun restart)."""
-    if not (cfg.resume or resumes_after_restart(cfg)):
+    """The first step, the non-finite counters and whether the run continues itself (from its own checkpoint, after
+    ``resume`` or a torchrun restart), so that it appends to its metrics."""
+    source = resume_source(cfg, restarted=restart_count() > 0)
+    own = source is not None and is_own_checkpoint(cfg, source)
+    if not own:  # a fresh start, or one from another run's checkpoint: this run's folder must hold none of its own
         ckpt.check_fresh_start()
+    if source is None:
         return 0, {}, False
-    start, counters = ckpt.restore()  # before iter(loader): the loader starts at the saved position
-    how = f" after torchrun restart {restart_count()}" if not cfg.resume else ""
-    log(f"[gallery] resumed from step {start}{how} ({ckpt.directory})")
+    start, counters = ckpt.restore(source)  # before iter(loader): the loader starts at the saved position
+    how = f" after torchrun restart {restart_count()}" if restart_count() and own else ""
+    log(f"[gallery] resumed from step {start}{how} ({source})")
+    if not own:
+        return start, counters, False  # metrics.jsonl starts afresh
     if dist.is_main:  # steps >= start are trained again: their old records must not appear twice
         moved = supersede_steps(cfg.run_dir / "metrics.jsonl", start)
         if moved:
