@@ -38,7 +38,17 @@ VARIANTS = {  # name: (channels_last, torch.compile options or None)
     # Inductor's own switch for 1x1 convolutions as matrix products, with CUDA graphs
     "compile_cudagraphs_conv1x1mm_channels_last": (True, {"options": {"triton.cudagraphs": True,
                                                                       "conv_1x1_as_mm": True}}),
+    # Inductor tuning its own reduction and pointwise kernels (the batch-norm statistics), convolutions left to cuDNN
+    "compile_cudagraphs_coordinate_descent_channels_last": (True, {"options": {
+        "triton.cudagraphs": True, "coordinate_descent_tuning": True}}),
+    "compile_cudagraphs_pointwise_autotune_channels_last": (True, {"options": {
+        "triton.cudagraphs": True, "max_autotune_pointwise": True}}),
+    "compile_cudagraphs_combo_kernels_channels_last": (True, {"options": {
+        "triton.cudagraphs": True, "combo_kernels": True}}),
+    # cuDNN's benchmark tries every convolution algorithm, not its default first 10 (torch.backends.cudnn.benchmark_limit)
+    "compile_cudagraphs_cudnn_all_algorithms_channels_last": (True, {"mode": "reduce-overhead"}),
 }
+CUDNN_ALL_ALGORITHMS = {"compile_cudagraphs_cudnn_all_algorithms_channels_last"}
 
 
 def log(msg: str) -> None:
@@ -99,6 +109,7 @@ def bench_steps(args, record) -> None:
         for name in args.variants.split(","):
             channels_last, options = VARIANTS[name]
             torch._dynamo.reset()
+            torch.backends.cudnn.benchmark_limit = 0 if name in CUDNN_ALL_ALGORITHMS else 10
             model = resnet50(channels_last)
             opt = sgd(model)
             x = images.contiguous(memory_format=torch.channels_last) if channels_last else images
