@@ -8,14 +8,14 @@ float8 training (tensorwise dynamic scaling) make the SD training step faster? B
 ResNet block compiled on its own (regional, as the gallery compiles), run in alternating rounds so clock drift hits
 both alike. Linear layers whose token count is the text's (cross-attention keys and values) or that are not
 16-aligned stay in bf16. The losses of the first steps from the same weights and data are kept to show how far FP8
-moves the step's result. Times are CUDA events after warm-up: median with p20 / p80.
+moves the step's result. Times are CUDA events after warm-up (the loop's ``StepTimer``): median with p20 / p80
+(``summarize_times``).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -82,13 +82,15 @@ def make_step(unet, opt, batch: int):
 
 
 def time_steps(step, steps: int) -> list[float]:
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(steps)]
-    for begin, end in events:
-        begin.record()
+    """ms per step of ``steps`` back-to-back steps, with the training loop's own CUDA-event timer."""
+    from gallery_lib.run.timing import StepTimer
+
+    timer = StepTimer(torch.device("cuda"))
+    timer.mark()
+    for _ in range(steps):
         step()
-        end.record()
-    torch.cuda.synchronize()
-    return [b.elapsed_time(e) for b, e in events]
+        timer.mark()
+    return timer.collect()
 
 
 def main() -> None:
@@ -119,14 +121,16 @@ def main() -> None:
     for round_ in range(args.rounds):
         for variant, step in runs.items():
             result["variants"][variant]["times_ms"] += time_steps(step, args.steps)
+    from gallery_lib.run.timing import summarize_times
+
     for variant, row in result["variants"].items():
-        ms = sorted(row["times_ms"])
-        row.update(median_ms=statistics.median(ms), p20_ms=ms[len(ms) // 5], p80_ms=ms[(4 * len(ms)) // 5],
-                   img_per_s=args.batch * 1000 / statistics.median(ms))
-        log(f"{variant}: {row['median_ms']:.1f} ms [{row['p20_ms']:.1f}-{row['p80_ms']:.1f}], "
-            f"{row['img_per_s']:.1f} img/s, peak {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB (both)")
+        row.update(summarize_times(row["times_ms"]))
+        row["img_per_s"] = args.batch * 1000 / row["median_step_time_ms"]
+        log(f"{variant}: {row['median_step_time_ms']:.1f} ms [{row['p20_step_time_ms']:.1f}-"
+            f"{row['p80_step_time_ms']:.1f}], {row['img_per_s']:.1f} img/s")
+    log(f"peak memory of the process (both models): {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
     bf16, fp8 = result["variants"]["bf16"], result["variants"]["float8"]
-    result["float8_speedup"] = bf16["median_ms"] / fp8["median_ms"]
+    result["float8_speedup"] = bf16["median_step_time_ms"] / fp8["median_step_time_ms"]
     log(f"float8 / bf16 speed: {result['float8_speedup']:.3f}x")
     Path(args.out).write_text(json.dumps(result, indent=1))
 
