@@ -118,9 +118,11 @@ def main() -> None:
                                        "first_losses": losses, "times_ms": []}
         log(f"{variant}: {converted} linear layers in float8, warm-up {time.perf_counter() - start:.1f} s, "
             f"losses {[round(v, 5) for v in losses]}")
+        Path(args.out).write_text(json.dumps(result, indent=1))  # partial results survive a cut-off call
     for round_ in range(args.rounds):
         for variant, step in runs.items():
             result["variants"][variant]["times_ms"] += time_steps(step, args.steps)
+        Path(args.out).write_text(json.dumps(result, indent=1))
     from gallery_lib.run.timing import summarize_times
 
     for variant, row in result["variants"].items():
