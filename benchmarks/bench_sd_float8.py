@@ -43,6 +43,7 @@ def build(variant: str):
     from diffusers.models.attention import BasicTransformerBlock
     from diffusers.models.resnet import ResnetBlock2D
 
+    from gallery_lib.accel.compile import regional_compile
     from gallery_lib.models.sd_parts import build_unet
 
     torch.manual_seed(0)
@@ -55,9 +56,8 @@ def build(variant: str):
         convert_to_float8_training(unet, config=Float8LinearConfig.from_recipe_name("tensorwise"),
                                    module_filter_fn=float8_filter)
         converted = before - sum(type(m) is torch.nn.Linear for m in unet.modules())
-    for module in unet.modules():
-        if isinstance(module, (BasicTransformerBlock, ResnetBlock2D)):
-            module.compile()
+    # As the gallery compiles the blocks: static shapes, and a recompile limit above SD's distinct block shapes.
+    regional_compile(unet, (BasicTransformerBlock, ResnetBlock2D), backend="inductor", dynamic=False)
     opt = torch.optim.AdamW(unet.parameters(), lr=1e-5, fused=True)
     return unet, opt, converted
 
