@@ -16,7 +16,7 @@ from gallery_lib.config import ConfigError
 from gallery_lib.models import FAMILIES, unregister_family
 from gallery_lib.profiles import base_config
 from gallery_lib.recipes import RECIPES, apply_recipe
-from gallery_lib.reports.bench import bench_table, write_figure
+from gallery_lib.reports.bench import bench_figure, bench_table, write_figure
 from gallery_lib.reports.bench_goals import MET, NOT_MEASURED, NOT_MET, check_goals
 from gallery_lib.run.bench import parse_batch_sizes, resolve_models
 
@@ -105,6 +105,11 @@ def test_table_and_figure_show_ratios_and_failures(tmp_path):
     assert "| sd15 | accelerated | 32 | 150.0 | 1.25x |" in table and "| 64 | error: out of memory |" in table
     record = {"rows": rows, "device": "NVIDIA H100 80GB HBM3", "torch": "2.11.0", "date": "2026-11-24 10:00:00"}
     assert write_figure(record, tmp_path / "bench.png").stat().st_size > 10_000
+    # One model and two recipes make the narrowest figure: its title must still fit inside it.
+    narrow = bench_figure({**record, "rows": rows[:2]})
+    narrow.canvas.draw()
+    title = narrow._suptitle.get_window_extent()
+    assert title.x0 >= 0 and title.x1 <= narrow.bbox.width, (title, narrow.bbox)
 
 
 def test_models_by_name_or_family_shortcut():

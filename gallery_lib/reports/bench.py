@@ -66,7 +66,7 @@ def bench_figure(record: dict) -> Figure:
     fig.legend(handles=[Patch(color=colors[r], label=r) for r in recipes], loc="outside lower center",
                ncols=len(recipes), fontsize="small")
     fig.suptitle(f"gallery bench on {record.get('device') or record.get('gpu') or 'CPU'} (torch {record['torch']}, "
-                 f"{record['date'][:10]}): training step alone; bar labels: samples/s as a ratio over {REFERENCE}",
+                 f"{record['date'][:10]})\ntraining step alone; bar labels: samples/s as a ratio over {REFERENCE}",
                  fontsize="medium")
     return fig
 
