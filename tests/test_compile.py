@@ -195,3 +195,43 @@ def test_optimize_is_the_public_one_line_hook():
     import gallery_lib
 
     assert gallery_lib.optimize is optimize and "optimize" in gallery_lib.__all__
+
+
+def test_coordinate_descent_tuning_reaches_inductor_with_the_mode_and_trains_like_eager():
+    """torch.compile takes a mode or options: the switch turns the mode into its options plus the tuning, and
+    Inductor compiles with it set (seen from inside a compile pass)."""
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    from gallery_lib.accel.accelerate import compile_kwargs
+    from gallery_lib.config import RunConfig
+
+    cfg = RunConfig(model="swin_micro", compile=True)
+    assert compile_kwargs(cfg) == {"mode": None}
+    assert compile_kwargs(cfg.replace(compile_mode="reduce-overhead")) == {"mode": "reduce-overhead"}
+    tuned = cfg.replace(coordinate_descent_tuning=True)
+    assert compile_kwargs(tuned.replace(compile_mode="reduce-overhead")) == {
+        "options": {"triton.cudagraphs": True, "coordinate_descent_tuning": True}}
+    kwargs = compile_kwargs(tuned)
+    assert kwargs == {"options": {"coordinate_descent_tuning": True}}
+
+    seen = []
+
+    class Spy(CustomGraphPass):
+        def __call__(self, graph):
+            seen.append(torch._inductor.config.coordinate_descent_tuning)
+
+        def uuid(self):
+            return None  # not cacheable: every compile runs the pass
+
+    torch._dynamo.reset()
+    model, eager = _mlp(), _mlp()
+    compiled = torch.compile(model, options={**kwargs["options"], "post_grad_custom_post_pass": Spy()})
+    torch.testing.assert_close(_loop(compiled, 4), _loop(eager, 4), rtol=1e-5, atol=1e-5)
+    assert seen and all(seen)  # forward and backward graphs compiled with the tuning on
+
+
+def test_coordinate_descent_tuning_without_compile_is_refused():
+    from gallery_lib.config import ConfigError, RunConfig
+
+    with pytest.raises(ConfigError, match="coordinate_descent_tuning=True .* needs compile=True"):
+        RunConfig(model="swin_micro", coordinate_descent_tuning=True)

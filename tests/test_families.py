@@ -44,6 +44,17 @@ def test_a_registered_family_resolves_profiles_recipes_and_switches(toy, tmp_pat
     assert family_of("toy_convnet") is toy and "toy_convnet" in MODELS
 
 
+@pytest.mark.parametrize("family", ["swin_transformer", "resnet50"])
+def test_accelerated_replays_cuda_graphs_on_a_gpu_and_compiles_plainly_on_a_cpu(family, monkeypatch):
+    """Swin and ResNet-50 keep CUDA graphs on a GPU (benchmarks/RESULTS.md#bench-h100, #resnet50); a CPU has none."""
+    base = base_config("full", family=family, data_root="/data")
+    assert apply_recipe("accelerated", base.replace(device="cpu")).compile_mode == "default"
+    monkeypatch.setattr("gallery_lib.recipes.runs_on_gpu", lambda base: True)
+    fast = apply_recipe("accelerated", base)
+    assert (fast.compile, fast.compile_mode, fast.compile_scope) == (True, "reduce-overhead", "model")
+    assert apply_recipe("peer", base).compile_mode == "default"  # the plain peer stays what a user writes
+
+
 def test_an_option_the_family_cannot_take_fails_before_any_data(toy, tmp_path):
     with pytest.raises(ConfigError, match="fused_attention=True is invalid for 'toy_convnet'.*no attention hook"):
         base_config("smoke", family="toy_convnet", data_root=str(tmp_path), fused_attention=True)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.utils.checkpoint
@@ -74,18 +74,31 @@ def apply_accelerations(model: torch.nn.Module, cfg: RunConfig, precision: Preci
     precision.cast_model(model)
     notes.append(f"precision: {precision.describe()}")
     train_module, template = _apply_data_parallel(model, cfg, dist, notes)
-    mode = None if cfg.compile_mode == "default" else cfg.compile_mode
+    tuning = ", coordinate-descent tuning of its kernels" if cfg.coordinate_descent_tuning else ""
     if cfg.compile and cfg.compile_scope == "blocks":
         # Static shapes, as whole-model compilation has: each block shape gets its own graph.
-        names = plan.compile_blocks(model, backend="inductor", mode=mode, dynamic=False)
-        notes.append(f"torch.compile(mode={cfg.compile_mode!r}) of {len(names)} repeated blocks in place"
+        names = plan.compile_blocks(model, backend="inductor", dynamic=False, **compile_kwargs(cfg))
+        notes.append(f"torch.compile(mode={cfg.compile_mode!r}{tuning}) of {len(names)} repeated blocks in place"
                      + (f", precompiled by {cfg.precompile_workers} processes before the first step"
                         if cfg.precompile_workers else "; compilation happens in the first warm-up steps"))
     elif cfg.compile:
-        train_module = torch.compile(train_module, mode=mode)
-        notes.append(f"torch.compile(mode={cfg.compile_mode!r}); compilation happens in the first warm-up steps")
+        train_module = torch.compile(train_module, **compile_kwargs(cfg))
+        notes.append(f"torch.compile(mode={cfg.compile_mode!r}{tuning}); compilation happens in the first warm-up "
+                     "steps")
     return AcceleratedModel(module=model, train_module=train_module, compile_plan=plan, notes=notes,
                             attention=attention, template=template)
+
+
+def compile_kwargs(cfg: RunConfig) -> dict[str, Any]:
+    """``torch.compile``'s mode, or, with ``coordinate_descent_tuning``, the mode's Inductor options plus that one
+    (``torch.compile`` takes a mode or options, not both)."""
+    mode = None if cfg.compile_mode == "default" else cfg.compile_mode
+    if not cfg.coordinate_descent_tuning:
+        return {"mode": mode}
+    from torch._inductor import list_mode_options
+
+    options = dict(list_mode_options(mode)) if mode else {}
+    return {"options": {**options, "coordinate_descent_tuning": True}}
 
 
 def _apply_data_parallel(model: torch.nn.Module, cfg: RunConfig, dist: DistInfo,
