@@ -61,6 +61,10 @@ def accelerated(base: RunConfig) -> RunConfig:
         switches.update(compile_mode="reduce-overhead", precompile_workers=precompile_workers_for_machine())
     if base.gradient_checkpointing and switches.get("compile_mode") in CUDA_GRAPH_COMPILE_MODES:
         switches["compile_mode"] = "default"  # a block recomputed in the backward cannot replay as a CUDA graph
+    if base.data_parallel == "zero2":  # its collectives run in hooks outside graphs; workers cannot copy shards
+        if switches.get("compile_mode") in CUDA_GRAPH_COMPILE_MODES:
+            switches["compile_mode"] = "default"
+        switches.pop("precompile_workers", None)
     return compiled(base).replace(recipe="accelerated", **switches)
 
 
@@ -116,6 +120,8 @@ def recipe_config(base: RunConfig, recipe: str, overrides: dict[str, Any]) -> Ru
     so an overridden run never writes over the plain recipe's results."""
     if overrides.get("gradient_checkpointing"):  # the recipe then leaves out what checkpointing cannot run with
         base = base.replace(gradient_checkpointing=True)
+    if overrides.get("data_parallel"):  # and what ZeRO-2 cannot run with
+        base = base.replace(data_parallel=overrides["data_parallel"])
     cfg = apply_recipe(recipe, base)
     _refuse_ignored(recipe, cfg, overrides)
     if overrides:

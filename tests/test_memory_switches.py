@@ -126,3 +126,19 @@ def test_accelerated_with_checkpointing_leaves_out_its_cuda_graphs(monkeypatch):
     assert (cfg.gradient_checkpointing, cfg.compile, cfg.compile_mode, cfg.recipe) == (
         True, True, "default", "accelerated+gradient_checkpointing")
     assert apply_recipe("accelerated", base.replace(gradient_checkpointing=True)).compile_mode == "default"
+
+
+@pytest.mark.parametrize("family", ["stable_diffusion", "swin_transformer"])
+def test_accelerated_with_zero2_leaves_out_its_cuda_graphs_and_precompile_workers(family, monkeypatch):
+    """Issue 22's runs: `--recipe accelerated --set data_parallel=zero2` on GPUs compiles without CUDA graphs (ZeRO-2's
+    all-gathers run in hooks outside them) and without precompile workers (sharded blocks cannot be copied to them),
+    instead of stopping at RunConfig's refusal of both."""
+    from gallery_lib.recipes import recipe_config
+
+    monkeypatch.setattr("gallery_lib.recipes.runs_on_gpu", lambda base: True)
+    base = base_config("full", family=family, data_root="/data")
+    assert apply_recipe("accelerated", base).compile_mode == "reduce-overhead"
+    cfg = recipe_config(base, "accelerated", {"data_parallel": "zero2"})
+    assert (cfg.data_parallel, cfg.compile, cfg.compile_mode, cfg.precompile_workers) == ("zero2", True, "default", 0)
+    assert cfg.recipe == "accelerated+data_parallel=zero2"
+    assert cfg.fused_attention == apply_recipe("accelerated", base).fused_attention  # the other switches stay
