@@ -110,8 +110,8 @@ class RunConfig:
     CUDA-graph ``compile_mode`` each block replays as CUDA graphs)."""
     coordinate_descent_tuning: bool = setting(False, kind=bool)
     """With ``compile``: Inductor tunes the block sizes of the Triton kernels it generates, one parameter at a time
-    (its ``coordinate_descent_tuning``). Faster steps for a much longer first compile: +3.4% and 346 s for ResNet-50
-    on an H100 (benchmarks/RESULTS.md#resnet50), so no recipe turns it on; worth it for runs of hours."""
+    (its ``coordinate_descent_tuning``). Faster steps for a much longer first compile: +3.2% after a 300 s warm-up for
+    ResNet-50 on an H100 (benchmarks/RESULTS.md#resnet50), so no recipe turns it on; worth it for runs of hours."""
     precompile_workers: int = setting(0, kind=int, minimum=0)
     """With ``compile_scope='blocks'``: compile the distinct block graphs in this many parallel processes before the
     first step (``gallery_lib.accel.precompile``), so the warm-up steps only load them. 0 compiles them in the warm-up
@@ -274,9 +274,8 @@ class RunConfig:
                               f"compile_scope='blocks' (got compile={self.compile}, compile_scope="
                               f"{self.compile_scope!r}): set both, or precompile_workers=0.")
         if self.coordinate_descent_tuning and not self.compile:
-            raise ConfigError("coordinate_descent_tuning=True tunes the kernels torch.compile generates and needs "
-                              f"compile=True (recipe {self.recipe!r} does not compile): use the compiled, peer or "
-                              "accelerated recipe, or drop coordinate_descent_tuning.")
+            raise ConfigError("coordinate_descent_tuning=True tunes the kernels torch.compile generates: set "
+                              "compile=True too, or drop coordinate_descent_tuning.")
         if self.amp_level == "O2" and self.amp_dtype == "float16":
             raise ConfigError("amp_level='O2' with amp_dtype='float16' is not supported: O2 keeps bfloat16 weights "
                               "(no loss scaling needed). Use amp_dtype='bfloat16' or 'auto', or amp_level='O1'.")

@@ -133,7 +133,7 @@ def recipe_config(base: RunConfig, recipe: str, overrides: dict[str, Any]) -> Ru
 
 # Settings that only act when a switch is on: asking for one in a recipe that leaves the switch off is a mistake.
 _NEEDS_SWITCH = {"compile_mode": "compile", "compile_scope": "compile", "precompile_workers": "compile",
-                 "kernel_ops": "kernels"}
+                 "coordinate_descent_tuning": "compile", "kernel_ops": "kernels"}
 
 
 def _refuse_ignored(recipe: str, cfg: RunConfig, overrides: dict[str, Any]) -> None:

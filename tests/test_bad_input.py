@@ -49,6 +49,8 @@ BAD_INPUT = [  # (argv, what the error says)
      "compile_mode='reduce-overhead' has no effect in the baseline recipe, which runs with compile=False: use the "
      "compiled, peer or accelerated recipe"),
     (["--recipe", "compiled", "--set", "kernel_ops=geglu"], "has no effect in the compiled recipe"),
+    (["--recipe", "baseline", "--set", "coordinate_descent_tuning=true"],
+     "coordinate_descent_tuning=True has no effect in the baseline recipe, which runs with compile=False"),
     (["--set", "fused_attention=maybe"], "fused_attention='maybe' is invalid: expected true or false"),
     (["--set", "fused_atention=1"], "there is no setting 'fused_atention'; did you mean fused_attention?"),
     (["--set", "nosuchfield"], "expected FIELD=VALUE"),

@@ -233,5 +233,5 @@ def test_coordinate_descent_tuning_reaches_inductor_with_the_mode_and_trains_lik
 def test_coordinate_descent_tuning_without_compile_is_refused():
     from gallery_lib.config import ConfigError, RunConfig
 
-    with pytest.raises(ConfigError, match="coordinate_descent_tuning=True .* needs compile=True"):
+    with pytest.raises(ConfigError, match="coordinate_descent_tuning=True tunes .*: set compile=True too"):
         RunConfig(model="swin_micro", coordinate_descent_tuning=True)
