@@ -1,4 +1,5 @@
-"""Issue 24's goals, judged from the rows of one ``gallery bench`` run: each met, not met, or not measured.
+"""Issue 24's goals (and issue 18's for ResNet-50), judged from the rows of one ``gallery bench`` run: each met, not
+met, or not measured.
 
 Every verdict carries the numbers it was judged from, and a goal whose rows the run did not measure (another model,
 another batch size, a CPU's tiny configs) says so instead of judging from other numbers. The goals are the issue's,
@@ -14,6 +15,7 @@ from gallery_lib.reports.bench import REFERENCE, Row, find_row, ratio_over_peer
 
 SD = "sd15"
 SWIN = "swin_tiny_patch4_window7_224"
+RESNET = "resnet50"
 MET, NOT_MET, NOT_MEASURED = "met", "not met", "not measured"
 
 
@@ -33,21 +35,23 @@ class GoalResult:
 
 
 def check_goals(rows: Sequence[Row]) -> list[GoalResult]:
-    """Every goal of issue 24 that a bench run can judge."""
+    """Every goal of issues 24 and 18 that a bench run can judge (its rows are synthetic-input steps)."""
     return [
         speedup_goal(rows, SD, 32, min_ratio=1.15),
         throughput_goal(rows, SD, min_samples_per_s=150.0),
         speedup_goal(rows, SWIN, 128, min_ratio=1.3, max_spread=1.05),
         ema_cost_goal(rows, SD, max_cost=0.01),
+        speedup_goal(rows, RESNET, 256, min_ratio=1.08, min_samples_per_s=6000.0),
     ]
 
 
 def speedup_goal(rows: Sequence[Row], model: str, batch_size: int, *, min_ratio: float,
-                 max_spread: float | None = None) -> GoalResult:
+                 max_spread: float | None = None, min_samples_per_s: float | None = None) -> GoalResult:
     """``accelerated`` at least ``min_ratio`` times ``peer`` at ``batch_size``; with ``max_spread``, its steps steady
-    too (p80/p20 at most that)."""
+    too (p80/p20 at most that); with ``min_samples_per_s``, at least that fast."""
     goal = f"{model}: accelerated >= {min_ratio:.2f}x {REFERENCE} at batch {batch_size}"
     goal += f", p80/p20 <= {max_spread:.2f}" if max_spread else ""
+    goal += f", >= {min_samples_per_s:,.0f} samples/s" if min_samples_per_s else ""
     fast, peer = find_row(rows, model, "accelerated", batch_size), find_row(rows, model, REFERENCE, batch_size)
     missing = [name for name, row in (("accelerated", fast), (REFERENCE, peer)) if row is None]
     if missing:
@@ -60,7 +64,8 @@ def speedup_goal(rows: Sequence[Row], model: str, batch_size: int, *, min_ratio:
     spread = fast["p80_step_ms"] / fast["p20_step_ms"]
     numbers = (f"{fast['samples_per_s']:,.1f} against {peer['samples_per_s']:,.1f} samples/s = {ratio:.2f}x; "
                f"accelerated p20-p80 {fast['p20_step_ms']:.1f}-{fast['p80_step_ms']:.1f} ms (p80/p20 {spread:.3f})")
-    met = ratio >= min_ratio and (max_spread is None or spread <= max_spread)
+    met = (ratio >= min_ratio and (max_spread is None or spread <= max_spread)
+           and (min_samples_per_s is None or fast["samples_per_s"] >= min_samples_per_s))
     return GoalResult(goal, MET if met else NOT_MET, numbers)
 
 
@@ -104,5 +109,6 @@ def ema_cost_goal(rows: Sequence[Row], model: str, *, max_cost: float) -> GoalRe
 def describe_goals(rows: Sequence[Row], device: str | None) -> str:
     """The verdicts as printed lines, under a header naming where the rows were measured."""
     results = check_goals(rows)
-    head = f"Issue 24's goals (set for one H100), from this run's own numbers on {device or 'this machine'}:"
+    head = (f"Issue 24's goals and issue 18's for ResNet-50 (set for one H100), from this run's own numbers on "
+            f"{device or 'this machine'}:")
     return "\n".join([head, *(f"  {result.line()}" for result in results)])
