@@ -59,11 +59,13 @@ def accelerated(base: RunConfig) -> RunConfig:
         switches["ema"] = _ema_mode(base, switches["ema"])
     if switches.get("compile_scope") == "blocks" and on_gpu:  # CUDA graphs per block, precompiled
         switches.update(compile_mode="reduce-overhead", precompile_workers=precompile_workers_for_machine())
-    if base.gradient_checkpointing and switches.get("compile_mode") in CUDA_GRAPH_COMPILE_MODES:
-        switches["compile_mode"] = "default"  # a block recomputed in the backward cannot replay as a CUDA graph
-    if base.data_parallel == "zero2":  # its collectives run in hooks outside graphs; workers cannot copy shards
-        if switches.get("compile_mode") in CUDA_GRAPH_COMPILE_MODES:
-            switches["compile_mode"] = "default"
+    # Left out where the run cannot use them: a block recomputed in the backward (checkpointing) cannot replay as a
+    # CUDA graph, ZeRO-2's collectives run in hooks outside the graphs, and its sharded blocks cannot be copied to
+    # precompile workers.
+    zero2 = base.data_parallel == "zero2"
+    if (base.gradient_checkpointing or zero2) and switches.get("compile_mode") in CUDA_GRAPH_COMPILE_MODES:
+        switches["compile_mode"] = "default"
+    if zero2:
         switches.pop("precompile_workers", None)
     return compiled(base).replace(recipe="accelerated", **switches)
 
@@ -118,10 +120,7 @@ def describe(name: str) -> str:
 def recipe_config(base: RunConfig, recipe: str, overrides: dict[str, Any]) -> RunConfig:
     """Recipe ``recipe`` with explicit ``overrides`` on top, named after both (``baseline+amp_level=O2+compile``)
     so an overridden run never writes over the plain recipe's results."""
-    if overrides.get("gradient_checkpointing"):  # the recipe then leaves out what checkpointing cannot run with
-        base = base.replace(gradient_checkpointing=True)
-    if overrides.get("data_parallel"):  # and what ZeRO-2 cannot run with
-        base = base.replace(data_parallel=overrides["data_parallel"])
+    base = base.replace(**{name: overrides[name] for name in _RECIPE_INPUTS if name in overrides})
     cfg = apply_recipe(recipe, base)
     _refuse_ignored(recipe, cfg, overrides)
     if overrides:
@@ -130,6 +129,9 @@ def recipe_config(base: RunConfig, recipe: str, overrides: dict[str, Any]) -> Ru
         cfg = cfg.replace(recipe=f"{recipe}+{label}", **overrides)
     return cfg
 
+
+# Overrides a recipe reads before it resolves: ``accelerated`` leaves out what they cannot run with.
+_RECIPE_INPUTS = ("gradient_checkpointing", "data_parallel")
 
 # Settings that only act when a switch is on: asking for one in a recipe that leaves the switch off is a mistake.
 _NEEDS_SWITCH = {"compile_mode": "compile", "compile_scope": "compile", "precompile_workers": "compile",
