@@ -123,13 +123,14 @@ def test_report_speedups_gains_and_findings(tmp_path):
 
 
 def test_a_rung_run_without_the_one_it_builds_on_has_no_gain():
-    """Picked alone with the first rung, the kernels rung builds on cached latents all the same: no gain is claimed
-    over the first rung, and the CPU parents skip the left-out CUDA-graph rung."""
+    """Picked alone with the first rung, the kernels rung builds on channels_last all the same: no gain is claimed
+    over the first rung, and the CPU parents skip the left-out GPU-only rungs (CUDA graphs, channels_last)."""
     rows = ladder_rows([_result("tf32", 10.0), _result("kernels", 75.0)])
-    assert rows[1]["builds_on"] == "cached_latents" and rows[1]["gain"] is None
+    assert rows[1]["builds_on"] == "channels_last" and rows[1]["gain"] is None
     assert rows[1]["speedup"] == pytest.approx(7.5)
     assert rung_parents(True)["cached_latents"] == "cuda_graphs"
     assert rung_parents(False)["cached_latents"] == "regional" and rung_parents(False)["bf16"] == "ema"
+    assert rung_parents(True)["kernels"] == "channels_last" and rung_parents(False)["kernels"] == "cached_latents"
 
 
 def test_plan_lists_what_each_rung_changes():
