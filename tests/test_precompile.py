@@ -61,6 +61,22 @@ def test_record_finds_distinct_graphs_and_keeps_rng():
     assert b2.args == (TensorSpec((2, 3, 12), (36, 12, 1), torch.float32, True),) and b2.kwargs == {"scale": 0.5}
 
 
+def test_the_recording_forward_keeps_no_autograd_graph_across_blocks():
+    """Each block's output reaches the next as a leaf that still requires grad (so the specs are a training step's),
+    and nothing before the last block is reachable from the forward's result: no activations are held across blocks."""
+    model, x, result, seen_inputs = Model(), torch.randn(2, 6, 8), {}, []
+    model.a2.register_forward_pre_hook(lambda m, args: seen_inputs.append(args[0]))
+    calls, _ = record_block_calls(model, lambda: result.setdefault("loss", model(x)), BLOCKS)
+    (a2_input,) = seen_inputs
+    assert a2_input.requires_grad and a2_input.grad_fn is None
+    assert all(c.args[0].requires_grad for c in calls)
+    stem_grad, head_grad = torch.autograd.grad(result["loss"], [model.stem.weight, model.head.weight],
+                                               allow_unused=True)
+    assert stem_grad is None and head_grad is not None
+    model.a1(x @ torch.eye(8)).sum().backward()  # the hooks are gone: a block trains as before
+    assert model.a1.fc.weight.grad is not None
+
+
 def test_queue_is_largest_first_and_each_graph_claimed_once(tmp_path):
     calls, _ = record_block_calls(Model(), lambda m=Model(): None, [])
     assert calls == []

@@ -83,10 +83,22 @@ def _graph_key(module: nn.Module, call: BlockCall) -> tuple:
             repr(sorted(call.kwargs.items())), call.autocast, call.training)
 
 
+def _as_leaf(value: Any) -> Any:
+    return value.detach().requires_grad_(value.requires_grad) if isinstance(value, torch.Tensor) else value
+
+
+def _cut_autograd_graph(module: nn.Module, args: tuple, output: Any) -> Any:
+    """A block's outputs as leaves with the same ``requires_grad``: what later blocks see is unchanged, and each block's
+    saved activations are freed when it returns, so the recording forward holds about one block's activations (an
+    eager forward of the SD UNet at batch 64 keeping all of them does not fit on an 80 GB GPU)."""
+    return tree_map(_as_leaf, output)
+
+
 def record_block_calls(model: nn.Module, forward: Callable[[], Any], names: Iterable[str]) -> tuple[list[BlockCall],
                                                                                                      int]:
     """Runs ``forward()`` once eagerly and returns the distinct graphs among the calls of the named blocks, plus the
-    number of block calls seen. RNG states are restored, so the run's random stream is unchanged."""
+    number of block calls seen. RNG states are restored, so the run's random stream is unchanged. The forward's
+    autograd graph is cut after every block (``_cut_autograd_graph``): it is only ever read, never differentiated."""
     distinct: dict[tuple, BlockCall] = {}
     seen = 0
 
@@ -97,8 +109,10 @@ def record_block_calls(model: nn.Module, forward: Callable[[], Any], names: Iter
                          cost=sum(p.numel() for p in module.parameters()))
         distinct.setdefault(_graph_key(module, call), call)
 
+    names = list(names)
     handles = [model.get_submodule(n).register_forward_pre_hook(
         lambda m, a, k, n=n: hook(m, a, k, n), with_kwargs=True) for n in names]
+    handles += [model.get_submodule(n).register_forward_hook(_cut_autograd_graph) for n in names]
     try:
         with side_forward():
             forward()
