@@ -73,7 +73,7 @@ def test_the_recording_forward_keeps_no_autograd_graph_across_blocks():
     stem_grad, head_grad = torch.autograd.grad(result["loss"], [model.stem.weight, model.head.weight],
                                                allow_unused=True)
     assert stem_grad is None and head_grad is not None
-    model.a1(x @ torch.eye(8)).sum().backward()  # the hooks are gone: a block trains as before
+    model.a1(x).sum().backward()  # the hooks are gone: a block trains as before
     assert model.a1.fc.weight.grad is not None
 
 
