@@ -70,7 +70,8 @@ def _ema(cfg: RunConfig, device: str) -> str:
     if cfg.ema == "off":
         return "none"
     effective, why = ema_mode_on(cfg.ema, device)
-    return cfg.ema if why is None else f"{effective} ({cfg.ema} needs a GPU)"
+    asked = "in the AdamW kernel" if cfg.ema == "optimizer" else cfg.ema
+    return asked if why is None else f"{effective} ({asked} needs a GPU)"
 
 
 def _family_switches(cfg: RunConfig, device: str) -> str:
