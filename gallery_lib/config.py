@@ -30,7 +30,7 @@ AMP_DTYPES = ("auto", "float16", "bfloat16")
 DEVICES = ("auto", "cuda", "cpu")
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 COMPILE_SCOPES = ("model", "blocks")
-EMA_MODES = ("off", "loop", "foreach", "fused", "stream", "optimizer")
+EMA_MODES = ("off", "loop", "foreach", "fused", "stream")
 OPTIMIZERS = ("adamw", "sgd")
 DATA_PARALLEL_MODES = ("ddp", "zero2")
 REPORT_TO = ("none", "tensorboard")
@@ -172,9 +172,8 @@ class RunConfig:
 
     ema: str = setting("off", choices=EMA_MODES)
     """EMA of the trained weights and how its update runs: ``off``, ``loop`` (a kernel per tensor, the diffusers
-    default), ``foreach`` (multi-tensor), ``fused`` (one Triton kernel), ``stream`` (fused, on a side CUDA stream),
-    ``optimizer`` (inside the fused AdamW's own kernel; ``fused`` with another optimizer). ``fused``, ``stream`` and
-    ``optimizer`` fall back to ``foreach`` on a CPU. See ``gallery_lib/accel/ema.py``."""
+    default), ``foreach`` (multi-tensor), ``fused`` (one Triton kernel), ``stream`` (fused, on a side CUDA stream).
+    ``fused``/``stream`` fall back to ``foreach`` on a CPU. See ``gallery_lib/accel/ema.py``."""
     ema_decay: float = setting(0.9999, kind=float, above=0, below=1, hint="e.g. 0.9999")
     """EMA decay, reached through diffusers' default warm-up ``min(decay, (1 + step) / (10 + step))``."""
     export_model: bool = setting(True, kind=bool)

@@ -95,11 +95,9 @@ RUNGS: tuple[Rung, ...] = (
          "are never stored, which frees most of the memory.", talk=(2.23, 25.5)),
     Rung("batch", "larger batch", lambda cfg, s: {"batch_size": s.large_batch},
          "the freed memory goes to a larger batch: fewer, fuller kernels per image.", talk=(2.91, 73.0)),
-    Rung("ema", "fused EMA", lambda cfg, s: {"ema": "off" if cfg.ema == "off" else "optimizer"},
-         "one Triton kernel updates the whole EMA; once no GradScaler steps the optimizer (bf16), the fused AdamW's "
-         "own kernel does it, while each new weight is in registers (the talk ran its fused EMA on several streams; "
-         "on a side stream it only competes with the next forward for bandwidth: gallery_lib/accel/ema.py).",
-         talk=(2.93, 72.9)),
+    Rung("ema", "fused EMA", lambda cfg, s: {"ema": "off" if cfg.ema == "off" else "fused"},
+         "one Triton kernel updates the whole EMA (the talk ran its fused EMA on several streams; on a side stream "
+         "it only competes with the next forward for bandwidth: gallery_lib/accel/ema.py).", talk=(2.93, 72.9)),
     Rung("zero2", "ZeRO-2", lambda cfg, s: {"data_parallel": "zero2"},
          "gradients and AdamW states sharded over the GPUs (FSDP2): less memory per GPU with several GPUs, nothing "
          "to shard on one. The talk spent the memory on batch 56.", talk=(2.96, 72.4)),

@@ -202,7 +202,7 @@ def test_gpu_accelerated_recipe_trains_like_the_baseline(dreambooth_data, tmp_pa
     base = tiny(dreambooth_data, tmp_path, steps=12, amp_level="O0", device="cuda", lora_rank=lora_rank,
                 lr=1e-2 if lora_rank else 1e-3)
     accelerated = apply_recipe("accelerated", base).replace(precompile_workers=2, amp_level="O0")
-    assert accelerated.compile_mode == "reduce-overhead" and accelerated.ema == "optimizer"
+    assert accelerated.compile_mode == "reduce-overhead" and accelerated.ema == "fused"
     baseline = apply_recipe("baseline", base).replace(amp_level="O0")
     summaries = [run(cfg) for cfg in (baseline, accelerated)]
     assert summaries[1]["precompile"]["load_seconds"] and not summaries[1]["precompile"]["load_failures"]

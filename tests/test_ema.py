@@ -78,7 +78,7 @@ def test_every_mode_matches_loop_after_7_steps(dtype):
     assert torch.equal(ref["running"], model.running)
 
 
-@pytest.mark.parametrize("mode", ["fused", "stream", "optimizer"])
+@pytest.mark.parametrize("mode", ["fused", "stream"])
 def test_cpu_fallback_warns_once_and_says_so(mode):
     model = _Net()
     with pytest.warns(UserWarning, match="using 'foreach' instead") as record:

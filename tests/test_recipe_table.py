@@ -8,7 +8,7 @@ def test_the_table_reads_each_recipe_as_resolved_on_this_machine(monkeypatch):
     rows = {row["recipe"]: row for row in recipe_table(base, ["baseline", "accelerated"]).rows}
     # On a CPU the baseline's AMP runs bfloat16 autocast, not float16 with a GradScaler, and the fused EMA falls back.
     assert rows["baseline"]["precision"] == "bfloat16 autocast" and rows["baseline"]["compiled"] == "no (eager)"
-    assert rows["accelerated"]["EMA"] == "foreach (in the AdamW kernel needs a GPU)"
+    assert rows["accelerated"]["EMA"] == "foreach (fused needs a GPU)"
     assert "cache_latents=True" in rows["accelerated"]["family switches"]
     assert "kernel_ops" not in rows["baseline"]["family switches"]  # kernels off: their ops say nothing
     monkeypatch.setattr("gallery_lib.reports.recipe_table.visible_cuda_devices", lambda: 1)
@@ -17,7 +17,7 @@ def test_the_table_reads_each_recipe_as_resolved_on_this_machine(monkeypatch):
     rows = {row["recipe"]: row for row in gpu.rows}
     assert rows["baseline"]["precision"] == "float16 autocast + GradScaler"
     assert rows["accelerated+batch_size=6"]["compiled"] == "repeated blocks, mode reduce-overhead, CUDA graphs"
-    assert rows["accelerated+batch_size=6"]["EMA"] == "in the AdamW kernel"
+    assert rows["accelerated+batch_size=6"]["EMA"] == "fused"
     assert "(a GPU)" in gpu._repr_markdown_() and "| accelerated+batch_size=6 |" in gpu._repr_markdown_()
 
 

@@ -39,7 +39,7 @@ def test_recipes_resolve_the_sd_switches(caption_data, tmp_path, monkeypatch):
     baseline, compiled, accelerated = (apply_recipe(r, base) for r in ("baseline", "compiled", "accelerated"))
     assert (baseline.ema, baseline.cache_latents, baseline.compile) == ("loop", False, False)
     assert (compiled.ema, compiled.cache_latents, compiled.compile) == ("foreach", False, True)
-    assert accelerated.cache_latents and accelerated.compile and accelerated.ema == "optimizer"
+    assert accelerated.cache_latents and accelerated.compile and accelerated.ema == "fused"
     assert accelerated.kernels and accelerated.kernel_op_names == ("geglu",)
     # Blocks compiled in place; on a GPU they replay as CUDA graphs, precompiled by half the cores (at most 8).
     assert (accelerated.compile_scope, accelerated.compile_mode, accelerated.precompile_workers) == (

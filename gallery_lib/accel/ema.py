@@ -14,9 +14,9 @@ differ only in how the update ``ema = lerp(ema, param, 1 - decay)`` is launched:
   event. With ``stream_programs`` the kernel runs as a few persistent programs, so it sips bandwidth
   beside the next forward instead of taking every SM at once (a full-width update on a side stream only
   competes with the forward for the same bandwidth, which made the step slower when measured).
-- ``optimizer``: the optimizer's own kernel updates the EMA of each weight it has just updated, so the weight is not
-  read again (``fuse_into`` an ``AdamWWithEma``, ``gallery_lib.accel.adamw_ema``); ``update`` then only copies the
-  buffers and averages what the optimizer did not step (parameters without a gradient, a step it ran unfused).
+
+Why not fold the EMA into the optimizer pass: it saves only the parameter read (1 of 3 passes), but needs our own
+AdamW kernel in place of PyTorch's fused one.
 
 What is averaged: floating-point parameters with ``requires_grad`` at construction, whether or not they
 got a gradient this step (their EMA keeps moving towards the current value). Frozen parameters and all
@@ -46,7 +46,7 @@ from torch import nn
 
 from gallery_lib.accel.kernels.ema_lerp import build_tables, foreach_copy_, foreach_lerp_, has_triton, launch_fused
 
-MODES = ("loop", "foreach", "fused", "stream", "optimizer")
+MODES = ("loop", "foreach", "fused", "stream")
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:
@@ -90,15 +90,9 @@ def _copy_with_template(model: nn.Module, template: nn.Module) -> nn.Module:
 
 def ema_mode_on(mode: str, device_type: str) -> tuple[str, str | None]:
     """The mode an EMA asked to run in ``mode`` runs in on ``device_type``, and why it differs (``None`` if not):
-    ``fused``, ``stream`` and ``optimizer`` need a CUDA device and Triton, and fall back to ``foreach``
-    (``optimizer`` runs on a CPU under Triton's interpreter too, for tests)."""
+    ``fused`` and ``stream`` need a CUDA device and Triton, and fall back to ``foreach``."""
     if mode in ("loop", "foreach"):
         return mode, None
-    if mode == "optimizer":
-        from gallery_lib.accel.adamw_ema import kernel_runs_on
-
-        if kernel_runs_on(torch.device(device_type)):
-            return mode, None
     if device_type != "cuda":
         return "foreach", f"the EMA lives on {device_type}"
     if not has_triton:
@@ -114,7 +108,7 @@ class ModelEma:
         decay: the EMA decay (once warm-up is over). The first update copies the weights.
         ratio_warmup: ramp the decay as ``(1 + step) / (10 + step)`` (capped at ``decay``), what diffusers'
             ``EMAModel`` does by default (without ``use_ema_warmup``): 0.9 after 80 updates, 0.99 after 890.
-        mode: one of ``loop``, ``foreach``, ``fused``, ``stream``, ``optimizer`` (module docstring).
+        mode: one of ``loop``, ``foreach``, ``fused``, ``stream`` (module docstring).
         stream_programs: in ``stream`` mode, the number of persistent Triton programs of the update kernel
             (``None``: one program per block, the full-width kernel).
         template: for a model that cannot be deep-copied (ZeRO-2's sharded one), a copy of its structure with the
@@ -157,31 +151,9 @@ class ModelEma:
         self._stream = self._event = None
         self._pending = False
         self._optimizer_attached = False
-        self._in_optimizer: tuple[int, ...] = ()  # ``optimizer`` mode: the tensors this step's optimizer averaged
-        self._rest: dict[tuple[int, ...], list[int]] = {}
         if self.effective_mode == "stream":
             self._stream = torch.cuda.Stream(device=self.device)
             self._event = torch.cuda.Event()
-
-    def fuse_into(self, optimizer: torch.optim.Optimizer, model: nn.Module) -> None:
-        """``optimizer`` mode: ``optimizer`` (an ``AdamWWithEma`` over ``model``'s parameters) updates this EMA in
-        its own kernel from now on; call ``update(model)`` after each step as in every mode."""
-        if self.effective_mode != "optimizer":
-            raise ValueError(f"ModelEma.fuse_into needs mode 'optimizer', this EMA runs {self.effective_mode!r}")
-        from gallery_lib.accel.adamw_ema import AdamWWithEma
-
-        if not isinstance(optimizer, AdamWWithEma):
-            raise TypeError(f"ModelEma.fuse_into needs an AdamWWithEma optimizer, got {type(optimizer).__name__}")
-        state = _named_state(unwrap_model(model))
-        optimizer.attach_ema(self, [state[n] for n in self._avg_names], self._ema_avg)
-
-    def next_update_weight(self) -> float:
-        """The lerp weight (``1 - decay``) of the next ``update``: what a fused optimizer applies before it."""
-        return 1.0 - self.get_decay(self.step + 1)
-
-    def updated_in_optimizer(self, indices: tuple[int, ...]) -> None:
-        """Called by the fused optimizer: it averaged the tensors at ``indices`` this step."""
-        self._in_optimizer = indices
 
     def _resolve_mode(self, mode: str) -> str:
         effective, why = ema_mode_on(mode, self.device.type)
@@ -207,7 +179,6 @@ class ModelEma:
         """Moves the EMA towards ``model`` (wrappers from ``torch.compile``/DDP are unwrapped); call after
         ``optimizer.step()``. ``skipped``: the optimizer step was skipped (GradScaler found inf/NaN), so nothing
         changes, not even the update count."""
-        in_optimizer, self._in_optimizer = self._in_optimizer, ()
         if skipped:
             return
         self.step += 1
@@ -230,15 +201,6 @@ class ModelEma:
                 warnings.warn("ModelEma(mode='stream'): call attach_optimizer(optimizer) (or wait() before each "
                               "optimizer.step()) so the optimizer does not write weights the EMA is still reading.",
                               stacklevel=2)
-        elif self.effective_mode == "optimizer":
-            if in_optimizer not in self._rest:
-                done = set(in_optimizer)
-                self._rest = {in_optimizer: [i for i in range(len(self._ema_avg)) if i not in done]}
-            rest = self._rest[in_optimizer]
-            if self._copy_names:
-                foreach_copy_(self._ema_copy, model_copy)
-            if rest:  # with the fused kernel: all of them after a step the optimizer ran unfused
-                self._fused_lerp([self._ema_avg[i] for i in rest], [model_avg[i] for i in rest], weight, None)
         else:
             self._apply(model_avg, model_copy, weight, None)
 
@@ -263,17 +225,13 @@ class ModelEma:
         elif self.effective_mode == "foreach":
             foreach_lerp_(self._ema_avg, model_avg, weight)
         else:
-            self._fused_lerp(self._ema_avg, model_avg, weight, programs)
-
-    def _fused_lerp(self, ema_avg: list[torch.Tensor], model_avg: list[torch.Tensor], weight: float,
-                    programs: int | None) -> None:
-        key = tuple(t.data_ptr() for t in model_avg + ema_avg)
-        if key not in self._tables:  # tensors were re-allocated (or first call): rebuild the pointer table
-            self._tables = {key: build_tables(ema_avg, model_avg)}
-        groups, rest_e, rest_m = self._tables[key]
-        for group in groups:
-            launch_fused(group, weight, programs)
-        foreach_lerp_(rest_e, rest_m, weight)
+            key = tuple(t.data_ptr() for t in model_avg + self._ema_avg)
+            if key not in self._tables:  # tensors were re-allocated (or first call): rebuild the pointer table
+                self._tables = {key: build_tables(self._ema_avg, model_avg)}
+            groups, rest_e, rest_m = self._tables[key]
+            for group in groups:
+                launch_fused(group, weight, programs)
+            foreach_lerp_(rest_e, rest_m, weight)
 
     # ----------------------------------------------------------------- stream ordering
     def wait(self) -> None:

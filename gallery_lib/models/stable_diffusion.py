@@ -54,7 +54,7 @@ FAMILY = register_family(ModelFamily(
     # cached latents and the fused EMA kernel; the GEGLU kernel (#kernels); the blocks compiled in place, as CUDA
     # graphs precompiled in parallel on a GPU (#sd15-compile-time); channels_last on a GPU (#bench-h100). Not kept:
     # the GroupNorm+SiLU kernel.
-    accelerated={"cache_latents": True, "ema": "optimizer", "kernels": True, "kernel_ops": "geglu",
+    accelerated={"cache_latents": True, "ema": "fused", "kernels": True, "kernel_ops": "geglu",
                  "compile_scope": "blocks"},
     accelerated_on_gpu={"channels_last": True},
     # The plain-PyTorch peer encodes the images and captions once too: a few lines in any training script.

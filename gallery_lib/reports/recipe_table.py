@@ -70,8 +70,7 @@ def _ema(cfg: RunConfig, device: str) -> str:
     if cfg.ema == "off":
         return "none"
     effective, why = ema_mode_on(cfg.ema, device)
-    asked = "in the AdamW kernel" if cfg.ema == "optimizer" else cfg.ema
-    return asked if why is None else f"{effective} ({asked} needs a GPU)"
+    return cfg.ema if why is None else f"{effective} ({cfg.ema} needs a GPU)"
 
 
 def _family_switches(cfg: RunConfig, device: str) -> str:

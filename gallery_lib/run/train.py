@@ -40,7 +40,6 @@ import numpy as np
 import torch
 
 from gallery_lib.accel.accelerate import apply_accelerations
-from gallery_lib.accel.adamw_ema import AdamWWithEma
 from gallery_lib.accel.compile_plan import CompilePlan
 from gallery_lib.accel.distributed import (DistInfo, exit_process, gather_full_module, gradient_sync,
                                            init_distributed, reshard, shutdown)
@@ -89,8 +88,7 @@ def build_optimizer(model: torch.nn.Module, cfg: RunConfig, precision: Precision
     kwargs = {"fused": True} if cfg.fused_optimizer else {}
     if cfg.optimizer == "sgd":
         return torch.optim.SGD(groups, lr=cfg.peak_lr, momentum=0.9, nesterov=True, **kwargs)
-    adamw = AdamWWithEma if cfg.ema == "optimizer" and cfg.fused_optimizer else torch.optim.AdamW
-    return adamw(groups, lr=cfg.peak_lr, betas=(0.9, 0.999), eps=1e-8, **kwargs)
+    return torch.optim.AdamW(groups, lr=cfg.peak_lr, betas=(0.9, 0.999), eps=1e-8, **kwargs)
 
 
 def build_ema(model: torch.nn.Module, cfg: RunConfig, optimizer: torch.optim.Optimizer,
@@ -103,18 +101,10 @@ def build_ema(model: torch.nn.Module, cfg: RunConfig, optimizer: torch.optim.Opt
     from gallery_lib.accel.ema import ModelEma, ema_mode_on
 
     # A fallback (fused needs CUDA and Triton) is said in the note, so ModelEma is not asked to warn of it.
-    device_type = next(model.parameters()).device.type
-    mode, fallback = ema_mode_on(cfg.ema, device_type)
-    cannot_fuse = ("it needs the fused AdamW (optimizer=adamw, fused_optimizer=true)"
-                   if not isinstance(optimizer, AdamWWithEma) else "the weights are sharded" if template is not None
-                   else "the optimizer steps fp32 master copies (amp_level O2)" if cfg.amp_level == "O2" else None)
-    if mode == "optimizer" and cannot_fuse:
-        mode, fallback = ema_mode_on("fused", device_type)[0], cannot_fuse
+    mode, fallback = ema_mode_on(cfg.ema, next(model.parameters()).device.type)
     ema = ModelEma(model, decay=cfg.ema_decay, ratio_warmup=True, mode=mode, template=template)
     if ema.effective_mode == "stream":
         ema.attach_optimizer(optimizer)  # the next optimizer step waits for the side-stream update
-    if ema.effective_mode == "optimizer":
-        ema.fuse_into(optimizer, model)
     asked = f" ({cfg.ema} asked, but {fallback})" if fallback else ""
     return ema, (f"EMA of the weights: {ema.effective_mode} update{asked}, decay {cfg.ema_decay} after diffusers' "
                  "(1 + step) / (10 + step) warm-up")
