@@ -15,8 +15,8 @@ differ only in how the update ``ema = lerp(ema, param, 1 - decay)`` is launched:
   beside the next forward instead of taking every SM at once (a full-width update on a side stream only
   competes with the forward for the same bandwidth, which made the step slower when measured).
 
-Why not fold the EMA into the optimizer pass: it saves only the parameter read (1 of 3 passes), but needs our own
-AdamW kernel in place of PyTorch's fused one.
+Why not fold the EMA into the optimizer pass: it saves only the parameter read, and our one-pass AdamW + EMA kernel
+measured no faster than PyTorch's fused AdamW followed by ``fused`` (benchmarks/RESULTS.md#bench-h100).
 
 What is averaged: floating-point parameters with ``requires_grad`` at construction, whether or not they
 got a gradient this step (their EMA keeps moving towards the current value). Frozen parameters and all
