@@ -13,10 +13,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 import time
-from collections import defaultdict
 from pathlib import Path
 
 import torch
@@ -24,25 +22,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_sd_float8 import build, make_step  # noqa: E402 - the same step the FP8 comparison times
 
-# First match wins: kernel names as cuDNN, cuBLAS, PyTorch's attention kernels and Inductor name them on Hopper.
-KINDS = [
-    ("attention", r"fmha|flash|attention|sdpa"),
-    ("Triton: normalization fusions", r"^triton_.*(norm|welford)"),  # Inductor names fusions after their ops,
-    ("Triton: other fusions", r"^triton_"),                          # "convolution" too: these come first
-    ("convolution", r"conv|implicit|dgrad|wgrad|fprop|cudnn"),
-    ("matmul", r"gemm|nvjet|cutlass|cublas|sm90_|s16816|wgmma"),
-    ("optimizer and EMA", r"adam|multi_tensor|foreach|ema"),
-    ("normalization", r"norm|welford"),
-    ("copies and casts", r"copy|memcpy|memset|cast|elementwise_kernel|vectorized"),
-]
-
-
-def kind_of(name: str) -> str:
-    lowered = name.lower()
-    for kind, pattern in KINDS:
-        if re.search(pattern, lowered):
-            return kind
-    return "other"
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from gallery_lib.run.profiling import kernel_table  # noqa: E402 - the kinds `profile_steps` sums by too
 
 
 def main() -> None:
@@ -66,20 +47,10 @@ def main() -> None:
         for _ in range(args.steps):
             step()
         torch.cuda.synchronize()
-    per_kernel: dict[str, float] = defaultdict(float)
-    for event in prof.key_averages():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            per_kernel[event.key] += event.self_device_time_total / 1000 / args.steps  # ms per step
-    by_kind: dict[str, float] = defaultdict(float)
-    for name, ms in per_kernel.items():
-        by_kind[kind_of(name)] += ms
-    total = sum(by_kind.values())
     result = {"command": "python " + " ".join(sys.argv), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
               "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "batch": args.batch,
-              "warmup_s": warmup_s, "profiled_steps": args.steps, "kernel_ms_per_step": total,
-              "by_kind_ms": dict(sorted(by_kind.items(), key=lambda kv: -kv[1])),
-              "top_kernels_ms": [{"kernel": name[:160], "kind": kind_of(name), "ms": ms}
-                                 for name, ms in sorted(per_kernel.items(), key=lambda kv: -kv[1])[:25]]}
+              "warmup_s": warmup_s, **kernel_table(prof, args.steps, "cuda")}
+    total = result["kernel_ms_per_step"]
     for kind, ms in result["by_kind_ms"].items():
         print(f"[profile_sd_step] {kind:28s} {ms:7.1f} ms/step  {100 * ms / total:5.1f}%", flush=True)
     Path(args.out).write_text(json.dumps(result, indent=1))

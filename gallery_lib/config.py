@@ -169,6 +169,10 @@ class RunConfig:
     reuse_batch: bool = setting(False, kind=bool)
     """Train on the first batch over and over: times the model step alone, without the data pipeline
     (as timm's ``benchmark.py`` does with random inputs). For benchmarks only: the model learns nothing useful."""
+    profile_steps: int = setting(0, kind=int, minimum=0)
+    """Run this many steps after warm-up under ``torch.profiler`` and write the kernel time per step by kind to
+    ``<run_dir>/profile.json`` (0: off). Profiled steps run slower: profile in a run of its own
+    (``gallery_lib/run/profiling.py``)."""
 
     ema: str = setting("off", choices=EMA_MODES)
     """EMA of the trained weights and how its update runs: ``off``, ``loop`` (a kernel per tensor, the diffusers

@@ -40,6 +40,29 @@ def test_run_writes_step_records_and_summary(smoke_data, tmp_path):
     assert summary["output_dir"] == str(cfg.run_dir) and summary["skipped_samples"] == 0
 
 
+def test_profile_steps_writes_the_op_time_by_kind(smoke_data, tmp_path, capsys):
+    cfg = micro_cfg(smoke_data, tmp_path, steps=5, warmup_steps=2, profile_steps=9)  # more than the run has left
+    run(cfg)
+    table = json.loads((cfg.run_dir / "profile.json").read_text())
+    assert table["profiled_steps"] == 3 and table["device"] == "cpu"
+    assert table["kernel_ms_per_step"] > 0
+    assert table["kernel_ms_per_step"] == pytest.approx(sum(table["by_kind_ms"].values()))
+    kinds = {row["kind"] for row in table["top_kernels_ms"]}
+    assert "matmul" in kinds and "optimizer and EMA" in kinds  # the Swin's linear layers and AdamW were seen
+    assert "profile of steps 2-4" in capsys.readouterr().out
+
+
+def test_kernel_kinds_read_hopper_and_inductor_names():
+    from gallery_lib.run.profiling import kind_of
+
+    assert kind_of("triton_per_fused_native_layer_norm_0") == "Triton: normalization fusions"
+    assert kind_of("triton_poi_fused_convolution_1") == "Triton: other fusions"
+    assert kind_of("sm90_xmma_gemm_bf16bf16_bf16f32") == "matmul"
+    assert kind_of("void cudnn::fmha::flash_bprop") == "attention"
+    assert kind_of("void at::native::fused_adamw_kernel") == "optimizer and EMA"
+    assert kind_of("sm90_xmma_fprop_implicit_gemm_bf16") == "convolution"  # before "gemm" is read as a matmul
+
+
 def test_training_reduces_loss_on_mock_data(smoke_data, tmp_path):
     cfg = micro_cfg(smoke_data, tmp_path, steps=40, warmup_steps=1, log_every=10, batch_size=16, mixup_alpha=0,
                     cutmix_alpha=0, label_smoothing=0, lr=3e-3, lr_warmup_steps=3, amp_level="O0")

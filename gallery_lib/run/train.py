@@ -51,6 +51,7 @@ from gallery_lib.run.checkpoint import Checkpointer, check_fresh_start, is_own_c
 from gallery_lib.run.logs import rank_logging
 from gallery_lib.run.metrics import MetricsWriter, superseded_path, supersede_steps
 from gallery_lib.run.nonfinite import NonfiniteGuard
+from gallery_lib.run.profiling import StepProfiler
 from gallery_lib.run.quiet import quiet_known_noise
 from gallery_lib.run.step_log import StepLog
 from gallery_lib.run.summary import build_summary, describe_summary
@@ -203,13 +204,17 @@ def _train_from(setup_start: float, cfg: RunConfig, dist: DistInfo, plan: Compil
     update = functools.partial(_update, model, optimizer, scheduler, ema, precision, cfg.clip_grad)
     cuda_graphs = cfg.compile and cfg.compile_mode in CUDA_GRAPH_COMPILE_MODES
     step_log = StepLog(cfg, dist, writer, loader, start=start, warmup_steps=warmup_steps, log=log)
+    profiled = min(cfg.profile_steps, cfg.steps - start - warmup_steps) if dist.is_main else 0
+    profiler = StepProfiler(profiled, start + warmup_steps, dist.device, cfg.run_dir, log)
     for step in range(start, cfg.steps):
+        profiler.before_step(step)
         loss = _forward_backward(task, train_module, batches, precision, cfg.gradient_accumulation_steps,
                                  cuda_graphs)
         lr = optimizer.param_groups[0]["lr"]
         skipped = guard.update(loss, optimizer, update)
         optimizer.zero_grad(set_to_none=True)
         step_log.record(loss, lr, skipped)
+        profiler.after_step(step)
         stop = guard.should_stop()  # known now for host checks; device flags are read at the next flush
         if step_log.due(step + 1) or ckpt.due(step + 1) or stop:
             guard.count(step_log.flush(step + 1))

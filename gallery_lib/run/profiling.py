@@ -1,0 +1,90 @@
+"""Where a training step's time goes: ``profile_steps`` steps under ``torch.profiler``, kernel time summed by kind.
+
+With ``profile_steps=N`` the loop runs the N steps after warm-up under the profiler and writes
+``<run_dir>/profile.json``: each device kernel's time per step (CUDA kernels, replayed CUDA graphs included; on a CPU,
+the CPU ops), summed by kind (convolution, matmul, attention, Inductor's fusions, optimizer, copies...), with the
+costliest kernels by name, and prints the by-kind table. The profiled steps run slower than the others and count in
+the run's step times: profile in a run of its own (``gallery bench --recipes accelerated+profile_steps=5``).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import defaultdict
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+# First match wins: kernel names as cuDNN, cuBLAS, PyTorch's attention kernels and Inductor name them on Hopper.
+KINDS = [
+    ("attention", r"fmha|flash|attention|sdpa|_attn"),
+    ("Triton: normalization fusions", r"^triton_.*(norm|welford)"),  # Inductor names fusions after their ops,
+    ("Triton: other fusions", r"^triton_"),                          # "convolution" too: these come first
+    ("convolution", r"conv|implicit|dgrad|wgrad|fprop|cudnn"),
+    ("matmul", r"gemm|nvjet|cutlass|cublas|sm90_|s16816|wgmma|^aten::(mm|addmm|bmm)"),
+    ("optimizer and EMA", r"adam|sgd|multi_tensor|foreach|ema"),
+    ("normalization", r"norm|welford"),
+    ("copies and casts", r"copy|memcpy|memset|cast|elementwise_kernel|vectorized|^aten::to"),
+]
+
+
+def kind_of(name: str) -> str:
+    lowered = name.lower()
+    for kind, pattern in KINDS:
+        if re.search(pattern, lowered):
+            return kind
+    return "other"
+
+
+def kernel_table(prof: torch.profiler.profile, steps: int, device_type: str, top: int = 25) -> dict:
+    """Per-step time of each kernel (``device_type`` ``cuda``) or op (``cpu``) from a finished profiler, by kind."""
+    per_kernel: dict[str, float] = defaultdict(float)
+    for event in prof.key_averages():
+        if device_type == "cuda" and event.device_type == torch.autograd.DeviceType.CUDA:
+            per_kernel[event.key] += event.self_device_time_total / 1000 / steps
+        elif device_type != "cuda" and event.device_type == torch.autograd.DeviceType.CPU:
+            per_kernel[event.key] += event.self_cpu_time_total / 1000 / steps
+    by_kind: dict[str, float] = defaultdict(float)
+    for name, ms in per_kernel.items():
+        by_kind[kind_of(name)] += ms
+    return {"profiled_steps": steps, "device": device_type, "kernel_ms_per_step": sum(by_kind.values()),
+            "by_kind_ms": dict(sorted(by_kind.items(), key=lambda kv: -kv[1])),
+            "top_kernels_ms": [{"kernel": name[:160], "kind": kind_of(name), "ms": ms}
+                               for name, ms in sorted(per_kernel.items(), key=lambda kv: -kv[1])[:top]]}
+
+
+class StepProfiler:
+    """Profiles the steps ``first <= step < first + count`` of the loop and writes the table when they are done."""
+
+    def __init__(self, count: int, first: int, device: torch.device, run_dir: str | Path,
+                 log: Callable[..., None] = print) -> None:
+        self.count, self.first, self.device = count, first, device
+        self.path = Path(run_dir) / "profile.json"
+        self.log = log
+        self._prof: torch.profiler.profile | None = None
+
+    def before_step(self, step: int) -> None:
+        if self.count and step == self.first:
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if self.device.type == "cuda":
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            self._prof = torch.profiler.profile(activities=activities)
+            self._prof.__enter__()
+
+    def after_step(self, step: int) -> None:
+        if self._prof is None or step != self.first + self.count - 1:
+            return
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self._prof.__exit__(None, None, None)
+        table = kernel_table(self._prof, self.count, self.device.type)
+        self._prof = None
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.write_text(json.dumps(table, indent=1))
+        total = table["kernel_ms_per_step"]
+        self.log(f"[gallery] profile of steps {self.first}-{step}: {total:.1f} ms of {self.device.type} kernels a "
+                 f"step, in {self.path}")
+        for kind, ms in table["by_kind_ms"].items():
+            self.log(f"[gallery]   {kind:30s} {ms:8.2f} ms  {100 * ms / max(total, 1e-9):5.1f}%")
