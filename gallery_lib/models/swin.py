@@ -42,7 +42,8 @@ def hook_window_attention(model: torch.nn.Module):
         raise ConfigError(f"fused_attention=True cannot apply to {type(model).__name__}: {exc}; "
                           "run without it (--set fused_attention=false)") from exc
     return (f"fused attention: {len(hook.modules)} Swin window-attention modules through gallery_lib.accel.attention "
-            "(auto: the fastest measured backend that takes the relative-position bias and shift mask)"), hook
+            "(auto: the window-attention kernel on a GPU, else the fastest measured backend that takes the "
+            "relative-position bias and shift mask)"), hook
 
 
 def _make_dataset(path, **spec):

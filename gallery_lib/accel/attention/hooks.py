@@ -102,10 +102,27 @@ def hook_diffusers_attention(model: nn.Module, backend: str = "auto",
 
 
 # --------------------------------------------------------------------- timm Swin hook
+def _uses_window_attention(backend: str, qkv: torch.Tensor) -> bool:
+    """``window`` (whose function falls back to its PyTorch math where the kernel cannot run), or ``auto`` where the
+    window-attention kernel runs: a GPU, and window and head sizes it takes."""
+    from gallery_lib.accel.kernels import _triton_utils as tu
+    from gallery_lib.accel.kernels.window_attention import supports
+
+    if backend == "window":
+        return True
+    return backend == "auto" and qkv.is_cuda and tu.use_triton(qkv) and supports(qkv.shape[1], qkv.shape[-1])
+
+
 def _swin_window_forward(self: nn.Module, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
     b_, n, _ = x.shape
-    q, k, v = self.qkv(x).reshape(b_, n, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4).unbind(0)
+    qkv = self.qkv(x).reshape(b_, n, 3, self.num_heads, -1)
     bias = self._get_rel_pos_bias()  # (1, heads, N, N)
+    if _uses_window_attention(self._gallery_backend, qkv):  # (benchmarks/RESULTS.md#bench-h100)
+        from gallery_lib.accel.kernels.window_attention import window_attention
+
+        x = window_attention(qkv, bias[0], mask, self.scale)
+        return self.proj_drop(self.proj(x.reshape(b_, n, -1)))
+    q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
     if mask is not None:  # shift mask (windows, N, N): one bias per window, repeated over the batch
         num_win = mask.shape[0]
         bias = (bias + mask.unsqueeze(1)).unsqueeze(0).expand(b_ // num_win, -1, -1, -1, -1)
@@ -120,10 +137,13 @@ def hook_swin_attention(model: nn.Module, backend: str = "auto",
     """Routes every timm Swin ``WindowAttention`` through the registry (instance-level, reversible).
 
     The relative position bias and the shift mask are one additive bias, so an explicit ``backend`` must accept
-    a bias (``math`` or ``efficient``); ``auto`` only considers those. ``state_dict`` is unchanged.
+    a bias (``math`` or ``efficient``), or be ``window``: the window-attention kernel, which adds them itself
+    (``kernels/window_attention.py``, the PyTorch math where Triton cannot run). ``auto`` runs that kernel on a GPU
+    and picks among the bias-taking backends elsewhere (or where the kernel cannot take the window size). ``state_dict``
+    is unchanged.
     """
-    if backend != "auto" and (backend not in BACKENDS or not BACKENDS[backend].supports_bias):
-        ok = [n for n, b in BACKENDS.items() if b.supports_bias]
+    if backend not in ("auto", "window") and (backend not in BACKENDS or not BACKENDS[backend].supports_bias):
+        ok = [n for n, b in BACKENDS.items() if b.supports_bias] + ["window"]
         raise ValueError(f"hook_swin_attention: backend {backend!r} cannot take Swin's additive relative-position "
                          f"bias; use 'auto' or one of {ok}")
     found = [(name, m) for name, m in model.named_modules()
