@@ -1,16 +1,14 @@
-"""Prototype: how fast could a Swin window-attention kernel for Hopper be, against what ``accelerated`` runs now?
+"""Swin's window-attention kernel against SDPA's efficient kernel as the Swin hook fed it, attention alone.
 
     python benchmarks/proto_window_attention.py --out RESULT.json
 
-A measurement for issue 24's Swin goal, not library code: the accelerated Swin-T step spends 5.4 ms of its 28 ms in
-PyTorch's memory-efficient attention (benchmarks/RESULTS.md#bench-h100). This Triton prototype does one 49-token
-window per program: scores, the relative-position bias (and the shift mask) added in registers, softmax, the output
-and its log-sum-exp; the backward recomputes the probabilities and writes dq, dk, dv and per-program partial sums of
-the bias gradient (summed over windows afterwards), so no (windows x heads x 49 x 49) bias is ever materialized.
+The measurement behind ``gallery_lib/accel/kernels/window_attention.py`` (benchmarks/RESULTS.md#bench-h100): the
+accelerated Swin-T step spent 5.4 ms of its 28 ms in PyTorch's memory-efficient attention. The first numbers came
+from this script's own prototype of the kernel (commit e1676dd); it now times the library's kernel.
 
 For each Swin-T stage shape at batch 128 it checks forward and every gradient against fp32 math attention (error
 within 2x that of PyTorch's bf16 math attention, + 1e-3), then times forward + backward (CUDA events, median of 50
-after 10) of the prototype and of SDPA's efficient kernel fed the way the gallery's Swin hook feeds it.
+after 10) of the kernel (``prototype`` in the JSON) and of SDPA's efficient kernel fed as the hook fed it.
 """
 
 from __future__ import annotations
@@ -24,111 +22,20 @@ from pathlib import Path
 
 import torch
 import triton
-import triton.language as tl
 
-N, BN, D = 49, 64, 32
-WINDOWS_PER_PROGRAM = 16
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-
-@triton.jit
-def _scores(q, k, bias_ptr, mask_ptr, window, h, n_win, scale, offs, N: tl.constexpr, HAS_MASK: tl.constexpr):
-    s = tl.dot(q, tl.trans(k)) * scale
-    valid = (offs[:, None] < N) & (offs[None, :] < N)
-    s += tl.load(bias_ptr + h * N * N + offs[:, None] * N + offs[None, :], mask=valid, other=0.0)
-    if HAS_MASK:
-        s += tl.load(mask_ptr + (window % n_win) * N * N + offs[:, None] * N + offs[None, :], mask=valid, other=0.0)
-    return tl.where(offs[None, :] < N, s, float("-inf"))
+N, D = 49, 32
 
 
-@triton.jit
-def _fwd(qkv_ptr, bias_ptr, mask_ptr, o_ptr, lse_ptr, n_windows, n_win, H, scale,
-         N: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, HAS_MASK: tl.constexpr):
-    # qkv: (windows, N, 3, H, D) as the qkv Linear writes it; o: (windows, N, H, D); lse: (windows, H, BN)
-    window, h = tl.program_id(0), tl.program_id(1)
-    offs, offs_d = tl.arange(0, BN), tl.arange(0, D)
-    row = offs[:, None] < N
-    base = qkv_ptr + window.to(tl.int64) * N * 3 * H * D + h * D + offs[:, None] * 3 * H * D + offs_d[None, :]
-    q = tl.load(base, mask=row, other=0.0)
-    k = tl.load(base + H * D, mask=row, other=0.0)
-    v = tl.load(base + 2 * H * D, mask=row, other=0.0)
-    s = _scores(q, k, bias_ptr, mask_ptr, window, h, n_win, scale, offs, N, HAS_MASK)
-    m = tl.max(s, 1)
-    p = tl.exp(s - m[:, None])
-    l = tl.sum(p, 1)
-    o = tl.dot((p / l[:, None]).to(v.dtype), v)
-    o_base = o_ptr + window.to(tl.int64) * N * H * D + h * D + offs[:, None] * H * D + offs_d[None, :]
-    tl.store(o_base, o.to(o_ptr.dtype.element_ty), mask=row)
-    tl.store(lse_ptr + (window.to(tl.int64) * H + h) * BN + offs, m + tl.log(l))
+def window_kernel(qkv, bias, mask, scale):
+    from gallery_lib.accel.kernels.window_attention import window_attention
 
-
-@triton.jit
-def _bwd(qkv_ptr, bias_ptr, mask_ptr, o_ptr, do_ptr, lse_ptr, dqkv_ptr, dbias_ptr, n_windows, n_win, H, scale,
-         N: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, HAS_MASK: tl.constexpr, WPP: tl.constexpr):
-    pid, h = tl.program_id(0), tl.program_id(1)
-    offs, offs_d = tl.arange(0, BN), tl.arange(0, D)
-    row = offs[:, None] < N
-    dbias = tl.zeros((BN, BN), dtype=tl.float32)
-    for j in range(WPP):
-        window = pid * WPP + j
-        if window < n_windows:
-            base = qkv_ptr + window.to(tl.int64) * N * 3 * H * D + h * D + offs[:, None] * 3 * H * D + offs_d[None, :]
-            q = tl.load(base, mask=row, other=0.0)
-            k = tl.load(base + H * D, mask=row, other=0.0)
-            v = tl.load(base + 2 * H * D, mask=row, other=0.0)
-            o_off = window.to(tl.int64) * N * H * D + h * D + offs[:, None] * H * D + offs_d[None, :]
-            o = tl.load(o_ptr + o_off, mask=row, other=0.0).to(tl.float32)
-            do = tl.load(do_ptr + o_off, mask=row, other=0.0)
-            lse = tl.load(lse_ptr + (window.to(tl.int64) * H + h) * BN + offs)
-            s = _scores(q, k, bias_ptr, mask_ptr, window, h, n_win, scale, offs, N, HAS_MASK)
-            p = tl.exp(s - lse[:, None])
-            p = tl.where(row, p, 0.0)
-            dv = tl.dot(tl.trans(p.to(do.dtype)), do)
-            dp = tl.dot(do, tl.trans(v))
-            delta = tl.sum(o * do.to(tl.float32), 1)
-            ds = p * (dp - delta[:, None])
-            dbias += ds
-            ds_lo = ds.to(q.dtype)
-            dq = tl.dot(ds_lo, k) * scale
-            dk = tl.dot(tl.trans(ds_lo), q) * scale
-            d_base = dqkv_ptr + window.to(tl.int64) * N * 3 * H * D + h * D + offs[:, None] * 3 * H * D + offs_d[None, :]
-            tl.store(d_base, dq.to(dqkv_ptr.dtype.element_ty), mask=row)
-            tl.store(d_base + H * D, dk.to(dqkv_ptr.dtype.element_ty), mask=row)
-            tl.store(d_base + 2 * H * D, dv.to(dqkv_ptr.dtype.element_ty), mask=row)
-    valid = (offs[:, None] < N) & (offs[None, :] < N)
-    tl.store(dbias_ptr + (pid.to(tl.int64) * H + h) * N * N + offs[:, None] * N + offs[None, :], dbias, mask=valid)
-
-
-class WindowAttention(torch.autograd.Function):
-    """(windows, N, 3, H, D) qkv, (H, N, N) bias, optional (n_win, N, N) mask -> (windows, N, H, D)."""
-
-    @staticmethod
-    def forward(ctx, qkv, bias, mask, scale):
-        windows, n, _, heads, d = qkv.shape
-        o = torch.empty(windows, n, heads, d, device=qkv.device, dtype=qkv.dtype)
-        lse = torch.empty(windows, heads, BN, device=qkv.device, dtype=torch.float32)
-        n_win = mask.shape[0] if mask is not None else 1
-        _fwd[(windows, heads)](qkv, bias, mask if mask is not None else bias, o, lse, windows, n_win, heads, scale,
-                               N=N, BN=BN, D=D, HAS_MASK=mask is not None, num_warps=4)
-        ctx.save_for_backward(qkv, bias, mask, o, lse)
-        ctx.scale = scale
-        return o
-
-    @staticmethod
-    def backward(ctx, do):
-        qkv, bias, mask, o, lse = ctx.saved_tensors
-        windows, n, _, heads, d = qkv.shape
-        programs = triton.cdiv(windows, WINDOWS_PER_PROGRAM)
-        dqkv = torch.empty_like(qkv)
-        dbias = torch.empty(programs, heads, n, n, device=qkv.device, dtype=torch.float32)
-        n_win = mask.shape[0] if mask is not None else 1
-        _bwd[(programs, heads)](qkv, bias, mask if mask is not None else bias, o, do.contiguous(), lse, dqkv, dbias,
-                                windows, n_win, heads, ctx.scale, N=N, BN=BN, D=D, HAS_MASK=mask is not None,
-                                WPP=WINDOWS_PER_PROGRAM, num_warps=4)
-        return dqkv, dbias.sum(0).to(bias.dtype), None, None
+    return window_attention(qkv, bias, mask, scale)
 
 
 def sdpa_as_the_hook_does(qkv, bias, mask, scale):
-    """The gallery's Swin hook today: q, k, v views, the bias expanded over the batch, SDPA's efficient kernel."""
+    """The gallery's Swin hook before the kernel: q, k, v views, the bias expanded over the batch, SDPA's efficient kernel."""
     windows, n, _, heads, d = qkv.shape
     q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
     b = bias.unsqueeze(0)
@@ -172,7 +79,7 @@ def grads(fn, qkv, bias, mask, do):
 def check(windows, heads, n_win, shifted) -> dict:
     qkv, bias, mask = inputs(windows, heads, n_win, shifted)
     do = torch.randn(windows, N, heads, D, device="cuda", dtype=qkv.dtype)
-    ours = grads(WindowAttention.apply, qkv, bias, mask, do)
+    ours = grads(window_kernel, qkv, bias, mask, do)
     theirs = grads(math_reference, qkv, bias, mask, do)
     q32, b32 = qkv.detach().float().requires_grad_(), bias.detach().clone().requires_grad_()
     ref = grads(math_reference, q32, b32, mask, do.float())
@@ -225,7 +132,7 @@ def main() -> None:
             qkv, bias, mask = inputs(windows, heads, n_win, shifted)
             do = torch.randn(windows, N, heads, D, device="cuda", dtype=qkv.dtype)
             row = {"windows": windows, "heads": heads, "shifted": shifted, "blocks": count, "errors": errors,
-                   "prototype": time_ms(WindowAttention.apply, qkv, bias, mask, do),
+                   "prototype": time_ms(window_kernel, qkv, bias, mask, do),
                    "sdpa_efficient": time_ms(sdpa_as_the_hook_does, qkv, bias, mask, do)}
             for name in total:
                 total[name] += count * row[name].get("median_ms", float("nan"))
