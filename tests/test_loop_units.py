@@ -146,6 +146,9 @@ def test_attention_probe_reports_what_ran():
                            torch.ones(1, 2), None)
     plain()
     assert plain.report(lines.append) == {} and "no scaled_dot_product_attention call" in lines[-1]
+    own_kernel = AttentionProbe(SimpleNamespace(attention=SimpleNamespace(selector=SimpleNamespace(chosen={}))),
+                                None, None, None)
+    assert own_kernel.report(lines.append) == {} and "ran their own kernel" in lines[-1]
 
 
 def test_progress_line_eta_uses_the_interval_median_pace():
