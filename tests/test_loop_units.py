@@ -134,6 +134,41 @@ def test_compile_plan_counts_only_what_its_run_compiled():
     assert record["fx_graph_misses"] == 1 and record["graphs_traced"] == 0 and record["aot_autograd_hits"] == 0
 
 
+def test_warm_marker_keys_and_a_stale_marker(tmp_path, monkeypatch):
+    from gallery_lib.accel.precompile import warm
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    flags = {"deterministic": False}
+    key = warm.graph_set_key(["a", "b"], {"backend": "inductor"}, flags, torch.device("cpu"))
+    assert key == warm.graph_set_key(["b", "a"], {"backend": "inductor"}, flags, torch.device("cpu"))
+    assert len({key, warm.graph_set_key(["a"], {"backend": "inductor"}, flags, torch.device("cpu")),
+                warm.graph_set_key(["a", "b"], {"backend": "eager"}, flags, torch.device("cpu")),
+                warm.graph_set_key(["a", "b"], {"backend": "inductor"}, {"deterministic": True},
+                                   torch.device("cpu"))}) == 4
+    hint = warm.hint_key("sd15", "accelerated", 32)
+    assert not warm.is_warm(key) and not warm.hinted_warm(hint)
+    warm.mark_warm(key, hint)
+    assert warm.is_warm(key) and warm.hinted_warm(hint) and warm.marker_dir().parent == tmp_path
+    # A plan that skipped its workers on this marker, whose run then missed the caches (emptied under the marker):
+    with CompilePlan(cfg(compile=True, compile_scope="blocks"), CPU) as plan:
+        plan.cached_key = key
+        from torch._dynamo.utils import counters
+
+        counters["inductor"]["fxgraph_cache_miss"] += 1
+        lines = []
+        record = plan.summary(lines.append)
+    assert record["precompile_skipped"] and "the next run precompiles them again" in lines[-1]
+    assert not warm.is_warm(key) and not warm.hinted_warm(hint)
+
+
+def test_seconds_to_steady_counts_the_warm_up_up_to_its_last_slow_step():
+    from gallery_lib.run.timing import seconds_to_steady
+
+    assert seconds_to_steady([9000.0, 300.0, 120.0, 250.0, 101.0, 100.0], 100.0) == pytest.approx(9.67)
+    assert seconds_to_steady([105.0, 99.0], 100.0) == 0.0  # within 10% of the median from the start
+    assert seconds_to_steady([500.0, 100.0], float("nan")) == 0.6  # no timed step: all of the warm-up
+
+
 def test_attention_probe_reports_what_ran():
     hook = SimpleNamespace(selector=SimpleNamespace(chosen={"shape": "efficient"}))
     probe = AttentionProbe(SimpleNamespace(attention=hook, module=None), None, None, None)

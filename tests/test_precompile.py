@@ -171,6 +171,45 @@ def test_a_graph_that_fails_to_load_is_reported_and_left_to_the_run():
     assert loader.load(["a1"]) is False  # never tried twice
 
 
+@pytest.mark.slow  # ~30 s on 2 cores: worker processes start twice
+def test_a_second_run_of_the_same_graphs_starts_no_workers(tmp_path, monkeypatch):
+    """The first plan's workers compile the graphs and leave a marker beside them in the cache directory; a second
+    plan of the same run starts no workers (its first step loads the graphs), unless it records other graphs."""
+    from types import SimpleNamespace
+
+    from gallery_lib.accel.compile_plan import CompilePlan
+    from gallery_lib.accel.distributed import DistInfo
+    from gallery_lib.accel.precompile import warm
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    family = SimpleNamespace(block_types=(Block,), block_modules=(Block.__module__,))
+    cfg = SimpleNamespace(model="toy", recipe="accelerated", batch_size=2, image_size=8, precompile_workers=2,
+                          precompile_overlap=True, compile=True, model_family=family)
+    cpu = DistInfo(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
+    model = Model()
+    x = torch.randn(2, 6, 8)
+
+    def plan_run(batch: torch.Tensor) -> tuple[CompilePlan, bool, list[str], bool]:
+        lines, ran = [], []
+        with CompilePlan(cfg, cpu) as plan:
+            started = plan.workers is not None
+            plan.compile_blocks(model, backend="eager")
+            precompiled = plan.precompile(model, lambda: model(batch), lines.append, lambda: ran.append(1))
+            assert precompiled == bool(ran)  # the meanwhile work runs beside workers, else the caller runs it
+            plan.summary(lines.append)
+        return plan, started, lines, precompiled
+
+    first, started, lines, precompiled = plan_run(x)
+    assert started and precompiled and first.report.failures == [] and first.cached_key is None, lines
+    assert warm.hinted_warm(first.hint)
+    second, started, lines, precompiled = plan_run(x)
+    assert not started and not precompiled and second.report is None and second.cached_key is not None
+    assert second.precompile_seconds > 0 and any("pre-compilation skipped" in line for line in lines), lines
+    third, started, lines, precompiled = plan_run(x[:1])  # another batch: other graphs, so workers after all
+    assert not started and precompiled and third.report.workers == 2 and third.cached_key is None
+    assert warm.is_warm(second.cached_key)  # the caches missed nothing in the second run: its marker stays
+
+
 @pytest.mark.slow  # ~1 min each on 2 cores: Inductor's C++ backend compiles 3 forward and 3 backward graphs
 @pytest.mark.parametrize("load", [True, False], ids=["loaded-as-they-land", "loaded-by-the-run"])
 def test_workers_fill_the_cache_the_run_then_hits(load, monkeypatch):

@@ -5,12 +5,16 @@ then, so that their imports, CUDA context and compile pool come up while the mod
 ``apply_accelerations`` compiles the model's repeated blocks through it (``compile_blocks``), the loop has it
 precompile them from one recorded forward before the first step (``precompile``), and the summary reads what it did
 (``summary``: the precompile report and the compile-cache statistics of this run alone).
+
+A second run of the same graphs on the same machine starts no workers: the first left a marker beside the compiled
+graphs, and the first step loads them from the caches (``accel/precompile/warm.py``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import time
 from typing import Any, Callable
 
 from torch import nn
@@ -21,23 +25,38 @@ from gallery_lib.accel.distributed import DistInfo
 class CompilePlan(contextlib.AbstractContextManager):
     def __init__(self, cfg, dist: DistInfo) -> None:
         self.cfg = cfg
+        self.dist = dist
         self.workers = None
+        self.hint = None
+        """With ``precompile_workers``: the coarse key of this kind of run (``precompile.warm``)."""
         if cfg.precompile_workers:  # RunConfig allows it only with compile=True and compile_scope='blocks'
-            from gallery_lib.accel.precompile import CompileWorkers
+            from gallery_lib.accel.precompile import warm
 
-            # Every rank compiles the same graphs for its own device: the machine's workers are shared out.
-            self.workers = CompileWorkers(max(1, cfg.precompile_workers // dist.world_size), dist.device,
-                                          imports=cfg.model_family.block_modules)
+            self.hint = warm.hint_key(cfg.model, cfg.recipe, cfg.batch_size, cfg.image_size, dist.world_size,
+                                      dist.device.type)
+            if not warm.hinted_warm(self.hint):  # a second run of the same kind most likely needs no workers
+                self.workers = self._start_workers()
         self.blocks: list[str] = []
         """Qualified names of the blocks compiled in place (``compile_scope='blocks'``)."""
         self.compile_kwargs: dict[str, Any] = {}
         """What those blocks were compiled with."""
         self.report = None
         """The ``PrecompileReport`` once precompiled."""
+        self.cached_key = None
+        """The key of the block graphs when an earlier run left them all in the caches and no worker ran."""
+        self.skipped_seconds = 0.0
+        """Then: the recording forward that found it out."""
         from gallery_lib.accel.compile import compile_cache_stats
 
         # Dynamo's counters live as long as the process (torch._dynamo.reset keeps them): the run reports its own part.
         self._cache_at_start = compile_cache_stats()
+
+    def _start_workers(self):
+        from gallery_lib.accel.precompile import CompileWorkers
+
+        # Every rank compiles the same graphs for its own device: the machine's workers are shared out.
+        return CompileWorkers(max(1, self.cfg.precompile_workers // self.dist.world_size), self.dist.device,
+                              imports=self.cfg.model_family.block_modules)
 
     def __exit__(self, *exc: object) -> None:
         if self.workers is not None:
@@ -55,19 +74,40 @@ class CompilePlan(contextlib.AbstractContextManager):
                    meanwhile: Callable[[], Any]) -> bool:
         """Has the workers compile the blocks' distinct graphs from one recorded ``forward`` of the plain ``model``
         (not a DDP wrapper: a forward without its backward would leave DDP's reducer waiting), running ``meanwhile``
-        while they compile; returns False, without running ``meanwhile``, when there is nothing to precompile."""
-        if self.workers is None or not self.blocks:
+        while they compile; returns False, without running ``meanwhile``, when there is nothing to precompile, or
+        when an earlier run left every graph in the caches (the first step then loads them, and no worker starts)."""
+        if not self.cfg.precompile_workers or not self.blocks:
             return False
-        from gallery_lib.accel.precompile import precompile_blocks
+        from gallery_lib.accel.precompile import precompile_blocks, record_block_calls, warm
+        from gallery_lib.accel.precompile.record import backend_flags
 
+        start = time.perf_counter()
+        calls, _ = record_block_calls(model, forward, self.blocks)
+        key = warm.graph_set_key((c.graph_key for c in calls), self.compile_kwargs, backend_flags(),
+                                 self.dist.device)
+        if warm.is_warm(key):
+            if self.workers is not None:
+                self.workers.close()
+                self.workers = None
+            self.cached_key, self.skipped_seconds = key, time.perf_counter() - start
+            warm.mark_warm(key, self.hint)
+            log(f"[gallery] pre-compilation skipped: an earlier run left the {len(calls)} distinct block graphs (of "
+                f"{len(self.blocks)} blocks) in the compile caches; the first step loads them "
+                f"(recorded in {self.skipped_seconds:.1f} s)")
+            return False
+        if self.workers is None:  # this kind of run had left them there, these graphs it had not
+            self.workers = self._start_workers()
         self.report = precompile_blocks(model, forward, self.blocks, workers=self.workers,
                                         compile_kwargs=self.compile_kwargs, log=log,
-                                        load=self.cfg.precompile_overlap, meanwhile=meanwhile)
+                                        load=self.cfg.precompile_overlap, meanwhile=meanwhile,
+                                        recorded=(calls, time.perf_counter() - start))
+        if not self.report.failures and not self.report.load_failures:
+            warm.mark_warm(key, self.hint)
         return True
 
     @property
     def precompile_seconds(self) -> float:
-        return self.report.seconds if self.report is not None else 0.0
+        return self.report.seconds if self.report is not None else self.skipped_seconds
 
     def summary(self, log: Callable[[str], Any]) -> dict[str, Any]:
         """The run summary's compile records: ``precompile`` (when it ran) and ``compile_cache`` (compiled runs:
@@ -81,4 +121,12 @@ class CompilePlan(contextlib.AbstractContextManager):
             now = compile_cache_stats()
             record["compile_cache"] = {key: now[key] - self._cache_at_start.get(key, 0) for key in now}
             log(f"[gallery] compilation in this run: {describe_compile_cache(record['compile_cache'])}")
+            if self.cached_key is not None:
+                record["precompile_skipped"] = "graphs in the compile caches from an earlier run"
+                if record["compile_cache"]["aot_autograd_misses"] + record["compile_cache"]["fx_graph_misses"]:
+                    from gallery_lib.accel.precompile import warm
+
+                    warm.forget_warm(self.cached_key)  # the caches were emptied: the next run uses workers again
+                    log("[gallery]   the compile caches no longer held every graph an earlier run precompiled, so "
+                        "this run compiled some itself; the next run precompiles them again")
         return record

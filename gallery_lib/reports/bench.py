@@ -32,18 +32,25 @@ def ratio_over_peer(rows: Sequence[Row], row: Row) -> float | None:
 def bench_table(rows: Sequence[Row]) -> str:
     """A markdown table of the rows, in run order."""
     head = ("| model | recipe | batch | samples/s | vs peer | step ms: median (p20-p80) | peak GiB | MFU "
-            "| compile s |\n|---|---|---|---|---|---|---|---|---|")
+            "| compile s | to steady speed s (caches) |\n|---|---|---|---|---|---|---|---|---|---|")
     return "\n".join([head, *(_table_line(rows, row) for row in rows)])
 
 
 def _table_line(rows: Sequence[Row], row: Row) -> str:
     start = f"| {row['model']} | {row['recipe']} | {row['batch_size']} |"
     if "error" in row:
-        return f"{start} error: {row['error']} | | | | | |"
+        return f"{start} error: {row['error']} | | | | | | |"
     ratio = ratio_over_peer(rows, row)
     return (f"{start} {row['samples_per_s']:,.1f} | {_fmt(ratio, '{:.2f}x')} | {row['median_step_ms']:.1f} "
             f"({row['p20_step_ms']:.1f}-{row['p80_step_ms']:.1f}) | {row['peak_mem_gib']:.2f} | "
-            f"{_fmt(row['mfu'], '{:.1%}')} | {row['compile_s']:.1f} |")
+            f"{_fmt(row['mfu'], '{:.1%}')} | {row['compile_s']:.1f} | {_steady(row)} |")
+
+
+def _steady(row: Row) -> str:
+    """Rows written before ``to_steady_s`` existed have no such number."""
+    if row.get("to_steady_s") is None:
+        return ""
+    return f"{row['to_steady_s']:.1f}" + (f" ({row['compile_caches']})" if row.get("compile_caches") else "")
 
 
 def _fmt(value: float | None, fmt: str) -> str:

@@ -177,7 +177,9 @@ def machine_record(command: str, profile: str) -> dict:
             "triton": _version("triton", "pytorch-triton"), "python": platform.python_version(),
             "timing": "the training step alone on one reused batch; CUDA events per step after warm-up (wall clock on "
                       "a CPU); median with p20/p80; compile_s = warm-up steps + precompilation, shorter when an "
-                      "earlier run of the bench left the same graphs in Inductor's cache",
+                      "earlier run of the bench left the same graphs in Inductor's cache; to_steady_s = "
+                      "precompilation + the warm-up steps up to the last one over 1.1x the median; compile_caches "
+                      "= cold (the run compiled a graph) or warm (it loaded them all)",
             "rows": [], "goals": []}
 
 
@@ -194,11 +196,21 @@ def result_row(cfg: RunConfig, summary: dict) -> dict:
         "peak_reserved_gib": summary["peak_reserved_mb"] / 1024 if summary.get("peak_reserved_mb") else None,
         "mfu": mfu(speed, summary["train_flops_per_sample"], summary["matmul_tflops"]),
         "compile_s": summary["warmup_time_s"] + (summary["precompile_time_s"] or 0.0),
+        "to_steady_s": summary.get("to_steady_speed_s"), "compile_caches": compile_caches(summary),
         "flops_per_sample": summary["train_flops_per_sample"], "matmul_tflops": summary["matmul_tflops"],
         "timed_steps": summary["steps"] - summary["warmup_steps"], "warmup_steps": summary["warmup_steps"],
         "ema": summary["ema"], "setup_s": summary["setup_time_s"], "cache_s": summary.get("cache_time_s"),
         "device": summary["device_name"], "run_dir": summary["output_dir"],
     }
+
+
+def compile_caches(summary: dict) -> str | None:
+    """``cold`` when the run compiled a graph itself (a cache miss), ``warm`` when it loaded every one from the
+    caches; None for an eager run."""
+    stats = summary.get("compile_cache")
+    if not stats:
+        return None
+    return "cold" if stats["aot_autograd_misses"] + stats["fx_graph_misses"] else "warm"
 
 
 def error_row(cfg: RunConfig, message: str) -> dict:

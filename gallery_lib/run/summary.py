@@ -12,7 +12,7 @@ import torch
 from gallery_lib.accel.distributed import DistInfo, all_reduce_sum
 from gallery_lib.models.flops import measured_matmul_tflops
 from gallery_lib.run.step_log import StepLog
-from gallery_lib.run.timing import peak_memory_mb, peak_reserved_mb, summarize_times
+from gallery_lib.run.timing import peak_memory_mb, peak_reserved_mb, seconds_to_steady, summarize_times
 
 
 def build_summary(cfg, dist: DistInfo, step_log: StepLog, *, warmup_steps: int, setup_time: float,
@@ -29,6 +29,9 @@ def build_summary(cfg, dist: DistInfo, step_log: StepLog, *, warmup_steps: int, 
         "steps": cfg.steps, "warmup_steps": warmup_steps, "resumed_from_step": step_log.start,
         "setup_time_s": setup_time, "precompile_time_s": precompile_seconds,
         "warmup_time_s": sum(times[:warmup_steps]) / 1e3, **timing, "warmup_step_times_ms": times[:warmup_steps],
+        # what compilation costs before the run trains at speed: precompilation, then the slow warm-up steps
+        "to_steady_speed_s": precompile_seconds + seconds_to_steady(times[:warmup_steps],
+                                                                    timing["median_step_time_ms"]),
         "attention_probe_time_s": probe_seconds,  # the side forward that reads PyTorch's SDPA choices
         "samples_per_s": cfg.global_batch_size * 1e3 / timing["median_step_time_ms"],
         "peak_mem_mb": peak_memory_mb(dist.device),

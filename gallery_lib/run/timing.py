@@ -74,3 +74,13 @@ def summarize_times(times_ms: list[float]) -> dict[str, float]:
         deciles = statistics.quantiles(times_ms, n=10, method="inclusive")
         q20, q80 = deciles[1], deciles[7]
     return {"median_step_time_ms": statistics.median(times_ms), "p20_step_time_ms": q20, "p80_step_time_ms": q80}
+
+
+def seconds_to_steady(warmup_times_ms: list[float], median_ms: float, tolerance: float = 0.1) -> float:
+    """Seconds of warm-up steps until the run is at steady speed: every step up to the last one slower than
+    ``1 + tolerance`` times the timed steps' median counts (compilation, cache loads, CUDA-graph capture, autotuning),
+    the steady steps after it do not. All of them when the median is unknown."""
+    if median_ms != median_ms:  # NaN: no timed step
+        return sum(warmup_times_ms) / 1e3
+    slow = [i for i, t in enumerate(warmup_times_ms) if t > (1 + tolerance) * median_ms]
+    return sum(warmup_times_ms[:slow[-1] + 1]) / 1e3 if slow else 0.0

@@ -110,7 +110,8 @@ class CompileWorkers:
 def precompile_blocks(model: nn.Module, forward: Callable[[], Any], names: Iterable[str], *,
                       workers: int | CompileWorkers, compile_kwargs: dict[str, Any],
                       log: Callable[[str], Any] = print, timeout_s: float = 1800.0,
-                      load: bool = False, meanwhile: Callable[[], Any] | None = None) -> PrecompileReport:
+                      load: bool = False, meanwhile: Callable[[], Any] | None = None,
+                      recorded: tuple[list[BlockCall], float] | None = None) -> PrecompileReport:
     """Compiles the distinct graphs of the named blocks in ``workers`` parallel processes into the on-disk caches.
 
     Args:
@@ -126,6 +127,8 @@ def precompile_blocks(model: nn.Module, forward: Callable[[], Any], names: Itera
             to the first training step.
         meanwhile: other work for this process, run once the workers have their queue: while they compile it costs
             the run no time.
+        recorded: the distinct graphs the caller already recorded (``record_block_calls``) and the seconds that
+            took, instead of recording them here while the workers start.
     """
     start = time.perf_counter()
     names = list(names)
@@ -138,8 +141,12 @@ def precompile_blocks(model: nn.Module, forward: Callable[[], Any], names: Itera
     graph_seconds: dict[str, float] = {}
     startup: dict[str, float] = {}
     with workers:  # an error in here (in the caller's forward, say) must not leave workers waiting for a queue
-        calls, _ = record_block_calls(model, forward, names)
-        record_seconds = time.perf_counter() - start
+        if recorded is None:
+            calls, _ = record_block_calls(model, forward, names)
+            record_seconds = time.perf_counter() - start
+        else:
+            calls, record_seconds = recorded
+            start -= record_seconds  # the report's times count from the recording's start, as without it
         queue = largest_first(calls)
         _write_queue(workers.queue_path, queue, model, device, compile_kwargs)
         warm_compile_pool(wait=False)  # this process loads the compiled kernels next: its pool must be up

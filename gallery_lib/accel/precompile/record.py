@@ -5,6 +5,7 @@ when it loads a graph)."""
 from __future__ import annotations
 
 import copy
+import hashlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
@@ -51,6 +52,8 @@ class BlockCall:
     cost: int
     module: nn.Module | None = None
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)
+    graph_key: str = ""
+    """A digest of what the graph depends on (``_graph_key``): equal calls compile to the same graph."""
 
 
 def _spec(value: Any) -> Any:
@@ -107,7 +110,9 @@ def record_block_calls(model: nn.Module, forward: Callable[[], Any], names: Iter
         seen += 1
         call = BlockCall(name, tree_map(_spec, args), tree_map(_spec, kwargs), _autocast_state(), module.training,
                          cost=sum(p.numel() for p in module.parameters()))
-        distinct.setdefault(_graph_key(module, call), call)
+        key = _graph_key(module, call)
+        call.graph_key = hashlib.sha256(repr(key).encode()).hexdigest()
+        distinct.setdefault(key, call)
 
     names = list(names)
     handles = [model.get_submodule(n).register_forward_pre_hook(
