@@ -110,6 +110,15 @@ def test_goals_not_measured_name_what_is_missing():
     assert verdicts(peer_failed)[0] == (NOT_MEASURED, "peer failed: out of memory")
 
 
+def test_compile_caches_cold_when_the_run_or_its_workers_compiled():
+    from gallery_lib.run.bench import compile_caches
+
+    hits = {"aot_autograd_misses": 0, "fx_graph_misses": 0}
+    assert compile_caches({"compile_cache": {**hits, "fx_graph_misses": 2}}) == "cold"
+    assert compile_caches({"compile_cache": hits, "precompile": {"graphs": 19}}) == "cold"  # workers compiled
+    assert compile_caches({"compile_cache": hits}) == "warm" and compile_caches({}) is None
+
+
 def test_table_and_figure_show_ratios_and_failures(tmp_path):
     rows = [row("sd15", "peer", 32, 120.0), row("sd15", "accelerated", 32, 150.0, to_steady_s=14.25, compile_caches="warm"),
             {"model": "sd15", "recipe": "accelerated", "batch_size": 64, "error": "out of memory"}]

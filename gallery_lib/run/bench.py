@@ -179,7 +179,7 @@ def machine_record(command: str, profile: str) -> dict:
                       "a CPU); median with p20/p80; compile_s = warm-up steps + precompilation, shorter when an "
                       "earlier run of the bench left the same graphs in Inductor's cache; to_steady_s = "
                       "precompilation + the warm-up steps up to the last one over 1.1x the median; compile_caches "
-                      "= cold (the run compiled a graph) or warm (it loaded them all)",
+                      "= cold (the run or its precompile workers compiled) or warm (it loaded all from the caches)",
             "rows": [], "goals": []}
 
 
@@ -205,12 +205,13 @@ def result_row(cfg: RunConfig, summary: dict) -> dict:
 
 
 def compile_caches(summary: dict) -> str | None:
-    """``cold`` when the run compiled a graph itself (a cache miss), ``warm`` when it loaded every one from the
-    caches; None for an eager run."""
+    """``cold`` when the run compiled its graphs (itself: a cache miss; or in precompile workers, whose misses its
+    counters do not see), ``warm`` when it loaded every one from an earlier run's caches; None for an eager run."""
     stats = summary.get("compile_cache")
     if not stats:
         return None
-    return "cold" if stats["aot_autograd_misses"] + stats["fx_graph_misses"] else "warm"
+    compiled = stats["aot_autograd_misses"] + stats["fx_graph_misses"] or summary.get("precompile")
+    return "cold" if compiled else "warm"
 
 
 def error_row(cfg: RunConfig, message: str) -> dict:
