@@ -174,7 +174,7 @@ def test_a_graph_that_fails_to_load_is_reported_and_left_to_the_run():
 @pytest.mark.slow  # ~30 s on 2 cores: worker processes start twice
 def test_a_second_run_of_the_same_graphs_starts_no_workers(tmp_path, monkeypatch):
     """The first plan's workers compile the graphs and leave a marker beside them in the cache directory; a second
-    plan of the same run starts no workers and loads the graphs itself, unless it records other graphs."""
+    plan of the same run starts no workers (its first step loads the graphs), unless it records other graphs."""
     from types import SimpleNamespace
 
     from gallery_lib.accel.compile_plan import CompilePlan
@@ -205,7 +205,7 @@ def test_a_second_run_of_the_same_graphs_starts_no_workers(tmp_path, monkeypatch
     second, started, lines, precompiled = plan_run(x)
     assert not started and not precompiled and second.report is None and second.cached_key is not None
     skipped = [line for line in lines if "pre-compilation skipped" in line]
-    assert second.precompile_seconds > 0 and len(skipped) == 1 and "3 loaded here in" in skipped[0], lines
+    assert second.precompile_seconds > 0 and len(skipped) == 1 and "3 distinct block graphs" in skipped[0], lines
     third, started, lines, precompiled = plan_run(x[:1])  # another batch: other graphs, so workers after all
     assert not started and precompiled and third.report.workers == 2 and third.cached_key is None
     assert warm.is_warm(second.cached_key)  # the caches missed nothing in the second run: its marker stays

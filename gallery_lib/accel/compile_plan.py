@@ -7,7 +7,7 @@ precompile them from one recorded forward before the first step (``precompile``)
 (``summary``: the precompile report and the compile-cache statistics of this run alone).
 
 A second run of the same graphs on the same machine starts no workers: the first left a marker beside the compiled
-graphs, and this process loads them from the caches before the first step (``accel/precompile/warm.py``).
+graphs, and its first step loads them from the caches (``accel/precompile/warm.py``).
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ class CompilePlan(contextlib.AbstractContextManager):
         self.cached_key = None
         """The key of the block graphs when an earlier run left them all in the caches and no worker ran."""
         self.skipped_seconds = 0.0
-        """Then: the recording forward that found it out, and loading the graphs from the caches."""
+        """Then: the recording forward that found it out."""
         from gallery_lib.accel.compile import compile_cache_stats
 
         # Dynamo's counters live as long as the process (torch._dynamo.reset keeps them): the run reports its own part.
@@ -75,7 +75,7 @@ class CompilePlan(contextlib.AbstractContextManager):
         """Has the workers compile the blocks' distinct graphs from one recorded ``forward`` of the plain ``model``
         (not a DDP wrapper: a forward without its backward would leave DDP's reducer waiting), running ``meanwhile``
         while they compile; returns False, without running ``meanwhile``, when there is nothing to precompile, or
-        when an earlier run left every graph in the caches (this process loads them, and no worker starts)."""
+        when an earlier run left every graph in the caches (the first step loads them, and no worker starts)."""
         if not self.cfg.precompile_workers or not self.blocks:
             return False
         from gallery_lib.accel.precompile import precompile_blocks, record_block_calls, warm
@@ -89,17 +89,13 @@ class CompilePlan(contextlib.AbstractContextManager):
             if self.workers is not None:
                 self.workers.close()
                 self.workers = None
-            from gallery_lib.accel.precompile.parallel import load_from_caches
-
-            recorded = time.perf_counter() - start
-            loaded, failures = load_from_caches(model, calls, self.compile_kwargs)
+            # The first step loads them: sooner to steady speed than loading them here first, at the same reserved
+            # peak (benchmarks/RESULTS.md#sd15-compile-time).
             self.cached_key, self.skipped_seconds = key, time.perf_counter() - start
             warm.mark_warm(key, self.hint)
             log(f"[gallery] pre-compilation skipped: an earlier run left the {len(calls)} distinct block graphs (of "
-                f"{len(self.blocks)} blocks) in the compile caches; recorded in {recorded:.1f} s, "
-                f"{len(loaded)} loaded here in {sum(loaded.values()):.1f} s, no worker started")
-            for failure in failures:
-                log(f"[gallery]   precompile: loading {failure}")
+                f"{len(self.blocks)} blocks) in the compile caches; no worker started, the first step loads them "
+                f"(recorded in {self.skipped_seconds:.1f} s)")
             return False
         if self.workers is None:  # this kind of run had left them there, these graphs it had not
             self.workers = self._start_workers()

@@ -179,19 +179,6 @@ def precompile_blocks(model: nn.Module, forward: Callable[[], Any], names: Itera
     return report
 
 
-def load_from_caches(model: nn.Module, calls: list[BlockCall], compile_kwargs: dict[str, Any]) -> tuple[
-        dict[str, float], list[str]]:
-    """Step 4 alone, for graphs an earlier run left in the caches: runs each recorded graph once here, so that the
-    first step finds it loaded (one block's activations at a time, as with workers). Returns the seconds per graph
-    and the graphs that failed to load (the run compiles those itself)."""
-    device = next(iter(model.parameters())).device
-    for call in calls:
-        call.module, call.buffers = meta_copy(model.get_submodule(call.name))
-    loading = _Loader(calls, device, compile_kwargs)
-    loading.load([call.name for call in calls])
-    return loading.seconds, loading.failures
-
-
 def _finished_graphs(log_path: Path) -> list[str]:
     """The names a worker has reported as compiled so far ("compiled NAME in SECONDS s" lines of its log)."""
     try:

@@ -5,7 +5,7 @@ the longest part of a second run's start (benchmarks/RESULTS.md#sd15-compile-tim
 of graphs without a failure, ``mark_warm`` leaves a marker in Inductor's cache directory, named by a key of
 everything those graphs depend on: the recorded block calls (``record._graph_key``), the compile options, the
 backend flags, the device, the torch and Triton versions and this package's source. A run that records the same key
-skips the workers and loads the graphs from the caches itself (``parallel.load_from_caches``).
+skips the workers, and its first step loads the graphs from the caches.
 
 The marker is a hint, never a cache itself: a run whose caches were emptied under it compiles its graphs itself, as
 without workers, and ``forget_warm`` removes the marker so that the next run uses workers again. A run also keeps a
