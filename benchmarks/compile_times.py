@@ -1,0 +1,27 @@
+"""Where each run under a `gallery bench` output folder spent its time before steady speed: the precompile workers'
+start-up phases, the recording, the loading, and the first warm-up steps (read from each run's summary record).
+
+    python benchmarks/compile_times.py /tmp/bench_NAME [...]
+"""
+
+import json
+import sys
+from pathlib import Path
+
+
+def describe(metrics: Path) -> str:
+    summary = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()][-1]
+    pre = summary.get("precompile") or {}
+    startup = {phase: round(s, 1) for phase, s in (pre.get("startup_seconds") or {}).items()}
+    return (f"{metrics.parent}: to steady speed {summary.get('to_steady_speed_s', float('nan')):.1f} s, "
+            f"precompile {summary['precompile_time_s']:.1f} s (workers' start-up {startup}, recording "
+            f"{pre.get('record_seconds', float('nan')):.1f} s, workers done {pre.get('workers_done_seconds', float('nan')):.1f} s, "
+            f"loading {sum((pre.get('load_seconds') or {}).values()):.1f} s), setup {summary['setup_time_s']:.1f} s\n"
+            f"  first warm-up steps (ms): {[round(t) for t in summary['warmup_step_times_ms'][:10]]}, "
+            f"median step {summary['median_step_time_ms']:.1f} ms")
+
+
+if __name__ == "__main__":
+    for root in sys.argv[1:]:
+        for path in sorted(Path(root).rglob("metrics.jsonl")):
+            print(describe(path))
