@@ -18,7 +18,8 @@ def describe(metrics: Path) -> str:
             f"{pre.get('record_seconds', float('nan')):.1f} s, workers done {pre.get('workers_done_seconds', float('nan')):.1f} s, "
             f"loading {sum((pre.get('load_seconds') or {}).values()):.1f} s), setup {summary['setup_time_s']:.1f} s\n"
             f"  first warm-up steps (ms): {[round(t) for t in summary['warmup_step_times_ms'][:10]]}, "
-            f"median step {summary['median_step_time_ms']:.1f} ms")
+            f"median step {summary['median_step_time_ms']:.1f} ms\n"
+            f"  this process's compile phases (s, nested): {summary.get('compile_phases_s')}")
 
 
 if __name__ == "__main__":

@@ -116,7 +116,7 @@ def test_compile_plan_compiles_the_family_blocks_and_reports_the_caches():
         assert plan.precompile(model, lambda: None, lines.append, meanwhile=lambda: called.append(1)) is False
         assert not called and plan.precompile_seconds == 0.0
         record = plan.summary(lines.append)
-    assert set(record) == {"compile_cache"} and "graphs_traced" in record["compile_cache"]
+    assert set(record) == {"compile_cache", "compile_phases_s"} and "graphs_traced" in record["compile_cache"]
     assert lines and lines[0].startswith("[gallery] compilation in this run:")
     with CompilePlan(cfg(), CPU) as eager:
         assert eager.summary(lines.append) == {}
@@ -132,6 +132,21 @@ def test_compile_plan_counts_only_what_its_run_compiled():
         counters["inductor"]["fxgraph_cache_miss"] += 1  # this run's own
         record = plan.summary(lambda line: None)["compile_cache"]
     assert record["fx_graph_misses"] == 1 and record["graphs_traced"] == 0 and record["aot_autograd_hits"] == 0
+
+
+def test_compile_plan_reports_where_its_own_compile_time_went(monkeypatch):
+    """The phases PyTorch times (nested, per process) are reported for this run alone, longest first."""
+    from torch._dynamo import utils
+
+    monkeypatch.setattr(utils, "compilation_time_metrics", {"entire_frame_compile": [4.0], "gc": [0.5]})
+    lines = []
+    with CompilePlan(cfg(compile=True, compile_scope="blocks"), CPU) as plan:
+        utils.compilation_time_metrics["entire_frame_compile"].append(2.5)  # this run's own
+        utils.compilation_time_metrics["CUDAGraphNode.record"] = [0.5, 1.0]
+        phases = plan.summary(lines.append)["compile_phases_s"]
+    assert phases == {"entire_frame_compile": 2.5, "CUDAGraphNode.record": 1.5}  # gc took nothing in this run
+    assert list(phases) == ["entire_frame_compile", "CUDAGraphNode.record"]
+    assert "entire_frame_compile 2.5, CUDAGraphNode.record 1.5" in lines[-1]
 
 
 def test_warm_marker_keys_and_a_stale_marker(tmp_path, monkeypatch):

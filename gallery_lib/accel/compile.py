@@ -100,6 +100,24 @@ def compile_cache_stats() -> dict[str, int]:
             "fx_graph_misses": counters["inductor"]["fxgraph_cache_miss"]}
 
 
+def compile_phase_seconds() -> dict[str, float]:
+    """Seconds this process spent so far in each phase PyTorch's compiler times (``dynamo_timed``: Dynamo's tracing,
+    AOTAutograd, Inductor, loading from the caches, CUDA graph recording, ...). Phases nest: an outer one includes
+    the inner ones."""
+    from torch._dynamo.utils import compilation_time_metrics
+
+    return {phase: sum(seconds) for phase, seconds in compilation_time_metrics.items()}
+
+
+def phase_seconds_since(start: dict[str, float], top: int = 12) -> dict[str, float]:
+    """The ``top`` longest phases since ``start`` (an earlier ``compile_phase_seconds``), longest first; a phase
+    torch._dynamo.reset cleared in between counts from zero."""
+    now = compile_phase_seconds()
+    spent = {phase: s - start.get(phase, 0.0) if s >= start.get(phase, 0.0) else s for phase, s in now.items()}
+    longest = sorted((item for item in spent.items() if item[1] > 0), key=lambda item: -item[1])[:top]
+    return {phase: round(s, 3) for phase, s in longest}
+
+
 def describe_compile_cache(stats: dict[str, int]) -> str:
     return (f"Dynamo traced {stats['graphs_traced']} graphs; AOTAutograd cache {stats['aot_autograd_hits']} hits, "
             f"{stats['aot_autograd_misses']} misses; FX graph cache {stats['fx_graph_hits']} hits, "

@@ -46,10 +46,11 @@ class CompilePlan(contextlib.AbstractContextManager):
         """The key of the block graphs when an earlier run left them all in the caches and no worker ran."""
         self.skipped_seconds = 0.0
         """Then: the recording forward that found it out."""
-        from gallery_lib.accel.compile import compile_cache_stats
+        from gallery_lib.accel.compile import compile_cache_stats, compile_phase_seconds
 
         # Dynamo's counters live as long as the process (torch._dynamo.reset keeps them): the run reports its own part.
         self._cache_at_start = compile_cache_stats()
+        self._phases_at_start = compile_phase_seconds()
 
     def _start_workers(self):
         from gallery_lib.accel.precompile import CompileWorkers
@@ -118,11 +119,16 @@ class CompilePlan(contextlib.AbstractContextManager):
         if self.report is not None:
             record["precompile"] = dataclasses.asdict(self.report)
         if self.cfg.compile:
-            from gallery_lib.accel.compile import compile_cache_stats, describe_compile_cache
+            from gallery_lib.accel.compile import compile_cache_stats, describe_compile_cache, phase_seconds_since
 
             now = compile_cache_stats()
             record["compile_cache"] = {key: now[key] - self._cache_at_start.get(key, 0) for key in now}
             log(f"[gallery] compilation in this run: {describe_compile_cache(record['compile_cache'])}")
+            # Where this process's compile time went (not the workers'): what a slow start is read from.
+            record["compile_phases_s"] = phase_seconds_since(self._phases_at_start)
+            if record["compile_phases_s"]:
+                log("[gallery]   its longest phases (s; nested, an outer one includes the inner): " + ", ".join(
+                    f"{phase} {s:.1f}" for phase, s in list(record["compile_phases_s"].items())[:6]))
             if self.cached_key is not None:
                 record["precompile_skipped"] = "graphs in the compile caches from an earlier run"
                 if record["compile_cache"]["aot_autograd_misses"] + record["compile_cache"]["fx_graph_misses"]:
