@@ -14,11 +14,11 @@ def describe(metrics: Path) -> str:
     pre = summary.get("precompile") or {}
     startup = {phase: round(s, 1) for phase, s in (pre.get("startup_seconds") or {}).items()}
     return (f"{metrics.parent}: to steady speed {summary.get('to_steady_speed_s', float('nan')):.1f} s, "
-            f"precompile {summary['precompile_time_s']:.1f} s (workers' start-up {startup}, recording "
+            f"precompile {summary.get('precompile_time_s', 0.0):.1f} s (workers' start-up {startup}, recording "
             f"{pre.get('record_seconds', float('nan')):.1f} s, workers done {pre.get('workers_done_seconds', float('nan')):.1f} s, "
-            f"loading {sum((pre.get('load_seconds') or {}).values()):.1f} s), setup {summary['setup_time_s']:.1f} s\n"
-            f"  first warm-up steps (ms): {[round(t) for t in summary['warmup_step_times_ms'][:10]]}, "
-            f"median step {summary['median_step_time_ms']:.1f} ms\n"
+            f"loading {sum((pre.get('load_seconds') or {}).values()):.1f} s), setup {summary.get('setup_time_s', float('nan')):.1f} s\n"
+            f"  first warm-up steps (ms): {[round(t) for t in summary.get('warmup_step_times_ms', [])[:10]]}, "
+            f"median step {summary.get('median_step_time_ms', float('nan')):.1f} ms\n"
             f"  this process's compile phases (s, nested): {summary.get('compile_phases_s')}")
 
 
