@@ -187,6 +187,28 @@ def test_precompiled_blocks_train_like_the_baseline_and_only_load_in_the_run(cap
                                rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow  # ~2 min on 2 cores: the first run's workers compile the blocks with Inductor's C++ backend
+def test_a_second_run_starts_no_workers_and_trains_like_the_first(caption_data, tmp_path):
+    """The accelerated recipe twice with one compile cache: the first run's 2 workers precompile the blocks, the
+    second finds the marker they left, starts none, loads every graph in its first step (no cache miss) and gives
+    the first run's losses step by step."""
+    from torch._inductor.utils import fresh_cache
+
+    base = tiny(caption_data, tmp_path, steps=8, amp_level="O0")
+    first = apply_recipe("accelerated", base).replace(precompile_workers=2)
+    second = first.replace(output_dir=str(tmp_path / "second"))
+    summaries = []
+    with fresh_cache():
+        for cfg in (first, second):
+            torch._dynamo.reset()
+            summaries.append(run(cfg))
+    assert summaries[0]["precompile"]["graphs"] > 0 and "precompile_skipped" not in summaries[0]
+    assert "precompile" not in summaries[1] and summaries[1]["precompile_skipped"]
+    cache = summaries[1]["compile_cache"]
+    assert cache["aot_autograd_misses"] == cache["fx_graph_misses"] == 0 and cache["aot_autograd_hits"] > 0, cache
+    torch.testing.assert_close(torch.tensor(losses_of(second)), torch.tensor(losses_of(first)), rtol=1e-4, atol=1e-6)
+
+
 @pytest.mark.gpu
 def test_gpu_cuda_graph_blocks_loaded_as_they_land_train_like_blocks_the_run_compiled(caption_data, tmp_path):
     """The accelerated recipe on a GPU (blocks replayed as CUDA graphs), fp32 and deterministic algorithms: blocks
