@@ -8,6 +8,7 @@ the newest event only when the loop asks for numbers (its logging steps).
 
 from __future__ import annotations
 
+import math
 import resource
 import statistics
 import time
@@ -80,7 +81,7 @@ def seconds_to_steady(warmup_times_ms: list[float], median_ms: float, tolerance:
     """Seconds of warm-up steps until the run is at steady speed: every step up to the last one slower than
     ``1 + tolerance`` times the timed steps' median counts (compilation, cache loads, CUDA-graph capture, autotuning),
     the steady steps after it do not. All of them when the median is unknown."""
-    if median_ms != median_ms:  # NaN: no timed step
+    if math.isnan(median_ms):  # no timed step
         return sum(warmup_times_ms) / 1e3
     slow = [i for i, t in enumerate(warmup_times_ms) if t > (1 + tolerance) * median_ms]
     return sum(warmup_times_ms[:slow[-1] + 1]) / 1e3 if slow else 0.0
