@@ -4,13 +4,18 @@ start-up phases, the recording, the loading, and the first warm-up steps (read f
     python benchmarks/compile_times.py /tmp/bench_NAME [...]
 """
 
-import json
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from gallery_lib.run.metrics import read_metrics  # noqa: E402
+
 
 def describe(metrics: Path) -> str:
-    summary = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()][-1]
+    summary = read_metrics(metrics)[1]
+    if summary is None:
+        return f"{metrics.parent}: no summary record (the run did not finish)"
     pre = summary.get("precompile") or {}
     startup = {phase: round(s, 1) for phase, s in (pre.get("startup_seconds") or {}).items()}
     return (f"{metrics.parent}: to steady speed {summary.get('to_steady_speed_s', float('nan')):.1f} s, "
