@@ -149,6 +149,15 @@ def test_compile_plan_reports_where_its_own_compile_time_went(monkeypatch):
     assert "entire_frame_compile 2.5, CUDAGraphNode.record 1.5" in lines[-1]
 
 
+
+def test_a_phase_cleared_by_a_reset_counts_from_zero(monkeypatch):
+    from torch._dynamo import utils
+
+    from gallery_lib.accel.compile import phase_seconds_since
+
+    monkeypatch.setattr(utils, "compilation_time_metrics", {"bytecode_tracing": [0.2], "gc": [3.0]})
+    assert phase_seconds_since({"bytecode_tracing": 5.0, "gc": 1.0}) == {"gc": 2.0, "bytecode_tracing": 0.2}
+
 def test_warm_marker_keys_and_a_stale_marker(tmp_path, monkeypatch):
     from gallery_lib.accel.precompile import warm
 

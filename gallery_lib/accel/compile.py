@@ -112,8 +112,10 @@ def compile_phase_seconds() -> dict[str, float]:
 def phase_seconds_since(start: dict[str, float], top: int = 12) -> dict[str, float]:
     """The ``top`` longest phases since ``start`` (an earlier ``compile_phase_seconds``), longest first; a phase
     torch._dynamo.reset cleared in between counts from zero."""
-    now = compile_phase_seconds()
-    spent = {phase: s - start.get(phase, 0.0) if s >= start.get(phase, 0.0) else s for phase, s in now.items()}
+    spent = {}
+    for phase, s in compile_phase_seconds().items():
+        before = start.get(phase, 0.0)
+        spent[phase] = s - before if s >= before else s
     longest = sorted((item for item in spent.items() if item[1] > 0), key=lambda item: -item[1])[:top]
     return {phase: round(s, 3) for phase, s in longest}
 
