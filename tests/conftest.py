@@ -1,4 +1,5 @@
-"""Shared fixtures: a session-wide smoke dataset, seeding, and the ``gpu`` marker's skip rule."""
+"""Shared fixtures: a session-wide smoke dataset, seeding, a compile cache of the session's own, and the ``gpu``
+marker's skip rule."""
 
 from __future__ import annotations
 
@@ -16,6 +17,16 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _session_compile_cache():
+    """Inductor's and Triton's caches in a fresh folder for this session: what an earlier session on the same machine
+    compiled (and the warm-start markers it left) must not decide whether this one's runs compile or load."""
+    from torch._inductor.utils import fresh_cache
+
+    with fresh_cache():
+        yield
 
 
 @pytest.fixture(autouse=True)

@@ -199,12 +199,15 @@ def test_refuses_an_identifier_missing_from_the_prompt_in_the_config():
 def test_gpu_accelerated_recipe_trains_like_the_baseline(dreambooth_data, tmp_path, lora_rank):
     """On a GPU the accelerated recipe runs its blocks as CUDA graphs precompiled by 2 workers (LoRA layers inside
     them too), with the fused EMA kernel; in fp32 its losses follow the baseline's (eager, online encoders)."""
+    from torch._inductor.utils import fresh_cache
+
     base = tiny(dreambooth_data, tmp_path, steps=12, amp_level="O0", device="cuda", lora_rank=lora_rank,
                 lr=1e-2 if lora_rank else 1e-3)
     accelerated = apply_recipe("accelerated", base).replace(precompile_workers=2, amp_level="O0")
     assert accelerated.compile_mode == "reduce-overhead" and accelerated.ema == "fused"
     baseline = apply_recipe("baseline", base).replace(amp_level="O0")
-    summaries = [run(cfg) for cfg in (baseline, accelerated)]
+    with fresh_cache():  # an earlier run's warm-start marker would leave the workers unstarted
+        summaries = [run(cfg) for cfg in (baseline, accelerated)]
     assert summaries[1]["precompile"]["load_seconds"] and not summaries[1]["precompile"]["load_failures"]
     torch.testing.assert_close(torch.tensor(losses_of(accelerated)), torch.tensor(losses_of(baseline)),
                                rtol=1e-3, atol=1e-5)

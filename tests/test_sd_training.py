@@ -163,16 +163,20 @@ def test_precompiled_blocks_train_like_the_baseline_and_only_load_in_the_run(cap
     others (its training steps then trace nothing), and the losses are the baseline's."""
     from torch._dynamo.utils import counters
 
+    from torch._inductor.utils import fresh_cache
+
     base = tiny(caption_data, tmp_path, steps=8, amp_level="O0")
     accelerated = apply_recipe("accelerated", base).replace(amp_level="O0", precompile_workers=2)
     assert accelerated.precompile_overlap  # the default
     assert accelerated.compile_scope == "blocks"
     run(baseline := apply_recipe("baseline", base).replace(amp_level="O0"))
     # A run is a fresh process; in this one an earlier test may have compiled the same blocks, and Dynamo would reuse
-    # that code without looking at any cache. Forget it, so the run must trace and go to the on-disk caches.
+    # that code without looking at any cache. Forget it, so the run must trace and go to the on-disk caches. Those are
+    # fresh too: an earlier test's workers (where os.cpu_count() gives the recipe some) would leave a warm-start marker.
     torch._dynamo.reset()
     counters.clear()
-    summary = run(accelerated)
+    with fresh_cache():
+        summary = run(accelerated)
     assert summary["precompile_time_s"] > 0
     assert any("precompiled by 2 processes" in note for note in summary["notes"])
     cache = summary["compile_cache"]  # what the run logs: every graph loaded, none compiled here
