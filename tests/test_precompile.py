@@ -156,7 +156,8 @@ def test_finished_graphs_read_from_worker_logs_ignore_partial_lines(tmp_path):
 
     log = tmp_path / "worker0.log"
     assert _finished_graphs(log) == []  # not written yet
-    log.write_text('ready: {"python": 1.0}\ncompiled a1 in 2.5 s\ncompiled b1 in 0.7 s\ncompiled b2 i')
+    log.write_text('ready: {"python": 1.0}\ncompiled a1 in 2.5 s, started at 3.10 s\n'
+                   'compiled b1 in 0.7 s, started at 5.60 s\ncompiled b2 i')
     assert _finished_graphs(log) == ["a1", "b1"]
 
 
@@ -239,6 +240,13 @@ def test_workers_fill_the_cache_the_run_then_hits(load, monkeypatch):
         assert report.failures == [] and report.load_failures == [], (report.failures, report.load_failures)
         assert (report.blocks, report.graphs, report.workers) == (4, 3, 2)
         assert sorted(report.graph_seconds) == ["a1", "b1", "b2"] and min(report.graph_seconds.values()) > 0
+        # who compiled what, when: every graph once, by one of the 2 workers, after the queue was in place
+        assert {name: seconds for name, (_, _, seconds) in report.schedule.items()} == report.graph_seconds
+        assert {worker for worker, _, _ in report.schedule.values()} <= {0, 1}
+        assert min(start for _, start, _ in report.schedule.values()) >= 0
+        assert report.compile_span() <= report.workers_done_seconds - report.record_seconds
+        assert 0 < report.workers_busy() <= 1
+        assert f"workers busy {report.workers_busy():.0%}" in lines[0]
         assert 0 < report.record_seconds < report.workers_done_seconds <= report.seconds
         assert list(report.startup_seconds) == ["python", "imports", "cuda", "pool"]
         assert 0 < report.startup_seconds["pool"] < report.seconds

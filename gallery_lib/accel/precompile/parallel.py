@@ -18,8 +18,8 @@ from torch import nn
 
 from gallery_lib.accel.precompile.record import (BlockCall, backend_flags, largest_first, meta_copy, compile_call,
                                                  record_block_calls)
-from gallery_lib.accel.precompile.worker import (DONE_PREFIX, IMPORTS_ENV, READY_PREFIX, T0_ENV, TIMEOUT_ENV,
-                                                 warm_compile_pool)
+from gallery_lib.accel.precompile.worker import (DONE_PREFIX, IMPORTS_ENV, READY_PREFIX, STARTED_SEP, T0_ENV,
+                                                 TIMEOUT_ENV, warm_compile_pool)
 
 @dataclass
 class PrecompileReport:
@@ -41,6 +41,17 @@ class PrecompileReport:
     workers_done_seconds: float = float("nan")
     """When the last worker finished, from the start; ``seconds`` minus this is the loading left after it."""
     load_failures: list[str] = field(default_factory=list)
+    schedule: dict[str, tuple[int, float, float]] = field(default_factory=dict)
+    """Per representative block: the worker that compiled it, when it started (seconds after the queue was in place)
+    and for how long: with ``graph_seconds`` summed, it tells uneven shares from slow compiles."""
+
+    def compile_span(self) -> float:
+        """Seconds from the queue being in place to the last graph compiled."""
+        return max((start + seconds for _, start, seconds in self.schedule.values()), default=float("nan"))
+
+    def workers_busy(self) -> float:
+        """The share of the workers' time over ``compile_span`` spent compiling."""
+        return sum(seconds for _, _, seconds in self.schedule.values()) / (self.compile_span() * self.workers)
 
     def describe(self) -> str:
         failed = f"; {len(self.failures)} worker(s) failed, their graphs compile in the run" if self.failures else ""
@@ -54,6 +65,9 @@ class PrecompileReport:
         if self.graph_seconds:
             where.append(f"slowest graph {max(self.graph_seconds.values()):.1f} s, "
                          f"all graphs {sum(self.graph_seconds.values()):.0f} s of worker time")
+        if self.schedule:
+            where.append(f"workers busy {self.workers_busy():.0%} of the {self.compile_span():.1f} s from the queue "
+                         f"to the last graph")
         if self.load_seconds:
             where.append(f"{len(self.load_seconds)} graphs loaded here beside the last workers in "
                          f"{sum(self.load_seconds.values()):.1f} s, "
@@ -76,12 +90,16 @@ class CompileWorkers:
             raise ValueError(f"workers={count!r} is invalid: expected an integer >= 1.")
         self.count = count
         self.started = time.perf_counter()
+        self.launched_at = time.time()
+        """The wall-clock time the workers count their start-up and their graphs' starts from."""
+        self.queue_at = float("nan")
+        """Seconds from the launch to the queue being in place (set by ``precompile_blocks``)."""
         self._tmp = tempfile.TemporaryDirectory(prefix="gallery_precompile_")
         self.queue_path = Path(self._tmp.name) / "queue.pt"
         (Path(self._tmp.name) / "claims").mkdir()
         # The workers unpickle the blocks: their classes must import there as here (a notebook's or a test's module).
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p), **{
-            T0_ENV: repr(time.time()), IMPORTS_ENV: ",".join(sorted(set(imports))),
+            T0_ENV: repr(self.launched_at), IMPORTS_ENV: ",".join(sorted(set(imports))),
             TIMEOUT_ENV: repr(timeout_s)})
         # Each worker would start a Triton compile pool as large as the machine: share the cores out instead.
         env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", str(max(1, (os.cpu_count() or 1) // count)))
@@ -139,6 +157,7 @@ def precompile_blocks(model: nn.Module, forward: Callable[[], Any], names: Itera
                                  timeout_s)
     failures: list[str] = []
     graph_seconds: dict[str, float] = {}
+    schedule: dict[str, tuple[int, float, float]] = {}
     startup: dict[str, float] = {}
     with workers:  # an error in here (in the caller's forward, say) must not leave workers waiting for a queue
         if recorded is None:
@@ -148,7 +167,7 @@ def precompile_blocks(model: nn.Module, forward: Callable[[], Any], names: Itera
             calls, record_seconds = recorded
             start -= record_seconds  # the report's times count from the recording's start, as without it
         queue = largest_first(calls)
-        _write_queue(workers.queue_path, queue, model, device, compile_kwargs)
+        workers.queue_at = _write_queue(workers.queue_path, queue, model, device, compile_kwargs) - workers.launched_at
         warm_compile_pool(wait=False)  # this process loads the compiled kernels next: its pool must be up
         if meanwhile is not None:
             meanwhile()
@@ -159,9 +178,11 @@ def precompile_blocks(model: nn.Module, forward: Callable[[], Any], names: Itera
         for i, (proc, log_path) in enumerate(workers.procs):
             code = "timeout" if proc in killed else proc.returncode
             for line in log_path.read_text(errors="replace").splitlines():
-                if line.startswith(DONE_PREFIX):  # "compiled NAME in SECONDS s", written by compile_queue
-                    name, _, seconds = line[len(DONE_PREFIX):].rpartition(" in ")
+                if line.startswith(DONE_PREFIX):  # "compiled NAME in SECONDS s, started at T s" (compile_queue)
+                    name, _, timing = line[len(DONE_PREFIX):].rpartition(" in ")
+                    seconds, _, started = timing.partition(STARTED_SEP)
                     graph_seconds[name] = float(seconds.rstrip(" s"))
+                    schedule[name] = (i, float(started.rstrip(" s")) - workers.queue_at, graph_seconds[name])
                 elif line.startswith(READY_PREFIX):
                     for phase, seconds in json.loads(line[len(READY_PREFIX):]).items():
                         startup[phase] = max(startup.get(phase, 0.0), seconds)
@@ -170,7 +191,7 @@ def precompile_blocks(model: nn.Module, forward: Callable[[], Any], names: Itera
                 failures.append(f"worker {i} ({code}): {tail}"[:500])
     report = PrecompileReport(len(names), len(calls), workers.count, time.perf_counter() - start, failures,
                               graph_seconds, record_seconds, startup, loading.seconds, workers_done - start,
-                              loading.failures)
+                              loading.failures, schedule)
     log(f"[gallery] {report.describe()}")
     for failure in failures:
         log(f"[gallery]   precompile {failure}")
@@ -243,11 +264,14 @@ def _follow_workers(workers: CompileWorkers, loading: _Loader, deadline: float,
 
 
 def _write_queue(path: Path, queue: list[BlockCall], model: nn.Module, device: torch.device,
-                 compile_kwargs: dict[str, Any]) -> None:
-    """Saves the queue with meta copies of its blocks, then renames it into place: workers never see half a file."""
+                 compile_kwargs: dict[str, Any]) -> float:
+    """Saves the queue with meta copies of its blocks, then renames it into place: workers never see half a file.
+    Returns the wall-clock time just before the rename, when no worker can have read it yet."""
     for call in queue:  # the copies stay on the calls: this process loads from them too (step 4)
         call.module, call.buffers = meta_copy(model.get_submodule(call.name))
     partial = path.with_suffix(".partial")
     torch.save({"calls": queue, "compile_kwargs": compile_kwargs, "device": str(device),
                 "flags": backend_flags()}, partial)
+    in_place_at = time.time()
     os.replace(partial, path)
+    return in_place_at

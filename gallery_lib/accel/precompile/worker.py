@@ -18,6 +18,8 @@ import torch
 from gallery_lib.accel.precompile.record import apply_flags, compile_call
 
 DONE_PREFIX = "compiled "
+STARTED_SEP = ", started at "
+"""A finished graph's line: "compiled NAME in SECONDS s, started at T s" (T: since the workers were launched)."""
 READY_PREFIX = "ready: "
 T0_ENV = "GALLERY_PRECOMPILE_T0"
 IMPORTS_ENV = "GALLERY_PRECOMPILE_IMPORTS"
@@ -99,9 +101,9 @@ def compile_queue(path: str, device: str) -> None:
     for index, call in enumerate(queue["calls"]):
         if not _claim(claims, index):
             continue
-        t = time.perf_counter()
+        started, t = _since_start(), time.perf_counter()
         compile_call(call, torch.device(queue["device"]), queue["compile_kwargs"])
-        print(f"{DONE_PREFIX}{call.name} in {time.perf_counter() - t:.1f} s", flush=True)
+        print(f"{DONE_PREFIX}{call.name} in {time.perf_counter() - t:.1f} s{STARTED_SEP}{started:.3f} s", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
