@@ -83,9 +83,22 @@ def test_queue_is_largest_first_and_each_graph_claimed_once(tmp_path):
     from gallery_lib.accel.precompile.record import BlockCall, largest_first
     from gallery_lib.accel.precompile.worker import _claim
 
-    made = [BlockCall(str(c), (), {}, (), True, cost=c) for c in (5, 1, 4, 2, 3)]
-    assert [c.cost for c in largest_first(made)] == [5, 4, 3, 2, 1]
+    made = [BlockCall(str(c), (), {}, (), True, cost=c) for c in ((5, 1), (1, 9), (5, 3), (2, 2), (3, 0))]
+    assert [c.cost for c in largest_first(made)] == [(5, 3), (5, 1), (3, 0), (2, 2), (1, 9)]
     assert [_claim(tmp_path, i) for i in (0, 1, 0, 1, 2)] == [True, True, False, False, True]
+
+
+def test_a_block_with_more_layers_goes_first_even_with_fewer_parameters():
+    """SD-1.5's attention blocks (29 submodules) compile slower than its widest resnets (8-9), which hold more
+    parameters: the queue orders by submodule count."""
+    from gallery_lib.accel.precompile.record import largest_first
+
+    deep, wide = nn.Sequential(*(Block(8) for _ in range(3))), Block(64)
+    assert sum(p.numel() for p in wide.parameters()) > sum(p.numel() for p in deep.parameters())
+    model = nn.Sequential(deep, nn.Linear(8, 64), wide)
+    calls, _ = record_block_calls(model, lambda: model(torch.randn(2, 8)), ["0", "2"])
+    assert [c.name for c in largest_first(calls)] == ["0", "2"]
+    assert [c.cost[0] for c in largest_first(calls)] == [1 + 3 * 3, 3]
 
 
 class Scaled(nn.Module):

@@ -49,7 +49,8 @@ class BlockCall:
     kwargs: dict
     autocast: tuple[tuple[str, bool, torch.dtype], ...]
     training: bool
-    cost: int
+    cost: tuple[int, int]
+    """How long the graph likely takes to compile: (submodules, parameters) of the block (``largest_first``)."""
     module: nn.Module | None = None
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)
     graph_key: str = ""
@@ -109,7 +110,7 @@ def record_block_calls(model: nn.Module, forward: Callable[[], Any], names: Iter
         nonlocal seen
         seen += 1
         call = BlockCall(name, tree_map(_spec, args), tree_map(_spec, kwargs), _autocast_state(), module.training,
-                         cost=sum(p.numel() for p in module.parameters()))
+                         cost=compile_cost(module))
         key = _graph_key(module, call)
         call.graph_key = hashlib.sha256(repr(key).encode()).hexdigest()
         distinct.setdefault(key, call)
@@ -136,9 +137,16 @@ def meta_copy(module: nn.Module) -> tuple[nn.Module, dict[str, torch.Tensor]]:
     return copy.deepcopy(module, memo), buffers
 
 
+def compile_cost(block: nn.Module) -> tuple[int, int]:
+    """What ``largest_first`` orders by: the block's submodule count, then its parameter count."""
+    return sum(1 for _ in block.modules()), sum(p.numel() for p in block.parameters())
+
+
 def largest_first(calls: list[BlockCall]) -> list[BlockCall]:
-    """The queue's order: by parameter count, which tracks a block's compile time (wide blocks compile slowest)."""
-    return sorted(calls, key=lambda c: -c.cost)
+    """The queue's order, longest compile first: by submodule count, which tracks the size of a block's graph and so
+    its compile time better than its parameter count (benchmarks/RESULTS.md#precompile-order), parameters breaking
+    ties."""
+    return sorted(calls, key=lambda c: c.cost, reverse=True)
 
 
 def backend_flags() -> dict[str, Any]:
