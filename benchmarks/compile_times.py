@@ -35,8 +35,8 @@ def _schedule(pre: dict) -> str:
     if not pre.get("schedule"):
         return ""
     report = PrecompileReport(**pre)
-    lines = [f"  workers' graphs (start after the queue + seconds; busy {report.workers_busy():.0%} of "
-             f"{report.workers} x {report.compile_span():.1f} s):"]
+    lines = [(f"  workers' graphs (start after the queue + seconds; busy {report.workers_busy():.0%} of "
+              f"{report.workers} x {report.compile_span():.1f} s):")]
     for worker in sorted({w for w, _, _ in report.schedule.values()}):
         graphs = sorted((start, seconds, name) for name, (w, start, seconds) in report.schedule.items() if w == worker)
         lines.append(f"    worker {worker}: " + ", ".join(f"{name} {start:.1f}+{seconds:.1f}"
