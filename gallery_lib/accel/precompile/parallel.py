@@ -4,6 +4,7 @@ writes their queue, loads each graph as it lands once a worker's cores are free,
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -60,7 +61,7 @@ class PrecompileReport:
         where = []  # where the wall time went: worker start-up, the recording forward, the slowest graph, loading
         if self.startup_seconds:
             where.append(f"workers ready after {max(self.startup_seconds.values()):.1f} s")
-        if self.record_seconds == self.record_seconds:  # not NaN
+        if not math.isnan(self.record_seconds):
             where.append(f"recording {self.record_seconds:.1f} s")
         if self.graph_seconds:
             where.append(f"slowest graph {max(self.graph_seconds.values()):.1f} s, "
@@ -89,11 +90,8 @@ class CompileWorkers:
         if isinstance(count, bool) or not isinstance(count, int) or count < 1:
             raise ValueError(f"workers={count!r} is invalid: expected an integer >= 1.")
         self.count = count
-        self.started = time.perf_counter()
         self.launched_at = time.time()
         """The wall-clock time the workers count their start-up and their graphs' starts from."""
-        self.queue_at = float("nan")
-        """Seconds from the launch to the queue being in place (set by ``precompile_blocks``)."""
         self._tmp = tempfile.TemporaryDirectory(prefix="gallery_precompile_")
         self.queue_path = Path(self._tmp.name) / "queue.pt"
         (Path(self._tmp.name) / "claims").mkdir()
@@ -167,7 +165,7 @@ def precompile_blocks(model: nn.Module, forward: Callable[[], Any], names: Itera
             calls, record_seconds = recorded
             start -= record_seconds  # the report's times count from the recording's start, as without it
         queue = largest_first(calls)
-        workers.queue_at = _write_queue(workers.queue_path, queue, model, device, compile_kwargs) - workers.launched_at
+        queue_at = _write_queue(workers.queue_path, queue, model, device, compile_kwargs) - workers.launched_at
         warm_compile_pool(wait=False)  # this process loads the compiled kernels next: its pool must be up
         if meanwhile is not None:
             meanwhile()
@@ -182,7 +180,7 @@ def precompile_blocks(model: nn.Module, forward: Callable[[], Any], names: Itera
                     name, _, timing = line[len(DONE_PREFIX):].rpartition(" in ")
                     seconds, _, started = timing.partition(STARTED_SEP)
                     graph_seconds[name] = float(seconds.rstrip(" s"))
-                    schedule[name] = (i, float(started.rstrip(" s")) - workers.queue_at, graph_seconds[name])
+                    schedule[name] = (i, float(started.rstrip(" s")) - queue_at, graph_seconds[name])
                 elif line.startswith(READY_PREFIX):
                     for phase, seconds in json.loads(line[len(READY_PREFIX):]).items():
                         startup[phase] = max(startup.get(phase, 0.0), seconds)
