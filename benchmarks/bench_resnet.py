@@ -45,10 +45,36 @@ VARIANTS = {  # name: (channels_last, torch.compile options or None)
         "triton.cudagraphs": True, "max_autotune_pointwise": True}}),
     "compile_cudagraphs_combo_kernels_channels_last": (True, {"options": {
         "triton.cudagraphs": True, "combo_kernels": True}}),
+    # Inductor's reduction code generation, for the batch-norm statistics that take half the step's GPU time
+    # (RESULTS.md#bench-h100): a persistent and a looped kernel per reduction, the faster chosen at run time; ...
+    "compile_cudagraphs_multi_kernel_channels_last": (True, {"options": {
+        "triton.cudagraphs": True, "triton.multi_kernel": 1}}),
+    # ... reductions split over several programs that synchronize, for the few-channel, many-pixel reductions; ...
+    "compile_cudagraphs_cooperative_reductions_channels_last": (True, {"options": {
+        "triton.cudagraphs": True, "triton.cooperative_reductions": True}}),
+    # ... reductions tiled in two dimensions (channels x pixels) rather than one
+    "compile_cudagraphs_nd_tiling_channels_last": (True, {"options": {
+        "triton.cudagraphs": True, "triton.prefer_nd_tiling": True, "triton.tile_reductions": True}}),
+    "compile_cudagraphs_aggressive_fusion_channels_last": (True, {"options": {
+        "triton.cudagraphs": True, "aggressive_fusion": True}}),
     # cuDNN's benchmark tries every convolution algorithm, not its default first 10 (torch.backends.cudnn.benchmark_limit)
     "compile_cudagraphs_cudnn_all_algorithms_channels_last": (True, {"mode": "reduce-overhead"}),
 }
 CUDNN_ALL_ALGORITHMS = {"compile_cudagraphs_cudnn_all_algorithms_channels_last"}
+
+
+def inductor_defaults() -> dict[str, object]:
+    """Inductor's own values of the options the variants set (a variant equal to the default measures nothing)."""
+    import torch._inductor.config as config
+
+    values = {}
+    for _, options in VARIANTS.values():
+        for key in (options or {}).get("options", {}):
+            node = config
+            for part in key.split("."):
+                node = getattr(node, part, None)
+            values[key] = node if isinstance(node, (bool, int, float, str, type(None))) else repr(node)
+    return values
 
 
 def log(msg: str) -> None:
@@ -207,7 +233,7 @@ def main() -> None:
     result = {"command": "python " + " ".join(sys.argv), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
               "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "python": platform.python_version(),
               "batch": args.batch, "image_size": 224, "timing": "CUDA events per step after warm-up; median, p20/p80",
-              "results": {}}
+              "inductor_defaults": inductor_defaults(), "results": {}}
 
     def record(part: str, name: str, values: dict) -> None:
         result["results"].setdefault(part, {})[name] = values

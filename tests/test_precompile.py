@@ -260,6 +260,10 @@ def test_workers_fill_the_cache_the_run_then_hits(load, monkeypatch):
         assert report.compile_span() <= report.workers_done_seconds - report.record_seconds
         assert 0 < report.workers_busy() <= 1
         assert f"workers busy {report.workers_busy():.0%}" in lines[0]
+        # where the workers' time went, by PyTorch's compile phases: nested within the graphs' compiles, longest first
+        phase_seconds = list(report.worker_phases.values())
+        assert phase_seconds and phase_seconds == sorted(phase_seconds, reverse=True)
+        assert 0 < phase_seconds[0] <= sum(report.graph_seconds.values()) + 0.1 * len(report.graph_seconds)
         assert 0 < report.record_seconds < report.workers_done_seconds <= report.seconds
         assert list(report.startup_seconds) == ["python", "imports", "cuda", "pool"]
         assert 0 < report.startup_seconds["pool"] < report.seconds

@@ -19,8 +19,8 @@ from torch import nn
 
 from gallery_lib.accel.precompile.record import (BlockCall, backend_flags, largest_first, meta_copy, compile_call,
                                                  record_block_calls)
-from gallery_lib.accel.precompile.worker import (DONE_PREFIX, IMPORTS_ENV, READY_PREFIX, STARTED_SEP, T0_ENV,
-                                                 TIMEOUT_ENV, warm_compile_pool)
+from gallery_lib.accel.precompile.worker import (DONE_PREFIX, IMPORTS_ENV, PHASES_PREFIX, READY_PREFIX, STARTED_SEP,
+                                                 T0_ENV, TIMEOUT_ENV, warm_compile_pool)
 
 @dataclass
 class PrecompileReport:
@@ -45,6 +45,9 @@ class PrecompileReport:
     schedule: dict[str, tuple[int, float, float]] = field(default_factory=dict)
     """Per representative block: the worker that compiled it, when it started (seconds after the queue was in place)
     and for how long: with ``graph_seconds`` summed, it tells uneven shares from slow compiles."""
+    worker_phases: dict[str, float] = field(default_factory=dict)
+    """The workers' compile phases (``dynamo_timed``'s, nested: Dynamo, AOTAutograd, Inductor, Triton, autotuning),
+    seconds summed over every graph: where ``graph_seconds`` went."""
 
     def compile_span(self) -> float:
         """Seconds from the queue being in place to the last graph compiled."""
@@ -157,6 +160,7 @@ def precompile_blocks(model: nn.Module, forward: Callable[[], Any], names: Itera
     graph_seconds: dict[str, float] = {}
     schedule: dict[str, tuple[int, float, float]] = {}
     startup: dict[str, float] = {}
+    phases: dict[str, float] = {}
     with workers:  # an error in here (in the caller's forward, say) must not leave workers waiting for a queue
         if recorded is None:
             calls, _ = record_block_calls(model, forward, names)
@@ -181,6 +185,9 @@ def precompile_blocks(model: nn.Module, forward: Callable[[], Any], names: Itera
                     seconds, _, started = timing.partition(STARTED_SEP)
                     graph_seconds[name] = float(seconds.rstrip(" s"))
                     schedule[name] = (i, float(started.rstrip(" s")) - queue_at, graph_seconds[name])
+                elif line.startswith(PHASES_PREFIX):  # "phases NAME {JSON}"
+                    for phase, seconds in json.loads(line[len(PHASES_PREFIX):].partition(" ")[2]).items():
+                        phases[phase] = phases.get(phase, 0.0) + seconds
                 elif line.startswith(READY_PREFIX):
                     for phase, seconds in json.loads(line[len(READY_PREFIX):]).items():
                         startup[phase] = max(startup.get(phase, 0.0), seconds)
@@ -189,7 +196,8 @@ def precompile_blocks(model: nn.Module, forward: Callable[[], Any], names: Itera
                 failures.append(f"worker {i} ({code}): {tail}"[:500])
     report = PrecompileReport(len(names), len(calls), workers.count, time.perf_counter() - start, failures,
                               graph_seconds, record_seconds, startup, loading.seconds, workers_done - start,
-                              loading.failures, schedule)
+                              loading.failures, schedule,
+                              dict(sorted(phases.items(), key=lambda item: -item[1])))
     log(f"[gallery] {report.describe()}")
     for failure in failures:
         log(f"[gallery]   precompile {failure}")

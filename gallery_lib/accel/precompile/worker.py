@@ -20,6 +20,8 @@ from gallery_lib.accel.precompile.record import apply_flags, compile_call
 DONE_PREFIX = "compiled "
 STARTED_SEP = ", started at "
 """A finished graph's line: "compiled NAME in SECONDS s, started at T s" (T: since the workers were launched)."""
+PHASES_PREFIX = "phases "
+"""A finished graph's compile phases: "phases NAME {JSON: phase -> seconds}", the longest of ``dynamo_timed``'s."""
 READY_PREFIX = "ready: "
 T0_ENV = "GALLERY_PRECOMPILE_T0"
 IMPORTS_ENV = "GALLERY_PRECOMPILE_IMPORTS"
@@ -94,16 +96,18 @@ def compile_queue(path: str, device: str) -> None:
     # choices die with this process: the run tunes its own. The flag is in neither Inductor's cache key nor
     # Dynamo's guards, so the cached graphs are the ones the run would compile (test_precompile checks the hits).
     torch.backends.cudnn.benchmark = False
-    from gallery_lib.accel.compile import raise_recompile_limit
+    from gallery_lib.accel.compile import compile_phase_seconds, phase_seconds_since, raise_recompile_limit
 
     raise_recompile_limit()
     claims = Path(path).parent / "claims"
     for index, call in enumerate(queue["calls"]):
         if not _claim(claims, index):
             continue
-        started, t = _since_start(), time.perf_counter()
+        started, t, phases = _since_start(), time.perf_counter(), compile_phase_seconds()
         compile_call(call, torch.device(queue["device"]), queue["compile_kwargs"])
-        print(f"{DONE_PREFIX}{call.name} in {time.perf_counter() - t:.1f} s{STARTED_SEP}{started:.3f} s", flush=True)
+        seconds = time.perf_counter() - t
+        print(f"{PHASES_PREFIX}{call.name} {json.dumps(phase_seconds_since(phases, top=8))}", flush=True)
+        print(f"{DONE_PREFIX}{call.name} in {seconds:.1f} s{STARTED_SEP}{started:.3f} s", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
