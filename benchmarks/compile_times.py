@@ -41,9 +41,10 @@ def _schedule(pre: dict) -> str:
         graphs = sorted((start, seconds, name) for name, (w, start, seconds) in report.schedule.items() if w == worker)
         lines.append(f"    worker {worker}: " + ", ".join(f"{name} {start:.1f}+{seconds:.1f}"
                                                    for start, seconds, name in graphs))
-    if report.worker_phases:
-        lines.append("  workers' compile phases, all graphs (s, nested): "
-                     + ", ".join(f"{phase} {s:.1f}" for phase, s in list(report.worker_phases.items())[:12]))
+    for who, phases in (("workers'", report.worker_phases), ("this process's loading", report.load_phases)):
+        if phases:
+            lines.append(f"  {who} compile phases, all graphs (s, nested): "
+                         + ", ".join(f"{phase} {s:.1f}" for phase, s in list(phases.items())[:12]))
     return "\n" + "\n".join(lines)
 
 

@@ -27,7 +27,8 @@ def test_each_workers_graphs_in_the_order_it_compiled_them(tmp_path):
     # 2 workers, 3 graphs: worker 1 idles after its one graph, so they are busy 12 of 2 x 8 s
     report = PrecompileReport(blocks=4, graphs=3, workers=2, seconds=9.0, graph_seconds={"a": 5.0, "b": 3.0, "c": 4.0},
                               schedule={"a": (0, 0.0, 5.0), "c": (1, 0.5, 4.0), "b": (0, 5.0, 3.0)},
-                              worker_phases={"compile_inner": 10.5, "async_compile.wait": 2.25})
+                              worker_phases={"compile_inner": 10.5, "async_compile.wait": 2.25},
+                              load_phases={"bytecode_tracing": 1.5})
     assert report.compile_span() == 8.0 and report.workers_busy() == 12 / 16
     assert "workers busy 75% of the 8.0 s from the queue to the last graph" in report.describe()
     text = compile_times.describe(write_run(tmp_path / "run" / "metrics.jsonl", {
@@ -35,6 +36,7 @@ def test_each_workers_graphs_in_the_order_it_compiled_them(tmp_path):
     assert "workers' graphs (start after the queue + seconds; busy 75% of 2 x 8.0 s):" in text
     assert "    worker 0: a 0.0+5.0, b 5.0+3.0\n    worker 1: c 0.5+4.0" in text
     assert "workers' compile phases, all graphs (s, nested): compile_inner 10.5, async_compile.wait 2.2" in text
+    assert "this process's loading compile phases, all graphs (s, nested): bytecode_tracing 1.5" in text
 
 
 def test_runs_without_a_schedule_or_a_summary(tmp_path):

@@ -269,6 +269,7 @@ def test_workers_fill_the_cache_the_run_then_hits(load, monkeypatch):
         assert 0 < report.startup_seconds["pool"] < report.seconds
         assert "3 distinct block graphs (of 4 blocks) in 2 parallel processes" in lines[0]
         assert sorted(report.load_seconds) == (["a1", "b1", "b2"] if load else [])
+        assert bool(report.load_phases) == load  # loading traces each graph again and loads it from the caches
         loaded_here = compile_cache_counts()
         traced_before_run = counters["stats"]["unique_graphs"]
         names = regional_compile(model, (Block,), **kwargs)

@@ -17,6 +17,7 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import nn
 
+from gallery_lib.accel.compile import compile_phase_seconds, phase_seconds_since
 from gallery_lib.accel.precompile.record import (BlockCall, backend_flags, largest_first, meta_copy, compile_call,
                                                  record_block_calls)
 from gallery_lib.accel.precompile.worker import (DONE_PREFIX, IMPORTS_ENV, PHASES_PREFIX, READY_PREFIX, STARTED_SEP,
@@ -48,6 +49,8 @@ class PrecompileReport:
     worker_phases: dict[str, float] = field(default_factory=dict)
     """The workers' compile phases (``dynamo_timed``'s, nested: Dynamo, AOTAutograd, Inductor, Triton, autotuning),
     seconds summed over every graph: where ``graph_seconds`` went."""
+    load_phases: dict[str, float] = field(default_factory=dict)
+    """The same for this process's loading: where ``load_seconds`` went."""
 
     def compile_span(self) -> float:
         """Seconds from the queue being in place to the last graph compiled."""
@@ -197,13 +200,17 @@ def precompile_blocks(model: nn.Module, forward: Callable[[], Any], names: Itera
     report = PrecompileReport(len(names), len(calls), workers.count, time.perf_counter() - start, failures,
                               graph_seconds, record_seconds, startup, loading.seconds, workers_done - start,
                               loading.failures, schedule,
-                              dict(sorted(phases.items(), key=lambda item: -item[1])))
+                              _longest_first(phases), _longest_first(loading.phases))
     log(f"[gallery] {report.describe()}")
     for failure in failures:
         log(f"[gallery]   precompile {failure}")
     for failure in loading.failures:
         log(f"[gallery]   precompile: loading {failure}")
     return report
+
+
+def _longest_first(phases: dict[str, float]) -> dict[str, float]:
+    return dict(sorted(phases.items(), key=lambda item: -item[1]))
 
 
 def _finished_graphs(log_path: Path) -> list[str]:
@@ -224,23 +231,29 @@ class _Loader:
         self.device = device
         self.compile_kwargs = compile_kwargs
         self.seconds: dict[str, float] = {}
+        self.phases: dict[str, float] = {}
         self.failures: list[str] = []
 
     def load(self, finished: Iterable[str]) -> bool:
-        """Loads the finished graphs not loaded yet; False when there was none."""
-        ready = [self.waiting.pop(name) for name in finished if name in self.waiting]
-        for call in ready:
-            start = time.perf_counter()
-            devices = [self.device] if self.device.type == "cuda" else []
-            try:
-                with torch.random.fork_rng(devices=devices):
-                    compile_call(call, self.device, self.compile_kwargs)
-            except Exception as exc:  # noqa: BLE001 - the run then compiles this graph itself, as without workers
-                self.failures.append(f"{call.name}: {type(exc).__name__}: {str(exc).strip()[:300]}")
-            else:
-                self.seconds[call.name] = time.perf_counter() - start
-            call.module, call.buffers = None, {}  # the copy's weights on the device are no longer needed
-        return bool(ready)
+        """Loads one finished graph not loaded yet (the caller polls the workers between graphs); False when there
+        was none."""
+        name = next((name for name in finished if name in self.waiting), None)
+        if name is None:
+            return False
+        call = self.waiting.pop(name)
+        start, phases = time.perf_counter(), compile_phase_seconds()
+        devices = [self.device] if self.device.type == "cuda" else []
+        try:
+            with torch.random.fork_rng(devices=devices):
+                compile_call(call, self.device, self.compile_kwargs)
+        except Exception as exc:  # noqa: BLE001 - the run then compiles this graph itself, as without workers
+            self.failures.append(f"{call.name}: {type(exc).__name__}: {str(exc).strip()[:300]}")
+        else:
+            self.seconds[call.name] = time.perf_counter() - start
+            for phase, seconds in phase_seconds_since(phases, top=8).items():
+                self.phases[phase] = self.phases.get(phase, 0.0) + seconds
+        call.module, call.buffers = None, {}  # the copy's weights on the device are no longer needed
+        return True
 
 
 def _follow_workers(workers: CompileWorkers, loading: _Loader, deadline: float,
