@@ -77,6 +77,26 @@ def test_the_recording_forward_keeps_no_autograd_graph_across_blocks():
     assert model.a1.fc.weight.grad is not None
 
 
+def test_running_a_call_eagerly_leaves_the_model_alone_and_its_copy_ready_to_compile():
+    """``run_eagerly``, the kernels' first use: a forward and backward on the meta copy made real, then freed back to
+    the meta device without gradients; the model's own weights and gradients are untouched."""
+    from gallery_lib.accel.precompile.record import compile_call, meta_copy, run_eagerly
+
+    model, ran = Model(), []
+    calls, _ = record_block_calls(model, lambda: model(torch.randn(2, 6, 8)), BLOCKS)
+    call = next(c for c in calls if c.name == "b2")
+    call.module, call.buffers = meta_copy(model.b2)
+    call.module.fc.register_forward_hook(lambda m, a, out: ran.append(out.shape))
+    weights = {n: p.clone() for n, p in model.named_parameters()}
+    run_eagerly(call, torch.device("cpu"))
+    assert ran == [torch.Size([2, 3, 12])]  # the recorded input shape, forward and backward
+    assert all(p.is_meta and p.grad is None for p in call.module.parameters())
+    assert all(torch.equal(p, weights[n]) and p.grad is None for n, p in model.named_parameters())
+    assert call.module.get_buffer("index").is_meta  # compile_call copies the buffers' values in again
+    compile_call(call, torch.device("cpu"), {"backend": "eager"})  # the copy still compiles afterwards
+    assert len(ran) == 2
+
+
 def test_queue_is_largest_first_and_each_graph_claimed_once(tmp_path):
     calls, _ = record_block_calls(Model(), lambda m=Model(): None, [])
     assert calls == []
@@ -248,7 +268,7 @@ def test_workers_fill_the_cache_the_run_then_hits(load, monkeypatch):
         lines = []
         rng = torch.get_rng_state()
         report = precompile_blocks(model, lambda: model(x), BLOCKS, workers=2, compile_kwargs=kwargs,
-                                   log=lines.append, load=load)
+                                   log=lines.append, load=load, warm_kernels=True)
         assert torch.equal(torch.get_rng_state(), rng)  # the loads ran on random inputs, the run's stream is kept
         assert report.failures == [] and report.load_failures == [], (report.failures, report.load_failures)
         assert (report.blocks, report.graphs, report.workers) == (4, 3, 2)
@@ -270,6 +290,9 @@ def test_workers_fill_the_cache_the_run_then_hits(load, monkeypatch):
         assert "3 distinct block graphs (of 4 blocks) in 2 parallel processes" in lines[0]
         assert sorted(report.load_seconds) == (["a1", "b1", "b2"] if load else [])
         assert bool(report.load_phases) == load  # loading traces each graph again and loads it from the caches
+        # with loading, the blocks first ran uncompiled here (their kernels' first use), and the caches still hit
+        assert (report.first_use_seconds > 0) == load and not report.first_use_error
+        assert ("kernels first run here" in lines[0]) == load
         loaded_here = compile_cache_counts()
         traced_before_run = counters["stats"]["unique_graphs"]
         names = regional_compile(model, (Block,), **kwargs)

@@ -19,7 +19,7 @@ from torch import nn
 
 from gallery_lib.accel.compile import compile_phase_seconds, phase_seconds_since
 from gallery_lib.accel.precompile.record import (BlockCall, backend_flags, largest_first, meta_copy, compile_call,
-                                                 record_block_calls)
+                                                 record_block_calls, run_eagerly)
 from gallery_lib.accel.precompile.worker import (DONE_PREFIX, IMPORTS_ENV, PHASES_PREFIX, READY_PREFIX, STARTED_SEP,
                                                  T0_ENV, TIMEOUT_ENV, warm_compile_pool)
 
@@ -51,6 +51,10 @@ class PrecompileReport:
     seconds summed over every graph: where ``graph_seconds`` went."""
     load_phases: dict[str, float] = field(default_factory=dict)
     """The same for this process's loading: where ``load_seconds`` went."""
+    first_use_seconds: float = float("nan")
+    """This process running each graph's block once uncompiled while the workers compile (``warm_kernels``)."""
+    first_use_error: str = ""
+    """What stopped that early, if anything did."""
 
     def compile_span(self) -> float:
         """Seconds from the queue being in place to the last graph compiled."""
@@ -64,11 +68,15 @@ class PrecompileReport:
         failed = f"; {len(self.failures)} worker(s) failed, their graphs compile in the run" if self.failures else ""
         if self.load_failures:
             failed += f"; {len(self.load_failures)} graph(s) failed to load here, the run compiles them"
+        if self.first_use_error:
+            failed += f"; running the blocks uncompiled stopped early ({self.first_use_error})"
         where = []  # where the wall time went: worker start-up, the recording forward, the slowest graph, loading
         if self.startup_seconds:
             where.append(f"workers ready after {max(self.startup_seconds.values()):.1f} s")
         if not math.isnan(self.record_seconds):
             where.append(f"recording {self.record_seconds:.1f} s")
+        if not math.isnan(self.first_use_seconds):
+            where.append(f"the blocks' kernels first run here in {self.first_use_seconds:.1f} s")
         if self.graph_seconds:
             where.append(f"slowest graph {max(self.graph_seconds.values()):.1f} s, "
                          f"all graphs {sum(self.graph_seconds.values()):.0f} s of worker time")
@@ -133,7 +141,8 @@ def precompile_blocks(model: nn.Module, forward: Callable[[], Any], names: Itera
                       workers: int | CompileWorkers, compile_kwargs: dict[str, Any],
                       log: Callable[[str], Any] = print, timeout_s: float = 1800.0,
                       load: bool = False, meanwhile: Callable[[], Any] | None = None,
-                      recorded: tuple[list[BlockCall], float] | None = None) -> PrecompileReport:
+                      recorded: tuple[list[BlockCall], float] | None = None,
+                      warm_kernels: bool | None = None) -> PrecompileReport:
     """Compiles the distinct graphs of the named blocks in ``workers`` parallel processes into the on-disk caches.
 
     Args:
@@ -151,6 +160,9 @@ def precompile_blocks(model: nn.Module, forward: Callable[[], Any], names: Itera
             the run no time.
         recorded: the distinct graphs the caller already recorded (``record_block_calls``) and the seconds that
             took, instead of recording them here while the workers start.
+        warm_kernels: run each graph's block once uncompiled here while the workers compile, so that the libraries'
+            kernels are built before loading needs them (cuDNN compiles its kernels for the GPU on first use on a
+            machine: benchmarks/RESULTS.md#precompile-loading). By default on a GPU, with ``load``.
     """
     start = time.perf_counter()
     names = list(names)
@@ -176,6 +188,9 @@ def precompile_blocks(model: nn.Module, forward: Callable[[], Any], names: Itera
         warm_compile_pool(wait=False)  # this process loads the compiled kernels next: its pool must be up
         if meanwhile is not None:
             meanwhile()
+        first_use, first_use_error = float("nan"), ""
+        if load and (device.type == "cuda" if warm_kernels is None else warm_kernels):
+            first_use, first_use_error = _run_eagerly(queue, device)
         loading = _Loader(queue if load else [], device, compile_kwargs)
         killed, workers_done = _follow_workers(workers, loading, deadline=time.monotonic() + timeout_s)
         for call in queue:
@@ -200,13 +215,30 @@ def precompile_blocks(model: nn.Module, forward: Callable[[], Any], names: Itera
     report = PrecompileReport(len(names), len(calls), workers.count, time.perf_counter() - start, failures,
                               graph_seconds, record_seconds, startup, loading.seconds, workers_done - start,
                               loading.failures, schedule,
-                              _longest_first(phases), _longest_first(loading.phases))
+                              _longest_first(phases), _longest_first(loading.phases), first_use,
+                              first_use_error)
     log(f"[gallery] {report.describe()}")
     for failure in failures:
         log(f"[gallery]   precompile {failure}")
     for failure in loading.failures:
         log(f"[gallery]   precompile: loading {failure}")
     return report
+
+
+def _run_eagerly(queue: list[BlockCall], device: torch.device) -> tuple[float, str]:
+    """``run_eagerly`` for each call, the run's random stream kept; returns the seconds taken and the error that
+    stopped it early, if one did (the run goes on: loading and the first step run these kernels anyway)."""
+    start = time.perf_counter()
+    error = ""
+    try:
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            for call in queue:
+                run_eagerly(call, device)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    except Exception as exc:  # noqa: BLE001 - an out-of-memory here must not end the run
+        error = f"{type(exc).__name__}: {str(exc).strip()[:300]}"
+    return time.perf_counter() - start, error
 
 
 def _longest_first(phases: dict[str, float]) -> dict[str, float]:

@@ -1,6 +1,6 @@
 """Steps 1-2 of precompilation: record the distinct graphs among a model's block calls, as specs that pickle
 (``TensorSpec``, ``BlockCall``), and run one of them compiled (``compile_call``: a worker's job, and this process's
-when it loads a graph)."""
+when it loads a graph) or eagerly (``run_eagerly``: its kernels' first use)."""
 
 from __future__ import annotations
 
@@ -169,14 +169,35 @@ def apply_flags(flags: dict[str, Any]) -> None:
 
 
 def compile_call(call: BlockCall, device: torch.device, compile_kwargs: dict[str, Any]) -> None:
+    """Compiles ``call``'s graph, forward and backward, on a copy of its block with random weights and inputs."""
+    module = _materialize(call, device)
+    module.compile(**compile_kwargs)
+    _forward_backward(module, call, device)
+
+
+def run_eagerly(call: BlockCall, device: torch.device) -> None:
+    """Runs ``call``'s block once, forward and backward, uncompiled, on a copy with random weights and inputs, then
+    frees the copy's memory: the first use of each of its library kernels, which cuDNN compiles for the GPU on a
+    machine that never ran them (benchmarks/RESULTS.md#precompile-loading). The copy stays usable by
+    ``compile_call``."""
+    module = _materialize(call, device)
+    _forward_backward(module, call, device)
+    for p in module.parameters():
+        p.grad = None
+    module.to_empty(device="meta")
+
+
+def _materialize(call: BlockCall, device: torch.device) -> nn.Module:
     module = call.module.to_empty(device=device)
     with torch.no_grad():
         for p in module.parameters():
             p.normal_(0, 0.02) if p.is_floating_point() else p.zero_()
         for name, value in call.buffers.items():
             module.get_buffer(name).copy_(value)
-    module.train(call.training)
-    module.compile(**compile_kwargs)
+    return module.train(call.training)
+
+
+def _forward_backward(module: nn.Module, call: BlockCall, device: torch.device) -> None:
     args = tree_map(lambda v: v.make(device) if isinstance(v, TensorSpec) else v, call.args)
     kwargs = tree_map(lambda v: v.make(device) if isinstance(v, TensorSpec) else v, call.kwargs)
     contexts = [torch.autocast(d, dtype=dtype, enabled=on) for d, on, dtype in call.autocast
