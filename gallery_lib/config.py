@@ -121,6 +121,10 @@ class RunConfig:
     block graphs compiled so far, then each as it lands (step 4 of ``gallery_lib.accel.precompile``), so that the first
     steps find them traced, loaded and run once (on by default: benchmarks/RESULTS.md#sd15-compile-time). ``False``
     leaves all the loading to the first steps."""
+    precompile_first_use: bool = setting(True, kind=bool)
+    """With ``precompile_workers`` on a GPU: while the workers compile, the training process runs each distinct block
+    once uncompiled, so that the libraries build their kernels for this GPU before loading needs them (cuDNN compiles
+    its attention and convolution kernels on a machine's first use; on by default: benchmarks/RESULTS.md#precompile-loading)."""
     kernels: bool = setting(False, kind=bool)
     """Swap in the fused Triton kernels of ``gallery_lib.accel.kernels`` where they apply (``--kernel-opt``)."""
     kernel_ops: str = setting("all", kind=str)

@@ -290,9 +290,9 @@ def test_workers_fill_the_cache_the_run_then_hits(load, monkeypatch):
         assert "3 distinct block graphs (of 4 blocks) in 2 parallel processes" in lines[0]
         assert sorted(report.load_seconds) == (["a1", "b1", "b2"] if load else [])
         assert bool(report.load_phases) == load  # loading traces each graph again and loads it from the caches
-        # with loading, the blocks first ran uncompiled here (their kernels' first use), and the caches still hit
-        assert (report.first_use_seconds > 0) == load and not report.first_use_error
-        assert ("kernels first run here" in lines[0]) == load
+        # the blocks first ran uncompiled here (their kernels' first use), and the caches still hit
+        assert report.first_use_seconds > 0 and not report.first_use_error
+        assert "kernels first run here" in lines[0]
         loaded_here = compile_cache_counts()
         traced_before_run = counters["stats"]["unique_graphs"]
         names = regional_compile(model, (Block,), **kwargs)

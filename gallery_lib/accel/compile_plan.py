@@ -103,6 +103,7 @@ class CompilePlan(contextlib.AbstractContextManager):
         self.report = precompile_blocks(model, forward, self.blocks, workers=self.workers,
                                         compile_kwargs=self.compile_kwargs, log=log,
                                         load=self.cfg.precompile_overlap, meanwhile=meanwhile,
+                                        warm_kernels=self.cfg.precompile_first_use and self.dist.device.type == "cuda",
                                         recorded=(calls, time.perf_counter() - start))
         if not self.report.failures and not self.report.load_failures:
             warm.mark_warm(key, self.hint)

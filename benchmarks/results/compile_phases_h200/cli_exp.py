@@ -1,6 +1,6 @@
-"""Experiment (benchmarks/RESULTS.md#sd15-compile-time): the `gallery` CLI, with cuDNN autotuning off when EXP_NO_CUDNN_BENCH=1,
-and without running the blocks uncompiled while the workers compile when EXP_NO_WARM_KERNELS=1."""
-import functools
+"""Experiment (benchmarks/RESULTS.md#sd15-compile-time): the `gallery` CLI, with cuDNN autotuning off when EXP_NO_CUDNN_BENCH=1.
+It never took effect: `gallery bench` trains in a child process, which this patch does not reach (no "[exp]" line in
+any log)."""
 import os
 import sys
 
@@ -19,11 +19,6 @@ def configure(cfg):
 
 
 train.configure_backends = configure
-if os.environ.get("EXP_NO_WARM_KERNELS") == "1":
-    import gallery_lib.accel.precompile as precompile
-
-    precompile.precompile_blocks = functools.partial(precompile.precompile_blocks, warm_kernels=False)
-    print("[exp] warm_kernels off", flush=True)
 from gallery_lib.cli import main  # noqa: E402
 
 sys.exit(main(sys.argv[1:]))

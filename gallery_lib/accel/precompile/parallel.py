@@ -162,7 +162,7 @@ def precompile_blocks(model: nn.Module, forward: Callable[[], Any], names: Itera
             took, instead of recording them here while the workers start.
         warm_kernels: run each graph's block once uncompiled here while the workers compile, so that the libraries'
             kernels are built before loading needs them (cuDNN compiles its kernels for the GPU on first use on a
-            machine: benchmarks/RESULTS.md#precompile-loading). By default on a GPU, with ``load``.
+            machine: benchmarks/RESULTS.md#precompile-loading). By default on a GPU.
     """
     start = time.perf_counter()
     names = list(names)
@@ -189,7 +189,7 @@ def precompile_blocks(model: nn.Module, forward: Callable[[], Any], names: Itera
         if meanwhile is not None:
             meanwhile()
         first_use, first_use_error = float("nan"), ""
-        if load and (device.type == "cuda" if warm_kernels is None else warm_kernels):
+        if device.type == "cuda" if warm_kernels is None else warm_kernels:
             first_use, first_use_error = _run_eagerly(queue, device)
         loading = _Loader(queue if load else [], device, compile_kwargs)
         killed, workers_done = _follow_workers(workers, loading, deadline=time.monotonic() + timeout_s)
