@@ -230,8 +230,24 @@ def test_coordinate_descent_tuning_reaches_inductor_with_the_mode_and_trains_lik
     assert seen and all(seen)  # forward and backward graphs compiled with the tuning on
 
 
-def test_coordinate_descent_tuning_without_compile_is_refused():
+def test_tiled_reductions_reach_inductor_beside_the_mode_and_the_tuning():
+    from gallery_lib.accel.accelerate import compile_kwargs
+    from gallery_lib.config import RunConfig
+
+    cfg = RunConfig(model="swin_micro", compile=True, tiled_reductions=True)
+    tiling = {"triton.prefer_nd_tiling": True, "triton.tile_reductions": True}
+    assert compile_kwargs(cfg) == {"options": tiling}
+    assert compile_kwargs(cfg.replace(compile_mode="reduce-overhead", coordinate_descent_tuning=True)) == {
+        "options": {"triton.cudagraphs": True, "coordinate_descent_tuning": True, **tiling}}
+    torch._dynamo.reset()
+    model, eager = _mlp(), _mlp()  # Inductor takes the options, and the compiled model trains as the eager one
+    torch.testing.assert_close(_loop(torch.compile(model, **compile_kwargs(cfg)), 4), _loop(eager, 4),
+                               rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["coordinate_descent_tuning", "tiled_reductions"])
+def test_kernel_tuning_without_compile_is_refused(name):
     from gallery_lib.config import ConfigError, RunConfig
 
-    with pytest.raises(ConfigError, match="coordinate_descent_tuning=True tunes .*: set compile=True too"):
-        RunConfig(model="swin_micro", coordinate_descent_tuning=True)
+    with pytest.raises(ConfigError, match=f"{name}=True changes the kernels .*: set compile=True too"):
+        RunConfig(model="swin_micro", **{name: True})

@@ -74,7 +74,8 @@ def apply_accelerations(model: torch.nn.Module, cfg: RunConfig, precision: Preci
     precision.cast_model(model)
     notes.append(f"precision: {precision.describe()}")
     train_module, template = _apply_data_parallel(model, cfg, dist, notes)
-    tuning = ", coordinate-descent tuning of its kernels" if cfg.coordinate_descent_tuning else ""
+    tuning = "".join(text for on, text in ((cfg.coordinate_descent_tuning, ", coordinate-descent tuning of its kernels"),
+                                           (cfg.tiled_reductions, ", reductions tiled in 2D")) if on)
     if cfg.compile and cfg.compile_scope == "blocks":
         # Static shapes, as whole-model compilation has: each block shape gets its own graph.
         names = plan.compile_blocks(model, backend="inductor", dynamic=False, **compile_kwargs(cfg))
@@ -90,15 +91,17 @@ def apply_accelerations(model: torch.nn.Module, cfg: RunConfig, precision: Preci
 
 
 def compile_kwargs(cfg: RunConfig) -> dict[str, Any]:
-    """``torch.compile``'s mode, or, with ``coordinate_descent_tuning``, the mode's Inductor options plus that one
-    (``torch.compile`` takes a mode or options, not both)."""
+    """``torch.compile``'s mode, or, with ``coordinate_descent_tuning`` or ``tiled_reductions``, the mode's Inductor
+    options plus theirs (``torch.compile`` takes a mode or options, not both)."""
     mode = None if cfg.compile_mode == "default" else cfg.compile_mode
-    if not cfg.coordinate_descent_tuning:
+    extra = {**({"coordinate_descent_tuning": True} if cfg.coordinate_descent_tuning else {}),
+             **({"triton.prefer_nd_tiling": True, "triton.tile_reductions": True} if cfg.tiled_reductions else {})}
+    if not extra:
         return {"mode": mode}
     from torch._inductor import list_mode_options
 
     options = dict(list_mode_options(mode)) if mode else {}
-    return {"options": {**options, "coordinate_descent_tuning": True}}
+    return {"options": {**options, **extra}}
 
 
 def _apply_data_parallel(model: torch.nn.Module, cfg: RunConfig, dist: DistInfo,
