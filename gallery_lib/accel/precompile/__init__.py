@@ -21,8 +21,12 @@ compiles the same blocks, it finds every graph there and only traces and loads.
    recorded specs through ``module.compile(**compile_kwargs)``, and takes the next, so a slow graph never leaves
    other graphs waiting behind it while a worker sits idle.
 
-4. load as they land (``load=True``): meanwhile this process follows the workers' logs, and once a worker has
-   exited (its cores are free) it runs every graph done so far, then each as it lands, once itself (a throwaway copy
+   Meanwhile, on a GPU (``warm_kernels``), this process runs each representative once uncompiled on a throwaway copy:
+   cuDNN builds its attention and convolution kernels for the GPU on a machine's first use of them, 15-20 s for
+   SD-1.5, which loading would otherwise pay after the workers (benchmarks/RESULTS.md#precompile-loading).
+
+4. load as they land (``load=True``): this process then follows the workers' logs, and once a worker has
+   exited (its cores are free) it runs each graph done so far, one between looks at the workers, once itself (a throwaway copy
    of the block, random inputs of the recorded specs, RNG states restored). That is the Dynamo trace, the cache loads
    and the first run (cuDNN's autotuning included) that the first training step would otherwise do for every graph
    after the last worker finished. Dynamo keeps compiled code per code object with guards on tensor metadata, not on
