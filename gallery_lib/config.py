@@ -128,7 +128,8 @@ class RunConfig:
     precompile_first_use: bool = setting(True, kind=bool)
     """With ``precompile_workers`` on a GPU: while the workers compile, the training process runs each distinct block
     once uncompiled, so that the libraries build their kernels for this GPU before loading needs them (cuDNN compiles
-    its attention and convolution kernels on a machine's first use; on by default: benchmarks/RESULTS.md#precompile-loading)."""
+    its attention and convolution kernels on a machine's first use; on by default:
+    benchmarks/RESULTS.md#precompile-loading)."""
     kernels: bool = setting(False, kind=bool)
     """Swap in the fused Triton kernels of ``gallery_lib.accel.kernels`` where they apply (``--kernel-opt``)."""
     kernel_ops: str = setting("all", kind=str)

@@ -74,8 +74,9 @@ def apply_accelerations(model: torch.nn.Module, cfg: RunConfig, precision: Preci
     precision.cast_model(model)
     notes.append(f"precision: {precision.describe()}")
     train_module, template = _apply_data_parallel(model, cfg, dist, notes)
-    tuning = "".join(text for on, text in ((cfg.coordinate_descent_tuning, ", coordinate-descent tuning of its kernels"),
-                                           (cfg.tiled_reductions, ", reductions tiled in 2D")) if on)
+    tuning = "".join(text for on, text in (
+        (cfg.coordinate_descent_tuning, ", coordinate-descent tuning of its kernels"),
+        (cfg.tiled_reductions, ", reductions tiled in 2D")) if on)
     if cfg.compile and cfg.compile_scope == "blocks":
         # Static shapes, as whole-model compilation has: each block shape gets its own graph.
         names = plan.compile_blocks(model, backend="inductor", dynamic=False, **compile_kwargs(cfg))

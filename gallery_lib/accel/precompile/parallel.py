@@ -10,6 +10,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable
@@ -175,7 +176,7 @@ def precompile_blocks(model: nn.Module, forward: Callable[[], Any], names: Itera
     graph_seconds: dict[str, float] = {}
     schedule: dict[str, tuple[int, float, float]] = {}
     startup: dict[str, float] = {}
-    phases: dict[str, float] = {}
+    phases: Counter[str] = Counter()  # seconds per compile phase, summed over the workers' graphs
     with workers:  # an error in here (in the caller's forward, say) must not leave workers waiting for a queue
         if recorded is None:
             calls, _ = record_block_calls(model, forward, names)
@@ -204,8 +205,7 @@ def precompile_blocks(model: nn.Module, forward: Callable[[], Any], names: Itera
                     graph_seconds[name] = float(seconds.rstrip(" s"))
                     schedule[name] = (i, float(started.rstrip(" s")) - queue_at, graph_seconds[name])
                 elif line.startswith(PHASES_PREFIX):  # "phases NAME {JSON}"
-                    for phase, seconds in json.loads(line[len(PHASES_PREFIX):].partition(" ")[2]).items():
-                        phases[phase] = phases.get(phase, 0.0) + seconds
+                    phases.update(json.loads(line[len(PHASES_PREFIX):].partition(" ")[2]))
                 elif line.startswith(READY_PREFIX):
                     for phase, seconds in json.loads(line[len(READY_PREFIX):]).items():
                         startup[phase] = max(startup.get(phase, 0.0), seconds)
@@ -215,7 +215,7 @@ def precompile_blocks(model: nn.Module, forward: Callable[[], Any], names: Itera
     report = PrecompileReport(len(names), len(calls), workers.count, time.perf_counter() - start, failures,
                               graph_seconds, record_seconds, startup, loading.seconds, workers_done - start,
                               loading.failures, schedule,
-                              _longest_first(phases), _longest_first(loading.phases), first_use,
+                              dict(phases.most_common()), dict(loading.phases.most_common()), first_use,
                               first_use_error)
     log(f"[gallery] {report.describe()}")
     for failure in failures:
@@ -241,10 +241,6 @@ def _run_eagerly(queue: list[BlockCall], device: torch.device) -> tuple[float, s
     return time.perf_counter() - start, error
 
 
-def _longest_first(phases: dict[str, float]) -> dict[str, float]:
-    return dict(sorted(phases.items(), key=lambda item: -item[1]))
-
-
 def _finished_graphs(log_path: Path) -> list[str]:
     """The names a worker has reported as compiled so far ("compiled NAME in SECONDS s" lines of its log)."""
     try:
@@ -263,7 +259,7 @@ class _Loader:
         self.device = device
         self.compile_kwargs = compile_kwargs
         self.seconds: dict[str, float] = {}
-        self.phases: dict[str, float] = {}
+        self.phases: Counter[str] = Counter()
         self.failures: list[str] = []
 
     def load(self, finished: Iterable[str]) -> bool:
@@ -282,8 +278,7 @@ class _Loader:
             self.failures.append(f"{call.name}: {type(exc).__name__}: {str(exc).strip()[:300]}")
         else:
             self.seconds[call.name] = time.perf_counter() - start
-            for phase, seconds in phase_seconds_since(phases, top=8).items():
-                self.phases[phase] = self.phases.get(phase, 0.0) + seconds
+            self.phases.update(phase_seconds_since(phases, top=8))
         call.module, call.buffers = None, {}  # the copy's weights on the device are no longer needed
         return True
 
