@@ -187,6 +187,9 @@ class RunConfig:
     """EMA of the trained weights and how its update runs: ``off``, ``loop`` (a kernel per tensor, the diffusers
     default), ``foreach`` (multi-tensor), ``fused`` (one Triton kernel), ``stream`` (fused, on a side CUDA stream).
     ``fused``/``stream`` fall back to ``foreach`` on a CPU. See ``gallery_lib/accel/ema.py``."""
+    ema_stream_programs: int = setting(0, kind=int, minimum=0, hint="0: one program per block")
+    """With ``ema=stream``: the update kernel as this many persistent programs, which share the GPU with the next
+    forward instead of taking every SM at once (0: the full-width kernel)."""
     ema_decay: float = setting(0.9999, kind=float, above=0, below=1, hint="e.g. 0.9999")
     """EMA decay, reached through diffusers' default warm-up ``min(decay, (1 + step) / (10 + step))``."""
     export_model: bool = setting(True, kind=bool)
@@ -290,6 +293,9 @@ class RunConfig:
             if getattr(self, name) and not self.compile:
                 raise ConfigError(f"{name}=True changes the kernels torch.compile generates: set compile=True too, "
                                   f"or drop {name}.")
+        if self.ema_stream_programs and self.ema != "stream":
+            raise ConfigError(f"ema_stream_programs={self.ema_stream_programs} sizes the side-stream EMA update, but "
+                              f"ema={self.ema!r}: set ema='stream' too, or drop ema_stream_programs.")
         if self.amp_level == "O2" and self.amp_dtype == "float16":
             raise ConfigError("amp_level='O2' with amp_dtype='float16' is not supported: O2 keeps bfloat16 weights "
                               "(no loss scaling needed). Use amp_dtype='bfloat16' or 'auto', or amp_level='O1'.")

@@ -60,6 +60,12 @@ def test_o2_rejects_float16():
         micro(amp_level="O2", amp_dtype="float16")
 
 
+def test_ema_stream_programs_need_the_stream_mode():
+    assert micro(ema="stream", ema_stream_programs=32).ema_stream_programs == 32
+    with pytest.raises(ConfigError, match="ema_stream_programs=32 .* set ema='stream'"):
+        micro(ema="fused", ema_stream_programs=32)
+
+
 def test_json_round_trip_and_unknown_fields(tmp_path):
     cfg = micro(lr=1e-3, auto_augment="rand-m9-mstd0.5-inc1", extra={"note": "x"})
     path = cfg.save(tmp_path / "config.json")

@@ -103,7 +103,8 @@ def build_ema(model: torch.nn.Module, cfg: RunConfig, optimizer: torch.optim.Opt
 
     # A fallback (fused needs CUDA and Triton) is said in the note, so ModelEma is not asked to warn of it.
     mode, fallback = ema_mode_on(cfg.ema, next(model.parameters()).device.type)
-    ema = ModelEma(model, decay=cfg.ema_decay, ratio_warmup=True, mode=mode, template=template)
+    ema = ModelEma(model, decay=cfg.ema_decay, ratio_warmup=True, mode=mode, template=template,
+                   stream_programs=cfg.ema_stream_programs or None)
     if ema.effective_mode == "stream":
         ema.attach_optimizer(optimizer)  # the next optimizer step waits for the side-stream update
     asked = f" ({cfg.ema} asked, but {fallback})" if fallback else ""
