@@ -34,7 +34,7 @@ EMA_MODES = ("off", "loop", "foreach", "fused", "stream")
 OPTIMIZERS = ("adamw", "sgd")
 DATA_PARALLEL_MODES = ("ddp", "zero2")
 REPORT_TO = ("none", "tensorboard")
-KERNEL_OPS = ("group_norm_silu", "layer_norm", "geglu", "batch_norm_relu")
+KERNEL_OPS = ("group_norm_silu", "layer_norm", "geglu")
 # Compile modes that capture CUDA graphs: only meaningful with a GPU.
 CUDA_GRAPH_COMPILE_MODES = ("reduce-overhead", "max-autotune")
 
@@ -134,7 +134,7 @@ class RunConfig:
     """Swap in the fused Triton kernels of ``gallery_lib.accel.kernels`` where they apply (``--kernel-opt``)."""
     kernel_ops: str = setting("all", kind=str)
     """Which kernels ``kernels=True`` swaps in: ``all`` or a comma list of ``group_norm_silu``, ``layer_norm``,
-    ``geglu``, ``batch_norm_relu`` (recipes keep only those that measured faster than torch.compile's own code)."""
+    ``geglu`` (recipes keep only those that measured faster than torch.compile's own code)."""
     fused_attention: bool = setting(False, kind=bool)
     """Run window/self attention through ``scaled_dot_product_attention`` instead of explicit matmuls."""
     channels_last: bool = setting(False, kind=bool)

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from gallery_lib.accel.modules import FusedBatchNormAct, FusedGEGLU, FusedGroupNorm, FusedLayerNorm
+from gallery_lib.accel.modules import FusedGEGLU, FusedGroupNorm, FusedLayerNorm
 from gallery_lib.accel.patch import apply_kernels, revert_kernels
 
 diffusers = pytest.importorskip("diffusers")
@@ -103,37 +103,6 @@ def test_swin_layer_norms_swapped_and_restored():
     assert_same_function(model, lambda m: m(x), baseline)
 
 
-@pytest.mark.parametrize("block", ["Bottleneck", "BasicBlock"])
-def test_timm_resnet_norms_take_their_relu_and_residual(block):
-    """timm's ResNet blocks: every BatchNorm fused with its ReLU, the last with the residual add too; training
-    outputs, grads and running statistics as before, eval too; the stem's ReLU folded; undo restores all."""
-    from timm.models import resnet
-
-    def build():
-        torch.manual_seed(0)
-        return resnet.ResNet(block=getattr(resnet, block), layers=(1, 2, 1, 1), num_classes=10, stem_width=8,
-                             channels=(8, 16, 16, 32)).to(memory_format=torch.channels_last)
-
-    model, twin = build(), build()
-    x = torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(2)).to(memory_format=torch.channels_last)
-    baseline = forward_and_grads(twin, lambda m: m(x))
-    keys = list(model.state_dict())
-    report = apply_kernels(model)
-    per_block = 3 if block == "Bottleneck" else 2
-    assert report.counts == {"batch_norm_relu": 1 + 5 * (per_block - 1), "batch_norm_add_relu": 5,
-                             "batch_norm": 4, "relu_folded": 1}  # stem, blocks, shortcuts
-    assert list(model.state_dict()) == keys
-    assert_same_function(model, lambda m: m(x), baseline)
-    for (name, got), expected in zip(model.named_buffers(), twin.buffers()):
-        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5, msg=lambda m: f"{name}: {m}")
-    model.eval(), twin.eval()
-    torch.testing.assert_close(model(x), twin(x), atol=1e-5, rtol=1e-5)
-    pickle.loads(pickle.dumps(model.layer2))  # precompile workers receive blocks pickled
-    report.undo()
-    assert not any(isinstance(m, FusedBatchNormAct) for m in model.modules())
-    assert not any("forward" in vars(m) for m in model.modules())
-
-
 def test_flags_and_reasons_for_what_is_left_alone():
     class MyGroupNorm(nn.GroupNorm):
         pass
@@ -189,7 +158,7 @@ def test_config_kernel_ops_choose_what_the_run_swaps():
     kinds = {type(m) for m in model.modules()}
     assert FusedGEGLU in kinds and FusedGroupNorm not in kinds and FusedLayerNorm not in kinds
     assert any("geglu=" in note and "group_norm" not in note.split("\n")[0] for note in notes), notes
-    assert RunConfig(model="sd_tiny").kernel_op_names == ("group_norm_silu", "layer_norm", "geglu", "batch_norm_relu")
+    assert RunConfig(model="sd_tiny").kernel_op_names == ("group_norm_silu", "layer_norm", "geglu")
     for bad in ("", "geglu,softmax", 3):
         with pytest.raises(ConfigError, match="kernel_ops"):
             RunConfig(model="sd_tiny", kernel_ops=bad)

@@ -10,9 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-import torch.nn.functional as F
-
-from gallery_lib.accel.kernels import batch_norm_act, geglu, group_norm, layer_norm
+from gallery_lib.accel.kernels import geglu, group_norm, layer_norm
 
 
 class FusedGroupNorm(nn.Module):
@@ -76,65 +74,6 @@ class FusedLayerNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}"
-
-
-class FusedBatchNormAct(nn.Module):
-    """``nn.BatchNorm2d`` (or ``1d``), then optionally ``+ residual`` and ReLU: one fused kernel in training.
-
-    ``forward(x, residual=None)``. Training updates the running statistics as ``nn.BatchNorm2d`` does (momentum, or
-    the cumulative average when it is ``None``); eval uses them through PyTorch's own ``F.batch_norm``.
-    """
-
-    def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1, affine: bool = True,
-                 track_running_stats: bool = True, relu: bool = False, device: torch.device | None = None,
-                 dtype: torch.dtype | None = None) -> None:
-        super().__init__()
-        self.num_features, self.eps, self.momentum, self.affine = num_features, eps, momentum, affine
-        self.track_running_stats, self.relu = track_running_stats, relu
-        factory = dict(device=device, dtype=dtype)
-        self.weight = nn.Parameter(torch.ones(num_features, **factory)) if affine else None
-        self.bias = nn.Parameter(torch.zeros(num_features, **factory)) if affine else None
-        if track_running_stats:
-            self.register_buffer("running_mean", torch.zeros(num_features, **factory))
-            self.register_buffer("running_var", torch.ones(num_features, **factory))
-            self.register_buffer("num_batches_tracked", torch.tensor(0, dtype=torch.long, device=device))
-        else:
-            for name in ("running_mean", "running_var", "num_batches_tracked"):
-                self.register_buffer(name, None)
-
-    @classmethod
-    def from_module(cls, norm: nn.modules.batchnorm._BatchNorm, relu: bool = False) -> FusedBatchNormAct:
-        """A fused module sharing ``norm``'s parameters and buffers (same ``state_dict`` keys and tensors)."""
-        fused = cls.__new__(cls)
-        nn.Module.__init__(fused)
-        fused.num_features, fused.eps, fused.momentum, fused.affine = (norm.num_features, norm.eps, norm.momentum,
-                                                                       norm.affine)
-        fused.track_running_stats, fused.relu = norm.track_running_stats, relu
-        fused.weight, fused.bias = norm.weight, norm.bias
-        for name in ("running_mean", "running_var", "num_batches_tracked"):
-            fused.register_buffer(name, getattr(norm, name))
-        return fused
-
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        if not self.training and self.running_mean is not None:
-            y = F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias, False, 0.0, self.eps)
-            y = y + residual if residual is not None else y
-            return F.relu(y) if self.relu else y
-        y, stats = batch_norm_act(x, self.weight, self.bias, self.eps, residual, self.relu)
-        if self.training and self.running_mean is not None:
-            self._update_running_stats(stats, x.numel() // x.shape[1])
-        return y
-
-    @torch.no_grad()
-    def _update_running_stats(self, stats: torch.Tensor, count: int) -> None:
-        self.num_batches_tracked.add_(1)
-        factor = self.momentum if self.momentum is not None else 1.0 / self.num_batches_tracked
-        self.running_mean.lerp_(stats[0].to(self.running_mean.dtype), factor)
-        self.running_var.lerp_((stats[2] * (count / (count - 1))).to(self.running_var.dtype), factor)
-
-    def extra_repr(self) -> str:
-        return (f"{self.num_features}, eps={self.eps}, momentum={self.momentum}, affine={self.affine}, "
-                f"track_running_stats={self.track_running_stats}, relu={self.relu}")
 
 
 class FusedGEGLU(nn.Module):

@@ -9,10 +9,6 @@
   removed: the block gets an instance-level ``forward`` (`_resnet_block_forward`, the same computation with the
   SiLU folded into the norms). ``UNet2DConditionModel`` uses ``conv_act`` only after ``conv_norm_out``, so there
   ``conv_act`` becomes ``nn.Identity``.
-* ``nn.BatchNorm2d`` -> `FusedBatchNormAct`. In timm's ResNet blocks (``Bottleneck``, ``BasicBlock``) each norm
-  takes the ReLU after it, and the last one the residual add too (``relu(bn3(x) + shortcut)``): the block gets an
-  instance-level ``forward`` (`_timm_block_forward`). In the ResNet stem (``bn1 -> act1``) the ReLU is fused and
-  ``act1`` becomes ``nn.Identity``. Other BatchNorms (the shortcut's) are swapped alone.
 * ``nn.LayerNorm`` (and timm's ``LayerNorm``, same math) over the last dim -> `FusedLayerNorm`.
 * diffusers ``GEGLU`` -> `FusedGEGLU` (the same ``proj`` Linear, fused gate).
 
@@ -32,7 +28,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from gallery_lib.accel.modules import FusedBatchNormAct, FusedGEGLU, FusedGroupNorm, FusedLayerNorm
+from gallery_lib.accel.modules import FusedGEGLU, FusedGroupNorm, FusedLayerNorm
 
 
 @dataclass
@@ -123,47 +119,6 @@ def _resnet_block_problem(block: nn.Module) -> str | None:
     return None
 
 
-def _timm_block_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """timm ``Bottleneck``/``BasicBlock.forward`` with the ReLUs and the residual add folded into the norms (their
-    drop-block, anti-aliasing, squeeze-excite and drop-path are absent: `_timm_block_problem`)."""
-    shortcut = x
-    convs, norms = _timm_block_convs(self), _timm_block_norms(self)
-    for conv, norm in zip(convs[:-1], norms[:-1]):
-        x = norm(conv(x))  # BatchNorm + ReLU
-    x = convs[-1](x)
-    if self.downsample is not None:
-        shortcut = self.downsample(shortcut)
-    return norms[-1](x, shortcut)  # BatchNorm + shortcut + ReLU
-
-
-def _timm_block_convs(block: nn.Module) -> tuple[nn.Module, ...]:
-    return (block.conv1, block.conv2, block.conv3) if hasattr(block, "conv3") else (block.conv1, block.conv2)
-
-
-def _timm_block_norms(block: nn.Module) -> tuple[nn.Module, ...]:
-    return (block.bn1, block.bn2, block.bn3) if hasattr(block, "conv3") else (block.bn1, block.bn2)
-
-
-def _timm_block_acts(block: nn.Module) -> tuple[nn.Module, ...]:
-    return (block.act1, block.act2, block.act3) if hasattr(block, "conv3") else (block.act1, block.act2)
-
-
-def _timm_block_problem(block: nn.Module) -> str | None:
-    try:
-        convs, norms, acts = _timm_block_convs(block), _timm_block_norms(block), _timm_block_acts(block)
-    except AttributeError as exc:
-        return f"{type(block).__name__} without {exc.name} (unsupported timm version)"
-    if "forward" in vars(block):
-        return "forward already overridden on this instance"
-    if any(type(n) is not nn.BatchNorm2d for n in norms) or any(type(a) is not nn.ReLU for a in acts):
-        return "norms are not plain nn.BatchNorm2d followed by nn.ReLU"
-    extras = [name for name in ("drop_block", "aa", "se", "drop_path")
-              if getattr(block, name, None) is not None and type(getattr(block, name)) is not nn.Identity]
-    if extras:
-        return f"has {', '.join(extras)}"
-    return None
-
-
 class _Patcher:
     def __init__(self, model: nn.Module) -> None:
         self.model = model
@@ -191,7 +146,7 @@ class _Patcher:
 
 
 def apply_kernels(model: nn.Module, *, group_norm_silu: bool = True, layer_norm: bool = True,
-                  geglu: bool = True, batch_norm_relu: bool = True) -> PatchReport:
+                  geglu: bool = True) -> PatchReport:
     """Swap ``model``'s layers for fused ones in place and return what changed.
 
     Args:
@@ -199,7 +154,6 @@ def apply_kernels(model: nn.Module, *, group_norm_silu: bool = True, layer_norm:
         group_norm_silu: GroupNorm -> `FusedGroupNorm`, fusing the SiLU that follows in diffusers' blocks.
         layer_norm: last-dim LayerNorm -> `FusedLayerNorm`.
         geglu: diffusers ``GEGLU`` -> `FusedGEGLU`.
-        batch_norm_relu: BatchNorm2d -> `FusedBatchNormAct`, fusing the ReLU and residual add of timm's ResNets.
 
     Returns:
         A `PatchReport`; ``report.undo()`` restores the original modules.
@@ -212,9 +166,6 @@ def apply_kernels(model: nn.Module, *, group_norm_silu: bool = True, layer_norm:
     unet_cls = _loaded_class("diffusers.models.unets.unet_2d_condition", "UNet2DConditionModel")
     geglu_cls = _loaded_class("diffusers.models.activations", "GEGLU")
     timm_ln_cls = _loaded_class("timm.layers.norm", "LayerNorm")
-    timm_blocks = tuple(c for c in (_loaded_class("timm.models.resnet", "Bottleneck"),
-                                    _loaded_class("timm.models.resnet", "BasicBlock")) if c is not None)
-    timm_resnet_cls = _loaded_class("timm.models.resnet", "ResNet")
     layer_norm_types = tuple(t for t in (nn.LayerNorm, timm_ln_cls) if t is not None)
     handled: set[int] = set()
 
@@ -239,30 +190,6 @@ def apply_kernels(model: nn.Module, *, group_norm_silu: bool = True, layer_norm:
                 patcher.replace(norm, FusedGroupNorm.from_module(norm, "silu"), "group_norm_silu")
                 patcher.replace(act, nn.Identity(), "silu_folded")
                 handled.update({id(norm), id(act)})
-        elif type(module) in timm_blocks and batch_norm_relu:
-            problem = _timm_block_problem(module)
-            if problem:
-                report.skipped.append((name, f"BatchNorm+ReLU not fused: {problem}"))
-                continue
-            norms = _timm_block_norms(module)
-            for norm in norms[:-1]:
-                patcher.replace(norm, FusedBatchNormAct.from_module(norm, relu=True), "batch_norm_relu")
-            patcher.replace(norms[-1], FusedBatchNormAct.from_module(norms[-1], relu=True), "batch_norm_add_relu")
-            patcher.override_forward(module, _timm_block_forward)
-            handled.update(id(n) for n in norms)
-        elif timm_resnet_cls is not None and type(module) is timm_resnet_cls and batch_norm_relu:
-            norm, act = getattr(module, "bn1", None), getattr(module, "act1", None)
-            if type(norm) is nn.BatchNorm2d and type(act) is nn.ReLU:  # the stem of a plain (not deep) stem
-                patcher.replace(norm, FusedBatchNormAct.from_module(norm, relu=True), "batch_norm_relu")
-                patcher.replace(act, nn.Identity(), "relu_folded")
-                handled.update({id(norm), id(act)})
-        elif isinstance(module, nn.BatchNorm2d):
-            if not batch_norm_relu:
-                report.skipped.append((name, "batch_norm_relu=False"))
-            elif type(module) is not nn.BatchNorm2d:
-                report.skipped.append((name, f"subclass {type(module).__name__} may change forward"))
-            else:
-                patcher.replace(module, FusedBatchNormAct.from_module(module), "batch_norm")
         elif isinstance(module, nn.GroupNorm):
             if not group_norm_silu:
                 report.skipped.append((name, "group_norm_silu=False"))

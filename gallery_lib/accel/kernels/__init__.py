@@ -1,5 +1,4 @@
-"""Fused kernels for memory-bound ops: GroupNorm(+SiLU), BatchNorm(+residual, +ReLU), LayerNorm, the GEGLU gate,
-soft-target cross-entropy.
+"""Fused kernels for memory-bound ops: GroupNorm(+SiLU), LayerNorm, the GEGLU gate, soft-target cross-entropy.
 
 Each op is a ``torch.library`` op (``gallery::*``, a ``triton_op`` on torch >= 2.6) with a fake implementation
 and registered autograd, so ``torch.compile`` traces it without a graph break. How a call is served:
@@ -12,14 +11,12 @@ and registered autograd, so ``torch.compile`` traces it without a graph break. H
 """
 
 from gallery_lib.accel.kernels._triton_utils import has_triton, is_triton_enabled, set_triton_enabled, use_triton
-from gallery_lib.accel.kernels.batch_norm import batch_norm_act
 from gallery_lib.accel.kernels.cross_entropy import soft_cross_entropy
 from gallery_lib.accel.kernels.geglu import geglu
 from gallery_lib.accel.kernels.group_norm import group_norm
 from gallery_lib.accel.kernels.layer_norm import layer_norm
 
 __all__ = [
-    "batch_norm_act",
     "geglu",
     "group_norm",
     "has_triton",
