@@ -185,11 +185,12 @@ class RunConfig:
 
     ema: str = setting("off", choices=EMA_MODES)
     """EMA of the trained weights and how its update runs: ``off``, ``loop`` (a kernel per tensor, the diffusers
-    default), ``foreach`` (multi-tensor), ``fused`` (one Triton kernel), ``stream`` (fused, on a side CUDA stream).
+    default), ``foreach`` (multi-tensor), ``fused`` (one Triton kernel), ``stream`` (fused, on a side CUDA stream
+    beside the next step's forward).
     ``fused``/``stream`` fall back to ``foreach`` on a CPU. See ``gallery_lib/accel/ema.py``."""
-    ema_stream_programs: int = setting(0, kind=int, minimum=0, hint="0: one program per block")
-    """With ``ema=stream``: the update kernel as this many persistent programs, which share the GPU with the next
-    forward instead of taking every SM at once (0: the full-width kernel)."""
+    ema_stream_programs: int = setting(0, kind=int, minimum=0, hint="0: half the GPU's SMs")
+    """With ``ema=stream``: the side-stream update as this many persistent programs, which share the GPU with the
+    next forward (0: half the GPU's SMs, the width that measured fastest: benchmarks/RESULTS.md#ema)."""
     ema_decay: float = setting(0.9999, kind=float, above=0, below=1, hint="e.g. 0.9999")
     """EMA decay, reached through diffusers' default warm-up ``min(decay, (1 + step) / (10 + step))``."""
     export_model: bool = setting(True, kind=bool)

@@ -95,9 +95,11 @@ RUNGS: tuple[Rung, ...] = (
          "are never stored, which frees most of the memory.", talk=(2.23, 25.5)),
     Rung("batch", "larger batch", lambda cfg, s: {"batch_size": s.large_batch},
          "the freed memory goes to a larger batch: fewer, fuller kernels per image.", talk=(2.91, 73.0)),
-    Rung("ema", "fused EMA", lambda cfg, s: {"ema": "off" if cfg.ema == "off" else "fused"},
-         "one Triton kernel updates the whole EMA (the talk ran its fused EMA on several streams; on a side stream "
-         "it only competes with the next forward for bandwidth: gallery_lib/accel/ema.py).", talk=(2.93, 72.9)),
+    Rung("ema", "fused EMA on a side stream", lambda cfg, s: {"ema": "off" if cfg.ema == "off" else "stream"},
+         "one Triton kernel updates the whole EMA, on a side CUDA stream beside the next forward and on half the "
+         "SMs, so that it sips bandwidth instead of taking the whole GPU (the talk ran its fused EMA on several "
+         "streams; a full-width update on a side stream measured slower: gallery_lib/accel/ema.py).",
+         talk=(2.93, 72.9)),
     Rung("zero2", "ZeRO-2", lambda cfg, s: {"data_parallel": "zero2"},
          "gradients and AdamW states sharded over the GPUs (FSDP2): less memory per GPU with several GPUs, nothing "
          "to shard on one. The talk spent the memory on batch 56.", talk=(2.96, 72.4)),

@@ -11,9 +11,9 @@ differ only in how the update ``ema = lerp(ema, param, 1 - decay)`` is launched:
 - ``stream``: the fused (or foreach) update on a side CUDA stream. The side stream waits on an event
   recorded on the main stream after the optimizer step; the next optimizer step (through
   ``attach_optimizer``), ``swap``, ``state_dict`` and ``module`` make the main stream wait on the EMA's
-  event. With ``stream_programs`` the kernel runs as a few persistent programs, so it sips bandwidth
-  beside the next forward instead of taking every SM at once (a full-width update on a side stream only
-  competes with the forward for the same bandwidth, which made the step slower when measured).
+  event. The kernel runs as persistent programs on half the SMs (``stream_programs`` sets another count), so it
+  sips bandwidth beside the next forward instead of taking every SM at once: a full-width update on a side stream
+  competes with the forward for the same bandwidth, and measured slower (benchmarks/RESULTS.md#ema).
 
 Why not fold the EMA into the optimizer pass: it saves only the parameter read, and our one-pass AdamW + EMA kernel
 measured no faster than PyTorch's fused AdamW followed by ``fused`` (benchmarks/RESULTS.md#bench-h100).
@@ -110,7 +110,7 @@ class ModelEma:
             ``EMAModel`` does by default (without ``use_ema_warmup``): 0.9 after 80 updates, 0.99 after 890.
         mode: one of ``loop``, ``foreach``, ``fused``, ``stream`` (module docstring).
         stream_programs: in ``stream`` mode, the number of persistent Triton programs of the update kernel
-            (``None``: one program per block, the full-width kernel).
+            (``None``: half the device's SMs).
         template: for a model that cannot be deep-copied (ZeRO-2's sharded one), a copy of its structure with the
             parameters on the meta device; the EMA is built from it (module docstring).
     """
@@ -154,6 +154,8 @@ class ModelEma:
         if self.effective_mode == "stream":
             self._stream = torch.cuda.Stream(device=self.device)
             self._event = torch.cuda.Event()
+            if stream_programs is None:
+                self.stream_programs = max(1, torch.cuda.get_device_properties(self.device).multi_processor_count // 2)
 
     def _resolve_mode(self, mode: str) -> str:
         effective, why = ema_mode_on(mode, self.device.type)
