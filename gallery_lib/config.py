@@ -115,7 +115,8 @@ class RunConfig:
     tiled_reductions: bool = setting(False, kind=bool)
     """With ``compile``: Inductor tiles its reduction kernels over two dimensions (its ``triton.prefer_nd_tiling`` and
     ``triton.tile_reductions``), for the batch-norm statistics of channels_last convnets. ResNet-50's accelerated step:
-    +0.5% on an H100, for a first compile of 126 s instead of 33 s (benchmarks/RESULTS.md#resnet50), so off by default."""
+    +0.5% on an H100, for a first compile of 126 s instead of 33 s (benchmarks/RESULTS.md#resnet50), so off by
+    default."""
     precompile_workers: int = setting(0, kind=int, minimum=0)
     """With ``compile_scope='blocks'``: compile the distinct block graphs in this many parallel processes before the
     first step (``gallery_lib.accel.precompile``), so the warm-up steps only load them. 0 compiles them in the warm-up

@@ -29,9 +29,10 @@ compiles the same blocks, it finds every graph there and only traces and loads.
    exited (its cores are free) it runs each graph done so far, one between looks at the workers, once itself (a
    throwaway copy of the block, random inputs of the recorded specs, RNG states restored). That is the Dynamo trace,
    the cache loads and the first run (cuDNN's autotuning included) that the first training step would otherwise do
-   for every graph after the last worker finished. Dynamo keeps compiled code per code object with guards on tensor metadata, not on
-   the module object, so the run's own blocks of that graph find it ready. Loading waits for the first free cores:
-   beside every busy worker it slowed them more than it saved (benchmarks/RESULTS.md#sd15-compile-time).
+   for every graph after the last worker finished. Dynamo keeps compiled code per code object with guards on tensor
+   metadata, not on the module object, so the run's own blocks of that graph find it ready. Loading waits for the
+   first free cores: beside every busy worker it slowed them more than it saved
+   (benchmarks/RESULTS.md#sd15-compile-time).
 
 Numerics are unchanged: a cache hit loads the code the training process would have generated itself, and a graph the
 workers missed (or a failed worker) is simply compiled by the training process as usual.
