@@ -44,6 +44,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
+from gallery_lib.accel.kernels._triton_utils import sm_count
 from gallery_lib.accel.kernels.ema_lerp import build_tables, foreach_copy_, foreach_lerp_, has_triton, launch_fused
 
 MODES = ("loop", "foreach", "fused", "stream")
@@ -155,7 +156,7 @@ class ModelEma:
             self._stream = torch.cuda.Stream(device=self.device)
             self._event = torch.cuda.Event()
             if stream_programs is None:
-                self.stream_programs = max(1, torch.cuda.get_device_properties(self.device).multi_processor_count // 2)
+                self.stream_programs = max(1, sm_count(self.device) // 2)
 
     def _resolve_mode(self, mode: str) -> str:
         effective, why = ema_mode_on(mode, self.device.type)

@@ -142,7 +142,12 @@ def num_programs_target(t: torch.Tensor, per_sm: int = 4) -> int:
     """Programs that fill the GPU of ``t`` (``per_sm`` per SM); 16 on the interpreter, so small shapes split."""
     if not t.is_cuda:
         return 16
-    return per_sm * _sm_count(t.device.index if t.device.index is not None else torch.cuda.current_device())
+    return per_sm * sm_count(t.device)
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of the CUDA ``device`` (the current one when it carries no index), cached."""
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
 class TritonKernel:
