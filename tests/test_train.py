@@ -49,6 +49,8 @@ def test_profile_steps_writes_the_op_time_by_kind(smoke_data, tmp_path, capsys):
     assert table["kernel_ms_per_step"] == pytest.approx(sum(table["by_kind_ms"].values()))
     kinds = {row["kind"] for row in table["top_kernels_ms"]}
     assert "matmul" in kinds and "optimizer and EMA" in kinds  # the Swin's linear layers and AdamW were seen
+    launchers = {(row["kind"], row["op"]) for row in table["top_launchers_ms"]}
+    assert ("matmul", "aten::linear") in launchers  # addmm's time counted to the layer call around it
     assert "profile of steps 2-4" in capsys.readouterr().out
 
 

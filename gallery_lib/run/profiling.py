@@ -3,7 +3,8 @@
 With ``profile_steps=N`` the loop runs the N steps after warm-up under the profiler and writes
 ``<run_dir>/profile.json``: each device kernel's time per step (CUDA kernels, replayed CUDA graphs included; on a CPU,
 the CPU ops), summed by kind (convolution, matmul, attention, Inductor's fusions, optimizer, copies...), with the
-costliest kernels by name, and prints the by-kind table. The profiled steps run slower than the others and count in
+costliest kernels by name and the ops that launched the most time (``aten::convolution_backward``, or a compiled
+graph's call for the kernels its CUDA graph replays), and prints the by-kind table. The profiled steps run slower than the others and count in
 the run's step times: profile in a run of its own (``gallery bench --recipes accelerated+profile_steps=5``).
 """
 
@@ -38,11 +39,50 @@ def kind_of(name: str) -> str:
     return "other"
 
 
+def outermost_op(event):
+    """The outermost ATen op around a profiler event (``aten::contiguous`` for the copy kernel its ``aten::clone``
+    launched), or ``None`` (the kernels a CUDA graph replays hang off the compiled graph's call instead)."""
+    outer = None
+    while event is not None:
+        if event.name.startswith("aten::"):
+            outer = event
+        event = event.cpu_parent
+    return outer
+
+
+def time_by_launcher(events, steps: int, device_type: str, per_kind: int = 8) -> list[dict]:
+    """Per-step time by (kind, the outermost op that launched it), the ``per_kind`` largest of each kind: which calls
+    the copies come from, say. Each kernel counts once, under the op its launch is linked to (GPU-side user
+    annotations such as ``Optimizer.step#AdamW.step`` are ranges, not kernels)."""
+    cpu = torch.autograd.DeviceType.CPU
+    launchers = {event.id: event for event in events if event.device_type == cpu}
+    per_launcher: dict[tuple[str, str], float] = defaultdict(float)
+    for event in events:
+        if device_type == "cuda" and event.device_type != cpu and not event.is_user_annotation:
+            launcher, microseconds = launchers.get(event.linked_correlation_id), event.device_time_total
+        elif device_type != "cuda" and event.device_type == cpu:
+            launcher, microseconds = event, event.self_cpu_time_total
+        else:
+            continue
+        op = outermost_op(launcher)
+        label = op.name if op is not None else launcher.name if launcher is not None else "(no launching op)"
+        per_launcher[kind_of(event.name), label] += microseconds / 1000 / steps
+    shown: dict[str, int] = defaultdict(int)
+    table = []
+    for (kind, op), ms in sorted(per_launcher.items(), key=lambda kv: -kv[1]):
+        shown[kind] += 1
+        if shown[kind] <= per_kind:
+            table.append({"kind": kind, "op": op, "ms": ms})
+    return table
+
+
 def kernel_table(prof: torch.profiler.profile, steps: int, device_type: str, top: int = 25) -> dict:
-    """Per-step time of each kernel (``device_type`` ``cuda``) or op (``cpu``) from a finished profiler, by kind."""
+    """Per-step time of each kernel (``device_type`` ``cuda``) or op (``cpu``) from a finished profiler, by kind, and
+    by the op that launched it."""
     per_kernel: dict[str, float] = defaultdict(float)
     for event in prof.key_averages():
-        if device_type == "cuda" and event.device_type == torch.autograd.DeviceType.CUDA:
+        if (device_type == "cuda" and event.device_type == torch.autograd.DeviceType.CUDA
+                and not event.is_user_annotation):  # a range such as ``Optimizer.step#AdamW.step``, not a kernel
             per_kernel[event.key] += event.self_device_time_total / 1000 / steps
         elif device_type != "cuda" and event.device_type == torch.autograd.DeviceType.CPU:
             per_kernel[event.key] += event.self_cpu_time_total / 1000 / steps
@@ -52,7 +92,8 @@ def kernel_table(prof: torch.profiler.profile, steps: int, device_type: str, top
     return {"profiled_steps": steps, "device": device_type, "kernel_ms_per_step": sum(by_kind.values()),
             "by_kind_ms": dict(sorted(by_kind.items(), key=lambda kv: -kv[1])),
             "top_kernels_ms": [{"kernel": name[:160], "kind": kind_of(name), "ms": ms}
-                               for name, ms in sorted(per_kernel.items(), key=lambda kv: -kv[1])[:top]]}
+                               for name, ms in sorted(per_kernel.items(), key=lambda kv: -kv[1])[:top]],
+            "top_launchers_ms": time_by_launcher(prof.events(), steps, device_type)}
 
 
 class StepProfiler:
@@ -88,3 +129,7 @@ class StepProfiler:
                  f"step, in {self.path}")
         for kind, ms in table["by_kind_ms"].items():
             self.log(f"[gallery]   {kind:30s} {ms:8.2f} ms  {100 * ms / max(total, 1e-9):5.1f}%")
+        launchers = [f"{row['op']} {row['ms']:.2f} ms" for row in table["top_launchers_ms"]
+                     if row["kind"] == "copies and casts"][:5]
+        if launchers:
+            self.log(f"[gallery]   copies and casts launched by: {', '.join(launchers)}")
