@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from gallery_lib.accel.ema import MODES, ModelEma
+from gallery_lib.accel.kernels._triton_utils import has_triton
 
 CUDA = torch.cuda.is_available()
 
@@ -88,6 +89,22 @@ def test_cpu_fallback_warns_once_and_says_so(mode):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no further warnings on update
         ema.update(model)
+
+
+@pytest.mark.skipif(not has_triton, reason="needs Triton")
+def test_fused_tables_take_channels_last_pairs_and_leave_mixed_layouts_to_foreach():
+    from gallery_lib.accel.kernels.ema_lerp import build_tables
+
+    conv = torch.randn(8, 4, 3, 3).to(memory_format=torch.channels_last)
+    pairs = {"channels_last both": (conv.clone(), conv),
+             "contiguous both": (torch.randn(5, 7), torch.randn(5, 7)),
+             "channels_last EMA, contiguous model": (conv.clone(), conv.contiguous()),
+             "strided": (torch.randn(7, 5).t(), torch.randn(7, 5).t())}
+    tables, rest_e, _ = build_tables([e for e, _ in pairs.values()], [m for _, m in pairs.values()])
+    fused = [e for table in tables for e, _ in table["tensors"]]
+    assert [e is pairs["channels_last both"][0] for e in fused].count(True) == 1
+    assert len(fused) == 2 and len(rest_e) == 2  # the kernel reads flat memory: one layout for both, dense
+    assert any(e is pairs["channels_last EMA, contiguous model"][0] for e in rest_e)
 
 
 def test_bad_arguments_raise_clear_errors():
@@ -231,3 +248,25 @@ def test_gpu_stream_checkpoint_right_after_update_equals_sync_ema():
     got, want = streamed.state_dict()["module"], sync.state_dict()["module"]
     for k in want:
         torch.testing.assert_close(got[k], want[k])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+def test_gpu_fused_ema_of_channels_last_convs_matches_loop():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 16, 3), nn.ReLU(), nn.Conv2d(16, 8, 1)).cuda()
+    model = model.to(memory_format=torch.channels_last)
+    emas = {mode: ModelEma(model, decay=0.8, mode=mode) for mode in MODES}
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    emas["stream"].attach_optimizer(opt)
+    for _ in range(4):
+        opt.zero_grad()
+        model(torch.randn(4, 3, 9, 9, device="cuda").to(memory_format=torch.channels_last)).square().mean().backward()
+        opt.step()
+        for ema in emas.values():
+            ema.update(model)
+    tables, rest_e, _ = emas["fused"]._tables[next(iter(emas["fused"]._tables))]
+    assert not rest_e and sum(len(table["tensors"]) for table in tables) == 4  # conv weights and biases, fused
+    ref = emas["loop"].state_dict()["module"]
+    for mode in MODES[1:]:
+        _assert_state_close(emas[mode].state_dict()["module"], ref, torch.float32)

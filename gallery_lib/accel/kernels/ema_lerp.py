@@ -4,7 +4,8 @@ One kernel over every tensor through a pointer table (``build_tables``), computi
 writing the EMA once: 3 passes over the bytes (read EMA, read param, write EMA), the minimum for a separate EMA pass;
 bf16/fp16 tensors are read and written at their own width. ``launch_fused(..., programs=N)`` runs it as N persistent
 programs, so that it sips bandwidth beside the next forward on a side stream (``ModelEma``'s ``stream`` mode).
-``foreach_lerp_`` is the PyTorch reference (and takes the tensors the kernel cannot: non-contiguous, misaligned).
+``foreach_lerp_`` is the PyTorch reference (and takes the tensors the kernel cannot: strided, in two different
+layouts, misaligned).
 """
 
 from __future__ import annotations
@@ -76,13 +77,25 @@ if has_triton:
     _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
+def _dense(t: torch.Tensor) -> bool:
+    """Whether ``t``'s elements fill ``numel`` consecutive slots from its address: contiguous, or channels_last."""
+    return (t.is_contiguous() or (t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last))
+            or (t.dim() == 5 and t.is_contiguous(memory_format=torch.channels_last_3d)))
+
+
+def _fusable(e: torch.Tensor, m: torch.Tensor) -> bool:
+    """Whether the kernel, which reads both tensors as flat memory, can take the pair: dense, in the same layout
+    (a channels_last conv weight and its EMA copy), aligned and of a dtype it knows."""
+    return (e.dtype in _TL_DTYPES and m.dtype in _TL_DTYPES and e.device == m.device and _dense(e)
+            and e.stride() == m.stride() and e.data_ptr() % _ALIGN == 0 and m.data_ptr() % _ALIGN == 0)
+
+
 def build_tables(ema: list[torch.Tensor], model: list[torch.Tensor]) -> tuple[list[dict], list, list]:
     """Groups tensor pairs by dtype into pointer tables; tensors the kernel cannot take go to a foreach rest."""
     groups: dict[tuple, list] = {}
     rest_e, rest_m = [], []
     for e, m in zip(ema, model):
-        ok = (e.dtype in _TL_DTYPES and m.dtype in _TL_DTYPES and e.is_contiguous() and m.is_contiguous()
-              and e.data_ptr() % _ALIGN == 0 and m.data_ptr() % _ALIGN == 0 and e.device == m.device)
+        ok = _fusable(e, m)
         if e.numel() == 0:
             continue
         if ok:
