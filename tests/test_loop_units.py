@@ -169,6 +169,8 @@ def test_warm_marker_keys_and_a_stale_marker(tmp_path, monkeypatch):
                 warm.graph_set_key(["a", "b"], {"backend": "eager"}, flags, torch.device("cpu")),
                 warm.graph_set_key(["a", "b"], {"backend": "inductor"}, {"deterministic": True},
                                    torch.device("cpu"))}) == 4
+    with torch._inductor.config.patch(force_layout_optimization=True):  # as TORCHINDUCTOR_FORCE_LAYOUT_OPT=1 sets it
+        assert warm.graph_set_key(["a", "b"], {"backend": "inductor"}, flags, torch.device("cpu")) != key
     hint = warm.hint_key("sd15", "accelerated", 32)
     assert not warm.is_warm(key) and not warm.hinted_warm(hint)
     warm.mark_warm(key, hint)

@@ -3,8 +3,8 @@
 With warm caches the workers only find what is there, yet their start-up (imports, CUDA context, compile pool) is
 the longest part of a second run's start (benchmarks/RESULTS.md#sd15-compile-time). After workers precompiled a set
 of graphs without a failure, ``mark_warm`` leaves a marker in Inductor's cache directory, named by a key of
-everything those graphs depend on: the recorded block calls (``record._graph_key``), the compile options, the
-backend flags, the device, the torch and Triton versions and this package's source. A run that records the same key
+everything those graphs depend on: the recorded block calls (``record._graph_key``), the compile options, Inductor's
+configuration, the backend flags, the device, the torch and Triton versions and this package's source. A run that records the same key
 skips the workers, and its first step loads the graphs from the caches.
 
 The marker is a hint, never a cache itself: a run whose caches were emptied under it compiles its graphs itself, as
@@ -55,6 +55,18 @@ def _device_name(device: torch.device) -> str:
     return device.type
 
 
+def _inductor_settings() -> list[tuple[str, str]]:
+    """Inductor's own configuration (set from the environment, ``TORCHINDUCTOR_*``, as well as in code): the same
+    block graphs compile to other kernels under another one, so it is part of the key too."""
+    try:
+        from torch._inductor import config
+
+        saved = config.save_config_portable()
+    except Exception:  # noqa: BLE001 - a private helper; without it, the compile options still key what we set
+        return []
+    return sorted((k, repr(v)) for k, v in saved.items() if isinstance(v, (bool, int, float, str, type(None))))
+
+
 def graph_set_key(graph_keys: Iterable[tuple], compile_kwargs: dict[str, Any], flags: dict[str, Any],
                   device: torch.device) -> str:
     """The key of one run's set of distinct block graphs as compiled on ``device``."""
@@ -65,7 +77,8 @@ def graph_set_key(graph_keys: Iterable[tuple], compile_kwargs: dict[str, Any], f
     except ImportError:
         triton_version = "none"
     parts = (sorted(repr(k) for k in graph_keys), sorted((k, repr(v)) for k, v in compile_kwargs.items()),
-             sorted(flags.items()), _device_name(device), torch.__version__, triton_version, _source_digest())
+             sorted(flags.items()), _device_name(device), torch.__version__, triton_version, _source_digest(),
+             _inductor_settings())
     return hashlib.sha256(repr(parts).encode()).hexdigest()[:32]
 
 
