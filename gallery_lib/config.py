@@ -117,6 +117,12 @@ class RunConfig:
     ``triton.tile_reductions``), for the batch-norm statistics of channels_last convnets. ResNet-50's accelerated step:
     +0.5% on an H100, for a first compile of 126 s instead of 33 s (benchmarks/RESULTS.md#resnet50), so off by
     default."""
+    channels_last_graphs: bool = setting(False, kind=bool)
+    """With ``compile``: Inductor lays out the convolutions' tensors channels_last in every graph it compiles, the
+    backward graphs' gradients included (its ``force_layout_optimization``). Its heuristic leaves every backward graph
+    (and forward graphs with narrowing convolutions, as in SD's UNet) in the traced strides, and cuDNN then copies each
+    gradient to the weights' channels_last layout: 12.5 ms of the SD-1.5 step at batch 32 on an H100
+    (benchmarks/RESULTS.md#sd15-layout)."""
     precompile_workers: int = setting(0, kind=int, minimum=0)
     """With ``compile_scope='blocks'``: compile the distinct block graphs in this many parallel processes before the
     first step (``gallery_lib.accel.precompile``), so the warm-up steps only load them. 0 compiles them in the warm-up
@@ -291,7 +297,7 @@ class RunConfig:
             raise ConfigError(f"precompile_workers={self.precompile_workers} needs compile=True and "
                               f"compile_scope='blocks' (got compile={self.compile}, compile_scope="
                               f"{self.compile_scope!r}): set both, or precompile_workers=0.")
-        for name in ("coordinate_descent_tuning", "tiled_reductions"):
+        for name in ("coordinate_descent_tuning", "tiled_reductions", "channels_last_graphs"):
             if getattr(self, name) and not self.compile:
                 raise ConfigError(f"{name}=True changes the kernels torch.compile generates: set compile=True too, "
                                   f"or drop {name}.")

@@ -118,9 +118,11 @@ RUNGS: tuple[Rung, ...] = (
     Rung("cached_latents", "cached latents", lambda cfg, s: {"cache_latents": True},
          "every image encoded by the VAE and every caption by CLIP once, before training; each step samples a fresh "
          "latent from the cached distribution (the same function), so the frozen encoders leave the loop."),
-    Rung("channels_last", "channels_last", lambda cfg, s: {"channels_last": True}, needs_gpu=True,
+    Rung("channels_last", "channels_last", lambda cfg, s: {"channels_last": True, "channels_last_graphs": True},
+         needs_gpu=True,
          why="the UNet's convolutions read and write NHWC, the layout cuDNN's fastest kernels use, instead of "
-             "converting to it and back around each one (measured on GPUs only)."),
+             "converting to it and back around each one; Inductor keeps that layout inside every compiled graph, "
+             "the gradients of the backward included (measured on GPUs only)."),
     Rung("kernels", "kernels that beat the compiler", lambda cfg, s: {"kernel_ops": "geglu"},
          "only the fused kernels that measured faster than Inductor's own code stay (GEGLU); the compiler fuses "
          "GroupNorm+SiLU and LayerNorm as well. This is the accelerated recipe."),

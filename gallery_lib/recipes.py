@@ -135,7 +135,8 @@ _RECIPE_INPUTS = ("gradient_checkpointing", "data_parallel")
 
 # Settings that only act when a switch is on: asking for one in a recipe that leaves the switch off is a mistake.
 _NEEDS_SWITCH = {"compile_mode": "compile", "compile_scope": "compile", "precompile_workers": "compile",
-                 "coordinate_descent_tuning": "compile", "tiled_reductions": "compile", "kernel_ops": "kernels"}
+                 "coordinate_descent_tuning": "compile", "tiled_reductions": "compile",
+                 "channels_last_graphs": "compile", "kernel_ops": "kernels"}
 
 
 def _refuse_ignored(recipe: str, cfg: RunConfig, overrides: dict[str, Any]) -> None:

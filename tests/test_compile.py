@@ -245,7 +245,51 @@ def test_tiled_reductions_reach_inductor_beside_the_mode_and_the_tuning():
                                rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("name", ["coordinate_descent_tuning", "tiled_reductions"])
+def test_channels_last_graphs_lay_out_the_backward_graph_too_and_train_like_eager(monkeypatch):
+    """Inductor's heuristic never lays out a backward graph (it counts forward convolutions only); the switch makes
+    it do so, and the compiled channels_last convnet still trains as the eager one."""
+    from torch._inductor.graph import GraphLowering
+
+    from gallery_lib.accel.accelerate import compile_kwargs
+    from gallery_lib.config import RunConfig
+
+    cfg = RunConfig(model="swin_micro", compile=True, channels_last_graphs=True)
+    assert compile_kwargs(cfg) == {"options": {"force_layout_optimization": True}}
+    decided, decide = [], GraphLowering.decide_layout_opt
+
+    def spy(gm, *, is_inference):
+        decided.append(decide(gm, is_inference=is_inference))
+        return decided[-1]
+
+    monkeypatch.setattr(GraphLowering, "decide_layout_opt", staticmethod(spy))
+
+    def convnet():
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.GroupNorm(2, 8), nn.SiLU(), nn.Conv2d(8, 4, 3))
+        return net.to(memory_format=torch.channels_last)
+
+    def train(model):
+        opt, gen, losses = torch.optim.SGD(model.parameters(), lr=0.05), torch.Generator().manual_seed(1), []
+        for _ in range(3):
+            opt.zero_grad(set_to_none=True)
+            x = torch.randn(4, 3, 10, 10, generator=gen).to(memory_format=torch.channels_last)
+            loss = model(x).square().mean()
+            loss.backward()
+            opt.step()
+            losses.append(loss.detach())
+        return torch.stack(losses)
+
+    eager = train(convnet())
+    for options, backward_laid_out in (({}, False), (compile_kwargs(cfg)["options"], True)):
+        torch._dynamo.reset()
+        decided.clear()
+        with torch._inductor.config.patch(fx_graph_cache=False), \
+                torch._functorch.config.patch(enable_autograd_cache=False):
+            torch.testing.assert_close(train(torch.compile(convnet(), options=options)), eager, rtol=1e-4, atol=1e-5)
+        assert len(decided) == 2 and decided[1] is backward_laid_out  # forward graph, then backward graph
+
+
+@pytest.mark.parametrize("name", ["coordinate_descent_tuning", "tiled_reductions", "channels_last_graphs"])
 def test_kernel_tuning_without_compile_is_refused(name):
     from gallery_lib.config import ConfigError, RunConfig
 

@@ -76,7 +76,8 @@ def apply_accelerations(model: torch.nn.Module, cfg: RunConfig, precision: Preci
     train_module, template = _apply_data_parallel(model, cfg, dist, notes)
     tuning = "".join(text for on, text in (
         (cfg.coordinate_descent_tuning, ", coordinate-descent tuning of its kernels"),
-        (cfg.tiled_reductions, ", reductions tiled in 2D")) if on)
+        (cfg.tiled_reductions, ", reductions tiled in 2D"),
+        (cfg.channels_last_graphs, ", channels_last through every graph")) if on)
     if cfg.compile and cfg.compile_scope == "blocks":
         # Static shapes, as whole-model compilation has: each block shape gets its own graph.
         names = plan.compile_blocks(model, backend="inductor", dynamic=False, **compile_kwargs(cfg))
@@ -92,11 +93,13 @@ def apply_accelerations(model: torch.nn.Module, cfg: RunConfig, precision: Preci
 
 
 def compile_kwargs(cfg: RunConfig) -> dict[str, Any]:
-    """``torch.compile``'s mode, or, with ``coordinate_descent_tuning`` or ``tiled_reductions``, the mode's Inductor
-    options plus theirs (``torch.compile`` takes a mode or options, not both)."""
+    """``torch.compile``'s mode, or, with ``coordinate_descent_tuning``, ``tiled_reductions`` or
+    ``channels_last_graphs``, the mode's Inductor options plus theirs (``torch.compile`` takes a mode or options, not
+    both)."""
     mode = None if cfg.compile_mode == "default" else cfg.compile_mode
     extra = {**({"coordinate_descent_tuning": True} if cfg.coordinate_descent_tuning else {}),
-             **({"triton.prefer_nd_tiling": True, "triton.tile_reductions": True} if cfg.tiled_reductions else {})}
+             **({"triton.prefer_nd_tiling": True, "triton.tile_reductions": True} if cfg.tiled_reductions else {}),
+             **({"force_layout_optimization": True} if cfg.channels_last_graphs else {})}
     if not extra:
         return {"mode": mode}
     from torch._inductor import list_mode_options

@@ -52,11 +52,12 @@ FAMILY = register_family(ModelFamily(
     make_dataset=_make_dataset,
     # Each switch kept for a measured gain over compiled (benchmarks/RESULTS.md#sd15-recipes):
     # cached latents and the fused EMA kernel; the GEGLU kernel (#kernels); the blocks compiled in place, as CUDA
-    # graphs precompiled in parallel on a GPU (#sd15-compile-time); channels_last and the EMA beside the next forward
-    # on a side stream, on a GPU (#bench-h100, #ema). Not kept: the GroupNorm+SiLU kernel.
+    # graphs precompiled in parallel on a GPU (#sd15-compile-time); channels_last, through every compiled graph, and
+    # the EMA beside the next forward on a side stream, on a GPU (#bench-h100, #sd15-layout, #ema). Not kept: the
+    # GroupNorm+SiLU kernel.
     accelerated={"cache_latents": True, "ema": "fused", "kernels": True, "kernel_ops": "geglu",
                  "compile_scope": "blocks"},
-    accelerated_on_gpu={"channels_last": True, "ema": "stream"},
+    accelerated_on_gpu={"channels_last": True, "channels_last_graphs": True, "ema": "stream"},
     # The plain-PyTorch peer encodes the images and captions once too: a few lines in any training script.
     peer={"cache_latents": True},
     # Matched by class name, outermost first: a Transformer2DModel compiles whole, its blocks not again.
