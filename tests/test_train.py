@@ -304,3 +304,43 @@ def test_fused_loss_trains_the_same_function(smoke_data, tmp_path):
     run(fused)
     a, b = ([s["loss"] for s in read_metrics(c.run_dir / "metrics.jsonl")[0]] for c in (plain, fused))
     assert b == pytest.approx(a, rel=1e-5) and len(a) == 4
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU")])])
+@pytest.mark.parametrize("max_norm", [0.05, 1e3])  # clipping, and a norm under the limit (the step's scale is 1)
+def test_clipping_folded_into_the_fused_step_equals_clip_grad_norm_then_step(max_norm, device):
+    from gallery_lib.accel.precision import clips_in_the_fused_step
+
+    def trained(fold: bool):
+        torch.manual_seed(0)
+        model = build_model("swin_micro", num_classes=4).to(device)
+        cfg = RunConfig(model="swin_micro", amp_level="O0", batch_size=2, steps=3, warmup_steps=0)
+        precision = Precision.from_config(cfg, device)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+        gen = torch.Generator().manual_seed(0)
+        for _ in range(3):
+            opt.zero_grad(set_to_none=True)
+            model(torch.randn(2, 3, 64, 64, generator=gen).to(device)).square().mean().backward()
+            if fold:
+                precision.step(model, opt, max_norm)
+            else:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, foreach=True)
+                opt.step()
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        return [p.detach() for p in model.parameters()], grads, clips_in_the_fused_step(opt, grads)
+
+    (folded, folded_grads, took_fused_path), (reference, reference_grads, _) = trained(True), trained(False)
+    assert took_fused_path and not hasattr(torch.optim.AdamW, "grad_scale")
+    # The step divides by the coefficient's reciprocal where clip_grad_norm_ multiplies: last-bit differences only.
+    for a, b in zip(folded + folded_grads, reference + reference_grads):  # the step leaves the clipped grads too
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_clipping_stays_apart_from_an_optimizer_that_cannot_take_it():
+    from gallery_lib.accel.precision import clips_in_the_fused_step
+
+    params = [torch.nn.Parameter(torch.ones(3))]
+    params[0].grad = torch.ones(3)
+    assert not clips_in_the_fused_step(torch.optim.AdamW(params, lr=0.1), [params[0].grad])  # not fused
+    assert not clips_in_the_fused_step(torch.optim.RMSprop(params, lr=0.1), [params[0].grad])
