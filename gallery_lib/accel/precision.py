@@ -101,10 +101,6 @@ class Precision:
             return
         if self.scaler:
             self.scaler.unscale_(optimizer)
-        grads = [p.grad for p in model.parameters() if p.grad is not None]
-        if clip_grad and not self.scaler and clips_in_the_fused_step(optimizer, grads):
-            step_with_clipped_grads(optimizer, grads, clip_grad)
-            return
         if clip_grad:
             torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], clip_grad,
                                            foreach=True)
@@ -123,25 +119,3 @@ class Precision:
         if self.level == "O2":
             return f"O2: {name} weights, fp32 master copies in the optimizer, autocast math"
         return f"O1: fp32 weights, {name} autocast" + (" with GradScaler" if self.scaler else "")
-
-
-def clips_in_the_fused_step(optimizer: torch.optim.Optimizer, grads: list[torch.Tensor]) -> bool:
-    """Whether ``step_with_clipped_grads`` can fold the clipping into ``optimizer``'s step: a fused optimizer that takes
-    GradScaler's ``grad_scale`` (torch's fused Adam, AdamW, SGD), over plain tensors (not ZeRO-2's DTensor shards)."""
-    return (bool(getattr(optimizer, "_step_supports_amp_scaling", False)) and bool(optimizer.defaults.get("fused"))
-            and all(type(g) is torch.Tensor for g in grads))
-
-
-def step_with_clipped_grads(optimizer: torch.optim.Optimizer, grads: list[torch.Tensor], max_norm: float) -> None:
-    """``clip_grad_norm_(max_norm)`` then ``optimizer.step()``, with the clipping's multiply done by the fused step.
-
-    The total norm is ``clip_grad_norm_``'s; the step divides each gradient by ``grad_scale``, the protocol by which
-    GradScaler hands it its unscaling, here ``1 / min(1, max_norm / (norm + 1e-6))``: one pass over the gradients less
-    (benchmarks/RESULTS.md#sd15-layout).
-    """
-    total_norm = torch.nn.utils.get_total_norm(grads, foreach=True)
-    optimizer.grad_scale = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0).reciprocal().float()
-    try:
-        optimizer.step()
-    finally:
-        del optimizer.grad_scale
