@@ -304,3 +304,26 @@ def test_fused_loss_trains_the_same_function(smoke_data, tmp_path):
     run(fused)
     a, b = ([s["loss"] for s in read_metrics(c.run_dir / "metrics.jsonl")[0]] for c in (plain, fused))
     assert b == pytest.approx(a, rel=1e-5) and len(a) == 4
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the GPU machine: pytest -m gpu)")
+def test_gpu_kernel_time_by_launching_op_adds_up_to_the_kinds():
+    from gallery_lib.run.profiling import kernel_table
+
+    model = torch.nn.Sequential(torch.nn.Conv2d(8, 16, 3), torch.nn.Flatten(), torch.nn.Linear(16 * 30 * 30, 10)).cuda()
+    x = torch.randn(32, 8, 32, 32, device="cuda")
+    model(x).sum().backward()  # warm-up: cuDNN and cuBLAS pick their kernels outside the profile
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(2):
+            model(x.contiguous(memory_format=torch.channels_last)).sum().backward()
+        torch.cuda.synchronize()
+    table = kernel_table(prof, 2, "cuda")
+    launched = {}
+    for row in table["top_launchers_ms"]:
+        launched[row["kind"]] = launched.get(row["kind"], 0.0) + row["ms"]
+    for kind, ms in table["by_kind_ms"].items():  # each kernel counted once (fewer than 8 launchers per kind here)
+        assert launched.get(kind, 0.0) == pytest.approx(ms, rel=1e-6, abs=1e-6), kind
+    ops = {(row["kind"], row["op"]) for row in table["top_launchers_ms"]}
+    assert ("matmul", "aten::linear") in ops and ("convolution", "aten::conv2d") in ops

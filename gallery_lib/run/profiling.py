@@ -4,8 +4,9 @@ With ``profile_steps=N`` the loop runs the N steps after warm-up under the profi
 ``<run_dir>/profile.json``: each device kernel's time per step (CUDA kernels, replayed CUDA graphs included; on a CPU,
 the CPU ops), summed by kind (convolution, matmul, attention, Inductor's fusions, optimizer, copies...), with the
 costliest kernels by name and the ops that launched the most time (``aten::convolution_backward``, or a compiled
-graph's call for the kernels its CUDA graph replays), and prints the by-kind table. The profiled steps run slower than the others and count in
-the run's step times: profile in a run of its own (``gallery bench --recipes accelerated+profile_steps=5``).
+graph's call for the kernels its CUDA graph replays), and prints the by-kind table. The profiled steps run slower
+than the others and count in the run's step times: profile in a run of its own (``gallery bench --recipes
+accelerated+profile_steps=5``).
 """
 
 from __future__ import annotations
@@ -55,7 +56,8 @@ def time_by_launcher(events, steps: int, device_type: str, per_kind: int = 8) ->
     the copies come from, say. Each kernel counts once, under the op its launch is linked to (GPU-side user
     annotations such as ``Optimizer.step#AdamW.step`` are ranges, not kernels)."""
     cpu = torch.autograd.DeviceType.CPU
-    launchers = {event.id: event for event in events if event.device_type == cpu}
+    # The ops a kernel's launch links to, as torch's own parser matches them (runtime calls link to them too).
+    launchers = {event.id: event for event in events if event.device_type == cpu and not event.linked_correlation_id}
     per_launcher: dict[tuple[str, str], float] = defaultdict(float)
     for event in events:
         if device_type == "cuda" and event.device_type != cpu and not event.is_user_annotation:

@@ -4,8 +4,8 @@ With warm caches the workers only find what is there, yet their start-up (import
 the longest part of a second run's start (benchmarks/RESULTS.md#sd15-compile-time). After workers precompiled a set
 of graphs without a failure, ``mark_warm`` leaves a marker in Inductor's cache directory, named by a key of
 everything those graphs depend on: the recorded block calls (``record._graph_key``), the compile options, Inductor's
-configuration, the backend flags, the device, the torch and Triton versions and this package's source. A run that records the same key
-skips the workers, and its first step loads the graphs from the caches.
+configuration, the backend flags, the device, the torch and Triton versions and this package's source. A run that
+records the same key skips the workers, and its first step loads the graphs from the caches.
 
 The marker is a hint, never a cache itself: a run whose caches were emptied under it compiles its graphs itself, as
 without workers, and ``forget_warm`` removes the marker so that the next run uses workers again. A run also keeps a
