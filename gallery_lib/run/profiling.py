@@ -51,24 +51,26 @@ def outermost_op(event):
     return outer
 
 
-def time_by_launcher(events, steps: int, device_type: str, per_kind: int = 8) -> list[dict]:
-    """Per-step time by (kind, the outermost op that launched it), the ``per_kind`` largest of each kind: which calls
-    the copies come from, say. Each kernel counts once, under the op its launch is linked to (GPU-side user
-    annotations such as ``Optimizer.step#AdamW.step`` are ranges, not kernels)."""
-    cpu = torch.autograd.DeviceType.CPU
+def _timed_events(events, device_type: str):
+    """``(name, microseconds, launching event)`` of each kernel (``device_type`` ``cuda``) or op (``cpu``), the one
+    pass both of ``kernel_table``'s views read. GPU-side user annotations (``Optimizer.step#AdamW.step``) are ranges,
+    not kernels."""
+    cpu, cuda = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
     # The ops a kernel's launch links to, as torch's own parser matches them (runtime calls link to them too).
     launchers = {event.id: event for event in events if event.device_type == cpu and not event.linked_correlation_id}
-    per_launcher: dict[tuple[str, str], float] = defaultdict(float)
     for event in events:
-        if device_type == "cuda" and event.device_type != cpu and not event.is_user_annotation:
-            launcher, microseconds = launchers.get(event.linked_correlation_id), event.device_time_total
+        if device_type == "cuda" and event.device_type == cuda and not event.is_user_annotation:
+            yield event.name, event.self_device_time_total, launchers.get(event.linked_correlation_id)
         elif device_type != "cuda" and event.device_type == cpu:
-            launcher, microseconds = event, event.self_cpu_time_total
-        else:
-            continue
-        op = outermost_op(launcher)
-        label = op.name if op is not None else launcher.name if launcher is not None else "(no launching op)"
-        per_launcher[kind_of(event.name), label] += microseconds / 1000 / steps
+            yield event.name, event.self_cpu_time_total, event
+
+
+def _launcher_label(launcher) -> str:
+    op = outermost_op(launcher)
+    return op.name if op is not None else launcher.name if launcher is not None else "(no launching op)"
+
+
+def _largest_per_kind(per_launcher: dict[tuple[str, str], float], per_kind: int) -> list[dict]:
     shown: dict[str, int] = defaultdict(int)
     table = []
     for (kind, op), ms in sorted(per_launcher.items(), key=lambda kv: -kv[1]):
@@ -78,16 +80,16 @@ def time_by_launcher(events, steps: int, device_type: str, per_kind: int = 8) ->
     return table
 
 
-def kernel_table(prof: torch.profiler.profile, steps: int, device_type: str, top: int = 25) -> dict:
+def kernel_table(prof: torch.profiler.profile, steps: int, device_type: str, top: int = 25,
+                 per_kind: int = 8) -> dict:
     """Per-step time of each kernel (``device_type`` ``cuda``) or op (``cpu``) from a finished profiler, by kind, and
-    by the op that launched it."""
+    by (kind, the outermost op that launched it), the ``per_kind`` largest of each kind: which calls the copies come
+    from, say. Each kernel counts once in each view."""
     per_kernel: dict[str, float] = defaultdict(float)
-    for event in prof.key_averages():
-        if (device_type == "cuda" and event.device_type == torch.autograd.DeviceType.CUDA
-                and not event.is_user_annotation):  # a range such as ``Optimizer.step#AdamW.step``, not a kernel
-            per_kernel[event.key] += event.self_device_time_total / 1000 / steps
-        elif device_type != "cuda" and event.device_type == torch.autograd.DeviceType.CPU:
-            per_kernel[event.key] += event.self_cpu_time_total / 1000 / steps
+    per_launcher: dict[tuple[str, str], float] = defaultdict(float)
+    for name, microseconds, launcher in _timed_events(prof.events(), device_type):
+        per_kernel[name] += microseconds / 1000 / steps
+        per_launcher[kind_of(name), _launcher_label(launcher)] += microseconds / 1000 / steps
     by_kind: dict[str, float] = defaultdict(float)
     for name, ms in per_kernel.items():
         by_kind[kind_of(name)] += ms
@@ -95,7 +97,7 @@ def kernel_table(prof: torch.profiler.profile, steps: int, device_type: str, top
             "by_kind_ms": dict(sorted(by_kind.items(), key=lambda kv: -kv[1])),
             "top_kernels_ms": [{"kernel": name[:160], "kind": kind_of(name), "ms": ms}
                                for name, ms in sorted(per_kernel.items(), key=lambda kv: -kv[1])[:top]],
-            "top_launchers_ms": time_by_launcher(prof.events(), steps, device_type)}
+            "top_launchers_ms": _largest_per_kind(per_launcher, per_kind)}
 
 
 class StepProfiler:
