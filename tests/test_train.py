@@ -54,6 +54,39 @@ def test_profile_steps_writes_the_op_time_by_kind(smoke_data, tmp_path, capsys):
     assert "profile of steps 2-4" in capsys.readouterr().out
 
 
+def test_gpu_kernels_count_under_the_op_that_launched_them_not_a_runtime_call_sharing_its_id():
+    """The CUDA table from events shaped as torch 2.11's parser leaves them, made up here (CI has no GPU): the
+    parser attached each kernel to every CPU event of its launch's id, runtime calls and profiler records included;
+    a GPU-side range is not a kernel; a kernel without a launching op still counts."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    from gallery_lib.run.profiling import kernel_table
+
+    def cpu(id_, name, parent=None, kernels=()):
+        return SimpleNamespace(id=id_, name=name, device_type=DeviceType.CPU, cpu_parent=parent,
+                               kernels=[SimpleNamespace(name=k, duration=us) for k, us in kernels])
+
+    def gpu(name, us, annotation=False):
+        return SimpleNamespace(id=0, name=name, device_type=DeviceType.CUDA, is_user_annotation=annotation,
+                               self_device_time_total=us, kernels=[])
+
+    linear = cpu(7, "aten::linear")
+    launched = [("nvjet_gemm", 300.0)]
+    events = [linear, cpu(7, "aten::addmm", linear, launched), cpu(7, "cudaLaunchKernel", None, launched),
+              cpu(7, "Activity Buffer Request", None, launched), gpu("nvjet_gemm", 300.0),
+              cpu(9, "## Call CompiledFxGraph abc ##", None, [("triton_poi_fused_add_0", 50.0)]),
+              cpu(9, "cudaGraphLaunch", None, [("triton_poi_fused_add_0", 50.0)]), gpu("triton_poi_fused_add_0", 50.0),
+              gpu("Optimizer.step#AdamW.step", 900.0, annotation=True), gpu("direct_copy_kernel", 20.0)]
+    table = kernel_table(SimpleNamespace(events=lambda: events), steps=2, device_type="cuda")
+    assert table["kernel_ms_per_step"] == pytest.approx((300 + 50 + 20) / 1000 / 2)
+    rows = {(row["kind"], row["op"]): row["ms"] for row in table["top_launchers_ms"]}
+    assert rows == pytest.approx({("matmul", "aten::linear"): 0.15,
+                                  ("Triton: other fusions", "## Call CompiledFxGraph abc ##"): 0.025,
+                                  ("copies and casts", "(no launching op)"): 0.01})
+
+
 def test_kernel_kinds_read_hopper_and_inductor_names():
     from gallery_lib.run.profiling import kind_of
 

@@ -51,18 +51,46 @@ def outermost_op(event):
     return outer
 
 
+_NOT_AN_OP = re.compile(r"cuda[A-Z]|cu[A-Z]|Lazy Function Loading|Activity Buffer Request|Buffer Flush")
+
+
+def _launcher_rank(event) -> tuple[bool, bool]:
+    """Among CPU events sharing a kernel's correlation id: inside an ATen op first, then anything but a CUDA runtime
+    call or a profiler record (a compiled graph's call, which launches its CUDA graph's kernels)."""
+    return outermost_op(event) is not None, not _NOT_AN_OP.match(event.name)
+
+
 def _timed_events(events, device_type: str):
     """``(name, microseconds, launching event)`` of each kernel (``device_type`` ``cuda``) or op (``cpu``), the one
     pass both of ``kernel_table``'s views read. GPU-side user annotations (``Optimizer.step#AdamW.step``) are ranges,
     not kernels."""
     cpu, cuda = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
-    # The ops a kernel's launch links to, as torch's own parser matches them (runtime calls link to them too).
-    launchers = {event.id: event for event in events if event.device_type == cpu and not event.linked_correlation_id}
+    if device_type != "cuda":
+        for event in events:
+            if event.device_type == cpu:
+                yield event.name, event.self_cpu_time_total, event
+        return
+    # The kernels torch's parser attached to the ops that launched them (read there, as events of torch 2.11 carry
+    # no link); CPU events that share an op's id got the same kernels, and the op wins.
+    by_id = defaultdict(list)
     for event in events:
-        if device_type == "cuda" and event.device_type == cuda and not event.is_user_annotation:
-            yield event.name, event.self_device_time_total, launchers.get(event.linked_correlation_id)
-        elif device_type != "cuda" and event.device_type == cpu:
-            yield event.name, event.self_cpu_time_total, event
+        if event.device_type == cpu and event.kernels:
+            by_id[event.id].append(event)
+    ranges = {event.name for event in events if event.device_type == cuda and event.is_user_annotation}
+    linked: dict[str, float] = defaultdict(float)
+    for same_id in by_id.values():
+        launcher = max(same_id, key=_launcher_rank)
+        for kernel in launcher.kernels:
+            if kernel.name not in ranges:
+                linked[kernel.name] += kernel.duration
+                yield kernel.name, kernel.duration, launcher
+    timed: dict[str, float] = defaultdict(float)
+    for event in events:
+        if event.device_type == cuda and not event.is_user_annotation:
+            timed[event.name] += event.self_device_time_total
+    for name, microseconds in timed.items():  # kernels no op is linked to count too, under none
+        if microseconds - linked[name] > 1.0:
+            yield name, microseconds - linked[name], None
 
 
 def _launcher_label(launcher) -> str:
