@@ -182,9 +182,6 @@ class RunConfig:
     baseline; the optimization ladder's first rungs)."""
     deterministic: bool = setting(False, kind=bool)
     """Ask PyTorch for deterministic algorithms (slower; for exact comparisons)."""
-    cudnn_benchmark: bool = setting(True, kind=bool)
-    """Let cuDNN time its convolution algorithms on each new shape's first call (``torch.backends.cudnn.benchmark``)
-    instead of taking its heuristics' pick: a faster step for a slower first step. Off with ``deterministic``."""
     reuse_batch: bool = setting(False, kind=bool)
     """Train on the first batch over and over: times the model step alone, without the data pipeline
     (as timm's ``benchmark.py`` does with random inputs). For benchmarks only: the model learns nothing useful."""

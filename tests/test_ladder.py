@@ -93,19 +93,6 @@ def test_sdpa_math_forces_the_math_kernel_and_the_next_run_gets_the_fused_ones_b
         RunConfig(model="sd_tiny", sdpa_math=True, fused_attention=True)
 
 
-def test_cudnn_benchmark_setting_reaches_cudnn_and_deterministic_turns_it_off():
-    try:
-        configure_backends(RunConfig(model="sd_tiny", cudnn_benchmark=False))
-        assert torch.backends.cudnn.benchmark is False
-        configure_backends(RunConfig(model="sd_tiny"))
-        assert torch.backends.cudnn.benchmark is True
-        configure_backends(RunConfig(model="sd_tiny", deterministic=True))
-        assert torch.backends.cudnn.benchmark is False
-    finally:
-        torch.use_deterministic_algorithms(False)
-        configure_backends(RunConfig(model="sd_tiny"))
-
-
 def _result(name: str, img_per_s: float | None, mem_gib: float = 10.0, failure: str | None = None) -> RungResult:
     cfg = ladder_configs(_full_base(), sizes=SIZES, on_gpu=True)[name]
     summary = None if img_per_s is None else {

@@ -70,7 +70,7 @@ def configure_backends(cfg: RunConfig) -> None:
         torch.use_deterministic_algorithms(True, warn_only=True)
         torch.backends.cudnn.benchmark = False
     else:
-        torch.backends.cudnn.benchmark = cfg.cudnn_benchmark
+        torch.backends.cudnn.benchmark = True  # off: same step and start (benchmarks/RESULTS.md#sd15-start-2)
         torch.set_float32_matmul_precision("high")  # TF32 for fp32 matmuls, as every GPU trainer enables
     fused_sdpa = not cfg.sdpa_math  # set both ways: in-process runs (tests) must not inherit the last run's choice
     torch.backends.cuda.enable_flash_sdp(fused_sdpa)
