@@ -4,15 +4,16 @@
 #   bash benchmarks/gpu_cold_ab.sh NAME BASE ROUNDS [gallery bench flags...]
 name=$1; base=$2; rounds=$3; shift 3
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-out=${OUT:-benchmarks/results}
+out=$(realpath "${OUT:-benchmarks/results}")
 for i in $(seq 1 "$rounds"); do
-  for side in new base; do
+  for side in base new; do
     src=$PWD; [ "$side" = base ] && src=$(cd "$base" && pwd)
     caches=/tmp/cold_${name}_${side}_$i
     run=bench_${name}_${side}_$i
-    TORCHINDUCTOR_CACHE_DIR=$caches/inductor TRITON_CACHE_DIR=$caches/triton CUDA_CACHE_PATH=$caches/nv \
+    # From inside the copy: `python -m` (the bench's torchrun child too) puts the working directory first on sys.path.
+    (cd "$src" && TORCHINDUCTOR_CACHE_DIR=$caches/inductor TRITON_CACHE_DIR=$caches/triton CUDA_CACHE_PATH=$caches/nv \
       PYTHONPATH=/tmp/site:$src PYTHONUNBUFFERED=1 python3 -m gallery_lib.cli bench --profile full \
-      --data-root /tmp/data --output-dir "/tmp/$run" --out "$out/$run.json" "$@" > "$out/$run.log" 2>&1
+      --data-root /tmp/data --output-dir "/tmp/$run" --out "$out/$run.json" "$@" > "$out/$run.log" 2>&1)
     echo "== $run"; grep "done:\|pre-compiled" "$out/$run.log" | cut -c1-420
   done
 done
