@@ -1,5 +1,5 @@
 # Cold starts of `gallery bench` on the GPU machine, alternating this checkout's library with another copy of it
-# (BASE: a folder holding gallery_lib/), each run with fresh Inductor, Triton and CUDA JIT caches, as on a machine's
+# (BASE: a folder holding gallery_lib/ and data_prep/, e.g. from `git archive`), each run with fresh Inductor, Triton and CUDA JIT caches, as on a machine's
 # first run. Result files in $OUT as bench_NAME_{new,base}_I.{json,log}.
 #   bash benchmarks/gpu_cold_ab.sh NAME BASE ROUNDS [gallery bench flags...]
 name=$1; base=$2; rounds=$3; shift 3

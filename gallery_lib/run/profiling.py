@@ -56,7 +56,7 @@ _NOT_AN_OP = re.compile(r"cuda[A-Z]|cu[A-Z]|Lazy Function Loading|Activity Buffe
 
 def _launcher_rank(event) -> tuple[bool, bool]:
     """Among CPU events sharing a kernel's correlation id: inside an ATen op first, then anything but a CUDA runtime
-    call or a profiler record (a compiled graph's call, which launches its CUDA graph's kernels)."""
+    call or one of CUPTI's own records (so a compiled graph's call wins for the kernels its CUDA graph replays)."""
     return outermost_op(event) is not None, not _NOT_AN_OP.match(event.name)
 
 
