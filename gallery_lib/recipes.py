@@ -57,8 +57,10 @@ def accelerated(base: RunConfig) -> RunConfig:
         switches.update(base.model_family.accelerated_on_gpu)
     if "ema" in switches:
         switches["ema"] = _ema_mode(base, switches["ema"])
-    if switches.get("compile_scope") == "blocks" and on_gpu:  # CUDA graphs per block, precompiled
-        switches.update(compile_mode="reduce-overhead", precompile_workers=precompile_workers_for_machine())
+    if switches.get("compile_scope") == "blocks" and on_gpu:  # precompiled, replayed as CUDA graphs where they pay
+        graphs = _block_graphs_pay(base)
+        switches.update(compile_mode="reduce-overhead" if graphs else "default",
+                        precompile_workers=precompile_workers_for_machine())
     # Left out where the run cannot use them: a block recomputed in the backward (checkpointing) cannot replay as a
     # CUDA graph, ZeRO-2's collectives run in hooks outside the graphs, and its sharded blocks cannot be copied to
     # precompile workers.
@@ -73,6 +75,13 @@ def accelerated(base: RunConfig) -> RunConfig:
 def runs_on_gpu(base: RunConfig) -> bool:
     """Whether runs of ``base`` train on a GPU here (``device`` resolved on this machine)."""
     return resolve_device(base.device, visible_cuda_devices()) == "cuda"
+
+
+def _block_graphs_pay(base: RunConfig) -> bool:
+    """Whether a step of ``base`` is small enough for its host to set the step time, so that CUDA graphs of the
+    compiled blocks speed it up (``ModelFamily.block_graphs_below_pixels``)."""
+    limit = base.model_family.block_graphs_below_pixels
+    return limit is None or base.batch_size * base.image_size ** 2 < limit
 
 
 def precompile_workers_for_machine() -> int:
@@ -130,8 +139,9 @@ def recipe_config(base: RunConfig, recipe: str, overrides: dict[str, Any]) -> Ru
     return cfg
 
 
-# Overrides a recipe reads before it resolves: ``accelerated`` leaves out what they cannot run with.
-_RECIPE_INPUTS = ("gradient_checkpointing", "data_parallel")
+# Overrides a recipe reads before it resolves: ``accelerated`` leaves out what they cannot run with, and sizes its
+# CUDA graphs by the step's images.
+_RECIPE_INPUTS = ("gradient_checkpointing", "data_parallel", "batch_size", "image_size")
 
 # Settings that only act when a switch is on: asking for one in a recipe that leaves the switch off is a mistake.
 _NEEDS_SWITCH = {"compile_mode": "compile", "compile_scope": "compile", "precompile_workers": "compile",

@@ -8,7 +8,7 @@ import torch
 from gallery_lib.config import ConfigError, RunConfig
 from gallery_lib.run.metrics import read_metrics
 from gallery_lib.profiles import base_config
-from gallery_lib.recipes import apply_recipe
+from gallery_lib.recipes import apply_recipe, recipe_config
 from gallery_lib.run.train import run
 from resume_testing import resume_from_copy
 
@@ -49,6 +49,18 @@ def test_recipes_resolve_the_sd_switches(caption_data, tmp_path, monkeypatch):
         gpu = apply_recipe("accelerated", base.replace(device="cuda"))
         assert (gpu.compile_mode, gpu.precompile_workers) == ("reduce-overhead", workers), cores
         assert gpu.channels_last  # +1.1 to +1.6% on an H100 (benchmarks/RESULTS.md#bench-h100)
+    # From 64 images of 512 px a step, the GPU sets the step time: the blocks run without CUDA graphs.
+    at_512 = base.replace(device="cuda", image_size=512)
+    for batch in (16, 32, 48):
+        assert apply_recipe("accelerated", at_512.replace(batch_size=batch)).compile_mode == "reduce-overhead", batch
+    for batch in (64, 96):
+        large = apply_recipe("accelerated", at_512.replace(batch_size=batch))
+        assert (large.compile_mode, large.compile_scope, large.precompile_workers) == ("default", "blocks", 0)
+    assert apply_recipe("accelerated", at_512.replace(batch_size=96, image_size=256)).compile_mode == "reduce-overhead"
+    # Overrides: a batch size is read before the recipe resolves; CUDA graphs asked for by name stay.
+    assert recipe_config(at_512, "accelerated", {"batch_size": 64}).compile_mode == "default"
+    assert recipe_config(at_512.replace(batch_size=64), "accelerated",
+                         {"compile_mode": "reduce-overhead"}).compile_mode == "reduce-overhead"
     assert not accelerated.channels_last  # measured on GPUs only
     assert not apply_recipe("peer", base.replace(device="cuda")).channels_last
     no_ema = apply_recipe("accelerated", base.replace(ema="off"))

@@ -53,6 +53,7 @@ FAMILY = register_family(ModelFamily(
     accelerated={"cache_latents": True, "ema": "fused", "kernels": True, "kernel_ops": "geglu",
                  "compile_scope": "blocks"},
     peer={"cache_latents": True},  # as for Stable Diffusion: the frozen encoders run once, in a few plain lines
+    block_graphs_below_pixels=STABLE_DIFFUSION.block_graphs_below_pixels,  # the same UNet
     block_types=STABLE_DIFFUSION.block_types,
     block_modules=STABLE_DIFFUSION.block_modules,
     attention_hook=STABLE_DIFFUSION.attention_hook,
