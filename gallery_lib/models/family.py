@@ -55,9 +55,9 @@ class ModelFamily:
     """Switches the ``accelerated`` recipe adds to ``accelerated`` only when the run has a GPU (CUDA graphs, say)."""
     block_graphs_below_pixels: int | None = None
     """With ``compile_scope='blocks'`` on a GPU, ``accelerated`` replays the blocks as CUDA graphs while a step's
-    images per process hold fewer pixels than this (``batch_size * image_size**2``): there the host launching kernels
-    sets the step time. From there on the GPU does, the graphs gain nothing, and recording them costs a start-up step
-    and memory, so the blocks run without them. ``None``: CUDA graphs at every size."""
+    images per process hold fewer pixels than this (``batch_size * image_size**2``), where the host launching kernels
+    sets the step time. Set where the graphs stop measuring faster: beyond it the GPU sets the step time, and recording
+    them only costs a start-up step and memory, so the blocks run without them. ``None``: CUDA graphs at every size."""
     peer: Mapping[str, Any] = field(default_factory=dict)
     """What the ``peer`` recipe switches on top of ``compiled``: what a skilled user adds to ``torch.compile`` in a few
     lines of plain PyTorch for this family (cached latents for diffusion, channels_last for convnets), so that
