@@ -58,8 +58,7 @@ def accelerated(base: RunConfig) -> RunConfig:
     if "ema" in switches:
         switches["ema"] = _ema_mode(base, switches["ema"])
     if switches.get("compile_scope") == "blocks" and on_gpu:  # precompiled, replayed as CUDA graphs where they pay
-        graphs = _block_graphs_pay(base)
-        switches.update(compile_mode="reduce-overhead" if graphs else "default",
+        switches.update(compile_mode="reduce-overhead" if _block_graphs_pay(base) else "default",
                         precompile_workers=precompile_workers_for_machine())
     # Left out where the run cannot use them: a block recomputed in the backward (checkpointing) cannot replay as a
     # CUDA graph, ZeRO-2's collectives run in hooks outside the graphs, and its sharded blocks cannot be copied to
