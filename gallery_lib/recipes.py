@@ -57,18 +57,25 @@ def accelerated(base: RunConfig) -> RunConfig:
         switches.update(base.model_family.accelerated_on_gpu)
     if "ema" in switches:
         switches["ema"] = _ema_mode(base, switches["ema"])
-    if switches.get("compile_scope") == "blocks" and on_gpu:  # precompiled, replayed as CUDA graphs where they pay
-        switches.update(compile_mode="reduce-overhead" if _block_graphs_pay(base) else "default",
-                        precompile_workers=precompile_workers_for_machine())
     # Left out where the run cannot use them: a block recomputed in the backward (checkpointing) cannot replay as a
     # CUDA graph, ZeRO-2's collectives run in hooks outside the graphs, and its sharded blocks cannot be copied to
     # precompile workers.
     zero2 = base.data_parallel == "zero2"
-    if (base.gradient_checkpointing or zero2) and switches.get("compile_mode") in CUDA_GRAPH_COMPILE_MODES:
+    graphs_allowed = not (base.gradient_checkpointing or zero2)
+    blocks_on_gpu = switches.get("compile_scope") == "blocks" and on_gpu
+    if blocks_on_gpu:  # precompiled, replayed as CUDA graphs where they pay
+        switches.update(compile_mode=_block_graph_mode(base), precompile_workers=precompile_workers_for_machine())
+    if not graphs_allowed and switches.get("compile_mode") in CUDA_GRAPH_COMPILE_MODES:
         switches["compile_mode"] = "default"
     if zero2:
         switches.pop("precompile_workers", None)
-    return compiled(base).replace(recipe="accelerated", **switches)
+    cfg = compiled(base).replace(recipe="accelerated", **switches)
+    return cfg.replace(extra={**cfg.extra, GRAPHS_BY_BATCH: True}) if blocks_on_gpu and graphs_allowed else cfg
+
+
+GRAPHS_BY_BATCH = "block_graphs_by_batch"
+"""The note in ``RunConfig.extra`` saying that ``accelerated`` chose ``compile_mode`` from the step's size, so a run
+at another batch size decides again (``at_batch_size``)."""
 
 
 def runs_on_gpu(base: RunConfig) -> bool:
@@ -76,11 +83,18 @@ def runs_on_gpu(base: RunConfig) -> bool:
     return resolve_device(base.device, visible_cuda_devices()) == "cuda"
 
 
-def _block_graphs_pay(base: RunConfig) -> bool:
-    """Whether a step of ``base`` is small enough for its host to set the step time, so that CUDA graphs of the
-    compiled blocks speed it up (``ModelFamily.block_graphs_below_pixels``)."""
+def _block_graph_mode(base: RunConfig) -> str:
+    """``reduce-overhead`` where a step of ``base`` is small enough for its host to set the step time, so that CUDA
+    graphs of the compiled blocks speed it up (``ModelFamily.block_graphs_below_pixels``), else ``default``."""
     limit = base.model_family.block_graphs_below_pixels
-    return limit is None or base.batch_size * base.image_size ** 2 < limit
+    return "reduce-overhead" if limit is None or base.batch_size * base.image_size ** 2 < limit else "default"
+
+
+def at_batch_size(cfg: RunConfig, batch_size: int) -> RunConfig:
+    """``cfg`` at another batch size (the batch-size search's trials and its chosen size), with the blocks' CUDA
+    graphs decided again for that size where ``accelerated`` decided them, and not named by the user."""
+    cfg = cfg.replace(batch_size=batch_size)
+    return cfg.replace(compile_mode=_block_graph_mode(cfg)) if cfg.extra.get(GRAPHS_BY_BATCH) else cfg
 
 
 def precompile_workers_for_machine() -> int:
@@ -135,6 +149,8 @@ def recipe_config(base: RunConfig, recipe: str, overrides: dict[str, Any]) -> Ru
         label = "+".join(f"{k}={v}" if not isinstance(v, bool) else (k if v else f"no-{k}")
                          for k, v in overrides.items())
         cfg = cfg.replace(recipe=f"{recipe}+{label}", **overrides)
+    if "compile_mode" in overrides:  # named by the user: kept at every batch size
+        cfg = cfg.replace(extra={k: v for k, v in cfg.extra.items() if k != GRAPHS_BY_BATCH})
     return cfg
 
 

@@ -8,7 +8,8 @@ import torch
 from gallery_lib.config import ConfigError, RunConfig
 from gallery_lib.run.metrics import read_metrics
 from gallery_lib.profiles import base_config
-from gallery_lib.recipes import apply_recipe, recipe_config
+from gallery_lib.recipes import apply_recipe, at_batch_size, recipe_config
+from gallery_lib.run.batch_size import trial_config
 from gallery_lib.run.train import run
 from resume_testing import resume_from_copy
 
@@ -61,6 +62,16 @@ def test_recipes_resolve_the_sd_switches(caption_data, tmp_path, monkeypatch):
     assert recipe_config(at_512, "accelerated", {"batch_size": 64}).compile_mode == "default"
     assert recipe_config(at_512.replace(batch_size=64), "accelerated",
                          {"compile_mode": "reduce-overhead"}).compile_mode == "reduce-overhead"
+    # The batch-size search decides again at each size it tries, unless the mode was named or checkpointing rules out
+    # the graphs.
+    searched = apply_recipe("accelerated", at_512.replace(batch_size=96))
+    assert [trial_config(searched, b).compile_mode for b in (96, 64, 62, 32)] == [
+        "default", "default", "reduce-overhead", "reduce-overhead"]
+    assert at_batch_size(searched, 32).compile_mode == "reduce-overhead"
+    named = recipe_config(at_512.replace(batch_size=96), "accelerated", {"compile_mode": "default"})
+    assert trial_config(named, 32).compile_mode == "default"
+    recomputed = apply_recipe("accelerated", at_512.replace(batch_size=96, gradient_checkpointing=True))
+    assert trial_config(recomputed, 32).compile_mode == "default"
     assert not accelerated.channels_last  # measured on GPUs only
     assert not apply_recipe("peer", base.replace(device="cuda")).channels_last
     no_ema = apply_recipe("accelerated", base.replace(ema="off"))

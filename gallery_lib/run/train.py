@@ -45,6 +45,7 @@ from gallery_lib.accel.distributed import (DistInfo, exit_process, gather_full_m
                                            init_distributed, reshard, shutdown)
 from gallery_lib.accel.precision import Precision
 from gallery_lib.config import CUDA_GRAPH_COMPILE_MODES, RunConfig, validate_for_machine
+from gallery_lib.recipes import at_batch_size
 from gallery_lib.run.attention_probe import AttentionProbe
 from gallery_lib.run.batch_size import search_run_batch_size
 from gallery_lib.run.checkpoint import Checkpointer, check_fresh_start, is_own_checkpoint, resume_source
@@ -146,7 +147,7 @@ def run(cfg: RunConfig, dist: DistInfo | None = None) -> dict:
     check_fresh_start(cfg)  # now, rather than after the search
     log = print if dist.is_main else (lambda *a, **k: None)
     search = search_run_batch_size(cfg, lambda trial: _train(trial, dist), log=log)
-    cfg = cfg.replace(batch_size=search["chosen"], find_batch_size=False,
+    cfg = at_batch_size(cfg, search["chosen"]).replace(find_batch_size=False,
                       extra={**cfg.extra, "batch_size_search": search})
     if dist.is_main:
         cfg.save(cfg.run_dir / "config.json")  # says what trained; a torchrun restart reloads it without searching
