@@ -12,7 +12,7 @@ from gallery_lib.config import ConfigError, RunConfig
 from gallery_lib.ladder import (RUNG_NAMES, RUNGS, LadderSizes, RungResult, ladder_configs, recipe_name, rung_named,
                                 rung_parents, run_ladder)
 from gallery_lib.profiles import base_config
-from gallery_lib.recipes import accelerated, apply_recipe, describe
+from gallery_lib.recipes import GRAPHS_BY_BATCH, accelerated, apply_recipe, describe
 from gallery_lib.reports.ladder import findings, ladder_plan, ladder_report, ladder_rows
 from gallery_lib.run.train import configure_backends
 
@@ -54,6 +54,9 @@ def test_the_kernels_rung_is_the_accelerated_recipe_at_the_large_batch(monkeypat
     base = _full_base()
     rung = ladder_configs(base, sizes=SIZES, on_gpu=True)["kernels"]
     reference = accelerated(base.replace(batch_size=SIZES.large_batch))
+    # The recipe notes that it chose the CUDA graphs by batch size; the rung names them, like every rung its switch.
+    assert reference.extra[GRAPHS_BY_BATCH] is True
+    reference = reference.replace(extra={k: v for k, v in reference.extra.items() if k != GRAPHS_BY_BATCH})
     assert rung.replace(recipe="accelerated", num_workers=reference.num_workers) == reference
 
 
