@@ -251,10 +251,12 @@ def test_channels_last_graphs_lay_out_the_backward_graph_too_and_train_like_eage
     from torch._inductor.graph import GraphLowering
 
     from gallery_lib.accel.accelerate import compile_kwargs
+    from gallery_lib.accel.attention_layout import KeepAttentionLayout
     from gallery_lib.config import RunConfig
 
     cfg = RunConfig(model="swin_micro", compile=True, channels_last_graphs=True)
-    assert compile_kwargs(cfg) == {"options": {"force_layout_optimization": True}}
+    assert compile_kwargs(cfg) == {"options": {"force_layout_optimization": True,
+                                               "post_grad_custom_post_pass": KeepAttentionLayout()}}
     decided, decide = [], GraphLowering.decide_layout_opt
 
     def spy(gm, *, is_inference):

@@ -95,11 +95,14 @@ def apply_accelerations(model: torch.nn.Module, cfg: RunConfig, precision: Preci
 def compile_kwargs(cfg: RunConfig) -> dict[str, Any]:
     """``torch.compile``'s mode, or, with ``coordinate_descent_tuning``, ``tiled_reductions`` or
     ``channels_last_graphs``, the mode's Inductor options plus theirs (``torch.compile`` takes a mode or options, not
-    both)."""
+    both). The channels_last layout leaves attention's tensors in their own layout (``attention_layout``)."""
+    from gallery_lib.accel.attention_layout import KeepAttentionLayout
+
     mode = None if cfg.compile_mode == "default" else cfg.compile_mode
     extra = {**({"coordinate_descent_tuning": True} if cfg.coordinate_descent_tuning else {}),
              **({"triton.prefer_nd_tiling": True, "triton.tile_reductions": True} if cfg.tiled_reductions else {}),
-             **({"force_layout_optimization": True} if cfg.channels_last_graphs else {})}
+             **({"force_layout_optimization": True, "post_grad_custom_post_pass": KeepAttentionLayout()}
+                if cfg.channels_last_graphs else {})}
     if not extra:
         return {"mode": mode}
     from torch._inductor import list_mode_options

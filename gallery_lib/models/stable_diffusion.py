@@ -52,9 +52,9 @@ FAMILY = register_family(ModelFamily(
     make_dataset=_make_dataset,
     # Each switch kept for a measured gain over compiled (benchmarks/RESULTS.md#sd15-recipes):
     # cached latents and the fused EMA kernel; the GEGLU kernel (#kernels); the blocks compiled in place, as CUDA
-    # graphs precompiled in parallel on a GPU (#sd15-compile-time); channels_last, through every compiled graph, and
-    # the EMA beside the next forward on a side stream, on a GPU (#bench-h100, #sd15-layout, #ema). Not kept: the
-    # GroupNorm+SiLU kernel.
+    # graphs precompiled in parallel on a GPU (#sd15-compile-time); channels_last, through every compiled graph but
+    # the attention's tensors, and the EMA beside the next forward on a side stream, on a GPU (#bench-h100,
+    # #sd15-layout, #sd15-attention-layout, #ema). Not kept: the GroupNorm+SiLU kernel.
     accelerated={"cache_latents": True, "ema": "fused", "kernels": True, "kernel_ops": "geglu",
                  "compile_scope": "blocks"},
     accelerated_on_gpu={"channels_last": True, "channels_last_graphs": True, "ema": "stream"},
