@@ -10,6 +10,7 @@ import pickle
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.fx.experimental.proxy_tensor import make_fx
 
 from gallery_lib.accel.attention_layout import MARK, KeepAttentionLayout, attention_layout_nodes
 
@@ -34,8 +35,6 @@ class ConvAttentionConv(nn.Module):
 
 
 def traced_graph() -> torch.fx.Graph:
-    from torch.fx.experimental.proxy_tensor import make_fx
-
     model = ConvAttentionConv()
     return make_fx(lambda x: model(x))(torch.randn(2, CHANNELS, SIDE, SIDE)).graph
 
@@ -55,8 +54,6 @@ def test_marks_the_attention_its_input_views_and_its_output_views_only():
     # The output's way back: getitem, transpose (4D), then the 4D reshape to pixels, which proj_out's permute reads.
     first_out = next(u for u in attention[0].users if u.target is operator.getitem and u.args[1] == 0)
     assert first_out in marked and any(u in marked for u in first_out.users)
-    from torch.fx.experimental.proxy_tensor import make_fx
-
     conv_only = make_fx(nn.Conv2d(3, 3, 1))(torch.randn(1, 3, 4, 4)).graph
     assert attention_layout_nodes(conv_only) == set()  # a graph without attention: nothing to mark
 

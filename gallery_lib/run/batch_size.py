@@ -104,9 +104,9 @@ def find_batch_size(
 def trial_config(cfg: RunConfig, batch: int) -> RunConfig:
     """``cfg`` cut down to one trial at ``batch`` (``recipes.at_batch_size``): ``TRIAL_STEPS`` steps, no checkpoint, no
     export, its own folder."""
-    return at_batch_size(cfg, batch).replace(steps=TRIAL_STEPS, warmup_steps=min(cfg.warmup_steps, TRIAL_STEPS - 1),
-                       find_batch_size=False, checkpoint_every=0, export_model=False,
-                       output_dir=str(cfg.run_dir / SEARCH_DIR / f"batch_{batch}"))
+    return at_batch_size(cfg, batch).replace(
+        steps=TRIAL_STEPS, warmup_steps=min(cfg.warmup_steps, TRIAL_STEPS - 1), find_batch_size=False,
+        checkpoint_every=0, export_model=False, output_dir=str(cfg.run_dir / SEARCH_DIR / f"batch_{batch}"))
 
 
 def search_run_batch_size(cfg: RunConfig, train: Callable[[RunConfig], Any],

@@ -148,7 +148,7 @@ def run(cfg: RunConfig, dist: DistInfo | None = None) -> dict:
     log = print if dist.is_main else (lambda *a, **k: None)
     search = search_run_batch_size(cfg, lambda trial: _train(trial, dist), log=log)
     cfg = at_batch_size(cfg, search["chosen"]).replace(find_batch_size=False,
-                      extra={**cfg.extra, "batch_size_search": search})
+                                                       extra={**cfg.extra, "batch_size_search": search})
     if dist.is_main:
         cfg.save(cfg.run_dir / "config.json")  # says what trained; a torchrun restart reloads it without searching
     log(f"[gallery] batch-size search: training at {search['chosen']} (tried {search['tried']}), from step 0")
