@@ -131,7 +131,7 @@ class CudnnGraph:
     def __init__(self, handle, named: dict, build, intermediate: str):
         import cudnn
 
-        self.cudnn, self.handle = cudnn, handle
+        self.handle = handle
         io = CUDNN_TYPES[named["x"].dtype]
         self.graph = cudnn.pygraph(io_data_type=io, intermediate_data_type=getattr(cudnn.data_type, intermediate),
                                    compute_data_type=cudnn.data_type.FLOAT, handle=handle)
@@ -173,6 +173,11 @@ class CudnnGraph:
         return best, timed_ms(lambda: self.run_plan(best)), medians
 
 
+def scale_bias_relu(graph, t):
+    """The previous norm applied as the convolution loads its input: ``relu(x * scale + bias)``."""
+    return graph.relu(input=graph.bias(input=graph.scale(input=t["x"], scale=t["scale"]), bias=t["bias"]))
+
+
 def cudnn_forward(handle, x, w, scale, bias, k, stride, intermediate):
     pad = k // 2
     out_side = (x.shape[2] + 2 * pad - k) // stride + 1
@@ -182,13 +187,12 @@ def cudnn_forward(handle, x, w, scale, bias, k, stride, intermediate):
     squares = torch.empty_like(sums)
 
     def build(graph, t):
-        cudnn = __import__("cudnn")
-        a = graph.relu(input=graph.bias(input=graph.scale(input=t["x"], scale=t["scale"]), bias=t["bias"]))
-        gy = graph.conv_fprop(image=a, weight=t["w"], padding=[pad] * 2, stride=[stride] * 2, dilation=[1, 1])
+        gy = graph.conv_fprop(image=scale_bias_relu(graph, t), weight=t["w"], padding=[pad] * 2,
+                              stride=[stride] * 2, dilation=[1, 1])
         gy.set_output(True).set_data_type(CUDNN_TYPES[x.dtype])
         gs, gq = graph.genstats(input=gy)
-        gs.set_output(True).set_data_type(cudnn.data_type.FLOAT)
-        gq.set_output(True).set_data_type(cudnn.data_type.FLOAT)
+        gs.set_output(True).set_data_type(CUDNN_TYPES[torch.float32])
+        gq.set_output(True).set_data_type(CUDNN_TYPES[torch.float32])
         return {"y": (gy, y), "sum": (gs, sums), "sq": (gq, squares)}
 
     return CudnnGraph(handle, {"x": x, "w": w, "scale": scale, "bias": bias}, build, intermediate), (y, sums, squares)
@@ -199,9 +203,8 @@ def cudnn_wgrad(handle, x, w, scale, bias, dy, k, stride, intermediate):
     dw = torch.empty_like(w)
 
     def build(graph, t):
-        cudnn = __import__("cudnn")
-        a = graph.relu(input=graph.bias(input=graph.scale(input=t["x"], scale=t["scale"]), bias=t["bias"]))
-        gdw = graph.conv_wgrad(image=a, loss=t["dy"], padding=[pad] * 2, stride=[stride] * 2, dilation=[1, 1])
+        gdw = graph.conv_wgrad(image=scale_bias_relu(graph, t), loss=t["dy"], padding=[pad] * 2,
+                               stride=[stride] * 2, dilation=[1, 1])
         gdw.set_output(True).set_dim(list(w.shape)).set_stride(list(w.stride())).set_data_type(
             CUDNN_TYPES[x.dtype])
         return {"dw": (gdw, dw)}
