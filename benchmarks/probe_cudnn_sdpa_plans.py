@@ -1,0 +1,211 @@
+"""Is there a faster cuDNN attention for SD-1.5's shapes than the one PyTorch's SDPA picks? A probe for issue 24.
+
+    python benchmarks/probe_cudnn_sdpa_plans.py --out RESULT.json   (needs a GPU and ``nvidia-cudnn-frontend``)
+
+Carry the frontend as a wheel, as ``probe_cudnn_conv_bn.py`` says. At batch 32 the SD step's largest kernel is cuDNN's
+attention backward at 4096 tokens and head dim 40 (34 ms a step, benchmarks/RESULTS.md#bench-h100), and the same kernel
+runs in the plain peer. PyTorch builds its cuDNN attention graphs with the frontend headers it was compiled with and
+runs the first plan cuDNN's heuristics rank. The frontend from the registry (1.32) can build the forward graph with
+each of its implementations (``AUTO``, ``COMPOSITE``, ``UNIFIED``; its backward takes no such choice) and run every
+plan cuDNN offers for the forward and the backward. For each self-attention shape of SD-1.5 at 512 px (batch 32, 8 heads, the ``(batch, heads, tokens, head_dim)``
+views of ``(batch, tokens, channels)`` the model makes), this times:
+
+- ``torch``: ``scaled_dot_product_attention`` on the cuDNN backend, forward alone and forward + backward (the backward
+  as their difference);
+- each buildable plan of the forward graph per implementation, and of the backward graph (once, under ``AUTO``);
+  outputs and gradients are checked against PyTorch's.
+
+CUDA-event medians of 10 rounds of 5 calls after warm-up, with p20 and p80.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+
+import torch
+import torch.nn.functional as F
+
+BATCH, HEADS = 32, 8
+SHAPES = [("down0/up3 self 4096x40", 4096, 40), ("down1/up2 self 1024x80", 1024, 80),
+          ("down2/up1 self 256x160", 256, 160), ("mid self 64x160", 64, 160)]
+MAX_PLANS = 8
+
+
+def timed_ms(fn, calls: int = 5, rounds: int = 10, warmup: int = 2) -> dict:
+    """Median, p20 and p80 of one call's time (ms), from CUDA events around ``calls`` calls."""
+    for _ in range(warmup):
+        fn()
+    per_call = []
+    for _ in range(rounds):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        per_call.append(start.elapsed_time(end) / calls)
+    q = statistics.quantiles(per_call, n=5)
+    return {"median_ms": statistics.median(per_call), "p20_ms": q[0], "p80_ms": q[3]}
+
+
+def relative_error(actual, expected) -> float:
+    return float((actual.float() - expected.float()).norm() / expected.float().norm().clamp_min(1e-12))
+
+
+def model_views(tokens: int, head_dim: int, generator) -> list[torch.Tensor]:
+    """q, k, v, dO as the model lays them out: (batch, tokens, heads * head_dim) seen as (batch, heads, tokens, dim)."""
+    return [torch.randn(BATCH, tokens, HEADS * head_dim, device="cuda", dtype=torch.bfloat16, generator=generator)
+            .view(BATCH, tokens, HEADS, head_dim).transpose(1, 2) for _ in range(4)]
+
+
+def torch_reference(q, k, v, d_out) -> dict:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        def forward():
+            return F.scaled_dot_product_attention(*leaves)
+
+        def forward_backward():
+            out = forward()
+            return torch.autograd.grad(out, leaves, d_out)
+
+        fwd = timed_ms(forward)
+        both = timed_ms(forward_backward)
+        out = forward()
+        grads = torch.autograd.grad(out, leaves, d_out)
+    return {"forward": fwd, "forward_backward": both, "backward_median_ms": both["median_ms"] - fwd["median_ms"],
+            "out": out.detach(), "grads": [g.detach() for g in grads]}
+
+
+class Graph:
+    """One cuDNN frontend graph, its plans built, each timed on its own."""
+
+    def __init__(self, cudnn, handle, tensors: dict, build):
+        self.cudnn, self.handle = cudnn, handle
+        self.graph = cudnn.pygraph(io_data_type=cudnn.data_type.BFLOAT16,
+                                   intermediate_data_type=cudnn.data_type.FLOAT,
+                                   compute_data_type=cudnn.data_type.FLOAT, handle=handle)
+        types = {torch.bfloat16: cudnn.data_type.BFLOAT16, torch.float32: cudnn.data_type.FLOAT}
+        self.inputs = {name: self.graph.tensor(name=name, dim=list(t.shape), stride=list(t.stride()),
+                                               data_type=types[t.dtype]) for name, t in tensors.items()}
+        outputs = build(self.graph, self.inputs)  # name -> (graph tensor, torch buffer)
+        for node, buffer in outputs.values():
+            node.set_output(True).set_dim(list(buffer.shape)).set_stride(list(buffer.stride())) \
+                .set_data_type(types[buffer.dtype])
+        self.buffers = {name: buffer for name, (_, buffer) in outputs.items()}
+        self.graph.validate()
+        self.graph.build_operation_graph()
+        try:
+            self.graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.B, cudnn.heur_mode.FALLBACK])
+        except Exception:  # heuristics mode B is not offered for every graph
+            self.graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+        self.graph.check_support()
+        self.graph.build_plans(cudnn.build_plan_policy.ALL)
+        self.pack = {self.inputs[name]: t for name, t in tensors.items()}
+        self.pack.update({node: buffer for node, buffer in outputs.values()})
+        self.workspaces = {}
+        for index in range(min(MAX_PLANS, self.graph.get_execution_plan_count())):
+            try:
+                size = self.graph.get_workspace_size_plan_at_index(index)
+                self.workspaces[index] = torch.empty(max(size, 1), device="cuda", dtype=torch.uint8)
+            except Exception:  # a plan that did not build
+                continue
+
+    def run(self, index: int) -> None:
+        self.graph.execute_plan_at_index(self.pack, self.workspaces[index], index, handle=self.handle)
+
+    def time_plans(self) -> dict:
+        timings = {}
+        for index in self.workspaces:
+            try:
+                timings[index] = timed_ms(lambda: self.run(index))
+            except Exception as exc:
+                timings[index] = {"error": f"{type(exc).__name__}: {exc}"[:200]}
+        return timings
+
+
+def probe_implementation(cudnn, handle, impl_name, q, k, v, d_out, reference) -> dict:
+    impl = getattr(cudnn.attention_implementation, impl_name)
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    out = torch.empty_like(q)  # the same (batch, heads, tokens, dim) strides as q
+    stats = torch.empty(BATCH, HEADS, q.shape[2], 1, device="cuda", dtype=torch.float32)
+    row = {}
+
+    def build_forward(graph, t):
+        o, s = graph.sdpa(name="sdpa", q=t["q"], k=t["k"], v=t["v"], attn_scale=scale, generate_stats=True,
+                          implementation=impl)
+        return {"o": (o, out), "stats": (s, stats)}
+
+    try:
+        fwd = Graph(cudnn, handle, {"q": q, "k": k, "v": v}, build_forward)
+        row["forward_plans"] = fwd.time_plans()
+        fwd.run(next(iter(fwd.workspaces)))
+        torch.cuda.synchronize()
+        row["forward_error"] = relative_error(out, reference["out"])
+    except Exception as exc:
+        return {"error": f"forward: {type(exc).__name__}: {exc}"[:300]}
+    if impl_name != "AUTO":
+        return row
+
+    grads = [torch.empty_like(t) for t in (q, k, v)]
+
+    def build_backward(graph, t):
+        kwargs = dict(name="sdpa_backward", q=t["q"], k=t["k"], v=t["v"], o=t["o"], dO=t["dO"], stats=t["stats"],
+                      attn_scale=scale)
+        dq, dk, dv = graph.sdpa_backward(**kwargs)  # the backward takes no implementation: its plans are enumerated
+        return {"dq": (dq, grads[0]), "dk": (dk, grads[1]), "dv": (dv, grads[2])}
+
+    try:
+        bwd = Graph(cudnn, handle, {"q": q, "k": k, "v": v, "o": out, "dO": d_out, "stats": stats}, build_backward)
+        row["backward_plans"] = bwd.time_plans()
+        bwd.run(next(iter(bwd.workspaces)))
+        torch.cuda.synchronize()
+        row["backward_error"] = [relative_error(g, r) for g, r in zip(grads, reference["grads"])]
+    except Exception as exc:
+        row["backward_error"] = f"backward: {type(exc).__name__}: {exc}"[:3000]
+    return row
+
+
+def best(plans: dict) -> float | None:
+    medians = [t["median_ms"] for t in plans.values() if "median_ms" in t]
+    return min(medians) if medians else None
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    import cudnn
+
+    handle = cudnn.create_handle()
+    cudnn.set_stream(handle=handle, stream=torch.cuda.current_stream().cuda_stream)
+    result = {"command": " ".join(sys.argv), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "cudnn_backend": torch.backends.cudnn.version(), "cudnn_frontend": getattr(cudnn, "__version__", "?"),
+              "batch": BATCH, "heads": HEADS, "rows": []}
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    for label, tokens, head_dim in SHAPES:
+        q, k, v, d_out = model_views(tokens, head_dim, generator)
+        reference = torch_reference(q, k, v, d_out)
+        row = {"shape": label, "torch": {key: reference[key] for key in
+                                         ("forward", "forward_backward", "backward_median_ms")}}
+        for impl_name in ("AUTO", "COMPOSITE", "UNIFIED"):
+            row[impl_name] = probe_implementation(cudnn, handle, impl_name, q, k, v, d_out, reference)
+        summary = {"torch_forward_ms": reference["forward"]["median_ms"],
+                   "torch_backward_ms": reference["backward_median_ms"]}
+        for impl_name in ("AUTO", "COMPOSITE", "UNIFIED"):
+            summary[f"{impl_name}_best_forward_ms"] = best(row[impl_name].get("forward_plans", {}))
+            summary[f"{impl_name}_best_backward_ms"] = best(row[impl_name].get("backward_plans", {}))
+        row["summary"] = summary
+        result["rows"].append(row)
+        print(label, json.dumps(summary), flush=True)
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
