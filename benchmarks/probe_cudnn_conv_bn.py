@@ -125,14 +125,23 @@ def torch_paths(k, stride):
 CUDNN_TYPES: dict = {}
 
 
-class CudnnGraph:
-    """One cuDNN graph built from ``build(graph, tensors)``, run with its fastest plan."""
+def register_cudnn_types(cudnn) -> None:
+    """Fills ``CUDNN_TYPES`` (torch dtype -> cuDNN data type) once the frontend is imported."""
+    CUDNN_TYPES.update({torch.bfloat16: cudnn.data_type.BFLOAT16, torch.float16: cudnn.data_type.HALF,
+                        torch.float32: cudnn.data_type.FLOAT})
 
-    def __init__(self, handle, named: dict, build, intermediate: str):
+
+class CudnnGraph:
+    """One cuDNN graph built from ``build(graph, tensors)``, its first ``max_plans`` plans ready to run; its I/O type
+    is the first input's. ``heur_modes`` (names of ``cudnn.heur_mode``) rank the plans, with A and FALLBACK as the
+    fallback where cuDNN does not offer them all."""
+
+    def __init__(self, handle, named: dict, build, intermediate: str, max_plans: int = MAX_PLANS,
+                 heur_modes: tuple[str, ...] = ("A", "FALLBACK")):
         import cudnn
 
         self.handle = handle
-        io = CUDNN_TYPES[named["x"].dtype]
+        io = CUDNN_TYPES[next(iter(named.values())).dtype]
         self.graph = cudnn.pygraph(io_data_type=io, intermediate_data_type=getattr(cudnn.data_type, intermediate),
                                    compute_data_type=cudnn.data_type.FLOAT, handle=handle)
         self.inputs = {name: self.graph.tensor(name=name, dim=list(t.shape), stride=list(t.stride()),
@@ -140,13 +149,16 @@ class CudnnGraph:
         self.outputs = build(self.graph, self.inputs)  # name -> (graph tensor, torch buffer)
         self.graph.validate()
         self.graph.build_operation_graph()
-        self.graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+        try:
+            self.graph.create_execution_plans([getattr(cudnn.heur_mode, mode) for mode in heur_modes])
+        except Exception:  # a heuristics mode cuDNN does not offer for this graph
+            self.graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
         self.graph.check_support()
         self.graph.build_plans(cudnn.build_plan_policy.ALL)
         self.pack = {self.inputs[n]: t for n, t in named.items()}
         self.pack.update({g: buf for g, buf in self.outputs.values()})
         self.plans = {}
-        for index in range(min(MAX_PLANS, self.graph.get_execution_plan_count())):
+        for index in range(min(max_plans, self.graph.get_execution_plan_count())):
             try:
                 size = self.graph.get_workspace_size_plan_at_index(index)
                 self.plans[index] = torch.empty(max(size, 1), device="cuda", dtype=torch.uint8)
@@ -280,8 +292,7 @@ def main() -> None:
     args = parser.parse_args()
     import cudnn
 
-    CUDNN_TYPES.update({torch.bfloat16: cudnn.data_type.BFLOAT16, torch.float16: cudnn.data_type.HALF,
-                        torch.float32: cudnn.data_type.FLOAT})
+    register_cudnn_types(cudnn)
     torch.backends.cudnn.benchmark = True
     handle = cudnn.create_handle()
     cudnn.set_stream(handle=handle, stream=torch.cuda.current_stream().cuda_stream)

@@ -23,37 +23,21 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
 import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from probe_cudnn_conv_bn import (  # noqa: E402 - the conv probe's graph wrapper, types and timing
+    CUDNN_TYPES, CudnnGraph, register_cudnn_types, relative_error, timed_ms)
 
 BATCH, HEADS = 32, 8
 SHAPES = [("down0/up3 self 4096x40", 4096, 40), ("down1/up2 self 1024x80", 1024, 80),
           ("down2/up1 self 256x160", 256, 160), ("mid self 64x160", 64, 160)]
 MAX_PLANS = 8
-
-
-def timed_ms(fn, calls: int = 5, rounds: int = 10, warmup: int = 2) -> dict:
-    """Median, p20 and p80 of one call's time (ms), from CUDA events around ``calls`` calls."""
-    for _ in range(warmup):
-        fn()
-    per_call = []
-    for _ in range(rounds):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(calls):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        per_call.append(start.elapsed_time(end) / calls)
-    q = statistics.quantiles(per_call, n=5)
-    return {"median_ms": statistics.median(per_call), "p20_ms": q[0], "p80_ms": q[3]}
-
-
-def relative_error(actual, expected) -> float:
-    return float((actual.float() - expected.float()).norm() / expected.float().norm().clamp_min(1e-12))
+TIMING = {"calls": 5, "rounds": 10, "warmup": 2}
 
 
 def model_views(tokens: int, head_dim: int, generator) -> list[torch.Tensor]:
@@ -74,59 +58,34 @@ def torch_reference(q, k, v, d_out) -> dict:
             out = forward()
             return torch.autograd.grad(out, leaves, d_out)
 
-        fwd = timed_ms(forward)
-        both = timed_ms(forward_backward)
+        fwd = timed_ms(forward, **TIMING)
+        both = timed_ms(forward_backward, **TIMING)
         out = forward()
         grads = torch.autograd.grad(out, leaves, d_out)
     return {"forward": fwd, "forward_backward": both, "backward_median_ms": both["median_ms"] - fwd["median_ms"],
             "out": out.detach(), "grads": [g.detach() for g in grads]}
 
 
-class Graph:
-    """One cuDNN frontend graph, its plans built, each timed on its own."""
+def as_output(node, buffer):
+    """Marks a graph tensor as an output written to ``buffer``, with its shape, strides and type."""
+    node.set_output(True).set_dim(list(buffer.shape)).set_stride(list(buffer.stride())) \
+        .set_data_type(CUDNN_TYPES[buffer.dtype])
 
-    def __init__(self, cudnn, handle, tensors: dict, build):
-        self.cudnn, self.handle = cudnn, handle
-        self.graph = cudnn.pygraph(io_data_type=cudnn.data_type.BFLOAT16,
-                                   intermediate_data_type=cudnn.data_type.FLOAT,
-                                   compute_data_type=cudnn.data_type.FLOAT, handle=handle)
-        types = {torch.bfloat16: cudnn.data_type.BFLOAT16, torch.float32: cudnn.data_type.FLOAT}
-        self.inputs = {name: self.graph.tensor(name=name, dim=list(t.shape), stride=list(t.stride()),
-                                               data_type=types[t.dtype]) for name, t in tensors.items()}
-        outputs = build(self.graph, self.inputs)  # name -> (graph tensor, torch buffer)
-        for node, buffer in outputs.values():
-            node.set_output(True).set_dim(list(buffer.shape)).set_stride(list(buffer.stride())) \
-                .set_data_type(types[buffer.dtype])
-        self.buffers = {name: buffer for name, (_, buffer) in outputs.items()}
-        self.graph.validate()
-        self.graph.build_operation_graph()
+
+def attention_graph(handle, tensors: dict, build) -> CudnnGraph:
+    """A bf16 graph with fp32 intermediates, every plan the three heuristics modes rank (up to ``MAX_PLANS``)."""
+    return CudnnGraph(handle, tensors, build, "FLOAT", max_plans=MAX_PLANS, heur_modes=("A", "B", "FALLBACK"))
+
+
+def time_plans(graph: CudnnGraph) -> dict:
+    """Each built plan's timing, or the error it ran into."""
+    timings = {}
+    for index in graph.plans:
         try:
-            self.graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.B, cudnn.heur_mode.FALLBACK])
-        except Exception:  # heuristics mode B is not offered for every graph
-            self.graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
-        self.graph.check_support()
-        self.graph.build_plans(cudnn.build_plan_policy.ALL)
-        self.pack = {self.inputs[name]: t for name, t in tensors.items()}
-        self.pack.update({node: buffer for node, buffer in outputs.values()})
-        self.workspaces = {}
-        for index in range(min(MAX_PLANS, self.graph.get_execution_plan_count())):
-            try:
-                size = self.graph.get_workspace_size_plan_at_index(index)
-                self.workspaces[index] = torch.empty(max(size, 1), device="cuda", dtype=torch.uint8)
-            except Exception:  # a plan that did not build
-                continue
-
-    def run(self, index: int) -> None:
-        self.graph.execute_plan_at_index(self.pack, self.workspaces[index], index, handle=self.handle)
-
-    def time_plans(self) -> dict:
-        timings = {}
-        for index in self.workspaces:
-            try:
-                timings[index] = timed_ms(lambda: self.run(index))
-            except Exception as exc:
-                timings[index] = {"error": f"{type(exc).__name__}: {exc}"[:200]}
-        return timings
+            timings[index] = timed_ms(lambda: graph.run_plan(index), **TIMING)
+        except Exception as exc:
+            timings[index] = {"error": f"{type(exc).__name__}: {exc}"[:200]}
+    return timings
 
 
 def probe_implementation(cudnn, handle, impl_name, q, k, v, d_out, reference) -> dict:
@@ -139,12 +98,14 @@ def probe_implementation(cudnn, handle, impl_name, q, k, v, d_out, reference) ->
     def build_forward(graph, t):
         o, s = graph.sdpa(name="sdpa", q=t["q"], k=t["k"], v=t["v"], attn_scale=scale, generate_stats=True,
                           implementation=impl)
+        as_output(o, out)
+        as_output(s, stats)
         return {"o": (o, out), "stats": (s, stats)}
 
     try:
-        fwd = Graph(cudnn, handle, {"q": q, "k": k, "v": v}, build_forward)
-        row["forward_plans"] = fwd.time_plans()
-        fwd.run(next(iter(fwd.workspaces)))
+        fwd = attention_graph(handle, {"q": q, "k": k, "v": v}, build_forward)
+        row["forward_plans"] = time_plans(fwd)
+        fwd.run_plan(next(iter(fwd.plans)))
         torch.cuda.synchronize()
         row["forward_error"] = relative_error(out, reference["out"])
     except Exception as exc:
@@ -158,12 +119,15 @@ def probe_implementation(cudnn, handle, impl_name, q, k, v, d_out, reference) ->
         kwargs = dict(name="sdpa_backward", q=t["q"], k=t["k"], v=t["v"], o=t["o"], dO=t["dO"], stats=t["stats"],
                       attn_scale=scale)
         dq, dk, dv = graph.sdpa_backward(**kwargs)  # the backward takes no implementation: its plans are enumerated
+        for node, buffer in zip((dq, dk, dv), grads):
+            as_output(node, buffer)
         return {"dq": (dq, grads[0]), "dk": (dk, grads[1]), "dv": (dv, grads[2])}
 
     try:
-        bwd = Graph(cudnn, handle, {"q": q, "k": k, "v": v, "o": out, "dO": d_out, "stats": stats}, build_backward)
-        row["backward_plans"] = bwd.time_plans()
-        bwd.run(next(iter(bwd.workspaces)))
+        bwd = attention_graph(handle, {"q": q, "k": k, "v": v, "o": out, "dO": d_out, "stats": stats},
+                              build_backward)
+        row["backward_plans"] = time_plans(bwd)
+        bwd.run_plan(next(iter(bwd.plans)))
         torch.cuda.synchronize()
         row["backward_error"] = [relative_error(g, r) for g, r in zip(grads, reference["grads"])]
     except Exception as exc:
@@ -182,6 +146,7 @@ def main() -> None:
     args = parser.parse_args()
     import cudnn
 
+    register_cudnn_types(cudnn)
     handle = cudnn.create_handle()
     cudnn.set_stream(handle=handle, stream=torch.cuda.current_stream().cuda_stream)
     result = {"command": " ".join(sys.argv), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
