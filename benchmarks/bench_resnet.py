@@ -57,6 +57,15 @@ VARIANTS = {  # name: (channels_last, torch.compile options or None)
         "triton.cudagraphs": True, "triton.prefer_nd_tiling": True, "triton.tile_reductions": True}}),
     "compile_cudagraphs_aggressive_fusion_channels_last": (True, {"options": {
         "triton.cudagraphs": True, "aggressive_fusion": True}}),
+    # 1x1 convolutions as matrix products autotuned against Triton templates, which can take the previous norm's
+    # scale, shift and ReLU as a prologue (Inductor's `prologue_fusion`), the 3x3 ones left to cuDNN
+    "compile_cudagraphs_conv1x1mm_autotune_gemm_channels_last": (True, {"options": {
+        "triton.cudagraphs": True, "conv_1x1_as_mm": True, "max_autotune_gemm": True,
+        "max_autotune_gemm_backends": "TRITON,ATEN"}}),
+    # the two reduction settings that each helped alone, together
+    "compile_cudagraphs_coordinate_descent_nd_tiling_channels_last": (True, {"options": {
+        "triton.cudagraphs": True, "coordinate_descent_tuning": True, "triton.prefer_nd_tiling": True,
+        "triton.tile_reductions": True}}),
     # cuDNN's benchmark tries every convolution algorithm, not its default first 10 (torch.backends.cudnn.benchmark_limit)
     "compile_cudagraphs_cudnn_all_algorithms_channels_last": (True, {"mode": "reduce-overhead"}),
 }
