@@ -27,9 +27,12 @@ CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
-# What the page must show is the same at any size, and test_notebooks.py runs every rung headless: the ladder's copy
-# climbs two rungs here, which saves CI about 15 minutes of the 2-core machine.
-BROWSER_PARAMETERS = {"optimization_ladder": {"rungs": ["tf32", "amp"], "steps": 4}}
+# What the page must show is the same at any size, and test_notebooks.py runs every recipe and rung headless: the
+# copies here run the baseline against the accelerated recipe, and two rungs of the ladder (CI's time, RESULTS.md#ci).
+TWO_RECIPES = {"recipes": ["baseline", "accelerated"]}
+BROWSER_PARAMETERS = {"optimization_ladder": {"rungs": ["tf32", "amp"], "steps": 4},
+                      "dreambooth": TWO_RECIPES, "resnet50": TWO_RECIPES, "stable_diffusion": TWO_RECIPES,
+                      "swin_transformer": {**TWO_RECIPES, "model_step_runs": False}}
 
 
 def _missing() -> str | None:
@@ -74,7 +77,7 @@ def lab(tmp_path_factory):
     url = f"http://127.0.0.1:{port}"
     try:
         _wait_until_up(f"{url}/api/status?token={token}", server, root / "lab.log")
-        yield url, token
+        yield url, token, root
     finally:
         server.terminate()
         server.wait(timeout=30)
@@ -112,7 +115,7 @@ def _wait_until_up(status_url: str, server: subprocess.Popen, log: Path, timeout
 def test_notebook_runs_in_jupyterlab_in_a_real_browser(lab, path):
     from playwright.sync_api import sync_playwright
 
-    url, token = lab
+    url, token, root = lab
     SCREENSHOTS.mkdir(parents=True, exist_ok=True)
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
@@ -132,8 +135,11 @@ def test_notebook_runs_in_jupyterlab_in_a_real_browser(lab, path):
             assert not [text for text in outputs if "Traceback (most recent call last)" in text], outputs[-3:]
             assert page.locator(".jp-OutputArea-output .widget-select-multiple").count() == 1  # the form
             assert page.locator(".jp-OutputArea-output img").count() >= 1  # the report figure, and more
-            if path.stem == "optimization_ladder":  # the injected parameters took
-                assert any("4 steps per rung" in text for text in outputs), outputs[:4]
+            ladder = path.stem == "optimization_ladder"  # its rungs land beside the SD notebook's runs
+            runs = root / "output" / ("stable_diffusion" if ladder else path.stem)
+            ran = sorted(run.name for run in runs.iterdir()
+                         if (run / "metrics.jsonl").is_file() and run.name.startswith("ladder-") == ladder)
+            assert ran == (["ladder-00-tf32", "ladder-01-amp"] if ladder else ["accelerated", "baseline"]), ran
         finally:
             page.screenshot(path=str(SCREENSHOTS / f"{path.stem}.last.png"))
             browser.close()
