@@ -168,20 +168,25 @@ class CudnnGraph:
     def run_plan(self, index):
         self.graph.execute_plan_at_index(self.pack, self.plans[index], index, handle=self.handle)
 
-    def fastest(self) -> tuple[int, dict, dict]:
-        """The fastest plan's index, its timing, and every plan's median (ms)."""
-        medians, best = {}, None
+    def time_plans(self, **timing) -> dict:
+        """Each built plan's ``timed_ms(**timing)``, or ``{"error": ...}`` for a plan that failed to run."""
+        timings = {}
         for index in self.plans:
             try:
-                timing = timed_ms(lambda: self.run_plan(index), calls=3, rounds=5, warmup=1)
+                timings[index] = timed_ms(lambda: self.run_plan(index), **timing)
             except Exception as exc:
-                medians[index] = f"failed: {type(exc).__name__}"
-                continue
-            medians[index] = timing["median_ms"]
-            if best is None or timing["median_ms"] < medians[best]:
-                best = index
-        if best is None:
+                timings[index] = {"error": f"{type(exc).__name__}: {exc}"[:200]}
+        return timings
+
+    def fastest(self) -> tuple[int, dict, dict]:
+        """The fastest plan's index, its timing, and every plan's median (ms)."""
+        timings = self.time_plans(calls=3, rounds=5, warmup=1)
+        medians = {index: t["median_ms"] if "median_ms" in t else "failed: " + t["error"].split(":")[0]
+                   for index, t in timings.items()}
+        ran = [index for index, t in timings.items() if "median_ms" in t]
+        if not ran:
             raise RuntimeError(f"no plan ran: {medians}")
+        best = min(ran, key=lambda index: medians[index])
         return best, timed_ms(lambda: self.run_plan(best)), medians
 
 

@@ -77,17 +77,6 @@ def attention_graph(handle, tensors: dict, build) -> CudnnGraph:
     return CudnnGraph(handle, tensors, build, "FLOAT", max_plans=MAX_PLANS, heur_modes=("A", "B", "FALLBACK"))
 
 
-def time_plans(graph: CudnnGraph) -> dict:
-    """Each built plan's timing, or the error it ran into."""
-    timings = {}
-    for index in graph.plans:
-        try:
-            timings[index] = timed_ms(lambda: graph.run_plan(index), **TIMING)
-        except Exception as exc:
-            timings[index] = {"error": f"{type(exc).__name__}: {exc}"[:200]}
-    return timings
-
-
 def probe_implementation(cudnn, handle, impl_name, q, k, v, d_out, reference) -> dict:
     impl = getattr(cudnn.attention_implementation, impl_name)
     scale = 1.0 / math.sqrt(q.shape[-1])
@@ -104,7 +93,7 @@ def probe_implementation(cudnn, handle, impl_name, q, k, v, d_out, reference) ->
 
     try:
         fwd = attention_graph(handle, {"q": q, "k": k, "v": v}, build_forward)
-        row["forward_plans"] = time_plans(fwd)
+        row["forward_plans"] = fwd.time_plans(**TIMING)
         fwd.run_plan(next(iter(fwd.plans)))
         torch.cuda.synchronize()
         row["forward_error"] = relative_error(out, reference["out"])
@@ -126,7 +115,7 @@ def probe_implementation(cudnn, handle, impl_name, q, k, v, d_out, reference) ->
     try:
         bwd = attention_graph(handle, {"q": q, "k": k, "v": v, "o": out, "dO": d_out, "stats": stats},
                               build_backward)
-        row["backward_plans"] = time_plans(bwd)
+        row["backward_plans"] = bwd.time_plans(**TIMING)
         bwd.run_plan(next(iter(bwd.plans)))
         torch.cuda.synchronize()
         row["backward_error"] = [relative_error(g, r) for g, r in zip(grads, reference["grads"])]
