@@ -59,5 +59,12 @@ if ! "$py" -c "import torch, torchvision" 2>/dev/null; then
 fi
 echo "[setup] installing gallery-lib[$extras]"
 "$py" -m pip install --quiet -e "$repo[$extras]"
+if "$py" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null \
+    && ! "$py" -c "import cudnn" 2>/dev/null; then
+  # ResNet-50's accelerated recipe folds its norms into cuDNN's fused convolutions through the frontend's graph API,
+  # which needs only the cuDNN that torch ships: not the CUTLASS DSL its wheel also asks for.
+  echo "[setup] GPU: installing cuDNN's Python frontend (nvidia-cudnn-frontend)"
+  "$py" -m pip install --quiet --no-deps "nvidia-cudnn-frontend>=1.12,<2"
+fi
 touch "$stamp"
 echo "[setup] ready: $py"

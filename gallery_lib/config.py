@@ -34,7 +34,8 @@ EMA_MODES = ("off", "loop", "foreach", "fused", "stream")
 OPTIMIZERS = ("adamw", "sgd")
 DATA_PARALLEL_MODES = ("ddp", "zero2")
 REPORT_TO = ("none", "tensorboard")
-KERNEL_OPS = ("group_norm_silu", "layer_norm", "geglu")
+TRITON_KERNEL_OPS = ("group_norm_silu", "layer_norm", "geglu")
+KERNEL_OPS = TRITON_KERNEL_OPS + ("conv_bn_relu",)  # cuDNN's fused conv + batch norm: float16 only, so never "all"
 # Compile modes that capture CUDA graphs: only meaningful with a GPU.
 CUDA_GRAPH_COMPILE_MODES = ("reduce-overhead", "max-autotune")
 
@@ -140,8 +141,10 @@ class RunConfig:
     kernels: bool = setting(False, kind=bool)
     """Swap in the fused Triton kernels of ``gallery_lib.accel.kernels`` where they apply (``--kernel-opt``)."""
     kernel_ops: str = setting("all", kind=str)
-    """Which kernels ``kernels=True`` swaps in: ``all`` or a comma list of ``group_norm_silu``, ``layer_norm``,
-    ``geglu`` (recipes keep only those that measured faster than torch.compile's own code)."""
+    """Which kernels ``kernels=True`` swaps in: ``all`` (the Triton kernels) or a comma list of ``group_norm_silu``,
+    ``layer_norm``, ``geglu``, ``conv_bn_relu`` (recipes keep only those that measured faster than torch.compile's own
+    code). ``conv_bn_relu`` folds a ResNet bottleneck's batch norms into cuDNN's fused convolutions; on a GPU it needs
+    ``amp_dtype='float16'`` and the ``nvidia-cudnn-frontend`` package (``ci/setup_env.sh`` installs it on a GPU)."""
     fused_attention: bool = setting(False, kind=bool)
     """Run window/self attention through ``scaled_dot_product_attention`` instead of explicit matmuls."""
     channels_last: bool = setting(False, kind=bool)
@@ -362,7 +365,7 @@ class RunConfig:
     def kernel_op_names(self) -> tuple[str, ...]:
         """``kernel_ops`` as names: every op for ``all``."""
         if self.kernel_ops == "all":
-            return KERNEL_OPS
+            return TRITON_KERNEL_OPS
         return tuple(op.strip() for op in self.kernel_ops.split(",") if op.strip())
 
     @property
@@ -476,6 +479,19 @@ def resolve_device(requested: str, cuda_devices: int) -> str:
     return requested if requested != "auto" else ("cuda" if cuda_devices else "cpu")
 
 
+def _check_cudnn_fusion(cfg: RunConfig) -> None:
+    """``conv_bn_relu`` on a GPU: cuDNN offers the fusion in float16 only, through its Python frontend."""
+    import importlib.util
+
+    if cfg.amp_level != "O1" or cfg.amp_dtype not in ("float16", "auto"):  # auto: float16 on a GPU with O1
+        raise ConfigError(f"kernel_ops with conv_bn_relu runs cuDNN's fused convolutions, which cuDNN offers in float16 "
+                          f"only (got amp_level={cfg.amp_level!r}, amp_dtype={cfg.amp_dtype!r}): set amp_level='O1' "
+                          "and amp_dtype='float16' (a GradScaler comes with it), or drop conv_bn_relu.")
+    if importlib.util.find_spec("cudnn") is None:
+        raise ConfigError("kernel_ops with conv_bn_relu needs cuDNN's Python frontend: pip install --no-deps "
+                          "nvidia-cudnn-frontend (ci/setup_env.sh does so on a GPU machine), or drop conv_bn_relu.")
+
+
 def validate_for_machine(cfg: RunConfig, *, cuda_devices: int | None = None, cpu_count: int | None = None) -> str:
     """Checks the options that depend on this machine and returns the resolved device (``cuda``/``cpu``).
 
@@ -499,6 +515,8 @@ def validate_for_machine(cfg: RunConfig, *, cuda_devices: int | None = None, cpu
         if cfg.nproc_per_node > cuda_devices:
             raise ConfigError(f"nproc_per_node={cfg.nproc_per_node} but only {cuda_devices} GPU(s) are visible: "
                               f"use nproc_per_node <= {cuda_devices}.")
+        if cfg.kernels and "conv_bn_relu" in cfg.kernel_op_names:
+            _check_cudnn_fusion(cfg)
     else:
         if cfg.compile and cfg.compile_mode in CUDA_GRAPH_COMPILE_MODES:
             raise ConfigError(f"compile_mode={cfg.compile_mode!r} captures CUDA graphs and needs a GPU: use "

@@ -11,6 +11,8 @@
   ``conv_act`` becomes ``nn.Identity``.
 * ``nn.LayerNorm`` (and timm's ``LayerNorm``, same math) over the last dim -> `FusedLayerNorm`.
 * diffusers ``GEGLU`` -> `FusedGEGLU` (the same ``proj`` Linear, fused gate).
+* timm's ResNet ``Bottleneck`` gets an instance-level ``forward``, `conv_bn_block.bottleneck_forward`: its batch
+  norms folded into cuDNN's fused convolutions (off unless asked for: the fusions run in float16 only).
 
 Fused modules share the original parameters, so an optimizer built before patching keeps working and a baseline
 checkpoint loads with ``strict=True``. `PatchReport.undo` (or `revert_kernels`) restores the original modules and
@@ -28,6 +30,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from gallery_lib.accel.conv_bn_block import bottleneck_forward, bottleneck_problem
 from gallery_lib.accel.modules import FusedGEGLU, FusedGroupNorm, FusedLayerNorm
 
 
@@ -146,7 +149,7 @@ class _Patcher:
 
 
 def apply_kernels(model: nn.Module, *, group_norm_silu: bool = True, layer_norm: bool = True,
-                  geglu: bool = True) -> PatchReport:
+                  geglu: bool = True, conv_bn_relu: bool = False) -> PatchReport:
     """Swap ``model``'s layers for fused ones in place and return what changed.
 
     Args:
@@ -154,6 +157,7 @@ def apply_kernels(model: nn.Module, *, group_norm_silu: bool = True, layer_norm:
         group_norm_silu: GroupNorm -> `FusedGroupNorm`, fusing the SiLU that follows in diffusers' blocks.
         layer_norm: last-dim LayerNorm -> `FusedLayerNorm`.
         geglu: diffusers ``GEGLU`` -> `FusedGEGLU`.
+        conv_bn_relu: timm ``Bottleneck`` -> `bottleneck_forward` (norms folded into the convolutions).
 
     Returns:
         A `PatchReport`; ``report.undo()`` restores the original modules.
@@ -166,6 +170,7 @@ def apply_kernels(model: nn.Module, *, group_norm_silu: bool = True, layer_norm:
     unet_cls = _loaded_class("diffusers.models.unets.unet_2d_condition", "UNet2DConditionModel")
     geglu_cls = _loaded_class("diffusers.models.activations", "GEGLU")
     timm_ln_cls = _loaded_class("timm.layers.norm", "LayerNorm")
+    bottleneck_cls = _loaded_class("timm.models.resnet", "Bottleneck")
     layer_norm_types = tuple(t for t in (nn.LayerNorm, timm_ln_cls) if t is not None)
     handled: set[int] = set()
 
@@ -206,6 +211,15 @@ def apply_kernels(model: nn.Module, *, group_norm_silu: bool = True, layer_norm:
                 report.skipped.append((name, f"normalizes over {module.normalized_shape}, not the last dim only"))
             else:
                 patcher.replace(module, FusedLayerNorm.from_module(module), "layer_norm")
+        elif bottleneck_cls is not None and type(module) is bottleneck_cls:
+            problem = bottleneck_problem(module)
+            if not conv_bn_relu:
+                report.skipped.append((name, "conv_bn_relu=False"))
+            elif problem:
+                report.skipped.append((name, f"norms not folded into the convolutions: {problem}"))
+            else:
+                patcher.override_forward(module, bottleneck_forward)
+                report.swapped.append((name, "conv_bn_relu"))
         elif geglu_cls is not None and type(module) is geglu_cls:
             if not geglu:
                 report.skipped.append((name, "geglu=False"))
