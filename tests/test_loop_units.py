@@ -32,6 +32,28 @@ def guard(**kw) -> NonfiniteGuard:
     return NonfiniteGuard(c, Precision.from_config(c, "cpu"), CPU)
 
 
+def test_device_guard_with_a_grad_scaler_skips_a_bad_step_through_the_scaler():
+    """fp16 with a fused optimizer: no host sync; a NaN loss makes the scaler skip the step and back off its scale."""
+    c = cfg(max_nonfinite_steps=2, fused_optimizer=True, amp_dtype="float16")
+    precision = Precision.from_config(c, "cpu")
+    g = NonfiniteGuard(c, precision, CPU)
+    assert g.mode == "device" and precision.scaler is not None
+    weight = torch.nn.Parameter(torch.ones(3, 2).t())  # not contiguous, as channels_last weights are not
+    optimizer = torch.optim.SGD([weight], lr=0.5, fused=True)
+    flags, weights, scales = [], [], []
+    for loss in (1.0, float("nan"), 2.0):
+        weight.grad = None
+        precision.backward(weight.sum())  # finite gradients: only the guard's flag can make the scaler skip
+        flags.append(g.update(torch.tensor(loss), optimizer, lambda: precision.step(None, optimizer, None)))
+        weights.append(weight.detach().clone())
+        scales.append(precision.scaler.get_scale())
+    assert [bool(f) for f in flags] == [False, True, False]
+    assert torch.equal(weights[0], torch.full((2, 3), 0.5)) and torch.equal(weights[1], weights[0])  # skipped
+    assert torch.equal(weights[2], torch.zeros(2, 3)) and scales[1] == scales[0] / 2
+    g.count([bool(f) for f in flags])
+    assert g.total == 1 and g.counters()["nonfinite_in_a_row"] == 0
+
+
 def test_host_guard_skips_the_update_of_a_bad_step_and_stops_after_a_run_of_them():
     g, updates = guard(), []
     assert g.mode == "host"

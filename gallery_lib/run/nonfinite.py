@@ -2,14 +2,16 @@
 
 Three modes (``guard_mode``):
 
-- ``device``, with a fused optimizer (AdamW, SGD) and no GradScaler (the compiled and accelerated recipes): the
-  optimizer gets a device flag (``found_inf``, the mechanism GradScaler uses) and skips its own update; no host
-  sync. The learning-rate schedule and the EMA still advance on a skipped step (the weights did not move, so the
-  EMA only moves towards them), and the skips are counted when the flags are read back at the next logging step (``count``). The per-step
-  sync of the other mode is too costly for a launch-bound step (benchmarks/RESULTS.md#sd15-recipes).
+- ``device``, with a fused optimizer (AdamW, SGD; the compiled and accelerated recipes): the optimizer gets a device
+  flag (``found_inf``, the mechanism GradScaler uses) and skips its own update; no host sync. With a GradScaler,
+  which hands the fused optimizer a ``found_inf`` of its own (from the unscaled gradients), a flagged step's
+  gradients are made non-finite instead, so the scaler skips it and backs off its scale, as it does for an
+  overflow. The learning-rate schedule and the EMA still advance on a skipped step (the weights did not move, so
+  the EMA only moves towards them), and the skips are counted when the flags are read back at the next logging
+  step (``count``). The per-step sync of the other mode is too costly for a launch-bound step
+  (benchmarks/RESULTS.md#sd15-recipes, #resnet50-conv-bn-fusion).
 - ``host`` otherwise: the loss is read on the host after backward (one sync per step, plus a one-element all-reduce
-  when distributed) and the optimizer, scheduler and EMA are not stepped at all; fp16 runs sync there anyway in
-  ``GradScaler.step``.
+  when distributed) and the optimizer, scheduler and EMA are not stepped at all.
 - ``off`` with ``max_nonfinite_steps=0``.
 
 ``max_nonfinite_steps`` skipped steps in a row stop the run (``should_stop``, then ``error``), with a checkpoint.
@@ -28,7 +30,7 @@ def guard_mode(cfg, precision) -> str:
     """``off``, ``device`` or ``host``: see the module docstring."""
     if cfg.max_nonfinite_steps == 0:
         return "off"
-    return "device" if cfg.fused_optimizer and precision.scaler is None else "host"
+    return "device" if cfg.fused_optimizer else "host"
 
 
 def nonfinite_flag(loss: torch.Tensor, dist: DistInfo) -> torch.Tensor:
@@ -38,6 +40,17 @@ def nonfinite_flag(loss: torch.Tensor, dist: DistInfo) -> torch.Tensor:
         # MAX, not SUM: fused AdamW skips only when found_inf == 1.0 exactly; a 2.0 (two bad ranks) would step.
         torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
     return flag
+
+
+def _make_gradients_nonfinite(optimizer: torch.optim.Optimizer, flag: torch.Tensor) -> None:
+    """Where ``flag`` > 0, one gradient element becomes NaN (otherwise + 0), so GradScaler's check finds it; no sync.
+    With ZeRO-2 each rank marks its own shard (every rank holds the same, all-reduced flag)."""
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            grad = param.grad.to_local() if hasattr(param.grad, "to_local") else param.grad
+            if grad is not None and grad.numel():
+                grad[(0,) * grad.dim()].add_(torch.where(flag > 0, float("nan"), 0.0).to(grad.dtype))  # a view
+                return
 
 
 def all_ranks_finite(loss: torch.Tensor, dist: DistInfo) -> bool:
@@ -51,6 +64,7 @@ class NonfiniteGuard:
 
     def __init__(self, cfg, precision, dist: DistInfo, counters: dict[str, int] | None = None) -> None:
         self.mode = guard_mode(cfg, precision)
+        self.scaler = precision.scaler
         self.limit = cfg.max_nonfinite_steps
         self.dist = dist
         counters = counters or {}
@@ -61,6 +75,11 @@ class NonfiniteGuard:
                apply_update: Callable[[], None]) -> bool | torch.Tensor:
         """Runs ``apply_update`` (optimizer, scheduler and EMA step) as the mode allows; returns whether the step was
         skipped: a bool, or in ``device`` mode a device flag that ``count`` reads later."""
+        if self.mode == "device" and self.scaler is not None:
+            flag = nonfinite_flag(loss, self.dist)
+            _make_gradients_nonfinite(optimizer, flag)
+            apply_update()
+            return flag
         if self.mode == "device":
             optimizer.found_inf = nonfinite_flag(loss, self.dist)
             flag = optimizer.found_inf
