@@ -23,5 +23,15 @@ def test_the_table_reads_each_recipe_as_resolved_on_this_machine(monkeypatch):
 
 def test_gpu_only_switches_read_as_what_a_cpu_run_does():
     rows = recipe_table(base_config("smoke", family="resnet50", device="cpu"), ["accelerated"]).rows
-    assert rows[0]["family switches"] == "channels_last=True, image_pipeline=cpu"
+    assert rows[0]["family switches"] == "channels_last=True, image_pipeline=cpu"  # the fused convolutions: GPU only
+    assert rows[0]["precision"] == "bfloat16 autocast"
     assert rows[0]["optimizer"] == "fused sgd" and rows[0]["EMA"] == "none"
+
+
+def test_resnet_accelerated_on_a_gpu_reads_the_fused_convolutions_in_float16(monkeypatch):
+    monkeypatch.setattr("gallery_lib.reports.recipe_table.visible_cuda_devices", lambda: 1)
+    monkeypatch.setattr("gallery_lib.recipes.runs_on_gpu", lambda base: True)
+    row, = recipe_table(base_config("smoke", family="resnet50"), ["accelerated"]).rows
+    assert row["precision"] == "float16 autocast + GradScaler"
+    assert row["family switches"] == "channels_last=True, image_pipeline=gpu_augment, kernels=True, " \
+                                     "kernel_ops=conv_bn_relu"

@@ -65,9 +65,11 @@ FAMILY = register_family(ModelFamily(
     },
     dataset="imagenet_jpeg",  # not Swin's imagenet_like: other sizes
     make_dataset=_make_dataset,
-    # kept: channels_last (1.79x eager), CUDA graphs (+1.5% compiled), the crops on the GPU (RESULTS.md#resnet50)
+    # kept: channels_last (1.79x eager), CUDA graphs (+1.5% compiled), the crops on the GPU (RESULTS.md#resnet50),
+    # the norms folded into cuDNN's fused convolutions, float16 only (RESULTS.md#resnet50-conv-bn-fusion)
     accelerated={"channels_last": True, "image_pipeline": "gpu_augment"},
-    accelerated_on_gpu={"compile_mode": "reduce-overhead"},
+    accelerated_on_gpu={"compile_mode": "reduce-overhead", "kernels": True, "kernel_ops": "conv_bn_relu",
+                        "amp_dtype": "float16"},
     peer={"channels_last": True},  # one line every convnet user knows
     block_types=("Bottleneck", "BasicBlock"),
     block_modules=("timm.models.resnet",),

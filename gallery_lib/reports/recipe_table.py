@@ -81,8 +81,9 @@ def _family_switches(cfg: RunConfig, device: str) -> str:
     options = for_device(device) if for_device is not None else cfg.options
     values = []
     for name in {**family.accelerated, **family.accelerated_on_gpu}:
-        if name in ("compile_scope", "compile_mode", "ema") or (name == "kernel_ops" and not cfg.kernels):
-            continue  # in their own columns; kernel ops say nothing with the kernels off
+        if name in ("compile_scope", "compile_mode", "ema", "amp_dtype") or (
+                name in ("kernels", "kernel_ops") and not cfg.kernels):
+            continue  # in their own columns; kernels off (a CPU run of a GPU-only switch) say nothing
         value = getattr(options, name) if hasattr(options, name) else getattr(cfg, name)
         values.append(f"{name}={value}")
     return ", ".join(values) or "-"
