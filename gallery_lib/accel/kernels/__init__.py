@@ -8,6 +8,9 @@ and registered autograd, so ``torch.compile`` traces it without a graph break. H
   which is how CPU CI checks the kernel logic;
 * anything else, or inside ``set_triton_enabled(False)``: the PyTorch reference in the same file, written with
   the same math (fp32 statistics, output in the input dtype), so results match the kernels to rounding.
+
+``conv_bn`` is the one op that is not Triton: a convolution with the batch norms around it folded in, run by cuDNN's
+runtime fusion through its Python frontend (``gallery::scale_bias_relu_conv``), with the same reference fallback.
 """
 
 from gallery_lib.accel.kernels._triton_utils import has_triton, is_triton_enabled, set_triton_enabled, use_triton

@@ -18,6 +18,7 @@ convolution gradients' neighbours: the gradients of the sums fold into ``dy``, t
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import statistics
 import warnings
@@ -30,6 +31,7 @@ _PLANS_TRIED = 4  # cuDNN ranks its plans; each runtime-fusion plan compiles ker
 _CHECK_TOLERANCE = 2e-2  # relative norm error of a cuDNN graph's first output against the reference: fp16 is 1e-3
 
 
+@functools.cache
 def has_cudnn_frontend() -> bool:
     """Whether ``nvidia-cudnn-frontend`` (``import cudnn``) is installed."""
     return importlib.util.find_spec("cudnn") is not None
