@@ -60,18 +60,18 @@ def _output_shape(x: torch.Tensor, weight: torch.Tensor, stride: int, padding: i
 class _CudnnGraph:
     """One built cuDNN graph for one shape: its input/output graph tensors and the fastest of its first plans."""
 
-    def __init__(self, cudnn, handle, x, scale, bias, weight, stride: int, padding: int):
+    def __init__(self, cudnn, handle, named: dict[str, torch.Tensor], stride: int, padding: int):
         types = {torch.float16: cudnn.data_type.HALF, torch.float32: cudnn.data_type.FLOAT}
-        graph = cudnn.pygraph(io_data_type=types[x.dtype], intermediate_data_type=cudnn.data_type.HALF,
+        io_type = types[named["x"].dtype]
+        graph = cudnn.pygraph(io_data_type=io_type, intermediate_data_type=cudnn.data_type.HALF,
                               compute_data_type=cudnn.data_type.FLOAT, handle=handle)
-        named = {"x": x, "scale": scale, "bias": bias, "w": weight}
         self.inputs = {n: graph.tensor(name=n, dim=list(t.shape), stride=list(t.stride()), data_type=types[t.dtype])
                        for n, t in named.items()}
         t = self.inputs
         image = graph.relu(input=graph.bias(input=graph.scale(input=t["x"], scale=t["scale"]), bias=t["bias"]))
         y = graph.conv_fprop(image=image, weight=t["w"], padding=[padding] * 2, stride=[stride] * 2,
                              dilation=[1, 1])
-        y.set_output(True).set_data_type(types[x.dtype])
+        y.set_output(True).set_data_type(io_type)
         sums, squares = graph.genstats(input=y)
         sums.set_output(True).set_data_type(types[torch.float32])
         squares.set_output(True).set_data_type(types[torch.float32])
@@ -159,7 +159,7 @@ class _CudnnRunner:
         for affine_dtype in (torch.float32, torch.float16):
             named = _graph_inputs(*args, affine_dtype)
             try:
-                graph = _CudnnGraph(self.cudnn, handle, *named.values(), stride, padding)
+                graph = _CudnnGraph(self.cudnn, handle, named, stride, padding)
                 got = graph.run(named)
             except Exception as exc:  # cuDNN declines some fusions (dtypes, GPUs, versions)
                 failures.append(f"{affine_dtype}: {type(exc).__name__}: {exc}"[:300])
