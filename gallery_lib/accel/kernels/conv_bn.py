@@ -92,7 +92,9 @@ class _CudnnGraph:
         squares = torch.empty_like(sums)
         pack = {self.inputs[k]: v for k, v in named.items()}
         pack.update(zip(self.outputs, (y, sums, squares)))
-        workspace = torch.empty(max(workspace_bytes or self.workspace_bytes, 1), device=y.device, dtype=torch.uint8)
+        if workspace_bytes is None:
+            workspace_bytes = self.workspace_bytes
+        workspace = torch.empty(max(workspace_bytes, 1), device=y.device, dtype=torch.uint8)
         self.graph.execute_plan_at_index(pack, workspace, self.plan if plan is None else plan, handle=self.handle)
         return y, sums.view(c), squares.view(c)
 
