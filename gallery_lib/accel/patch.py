@@ -212,10 +212,9 @@ def apply_kernels(model: nn.Module, *, group_norm_silu: bool = True, layer_norm:
             else:
                 patcher.replace(module, FusedLayerNorm.from_module(module), "layer_norm")
         elif bottleneck_cls is not None and type(module) is bottleneck_cls:
-            problem = bottleneck_problem(module)
             if not conv_bn_relu:
                 report.skipped.append((name, "conv_bn_relu=False"))
-            elif problem:
+            elif problem := bottleneck_problem(module):
                 report.skipped.append((name, f"norms not folded into the convolutions: {problem}"))
             else:
                 patcher.override_forward(module, bottleneck_forward)

@@ -75,14 +75,13 @@ class NonfiniteGuard:
                apply_update: Callable[[], None]) -> bool | torch.Tensor:
         """Runs ``apply_update`` (optimizer, scheduler and EMA step) as the mode allows; returns whether the step was
         skipped: a bool, or in ``device`` mode a device flag that ``count`` reads later."""
-        if self.mode == "device" and self.scaler is not None:
-            flag = nonfinite_flag(loss, self.dist)
-            _make_gradients_nonfinite(optimizer, flag)
-            apply_update()
-            return flag
         if self.mode == "device":
-            optimizer.found_inf = nonfinite_flag(loss, self.dist)
-            flag = optimizer.found_inf
+            flag = nonfinite_flag(loss, self.dist)
+            if self.scaler is not None:
+                _make_gradients_nonfinite(optimizer, flag)
+                apply_update()
+                return flag
+            optimizer.found_inf = flag
             try:
                 apply_update()
             finally:
