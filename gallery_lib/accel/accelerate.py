@@ -31,6 +31,7 @@ import torch.utils.checkpoint
 
 from gallery_lib.config import KERNEL_OPS, RunConfig
 from gallery_lib.accel.compile_plan import CompilePlan
+from gallery_lib.accel.cpu_codegen import use_safe_cpu_codegen
 from gallery_lib.accel.distributed import DistInfo, apply_zero2, wrap_ddp
 from gallery_lib.accel.precision import Precision
 
@@ -78,6 +79,10 @@ def apply_accelerations(model: torch.nn.Module, cfg: RunConfig, precision: Preci
         (cfg.coordinate_descent_tuning, ", coordinate-descent tuning of its kernels"),
         (cfg.tiled_reductions, ", reductions tiled in 2D"),
         (cfg.channels_last_graphs, ", channels_last through every graph")) if on)
+    if cfg.compile and dist.device.type == "cpu":
+        codegen_note = use_safe_cpu_codegen()  # AVX-512 C++ that this machine's compiler gets wrong: AVX2 instead
+        if codegen_note:
+            notes.append(codegen_note)
     if cfg.compile and cfg.compile_scope == "blocks":
         # Static shapes, as whole-model compilation has: each block shape gets its own graph.
         names = plan.compile_blocks(model, backend="inductor", dynamic=False, **compile_kwargs(cfg))

@@ -33,8 +33,12 @@ def gallery_backend(gm: torch.fx.GraphModule, example_inputs):
     """The Dynamo backend: the gallery's passes on ``gm``, then Inductor (CUDA graphs on a GPU)."""
     from torch._inductor.compile_fx import compile_fx
 
+    from gallery_lib.accel.cpu_codegen import use_safe_cpu_codegen
+
     fuse_geglu(gm)
     on_gpu = any(isinstance(t, torch.Tensor) and t.is_cuda for t in example_inputs)
+    if not on_gpu:
+        use_safe_cpu_codegen()
     return compile_fx(gm, example_inputs, config_patches={"triton.cudagraphs": on_gpu})
 
 

@@ -13,6 +13,8 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
+from gallery_lib.accel.cpu_codegen import use_safe_cpu_codegen
+
 _RECOMPILE_LIMIT = 64  # one code object serves every block of a class; the default limit (8) is below SD's shapes
 
 
@@ -67,6 +69,8 @@ def regional_compile(model: nn.Module, block_types: Iterable[type | str] | None 
         The qualified names of the compiled modules.
     """
     names = block_names(model, block_types)
+    if any(p.device.type == "cpu" for p in model.parameters()):
+        use_safe_cpu_codegen()
     for name in names:
         model.get_submodule(name).compile(**compile_kwargs)
     raise_recompile_limit()

@@ -30,6 +30,7 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import nn
 
+from gallery_lib.accel.cpu_codegen import use_safe_cpu_codegen
 from gallery_lib.run.quiet import quiet_known_noise
 
 _MIN_GAIN = 0.01  # a compiled candidate must beat eager by 1%, or eager is kept (fewer recompiles and surprises)
@@ -214,6 +215,8 @@ class _Chooser:
             return self.model._call_impl
         key = json.dumps(cand.options, sort_keys=True)
         if key not in self._compiled:
+            if not self._on_cuda:
+                use_safe_cpu_codegen()
             self._compiled[key] = torch.compile(self.model._call_impl, **cand.options)
         return self._compiled[key]
 
