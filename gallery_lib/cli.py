@@ -175,12 +175,16 @@ def _add_node_flags(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from gallery_lib.run.launch import Nodes, launch
+    from gallery_lib.run.launch import Nodes, RunFailed, launch
 
     (cfg,) = configs_from_args(args)
     nodes = Nodes(nnodes=args.nnodes, node_rank=args.node_rank, rdzv_endpoint=args.rdzv_endpoint,
                   rdzv_backend=args.rdzv_backend, rdzv_id=args.rdzv_id)
-    result = launch(cfg, nodes=nodes)
+    try:
+        result = launch(cfg, nodes=nodes)
+    except RunFailed as exc:  # the run streamed its log above: one line says why it stopped
+        print(f"gallery: {exc.failure.line(cfg.recipe) if exc.failure else exc}", file=sys.stderr)
+        return 1
     print(f"metrics: {result.metrics_path}" if result.summary else
           f"this node's part is done; rank 0's node writes {result.metrics_path}")
     return 0
@@ -204,10 +208,12 @@ def cmd_run(args: argparse.Namespace) -> int:
         validate_for_machine(cfg)
     if args.data_dir is None:
         prepare(base)
-    launch_all(configs)
-    report = compare(base, [c.recipe for c in configs])
+    runs = launch_all(configs)
+    report = compare(base, runs)
     print(report.markdown)
-    return 0
+    for line in runs.failure_lines():
+        print(f"gallery: {line}", file=sys.stderr)
+    return 1 if runs.failures else 0
 
 
 def cmd_bench(args: argparse.Namespace) -> int:

@@ -211,13 +211,37 @@ class RungResult:
     config: RunConfig | None
     summary: dict | None = None
     failure: str | None = None
-    """``None`` when it ran; otherwise why not (``needs a GPU``, ``out of memory``, the error's last line)."""
+    """``None`` when it ran; otherwise why not (``needs a GPU``, ``out of memory``, ``loss not finite from step 1``)."""
     builds_on: str | None = None
     """The rung it builds on on this machine (``rung_parents``), whether or not that one ran too."""
+    log: str | None = None
+    """The log of a rung that stopped."""
+
+    @property
+    def stopped(self) -> bool:
+        """It started and stopped with an error (a rung left out on this machine did not start)."""
+        return self.config is not None and self.failure is not None
+
+    def line(self) -> str:
+        """``ladder-13-kernels (<title>): stopped, <why>, see <log>``, or why it was left out."""
+        verb = "stopped" if self.stopped else "left out"
+        return (f"{recipe_name(self.rung)} ({self.rung.title}): {verb}, {self.failure}"
+                + (f", see {self.log}" if self.log else ""))
+
+
+class LadderRuns(list):
+    """The rungs' results in ladder order; ``raise_if_failed`` once everything that ran is shown."""
+
+    def raise_if_failed(self) -> None:
+        from gallery_lib.run.failure import RunsFailed
+
+        stopped = [result.line() for result in self if result.stopped]
+        if stopped:
+            raise RunsFailed(stopped)
 
 
 def run_ladder(base: RunConfig, rungs: list[str] | None = None, *, sizes: LadderSizes | None = None,
-               echo: Callable[[str], None] | None = print) -> list[RungResult]:
+               echo: Callable[[str], None] | None = print) -> LadderRuns:
     """Runs the rungs one after another, each in its own training process. Every config is resolved and checked for
     this machine before the first starts; a rung that fails (out of memory, say) is reported and the ladder goes on."""
     from gallery_lib.config import validate_for_machine
@@ -230,7 +254,7 @@ def run_ladder(base: RunConfig, rungs: list[str] | None = None, *, sizes: Ladder
     for cfg in configs.values():
         if cfg is not None:
             validate_for_machine(cfg)
-    results = []
+    results = LadderRuns()
     for name, cfg in configs.items():
         rung = rung_named(name)
         if cfg is None:
@@ -241,9 +265,10 @@ def run_ladder(base: RunConfig, rungs: list[str] | None = None, *, sizes: Ladder
         try:
             results.append(RungResult(rung, cfg, summary=launch(cfg, echo=echo).summary, builds_on=parents[name]))
         except RunFailed as exc:
-            results.append(RungResult(rung, cfg, failure=failure_reason(str(exc)), builds_on=parents[name]))
+            reason, log = (exc.failure.reason, exc.failure.log) if exc.failure else (failure_reason(str(exc)), None)
+            results.append(RungResult(rung, cfg, failure=reason, builds_on=parents[name], log=log))
             if echo:
-                echo(f"[ladder] {rung.name} did not finish: {results[-1].failure}; going on with the next rung")
+                echo(f"[ladder] {results[-1].line()}; going on with the next rung")
     return results
 
 

@@ -7,11 +7,14 @@ the report.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
-from typing import Any, Callable, Sequence, Union
+from typing import Any, Callable, Iterator, Sequence, Union
 
 from gallery_lib.config import ConfigError, RunConfig, validate_for_machine
-from gallery_lib.run.launch import RunResult, launch
+from gallery_lib.run.failure import RunFailure, RunsFailed
+from gallery_lib.run.launch import RunFailed, RunResult, launch
 from gallery_lib.profiles import data_spec
 from gallery_lib.recipes import RECIPES, all_recipes, describe, recipe_config
 
@@ -39,25 +42,75 @@ def resolve_recipes(base: RunConfig, recipes: Sequence[RecipeSpec]) -> list[RunC
     return [recipe_config(base, name, overrides) for name, overrides in specs]
 
 
+class RecipeRuns(Mapping):
+    """What ``run_recipes`` returns: the runs that finished, by run name, in the order they ran (a mapping:
+    ``results["accelerated"]``, ``list(results.values())``), and in ``failures`` why the others stopped.
+    ``names`` lists every run, finished or not, as ``compare`` reports them."""
+
+    def __init__(self) -> None:
+        self.finished: dict[str, RunResult] = {}
+        self.failures: dict[str, RunFailure] = {}
+        self.names: list[str] = []
+
+    def __getitem__(self, name: str) -> RunResult:
+        return self.finished[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.finished)
+
+    def __len__(self) -> int:
+        return len(self.finished)
+
+    def failure_lines(self) -> list[str]:
+        return [failure.line(name) for name, failure in self.failures.items()]
+
+    def raise_if_failed(self) -> None:
+        """``RunsFailed``, one line per stopped run, when any stopped: call it once everything that ran is shown."""
+        if self.failures:
+            raise RunsFailed(self.failure_lines())
+
+
 def run_recipes(base: RunConfig, recipes: Sequence[RecipeSpec], *,
-                echo: Callable[[str], None] | None = print) -> dict[str, RunResult]:
-    """Launches every recipe on top of ``base``, one after another; returns the results by run name (the recipe's,
-    with its overrides). Every config is resolved and checked for this machine before the first run starts."""
+                echo: Callable[[str], None] | None = print) -> RecipeRuns:
+    """Launches every recipe on top of ``base``, one after another; a run that stops is recorded in one line and the
+    next one starts. Every config is resolved and checked for this machine before the first run starts."""
     return launch_all(resolve_recipes(base, recipes), echo=echo)
 
 
-def launch_all(configs: Sequence[RunConfig], *, echo: Callable[[str], None] | None = print) -> dict[str, RunResult]:
+def launch_all(configs: Sequence[RunConfig], *, echo: Callable[[str], None] | None = print) -> RecipeRuns:
     """Launches already-resolved run configs one after another (each validated before any starts)."""
     for cfg in configs:
         validate_for_machine(cfg)
-    results: dict[str, RunResult] = {}
+    runs = RecipeRuns()
     for cfg in configs:
         if echo:
             name, _, overrides = cfg.recipe.partition("+")  # "compiled+lr=0.002": a recipe with overrides
             doc = describe(name) if name in all_recipes() else "custom run"
             echo(f"\n=== {cfg.recipe}: {doc}{' (with overrides)' if overrides else ''} ===")
-        results[cfg.recipe] = launch(cfg, echo=echo)
-    return results
+        runs.names.append(cfg.recipe)
+        try:
+            runs.finished[cfg.recipe] = launch(cfg, echo=echo)
+        except RunFailed as exc:
+            failure = _against_finished_runs(exc.failure or RunFailure("error", str(exc).splitlines()[0]), cfg, runs)
+            failure.write(cfg.run_dir)
+            runs.failures[cfg.recipe] = failure
+            if echo:
+                echo(f"[gallery] {failure.line(cfg.recipe)}")
+    return runs
+
+
+def _against_finished_runs(failure: RunFailure, cfg: RunConfig, runs: RecipeRuns) -> RunFailure:
+    """A loss that was not finite from a run's first steps, where an earlier run at the same learning rate on the
+    same data trained with a finite one, says so: the recipe's numerics are at fault, not the learning rate."""
+    if failure.kind != "nonfinite" or failure.first_step is None or failure.first_step > 1:
+        return failure
+    finite = [name for name, result in runs.finished.items()
+              if result.summary.get("nonfinite_steps", 0) == 0 and result.config.lr == cfg.lr
+              and result.config.data_dir == cfg.data_dir]
+    if not finite:
+        return failure
+    return replace(failure, reason=f"{failure.reason} while {finite[0]}'s was finite at the same lr (the recipe's "
+                                   "numerics)")
 
 
 def model_step_config(base: RunConfig, steps: int = 60) -> RunConfig:
@@ -77,11 +130,13 @@ def model_dir(cfg: RunConfig) -> Path:
     return Path(cfg.output_dir) / cfg.family
 
 
-def compare(cfg: RunConfig, recipes: Sequence[str] | None = None):
-    """Writes ``<output>/<family>/report.{md,png}`` from the runs' own metrics files and returns the report."""
+def compare(cfg: RunConfig, recipes: RecipeRuns | Sequence[str] | None = None):
+    """Writes ``<output>/<family>/report.{md,png}`` from the runs' own metrics files and returns the report; given
+    what ``run_recipes`` returned, every run it started, a stopped one as one line."""
     from gallery_lib.reports.comparison import write_report
 
-    return write_report(model_dir(cfg), recipes=list(recipes) if recipes else None)
+    names = recipes.names if isinstance(recipes, RecipeRuns) else recipes
+    return write_report(model_dir(cfg), recipes=list(names) if names else None)
 
 
 def summarize(report, reference: str = "baseline") -> str:
@@ -104,6 +159,7 @@ def summarize(report, reference: str = "baseline") -> str:
         text += f"; peak memory {row['peak_mem_gib']:.2f} GiB"
         text += f"; final loss {row['final_loss']:.3f}."
         lines.append(text)
+    lines += [f"- {failure.line(name)}." for name, failure in report.failures.items()]
     if any(row["device"] == "CPU" for row in rows.values()):
         lines.append("These are CPU smoke numbers: they check the code path, not speed. "
                      "Run on a GPU for the benchmark.")

@@ -117,7 +117,7 @@ def test_report_speedups_gains_and_findings(tmp_path):
     said = "\n".join(findings(rows))
     assert "Fastest rung: bfloat16 (ladder-08-bf16), 30.5 img/s, 3.05x the first rung" in said
     assert "ZeRO-2 (0.97x)" in said and "bfloat16 (1.02x)" in said and "fused EMA" not in said.split("Bought")[1]
-    assert "torch.compile (ladder-09-compile) did not run: out of memory" in said
+    assert "ladder-09-compile (torch.compile): stopped, out of memory." in said
     report = ladder_report(results, tmp_path)
     assert "| ladder-01-amp (fp16 AMP) | 8 | 12.0 |" in report.markdown
     assert json.loads((tmp_path / "ladder.json").read_text())[1]["speedup"] == pytest.approx(1.2)

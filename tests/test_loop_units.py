@@ -259,3 +259,17 @@ def test_progress_bar_follows_the_step_lines_from_a_resumed_start():
     quiet = StepProgress("baseline", enabled=False)
     quiet.feed("[gallery] step 4/4 | loss 1.0 | 1.0 img/s | 1.0 ms/step | peak 0.1 GiB")
     assert quiet.bar is None
+
+
+def test_the_advice_of_a_nonfinite_stop_fits_when_it_began():
+    from gallery_lib.run.nonfinite import NonfiniteLossError
+
+    g = guard()
+    for loss in (float("nan"), float("nan")):
+        g.update(torch.tensor(loss), None, lambda: None)
+    early = g.error(1, "ckpt/step_2.pt")
+    assert isinstance(early, NonfiniteLossError) and early.first_step == 0
+    assert "from the run's first steps: the recipe's numerics" in str(early) and "Lower the learning" not in str(early)
+    late = g.error(7, "ckpt/step_8.pt")  # steps 6-7 after six good ones: the learning rate or the data
+    assert late.first_step == 6 and "Lower the learning rate (lr)" in str(late) and "numerics" not in str(late)
+    assert g.error(11, "ckpt", start=10).first_step == 10 and "first steps" in str(g.error(11, "ckpt", start=10))

@@ -139,7 +139,36 @@ def test_ladder_notebook_climbs_every_rung_in_smoke_profile(tmp_path):
         assert summary["type"] == "summary" and rows[rung.name]["img_per_s"] == summary["samples_per_s"]
     assert rows["batch"]["batch_size"] == 8 and rows["checkpointing"]["batch_size"] == 16
     text = "\n".join(o.get("text", "") for c in nb.cells for o in c.get("outputs", []) if o.output_type == "stream")
-    assert "Fastest rung:" in text and "CUDA graphs (ladder-11-cuda_graphs) did not run: needs a GPU" in text
+    assert "Fastest rung:" in text and "ladder-11-cuda_graphs (CUDA graphs): left out, needs a GPU" in text
     shown = [o["data"]["text/markdown"] for c in nb.cells for o in c.get("outputs", [])
              if "text/markdown" in o.get("data", {})]
     assert any("`sdpa_math=False`" in md for md in shown)  # the plan, read from the resolved configs
+
+
+@pytest.mark.notebook
+@pytest.mark.slow
+def test_a_stopped_recipe_leaves_every_other_result_and_one_line(tmp_path):
+    """A recipe whose loss stops being finite: the notebook shows the other recipe's report and summary, the stopped
+    one in one line, and fails only in its last cell, so that papermill and CI see a failed gallery."""
+    import papermill
+
+    out_dir = tmp_path / "output"
+    stopping = ["baseline", {"lr": 1e30, "max_nonfinite_steps": 2}]  # AdamW with this lr: inf weights after step 0
+    params = {"profile": "smoke", "output_dir": str(out_dir), "data_root": str(tmp_path / "data"),
+              "interactive": False, "model_step_runs": False, "recipes": ["baseline", stopping]}
+    path = REPO / "notebooks" / "swin_transformer.ipynb"
+    with pytest.raises(papermill.PapermillExecutionError, match="RunsFailed"):
+        _runner().run_notebook(path, out_dir / "notebooks", params, cell_timeout=900)
+    nb = nbformat.read(out_dir / "notebooks" / path.name, as_version=4)
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    errors = [(i, o) for i, c in enumerate(code) for o in c.outputs if o.output_type == "error"]
+    name = "baseline+lr=1e+30+max_nonfinite_steps=2"
+    log = out_dir / "swin_transformer" / name / "logs" / "rank0.log"
+    line = f"{name}: stopped, loss not finite from step 1, see {log}"
+    assert [i for i, _ in errors] == [len(code) - 1]  # every cell before the last one ran
+    assert errors[0][1].ename == "RunsFailed" and errors[0][1].traceback == [f"RunsFailed: {line}"]
+    report = (out_dir / "swin_transformer" / "report.md").read_text()
+    assert "| baseline | CPU |" in report and f"- {line}\n" in report and f"| {name}" not in report
+    text = "\n".join(o.get("text", "") for c in code for o in c.outputs if o.output_type == "stream")
+    assert f"[gallery] {line}" in text and f"- {line}." in text  # as it stopped, and in the summary
+    assert "- baseline: " in text and "img/s" in text and "Traceback" not in text

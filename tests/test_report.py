@@ -265,3 +265,36 @@ def test_cpu_runs_say_their_timings_are_not_speed_measurements(tmp_path):
                             "median_step_time_ms": 20.0, "output_dir": str(model_dir / recipe)})
     title = comparison_figure(load_runs(model_dir)).get_suptitle()
     assert "CPU" in title and "they are not speed measurements" in title
+
+
+def test_a_stopped_run_is_one_line_not_a_row_a_bar_or_a_curve(model_dir):
+    from gallery_lib.run.failure import RunFailure
+    from gallery_lib.workflow import summarize
+
+    log = str(model_dir / "accelerated" / "logs" / "rank0.log")
+    _write_run(model_dir, "accelerated", losses=[6.7, float("nan"), float("nan")], times=[900.0, 50.0, 50.0])
+    RunFailure("nonfinite", "loss not finite from step 1", log, first_step=1).write(model_dir / "accelerated")
+    report = write_report(model_dir, ["baseline", "compiled", "accelerated"])
+    line = f"accelerated: stopped, loss not finite from step 1, see {log}"
+    assert [row["recipe"] for row in report.table] == ["baseline", "compiled"]
+    assert "| accelerated" not in report.markdown and "`accelerated`" not in report.markdown  # no row, no run link
+    assert report.markdown.count("accelerated:") == 1 and f"- {line}\n" in report.markdown
+    speed_axis, step_axis, _, loss_axis = report.figure.axes
+    assert [tick.get_text() for tick in speed_axis.get_xticklabels()] == ["baseline", "compiled"]
+    assert not any("accelerated" in str(t.get_text()) for ax in report.figure.axes for t in ax.texts)
+    assert [ln.get_label().split(" ")[0] for ln in loss_axis.lines] == ["baseline", "compiled"]
+    assert summarize(report).splitlines()[-1] == f"- {line}."
+    (model_dir / "accelerated" / "failure.json").unlink()  # without its record, a stopped run is unfinished
+    assert [row["recipe"] for row in write_report(model_dir, ["baseline", "accelerated"]).table] == [
+        "baseline", "accelerated"]
+
+
+def test_a_report_of_runs_that_all_stopped_still_writes(tmp_path):
+    from gallery_lib.run.failure import RunFailure
+
+    model_dir = tmp_path / "output" / "swin"
+    _write_run(model_dir, "baseline", losses=[float("nan")], times=[900.0])
+    RunFailure("out_of_memory", "out of memory").write(model_dir / "baseline")
+    report = write_report(model_dir, ["baseline"])
+    assert report.table == [] and "- baseline: stopped, out of memory\n" in report.markdown
+    assert (model_dir / "report.png").stat().st_size > 1000

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from gallery_lib.config import RunConfig
+from gallery_lib.run.failure import read_failure
 from gallery_lib.run.launch import RunFailed, launch
 from gallery_lib.run.metrics import read_metrics
 from gallery_lib.models import build_model
@@ -207,6 +208,9 @@ def test_failed_run_raises_with_the_rank_log(tmp_path):
         launch(cfg, echo=None)
     message = str(info.value)
     assert "rank0.log" in message and "consecutive" in message
+    failure = info.value.failure  # what a notebook shows in one line, recorded by the training process
+    assert failure.kind == "error" and "consecutive" in failure.reason and failure.log.endswith("rank0.log")
+    assert read_failure(cfg.run_dir.resolve()) == failure and len(failure.line("baseline").splitlines()) == 1
 
 
 def test_amp_o2_steps_match_fp32_master_sgd():

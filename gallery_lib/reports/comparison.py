@@ -9,7 +9,9 @@ folder and carries that folder (``RunRecord.run_dir``), so a variant can never b
 
 Throughput and step times come from the summary line the training loop writes (median over the steady-state steps
 after warm-up, CUDA events on a GPU). A run killed before its summary is still shown, flagged unfinished, with the
-same figures computed from the steps it logged.
+same figures computed from the steps it logged. A run that stopped with an error (its ``failure.json``) is shown in
+one line under the table, ``accelerated: stopped, loss not finite from step 1, see <log>``: its figures are not
+compared.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from typing import Any
 import numpy as np
 from matplotlib.figure import Figure
 
+from gallery_lib.run.failure import RunFailure, read_failure
 from gallery_lib.run.metrics import read_metrics
 
 CONFIG_FILE = "config.json"
@@ -69,6 +72,8 @@ class RunRecord:
     """The ``summary`` record, or ``None`` when the run did not finish."""
     run_dir: Path
     """The folder everything above was read from."""
+    failure: RunFailure | None = None
+    """Why the run stopped, when it recorded an error (``failure.json``)."""
 
     @property
     def finished(self) -> bool:
@@ -85,6 +90,8 @@ class Report:
     paths: dict[str, Path]
     runs: list[RunRecord] = field(repr=False)
     _png: bytes = field(repr=False)
+    failures: dict[str, RunFailure] = field(default_factory=dict)
+    """The runs that stopped with an error, by recipe: shown in one line each, not in the table or the figure."""
 
     def _repr_markdown_(self) -> str:
         return with_inline_image(self.markdown, REPORT_PNG, self._png)
@@ -119,7 +126,8 @@ def load_run(run_dir: str | os.PathLike) -> RunRecord:
             raise ValueError(f"{run_dir}: {METRICS_FILE} was written by {key}={summary[key]!r} but {CONFIG_FILE} "
                              f"says {key}={config[key]!r}, so the files come from different runs. Delete the "
                              f"folder and {RUN_HINT.format(recipe=run_dir.name)}.")
-    return RunRecord(recipe=run_dir.name, config=config, steps=steps, summary=summary, run_dir=run_dir)
+    return RunRecord(recipe=run_dir.name, config=config, steps=steps, summary=summary, run_dir=run_dir,
+                     failure=read_failure(run_dir) if summary is None else None)
 
 
 def load_runs(model_dir: str | os.PathLike, recipes: list[str] | None = None) -> list[RunRecord]:
@@ -239,7 +247,8 @@ def comparison_figure(runs: list[RunRecord], reference: str = "baseline") -> Fig
         ax_loss.plot(steps, losses, color=colors[run.recipe], linestyle=_LINE_STYLES[i % len(_LINE_STYLES)],
                      label=label)
     ax_loss.set(title="(d) training loss", xlabel="step", ylabel="loss")
-    ax_loss.legend()
+    if runs:
+        ax_loss.legend()
 
     model = runs[0].config.get("model", runs[0].run_dir.parent.name) if runs else ""
     title = f"{model}: {_describe(table, 'device')}\nglobal batch {_describe(table, 'global_batch')}"
@@ -253,14 +262,18 @@ def write_report(model_dir: str | os.PathLike, recipes: list[str] | None = None,
                  reference: str = "baseline") -> Report:
     """Writes ``<model_dir>/report.md`` and ``report.png`` comparing the recipes' runs, and returns them."""
     model_dir = Path(model_dir)
-    runs = load_runs(model_dir, recipes)
+    loaded = load_runs(model_dir, recipes)
+    runs = [run for run in loaded if run.failure is None]
+    failures = {run.recipe: run.failure for run in loaded if run.failure is not None}
     table = comparison_table(runs, reference)
     figure = comparison_figure(runs, reference)
-    model = runs[0].config.get("model", model_dir.name)
+    model = loaded[0].config.get("model", model_dir.name)
     run_lines = [f"- `{run.recipe}`: [{run.recipe}/]({run.recipe}/) (`{run.run_dir}`), metrics in "
                  f"[{run.recipe}/{METRICS_FILE}]({run.recipe}/{METRICS_FILE})"
                  + ("" if run.finished else " (unfinished: no summary line)") for run in runs]
-    markdown = (f"# {model}: recipe comparison\n\n{to_markdown(table, reference)}\n![comparison]({REPORT_PNG})\n\n"
+    stopped = "".join(f"- {failure.line(name)}\n" for name, failure in failures.items())
+    markdown = (f"# {model}: recipe comparison\n\n{to_markdown(table, reference)}\n"
+                + (f"{stopped}\n" if stopped else "") + f"![comparison]({REPORT_PNG})\n\n"
                 "## Runs\n\n" + "\n".join(run_lines) + "\n")
     paths = {"markdown": model_dir / REPORT_MD, "figure": model_dir / REPORT_PNG}
     png = _png_bytes(figure)
@@ -271,7 +284,8 @@ def write_report(model_dir: str | os.PathLike, recipes: list[str] | None = None,
 
         paths["tensorboard"] = model_dir / "tensorboard"
         log_figure(paths["tensorboard"], "recipe comparison", figure)
-    return Report(table=table, markdown=markdown, figure=figure, paths=paths, runs=runs, _png=png)
+    return Report(table=table, markdown=markdown, figure=figure, paths=paths, runs=runs, _png=png,
+                  failures=failures)
 
 
 def mfu(samples_per_s: float | None, flops_per_sample: float | None, matmul_tflops: float | None) -> float | None:
@@ -330,7 +344,8 @@ def _plot_step_times(ax, runs: list[RunRecord], table: list[dict[str, Any]], col
     if medians and slowest > _LOG_Y_RATIO * max(medians):
         ax.set_yscale("log")
     ax.set(title="(b) step time (warm-up shaded, hollow markers)", xlabel="step", ylabel="ms (lower is better)")
-    ax.legend(fontsize="small")
+    if runs:
+        ax.legend(fontsize="small")
 
 
 def _series(steps: list[dict[str, Any]], key: str) -> tuple[np.ndarray, np.ndarray]:

@@ -38,6 +38,7 @@ def ladder_rows(results: list[RungResult]) -> list[dict[str, Any]]:
             "img_per_s": None, "median_step_ms": None, "p20_step_ms": None, "p80_step_ms": None, "peak_mem_gib": None,
             "speedup": None, "gain": None, "talk_speedup": rung.talk[0] if rung.talk else None,
             "talk_peak_mem_gb": rung.talk[1] if rung.talk else None, "failure": result.failure,
+            "failure_line": result.line() if result.failure else None,
             "device": summary["device_name"] if summary else None,
         }
         if summary:
@@ -65,32 +66,43 @@ def findings(rows: list[dict[str, Any]]) -> list[str]:
         lines.append("Bought no speed here (under 3% over the rung each builds on): " + ", ".join(flat) + ".")
     for row in rows:
         if row["failure"]:
-            lines.append(f"{row['title']} ({row['rung']}) did not run: {row['failure']}.")
+            lines.append(f"{_failure_line(row)}.")
     if any(row["device"] == "CPU" for row in ran):
         lines.append("These are CPU smoke numbers: they check every rung's code path, not its speed.")
     return lines
 
 
 def to_markdown(rows: list[dict[str, Any]]) -> str:
+    """The rungs that ran as a table; each rung that did not, one line under it."""
     head = ("| rung | batch | img/s | step ms [p20-p80] | peak GiB | speedup | gain over the rung below | "
             "talk: speedup | talk: GB |")
     lines = [head, "|" + "---|" * head.count(" | ") + "---|"]
-    for row in rows:
-        step = (f"{row['median_step_ms']:.1f} [{row['p20_step_ms']:.1f}-{row['p80_step_ms']:.1f}]"
-                if row["median_step_ms"] is not None else (row["failure"] or ""))
+    for row in _ran(rows):
+        step = f"{row['median_step_ms']:.1f} [{row['p20_step_ms']:.1f}-{row['p80_step_ms']:.1f}]"
         lines.append(f"| {row['rung']} ({row['title']}) | {_fmt(row['batch_size'], '{}')} | "
                      f"{_fmt(row['img_per_s'], '{:.1f}')} | {step} | {_fmt(row['peak_mem_gib'], '{:.1f}')} | "
                      f"{_fmt(row['speedup'], '{:.2f}x')} | {_fmt(row['gain'], '{:.2f}x')} | "
                      f"{_fmt(row['talk_speedup'], '{:.2f}x')} | {_fmt(row['talk_peak_mem_gb'], '{:.1f}')} |")
-    return "\n".join(lines)
+    not_run = [f"- {_failure_line(row)}" for row in rows if row["failure"]]
+    return "\n".join(lines + ([""] + not_run if not_run else []))
+
+
+def _ran(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [row for row in rows if row["img_per_s"] is not None]
+
+
+def _failure_line(row: dict[str, Any]) -> str:
+    return row.get("failure_line") or f"{row['rung']} ({row['title']}): did not run, {row['failure']}"
 
 
 def ladder_figure(rows: list[dict[str, Any]]) -> Figure:
-    """(a) cumulative speedup per rung, (b) peak memory per rung; the talk's A100 figures as black markers."""
+    """(a) cumulative speedup per rung, (b) peak memory per rung, for the rungs that ran; the talk's A100 figures as
+    black markers."""
+    rows = _ran(rows)
     fig = _ReportFigure(figsize=(12, 8), layout="constrained")
     ax_speed, ax_mem = fig.subplots(2, 1, sharex=True)
     x = range(len(rows))
-    labels = [f"{i}. {row['title']}" for i, row in enumerate(rows)]
+    labels = [f"{row['rung'].split('-')[1]}. {row['title']}" for row in rows]
     for ax, key, talk_key, fmt, title, unit in (
             (ax_speed, "speedup", "talk_speedup", "{:.2f}x", "(a) throughput over the first rung", "speedup"),
             (ax_mem, "peak_mem_gib", "talk_peak_mem_gb", "{:.1f}", "(b) peak memory", "GiB (the talk: GB)")):
@@ -98,8 +110,8 @@ def ladder_figure(rows: list[dict[str, Any]]) -> Figure:
         bars = ax.bar(x, values, color=["C0" if row["talk_speedup"] is not None else "C1" for row in rows])
         ax.bar([0], [0], color="C0", label="the talk's rungs, this machine")  # legend entries for the two colours
         ax.bar([0], [0], color="C1", label="past the talk, this machine")
-        ax.bar_label(bars, labels=[fmt.format(row[key]) if row[key] is not None else (row["failure"] or "")
-                                   for row in rows], padding=2, fontsize=8)
+        ax.bar_label(bars, labels=[fmt.format(row[key]) if row[key] is not None else "" for row in rows],
+                     padding=2, fontsize=8)
         talk = [(i, row[talk_key]) for i, row in enumerate(rows) if row[talk_key] is not None]
         if talk:
             ax.plot(*zip(*talk), "kD--", label="the talk (one 80 GB A100)")

@@ -23,17 +23,23 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-RDZV_BACKENDS = ("static", "c10d")
-
 from gallery_lib.config import ConfigError, RunConfig, validate_for_machine
 from gallery_lib.run.checkpoint import CheckpointError, check_fresh_start, continues_itself
+from gallery_lib.run.failure import STOPPED_PREFIX, RunFailure, clear_failure, failure_from_text, read_failure
 from gallery_lib.run.metrics import read_metrics
 from gallery_lib.run.progress import StepProgress
 from gallery_lib.models import family_env
 
+RDZV_BACKENDS = ("static", "c10d")
+
 
 class RunFailed(RuntimeError):
-    """A training subprocess exited with an error; the message holds the tail of the failing rank's log."""
+    """A training subprocess exited with an error; the message holds the tail of the failing rank's log, ``failure``
+    why the run stopped in one line's worth (``failure.line(name)``)."""
+
+    def __init__(self, message: str, failure: RunFailure | None = None) -> None:
+        super().__init__(message)
+        self.failure = failure
 
 
 @dataclass(frozen=True)
@@ -155,6 +161,7 @@ def launch(cfg: RunConfig, *, echo: Callable[[str], None] | None = print,
     cfg = cfg.replace(output_dir=str(Path(cfg.output_dir).resolve()), data_dir=str(Path(cfg.data_dir).resolve()),
                       resume_from=str(Path(cfg.resume_from).expanduser().resolve()) if cfg.resume_from else None)
     config_path = cfg.save(run_dir / "config.json")
+    clear_failure(run_dir)
     if not continues_itself(cfg) and nodes.standalone:  # on several nodes rank 0's writer alone replaces the file
         (run_dir / "metrics.jsonl").unlink(missing_ok=True)  # a re-run replaces the metrics; a resume appends
     proc = subprocess.Popen(torchrun_command(cfg, config_path, nodes), stdout=subprocess.PIPE,
@@ -163,15 +170,22 @@ def launch(cfg: RunConfig, *, echo: Callable[[str], None] | None = print,
     tail: deque[str] = deque(maxlen=200)  # room for torchrun's own traceback and summary
     bar = StepProgress(cfg.recipe, enabled=False if echo is None else progress)
     assert proc.stdout is not None
+    stopped = False  # the run printed why it stopped: what follows is torchrun's report, kept for RunFailed
     for line in proc.stdout:
         tail.append(line.rstrip("\n"))
         bar.feed(line)
-        if echo:
+        stopped = stopped or line.startswith(STOPPED_PREFIX)
+        if echo and not stopped:
             echo(line.rstrip("\n"))
     code = proc.wait()
     bar.close()
     if code != 0:
-        raise RunFailed(_failure_message(run_dir, code, list(tail)))
+        message = _failure_message(run_dir, code, list(tail))
+        failure = read_failure(run_dir)
+        if failure is None:  # killed, or a rank other than 0 failed: rank 0 recorded nothing
+            failure = failure_from_text(message, _failing_log(run_dir), code)
+            failure.write(run_dir)
+        raise RunFailed(message, failure)
     summary = _summary(run_dir, nodes)
     # Re-read: the run rewrites its config.json when a batch-size search picked the size it trained at.
     return RunResult(config=RunConfig.load(config_path), run_dir=run_dir, summary=summary)
@@ -188,6 +202,15 @@ def _summary(run_dir: Path, nodes: Nodes) -> dict:
     if summary is None:
         raise RunFailed(f"run in {run_dir} exited cleanly but wrote no summary line to metrics.jsonl")
     return summary
+
+
+def _failing_log(run_dir: Path) -> Path | None:
+    """The first rank log that names an error, else rank 0's."""
+    logs = sorted((run_dir / "logs").glob("rank*.log"))
+    for path in logs:
+        if "Error" in path.read_text(encoding="utf-8", errors="replace"):
+            return path
+    return logs[0] if logs else None
 
 
 def _failure_message(run_dir: Path, code: int, console_tail: list[str]) -> str:

@@ -111,10 +111,27 @@ class NonfiniteGuard:
         """What a checkpoint keeps, so a resumed run goes on counting."""
         return {"nonfinite_in_a_row": self.in_a_row, "nonfinite_steps": self.total}
 
-    def error(self, last_step: int, saved_to) -> RuntimeError:
-        """The error that stops the run after ``last_step`` (0-based), naming where the state was saved."""
+    def error(self, last_step: int, saved_to, start: int = 0) -> NonfiniteLossError:
+        """The error that stops the run after step ``last_step`` (the run began at ``start``), naming where the
+        state was saved and what to try, which depends on when the loss stopped being finite."""
         first = last_step + 1 - self.in_a_row
-        return RuntimeError(
-            f"the loss was not finite for {self.limit} steps in a row (steps {first}-{last_step}); those optimizer "
-            f"steps were skipped and the state was saved to {saved_to}. Lower the learning rate (lr) or check the "
-            "data and amp_level, then continue with resume=True.")
+        if first <= start + 1:  # at most one optimizer step was taken
+            advice = ("The loss was not finite from the run's first steps: the recipe's numerics (amp_level, "
+                      "amp_dtype, compile, kernels) or a learning rate far too large. If the baseline recipe trains "
+                      "with a finite loss at this lr on the same data, switch this recipe's settings back one at a "
+                      "time to find the one at fault; otherwise lower lr.")
+        else:
+            advice = "Lower the learning rate (lr) or check the data and amp_level, then continue with resume=True."
+        return NonfiniteLossError(
+            f"the loss was not finite for {self.in_a_row} steps in a row (steps {first}-{last_step}), "
+            f"max_nonfinite_steps={self.limit}; those optimizer steps were skipped and the state was saved to "
+            f"{saved_to}. {advice}", first_step=first)
+
+
+class NonfiniteLossError(RuntimeError):
+    """The run stopped after ``max_nonfinite_steps`` steps in a row whose loss was not finite."""
+
+    def __init__(self, message: str, first_step: int) -> None:
+        super().__init__(message)
+        self.first_step = first_step
+        """The first of them, numbered as ``metrics.jsonl`` numbers steps (from 0)."""

@@ -49,6 +49,7 @@ from gallery_lib.recipes import at_batch_size
 from gallery_lib.run.attention_probe import AttentionProbe
 from gallery_lib.run.batch_size import search_run_batch_size
 from gallery_lib.run.checkpoint import Checkpointer, check_fresh_start, is_own_checkpoint, resume_source
+from gallery_lib.run.failure import STOPPED_PREFIX, clear_failure, failure_from_exception
 from gallery_lib.run.logs import rank_logging
 from gallery_lib.run.metrics import MetricsWriter, superseded_path, supersede_steps
 from gallery_lib.run.nonfinite import NonfiniteGuard
@@ -226,7 +227,7 @@ def _train_from(setup_start: float, cfg: RunConfig, dist: DistInfo, plan: Compil
             saved_to = ckpt.save(step + 1, guard.counters())
             step_log.restart_clock()  # the save belongs to no step
             if stop:
-                raise guard.error(step, saved_to or ckpt.directory)
+                raise guard.error(step, saved_to or ckpt.directory, start)
 
     summary = build_summary(cfg, dist, step_log, warmup_steps=warmup_steps, setup_time=setup_time,
                             precompile_seconds=plan.precompile_seconds, probe_seconds=probe.seconds,
@@ -343,12 +344,28 @@ def main(argv: list[str] | None = None) -> int:
     device_type = validate_for_machine(cfg)
     dist = init_distributed(device_type, zero2=cfg.data_parallel == "zero2")
     cfg = _count_every_node(cfg, dist)
+    if dist.is_main:
+        clear_failure(cfg.run_dir)  # a torchrun restart tries again
     try:
-        with rank_logging(Path(cfg.run_dir) / "logs", dist.rank):
-            run(cfg, dist)
+        with rank_logging(Path(cfg.run_dir) / "logs", dist.rank) as log_path:
+            try:
+                run(cfg, dist)
+            except Exception as exc:  # the rank's log gets the traceback; the console one line
+                failure = failure_from_exception(exc, log_path)
+                if dist.is_main:  # why the run stopped, for the launcher and the reports
+                    failure.write(cfg.run_dir)
+                raise StoppedRun(failure) from exc
     finally:
         shutdown()
     return 0
+
+
+class StoppedRun(Exception):
+    """The run stopped on an error that its log (traceback) and ``failure.json`` (one line) record."""
+
+    def __init__(self, failure) -> None:
+        super().__init__(failure.reason)
+        self.failure = failure
 
 
 if __name__ == "__main__":
@@ -357,6 +374,8 @@ if __name__ == "__main__":
         exit_code = main()
     except SystemExit as stop:  # argparse's usage errors (it printed the message)
         exit_code = stop.code if isinstance(stop.code, int) else 1
+    except StoppedRun as stop:
+        print(f"{STOPPED_PREFIX}{stop.failure.reason}; the traceback is in {stop.failure.log}", flush=True)
     except BaseException:
         traceback.print_exc()
     finally:
