@@ -1,5 +1,5 @@
-"""Shared fixtures: a session-wide smoke dataset, seeding, a compile cache of the session's own, and the ``gpu``
-marker's skip rule."""
+"""Shared fixtures: a session-wide smoke dataset, seeding, a compile cache of the session's own, the ``gpu`` marker's
+skip rule, and ``--isa-only`` (the tests marked ``isa``, for ci/test.sh's pass under another vector ISA)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,16 @@ import pytest
 import torch
 
 
+def pytest_addoption(parser):
+    parser.addoption("--isa-only", action="store_true",
+                     help="run only the tests marked isa (ci/test.sh's second pass under ATEN_CPU_CAPABILITY=avx2)")
+
+
 def pytest_collection_modifyitems(config, items):
+    if config.getoption("--isa-only"):
+        kept = [item for item in items if "isa" in item.keywords]
+        config.hook.pytest_deselected(items=[item for item in items if "isa" not in item.keywords])
+        items[:] = kept
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU (run on the GPU machine: pytest -m gpu)")
