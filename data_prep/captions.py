@@ -30,7 +30,7 @@ import numpy as np
 from PIL import Image, ImageDraw
 from tqdm.auto import tqdm
 
-from data_prep.manifest import check_int, reuse_or_clear, write_manifest
+from data_prep.manifest import check_int, one_writer, reuse_or_clear, write_manifest
 
 METADATA = "metadata.jsonl"
 _GENERATOR = "data_prep.captions"
@@ -57,6 +57,7 @@ _NOISE_AMPLITUDE = 12  # max background deviation (0-255 scale) of the mottle; n
 _TWO_SHAPES_FRACTION = 0.35
 
 
+@one_writer
 def make_caption_folder(
     root: str | os.PathLike,
     *,

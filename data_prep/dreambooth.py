@@ -27,7 +27,7 @@ import numpy as np
 from PIL import Image, ImageDraw
 from tqdm.auto import tqdm
 
-from data_prep.manifest import check_int, reuse_or_clear, write_manifest
+from data_prep.manifest import check_int, one_writer, reuse_or_clear, write_manifest
 
 INSTANCE, CLASS = "instance", "class"
 INSTANCE_PROMPT, CLASS_PROMPT = "a photo of sks dog", "a photo of dog"
@@ -39,6 +39,7 @@ _BACKGROUNDS = ((120, 180, 230), (110, 170, 90), (230, 210, 160), (200, 200, 205
 _COATS = ((60, 45, 35), (235, 225, 200), (150, 150, 150), (120, 70, 30), (30, 30, 30), (200, 170, 110))
 
 
+@one_writer
 def make_dreambooth_folders(
     root: str | os.PathLike,
     *,

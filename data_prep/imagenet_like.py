@@ -27,7 +27,7 @@ import numpy as np
 from PIL import Image, ImageDraw
 from tqdm.auto import tqdm
 
-from data_prep.manifest import check_int, reuse_or_clear, write_manifest
+from data_prep.manifest import check_int, one_writer, reuse_or_clear, write_manifest
 
 _GENERATOR = "data_prep.imagenet_like"
 _VERSION = 1  # bump when the pictures change, so old folders are regenerated
@@ -36,6 +36,7 @@ _SHAPES = ("ellipse", "rectangle", "triangle", "diamond", "cross", "ring")
 _JPEG_QUALITY = 90
 
 
+@one_writer
 def make_imagenet_like(
     root: str | os.PathLike,
     *,

@@ -3,19 +3,41 @@
 ``root/manifest.json`` records the generator, its version, the parameters and the files written (first marked
 incomplete, so an interrupted run is recognised). ``reuse_or_clear`` returns True when the folder already holds
 exactly the requested dataset; otherwise it removes only the files an earlier run of the same generator listed,
-and refuses to write next to data no generator of ours wrote.
+and refuses to write next to data no generator of ours wrote. ``one_writer`` makes a generator take a lock beside
+its root, so that processes preparing the same dataset at once (two notebooks) write it once.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import functools
 import json
 import os
 import pathlib
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable, Iterator, TypeVar
 
 import numpy as np
 
 MANIFEST = "manifest.json"
+_Maker = TypeVar("_Maker", bound=Callable[..., pathlib.Path])
+
+
+def one_writer(make: _Maker) -> _Maker:
+    """``make(root, ...)`` under an exclusive lock on ``root``: a second process waits, then reuses the dataset."""
+    @functools.wraps(make)
+    def locked(root: str | os.PathLike, *args: Any, **kwargs: Any) -> pathlib.Path:
+        with _writer_lock(pathlib.Path(root)):
+            return make(root, *args, **kwargs)
+    return locked  # type: ignore[return-value]
+
+
+@contextlib.contextmanager
+def _writer_lock(root: pathlib.Path) -> Iterator[None]:
+    root.parent.mkdir(parents=True, exist_ok=True)
+    with open(root.parent / f".{root.name}.lock", "w") as handle:  # beside root: root itself may not exist yet
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        yield
 
 
 def check_int(name: str, value: Any, minimum: int) -> int:

@@ -179,3 +179,28 @@ def _train_tiny_cnn(root, steps):
         opt.step()
         losses.append(loss.item())
     return losses
+
+
+def _prepare_in_a_process(root, barrier, queue):
+    barrier.wait()  # both processes start writing at once
+    make_imagenet_like(root, num_classes=6, train_per_class=20, val_per_class=4, image_size=48, progress=False)
+    queue.put((root / "manifest.json").stat().st_mtime_ns)
+
+
+def test_two_processes_preparing_one_dataset_write_it_once(tmp_path):
+    """Two notebooks preparing the same data at once: the second waits for the first and reuses its files."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    barrier, queue = ctx.Barrier(2), ctx.Queue()
+    root = tmp_path / "shared"
+    workers = [ctx.Process(target=_prepare_in_a_process, args=(root, barrier, queue)) for _ in range(2)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(timeout=120)
+    assert [worker.exitcode for worker in workers] == [0, 0]
+    assert queue.get() == queue.get()  # the manifest was written once, not rewritten by the second process
+    manifest = json.loads((root / "manifest.json").read_text())
+    assert manifest["complete"] and len(manifest["files"]) == 6 * (20 + 4)
+    assert all((root / rel).is_file() for rel in manifest["files"])
