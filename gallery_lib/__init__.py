@@ -32,6 +32,7 @@ _PUBLIC = {
     "recipe_table": "gallery_lib.reports.recipe_table",
     "run_ladder": "gallery_lib.ladder",
     "default_sizes": "gallery_lib.ladder",
+    "ladder_base": "gallery_lib.ladder",
     "ladder_plan": "gallery_lib.reports.ladder",
     "ladder_report": "gallery_lib.reports.ladder",
 }

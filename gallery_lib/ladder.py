@@ -41,12 +41,26 @@ class LadderSizes:
     """The ``loader`` rung's worker processes (the baseline loads in the main process, as diffusers' default)."""
 
 
-# (large batch, checkpointing batch) per profile: the smoke data set holds 32 images.
-_PROFILE_BATCHES = {"full": (48, 96), "smoke": (8, 16)}
+# Per profile: the first rungs' batch, and the larger batch and the checkpointing rung's batch (full: the talk's
+# sizes; smoke: twice and four times the first). Smoke starts at 2, so that from the batch rung on the UNet sees the SD
+# and DreamBooth notebooks' smoke shapes (batch 4) and a CPU gallery compiles the accelerated blocks once for all three.
+_FIRST_BATCH = {"full": 8, "smoke": 2}
+_LARGER_BATCHES = {"full": lambda first: (48, 96), "smoke": lambda first: (2 * first, 4 * first)}
+
+
+def ladder_base(profile: str = "auto", **overrides: Any) -> RunConfig:
+    """The SD base config the ladder climbs from: the profile's, at the ladder's first batch size unless
+    ``batch_size`` is given."""
+    from gallery_lib.profiles import base_config, resolve_profile
+
+    if overrides.get("batch_size") is None:
+        overrides["batch_size"] = _FIRST_BATCH.get(resolve_profile(profile))
+    return base_config(profile, family="stable_diffusion", **overrides)
 
 
 def default_sizes(base: RunConfig) -> LadderSizes:
-    large, checkpointing = _PROFILE_BATCHES.get(base.profile, (6 * base.batch_size, 12 * base.batch_size))
+    larger = _LARGER_BATCHES.get(base.profile, lambda first: (6 * first, 12 * first))
+    large, checkpointing = larger(base.batch_size)
     workers = max(base.num_workers, min(8, (os.cpu_count() or 1) // 2))
     return LadderSizes(large_batch=large, checkpointing_batch=checkpointing, loader_workers=workers)
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from gallery_lib.config import ConfigError, RunConfig
-from gallery_lib.ladder import (RUNG_NAMES, RUNGS, LadderSizes, RungResult, ladder_configs, recipe_name, rung_named,
-                                rung_parents, run_ladder)
+from gallery_lib.ladder import (RUNG_NAMES, RUNGS, LadderSizes, RungResult, default_sizes, ladder_base, ladder_configs,
+                                recipe_name, rung_named, rung_parents, run_ladder)
 from gallery_lib.profiles import base_config
 from gallery_lib.recipes import GRAPHS_BY_BATCH, accelerated, apply_recipe, describe
 from gallery_lib.reports.ladder import findings, ladder_plan, ladder_report, ladder_rows
@@ -179,3 +179,18 @@ def test_bench_ladder_joins_parts_in_ladder_order_with_short_failures(tmp_path):
     assert record["rows"][1]["speedup"] == pytest.approx(1.3)  # the later part's amp
     assert record["rows"][2]["failure"] == "AttributeError: Can't pickle local object"
     assert (tmp_path / "report" / "ladder.md").exists()
+
+
+def test_the_smoke_ladder_reaches_the_sd_notebooks_batch_at_its_batch_rung():
+    """On a CPU the ladder starts at batch 2, so that the accelerated rung compiles the SD and DreamBooth notebooks'
+    graphs (batch 4) once for the gallery; a given batch size and the full profile keep their sizes."""
+    smoke = ladder_base("smoke", data_root="/data")
+    configs = ladder_configs(smoke, on_gpu=False)
+    accelerated = base_config("smoke", family="stable_diffusion", data_root="/data")
+    assert (smoke.batch_size, configs["batch"].batch_size, configs["checkpointing"].batch_size) == (2, 4, 8)
+    assert configs["kernels"].batch_size == accelerated.batch_size == 4
+    assert ladder_base("smoke", batch_size=3).batch_size == 3 and default_sizes(ladder_base("smoke", batch_size=3)
+                                                                                 ).large_batch == 6
+    assert default_sizes(base_config("smoke", family="stable_diffusion")).large_batch == 8  # gallery train's rungs
+    full = ladder_base("full", data_root="/data")
+    assert (full.batch_size, default_sizes(full).large_batch, default_sizes(full).checkpointing_batch) == (8, 48, 96)
