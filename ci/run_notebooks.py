@@ -1,24 +1,33 @@
 """Executes the gallery notebooks headless with papermill and keeps every executed copy.
 
-    python ci/run_notebooks.py --profile auto [--only swin_transformer] [--output output]
+    python ci/run_notebooks.py --profile auto [--only swin_transformer] [--output output] [--jobs N]
 
 Each notebook runs with its ``parameters`` cell overridden (``profile``, ``output_dir``,
 ``interactive=False``), a per-cell timeout, the ``python3`` kernel of this environment and the
 notebook folder as working directory. The executed notebook is written to
 ``<output>/notebooks/<name>.ipynb`` even when a cell fails (papermill marks the failing cell), and
 the run fails if any notebook fails: none may fail silently.
+
+Without a GPU, two notebooks run at a time (``--jobs``; each in its own process, its lines prefixed with its name):
+a CPU run spends much of its time in single-threaded compilation and start-up, so a second notebook fills the other
+core. The longest notebook starts first. With a GPU they run one after another, each with the whole GPU.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import queue
+import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 NOTEBOOKS = REPO / "notebooks"
+LONGEST_FIRST = ("optimization_ladder",)  # a rung per process: as long as the other notebooks together on a CPU
 
 
 def ensure_kernel() -> str:
@@ -54,18 +63,23 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--profile", default="auto", choices=("auto", "smoke", "full"))
     parser.add_argument("--output", default=str(REPO / "output"), help="output root (default: <repo>/output)")
+    parser.add_argument("--notebooks", default=str(NOTEBOOKS), help="the folder of notebooks (default: notebooks/)")
     parser.add_argument("--only", action="append", help="notebook name(s) to run (default: all)")
     parser.add_argument("--cell-timeout", type=int, default=1800, help="seconds per cell (default: 1800)")
+    parser.add_argument("--jobs", type=int, default=0,
+                        help="notebooks run at a time (default: 2 without a GPU on two cores or more, else 1)")
     parser.add_argument("-p", "--param", action="append", default=[], metavar="NAME=JSON",
-                        help='extra notebook parameter, the value in JSON (e.g. -p steps=40 -p \'recipes=["baseline"]\')')
+                        help="extra notebook parameter, the value in JSON "
+                             "(e.g. -p steps=40 -p 'recipes=[\"baseline\"]')")
     args = parser.parse_args(argv)
 
-    notebooks = sorted(NOTEBOOKS.glob("*.ipynb"))
+    folder = Path(args.notebooks)
+    notebooks = sorted(folder.glob("*.ipynb"))
     if args.only:
         notebooks = [nb for nb in notebooks if nb.stem in args.only]
         missing = set(args.only) - {nb.stem for nb in notebooks}
         if missing:
-            parser.error(f"no notebook named {sorted(missing)} in {NOTEBOOKS}")
+            parser.error(f"no notebook named {sorted(missing)} in {folder}")
     output = Path(args.output).resolve()
     extra = {}
     for item in args.param:
@@ -76,21 +90,86 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"-p {item!r}: the value must be JSON, e.g. 40, true, \"text\" or [\"a\", \"b\"]")
         if not sep or not name:
             parser.error(f"-p {item!r}: expected NAME=JSON")
-    failures = []
-    for nb in notebooks:
-        start = time.perf_counter()
-        params = {"profile": args.profile, "output_dir": str(output), "data_root": str(REPO / "data"),
-                  "interactive": False, **extra}
-        print(f"[notebooks] running {nb.name} with {params}", flush=True)
-        try:
-            out = run_notebook(nb, output / "notebooks", params, args.cell_timeout)
-            print(f"[notebooks] {nb.name} ok in {time.perf_counter() - start:.0f} s -> {out}", flush=True)
-        except Exception as exc:  # keep going so every notebook's result is known
-            failures.append(nb.name)
-            print(f"[notebooks] {nb.name} FAILED after {time.perf_counter() - start:.0f} s: "
-                  f"{type(exc).__name__}: {str(exc)[:2000]}", flush=True)
-    print(f"[notebooks] {len(notebooks) - len(failures)} passed, {len(failures)} failed", flush=True)
+    params = {"profile": args.profile, "output_dir": str(output), "data_root": str(REPO / "data"),
+              "interactive": False, **extra}
+    jobs = args.jobs or default_jobs()
+    if jobs > 1 and len(notebooks) > 1:
+        failures = run_in_lanes(notebooks, jobs, argv if argv is not None else sys.argv[1:])
+    else:
+        failures = [nb.name for nb in notebooks if not run_one(nb, output, params, args.cell_timeout)]
+    print(f"[notebooks] {len(notebooks) - len(failures)} passed, {len(failures)} failed"
+          + (f": {', '.join(failures)}" if failures else ""), flush=True)
     return 1 if failures else 0
+
+
+def run_one(nb: Path, output: Path, params: dict, cell_timeout: int) -> bool:
+    start = time.perf_counter()
+    print(f"[notebooks] running {nb.name} with {params}", flush=True)
+    try:
+        out = run_notebook(nb, output / "notebooks", params, cell_timeout)
+        print(f"[notebooks] {nb.name} ok in {time.perf_counter() - start:.0f} s -> {out}", flush=True)
+        return True
+    except Exception as exc:  # keep going so every notebook's result is known
+        print(f"[notebooks] {nb.name} FAILED after {time.perf_counter() - start:.0f} s: "
+              f"{type(exc).__name__}: {str(exc)[:2000]}", flush=True)
+        return False
+
+
+def default_jobs() -> int:
+    """Two lanes on a machine without a visible GPU and with two cores or more, else one."""
+    import torch
+
+    return 1 if torch.cuda.is_available() or (os.cpu_count() or 1) < 2 else 2
+
+
+def run_in_lanes(notebooks: list[Path], jobs: int, argv: list[str]) -> list[str]:
+    """Runs each notebook in a child process of this script, ``jobs`` at a time, the longest first; returns the
+    names of those that failed. Each child's lines are printed as they come, prefixed with its notebook's name."""
+    ordered = sorted(notebooks, key=lambda nb: nb.stem not in LONGEST_FIRST)
+    todo: queue.Queue[Path] = queue.Queue()
+    for nb in ordered:
+        todo.put(nb)
+    ensure_kernel()  # once, before the children look for it
+    failures: list[str] = []
+    print_lock = threading.Lock()
+    child_argv = _without_options(argv, ("--only", "--jobs"))
+
+    def lane() -> None:
+        while True:
+            try:
+                nb = todo.get_nowait()
+            except queue.Empty:
+                return
+            # One core per lane: a training run would otherwise start a thread per core in each lane.
+            env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+            child = subprocess.Popen([sys.executable, __file__, *child_argv, "--only", nb.stem, "--jobs", "1"],
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1, env=env)
+            assert child.stdout is not None
+            for line in child.stdout:
+                with print_lock:
+                    print(f"[{nb.stem}] {line}", end="", flush=True)
+            if child.wait() != 0:
+                failures.append(nb.name)
+
+    lanes = [threading.Thread(target=lane) for _ in range(min(jobs, len(notebooks)))]
+    for thread in lanes:
+        thread.start()
+    for thread in lanes:
+        thread.join()
+    return sorted(failures)
+
+
+def _without_options(argv: list[str], names: tuple[str, ...]) -> list[str]:
+    """``argv`` without the options ``names`` and their values (``--only x`` or ``--only=x``)."""
+    kept, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg in names:
+            skip = True
+        elif not arg.startswith(tuple(f"{name}=" for name in names)):
+            kept.append(arg)
+    return kept
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import time
 from pathlib import Path
 
 import nbformat
@@ -172,3 +173,36 @@ def test_a_stopped_recipe_leaves_every_other_result_and_one_line(tmp_path):
     text = "\n".join(o.get("text", "") for c in code for o in c.outputs if o.output_type == "stream")
     assert f"[gallery] {line}" in text and f"- {line}." in text  # as it stopped, and in the summary
     assert "- baseline: " in text and "img/s" in text and "Traceback" not in text
+
+
+def test_two_lanes_run_notebooks_side_by_side_and_report_each(tmp_path):
+    """``--jobs 2``: each notebook in its own process, two at a time, every line prefixed with its name; a failing
+    notebook fails the whole run, after the others ran."""
+    import subprocess
+    import sys
+
+    folder = tmp_path / "notebooks"
+    folder.mkdir()
+    for name, body in {"a_slow": "import time\ntime.sleep(6)\nprint('a done')",
+                       "b_slow": "import time\ntime.sleep(6)\nprint('b done')",
+                       "c_fails": "raise ValueError('c broke')"}.items():
+        nb = nbformat.v4.new_notebook(cells=[
+            nbformat.v4.new_code_cell("profile = 'x'\noutput_dir = ''\ndata_root = ''\ninteractive = True",
+                                      metadata={"tags": ["parameters"]}),
+            nbformat.v4.new_code_cell(body)], metadata={"kernelspec": {"name": "python3", "display_name": "Python 3",
+                                                                     "language": "python"}})
+        nbformat.write(nb, folder / f"{name}.ipynb")
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, str(REPO / "ci" / "run_notebooks.py"), "--notebooks", str(folder),
+                           "--output", str(tmp_path / "out"), "--profile", "smoke", "--jobs", "2"],
+                          capture_output=True, text=True, timeout=300)
+    elapsed = time.monotonic() - start
+    lines = done.stdout.splitlines()
+    assert done.returncode == 1 and lines[-1] == "[notebooks] 2 passed, 1 failed: c_fails.ipynb", done.stdout[-2000:]
+    assert "[a_slow] a done" in lines and "[b_slow] b done" in lines
+    assert any(line.startswith("[c_fails] [notebooks] c_fails.ipynb FAILED") for line in lines)
+    # Side by side: the whole run took less than the two sleeping notebooks' own times added up.
+    ends = {name: float(next(line for line in lines if line.startswith(f"[{name}] [notebooks] {name}.ipynb ok in")
+                             ).split(" ok in ")[1].split(" s")[0]) for name in ("a_slow", "b_slow")}
+    assert elapsed < sum(ends.values()), (elapsed, ends)
+    assert (tmp_path / "out" / "notebooks" / "c_fails.ipynb").is_file()  # the failed copy is kept
