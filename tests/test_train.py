@@ -364,3 +364,25 @@ def test_gpu_kernel_time_by_launching_op_adds_up_to_the_kinds():
         assert launched.get(kind, 0.0) == pytest.approx(ms, rel=1e-6, abs=1e-6), kind
     ops = {(row["kind"], row["op"]) for row in table["top_launchers_ms"]}
     assert ("matmul", "aten::linear") in ops and ("convolution", "aten::conv2d") in ops
+
+
+def test_one_process_runs_the_training_module_without_torchrun(smoke_data, tmp_path, monkeypatch):
+    """One process on one node without restarts: the launcher starts ``gallery_lib.run.train`` itself (torchrun's
+    agent would add only its start-up), and a launcher that itself runs under torchrun hands down no ranks."""
+    import sys
+
+    from gallery_lib.run.launch import Nodes, torchrun_command, train_command
+
+    cfg = micro_cfg(smoke_data, tmp_path, steps=2, warmup_steps=0, log_every=1)
+    config = tmp_path / "config.json"
+    assert train_command(cfg, config) == [sys.executable, "-m", "gallery_lib.run.train", "--config", str(config)]
+    for torchrun in (cfg.replace(nproc_per_node=2), cfg.replace(max_restarts=1)):
+        assert train_command(torchrun, config) == torchrun_command(torchrun, config)
+    several_nodes = Nodes(nnodes=2, node_rank=0, rdzv_endpoint="n0:1")
+    assert train_command(cfg, config, several_nodes) == torchrun_command(cfg, config, several_nodes)
+    for name, value in {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "3", "MASTER_ADDR": "10.0.0.9",
+                        "MASTER_PORT": "1", "TORCHELASTIC_RESTART_COUNT": "2"}.items():
+        monkeypatch.setenv(name, value)
+    result = launch(cfg, echo=None)
+    assert result.summary["world_size"] == 1 and result.summary["resumed_from_step"] == 0  # no restart counted
+    assert {p.name for p in (result.run_dir / "logs").iterdir()} == {"rank0.log"}

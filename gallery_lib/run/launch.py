@@ -4,7 +4,8 @@ Used the same way from a notebook cell and from the CLI: ``launch(cfg)`` validat
 this machine (before anything slow starts), writes ``config.json`` into the run's own folder,
 runs ``torchrun --standalone --nproc-per-node N [--max-restarts R] -m gallery_lib.run.train --config ...``, prints
 rank 0's lines as they arrive, and returns a ``RunResult`` that carries its own output path, so a notebook
-never plots one run's files under another run's name.
+never plots one run's files under another run's name. One process on one node without restarts runs
+``python -m gallery_lib.run.train --config ...`` itself: torchrun's agent would add only its own start-up.
 
 Several nodes: ``launch(cfg, nodes=Nodes(...))`` on every node passes torchrun's own flags through (``--nnodes``,
 ``--node-rank``, ``--rdzv-endpoint``, and ``--rdzv-backend``, ``--rdzv-id`` when given) instead of ``--standalone``.
@@ -124,8 +125,25 @@ def torchrun_command(cfg: RunConfig, config_path: Path, nodes: Nodes = Nodes()) 
             str(config_path)]
 
 
-def _child_env(cfg: RunConfig, device: str) -> dict[str, str]:
+def train_command(cfg: RunConfig, config_path: Path, nodes: Nodes = Nodes()) -> list[str]:
+    """``torchrun_command``, or the training module itself for one process on one node without restarts."""
+    if _single_process(cfg, nodes):
+        return [sys.executable, "-m", "gallery_lib.run.train", "--config", str(config_path)]
+    return torchrun_command(cfg, config_path, nodes)
+
+
+def _single_process(cfg: RunConfig, nodes: Nodes) -> bool:
+    return cfg.nproc_per_node == 1 and nodes.standalone and cfg.max_restarts == 0
+
+
+_TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def _child_env(cfg: RunConfig, device: str, single_process: bool = False) -> dict[str, str]:
     env = dict(os.environ, PYTHONUNBUFFERED="1", **family_env(cfg.model_family))
+    if single_process:  # a launcher that itself runs under torchrun must not hand its ranks down
+        for name in [*_TORCHRUN_ENV, *(key for key in env if key.startswith("TORCHELASTIC_"))]:
+            env.pop(name, None)
     if device == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         # torchrun sets 1 thread per process when it starts several; split the cores instead.
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // cfg.nproc_per_node))
@@ -164,9 +182,9 @@ def launch(cfg: RunConfig, *, echo: Callable[[str], None] | None = print,
     clear_failure(run_dir)
     if not continues_itself(cfg) and nodes.standalone:  # on several nodes rank 0's writer alone replaces the file
         (run_dir / "metrics.jsonl").unlink(missing_ok=True)  # a re-run replaces the metrics; a resume appends
-    proc = subprocess.Popen(torchrun_command(cfg, config_path, nodes), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, bufsize=1, env=_child_env(cfg, device),
-                            cwd=os.getcwd())
+    proc = subprocess.Popen(train_command(cfg, config_path, nodes), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, bufsize=1,
+                            env=_child_env(cfg, device, _single_process(cfg, nodes)), cwd=os.getcwd())
     tail: deque[str] = deque(maxlen=200)  # room for torchrun's own traceback and summary
     bar = StepProgress(cfg.recipe, enabled=False if echo is None else progress)
     assert proc.stdout is not None
