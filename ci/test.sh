@@ -1,18 +1,29 @@
 #!/usr/bin/env bash
 # The gallery's test command: set up the environment with the test extras, then run pytest.
 #
-#   bash ci/test.sh [PYTEST ARGS...]      e.g. bash ci/test.sh -m "not notebook"
+#   bash ci/test.sh [PYTEST ARGS...]      e.g. bash ci/test.sh -m "not slow and not notebook and not browser"
 #
-# GPU tests carry the `gpu` marker and skip without a CUDA device. Exit code 5 ("no tests collected") is an error
-# here: a test command that tests nothing must not pass. Where the CPU's default kernels are AVX-512, the tests
-# marked `isa` run a second time under ATEN_CPU_CAPABILITY=avx2, so that both vector code paths are checked.
+# Without a GPU the tests run in pytest-xdist workers, one per core up to 4 (GALLERY_TEST_WORKERS=N to change, 0 for
+# none), the longest first (tests/durations.json). GPU tests carry the `gpu` marker and skip without a CUDA device.
+# Exit code 5 ("no tests collected") is an error here: a test command that tests nothing must not pass. Where the
+# CPU's default kernels are AVX-512, the tests marked `isa` run a second time under ATEN_CPU_CAPABILITY=avx2, so that
+# both vector code paths are checked. The end says how long it all took, with a warning past 45 minutes.
 set -uo pipefail
+start=$SECONDS
 repo=$(cd "$(dirname "$0")/.." && pwd)
 bash "$repo/ci/setup_env.sh" notebooks,sd,lab,test || exit 1
 bash "$repo/ci/setup_browser.sh"  # chromium + playwright for the browser tests (they skip without them)
 venv=${GALLERY_VENV:-$repo/.venv}
 cd "$repo"
-"$venv/bin/python" -m pytest "$@"
+set_up=$((SECONDS - start))
+workers=${GALLERY_TEST_WORKERS:-$("$venv/bin/python" -c "
+import os, torch
+print(0 if torch.cuda.is_available() else min(4, os.cpu_count() or 1))" 2>/dev/null || echo 0)}
+xdist=()
+if [ "$workers" -gt 1 ] && [[ " $* " != *" -n "* ]]; then
+  xdist=(-n "$workers")
+fi
+"$venv/bin/python" -m pytest "${xdist[@]}" "$@"
 code=$?
 if [ "$code" -eq 5 ]; then
   echo "[test] pytest collected no tests: failing on purpose" >&2
@@ -21,8 +32,13 @@ fi
 default_isa=$("$venv/bin/python" -c "import torch; print(torch.backends.cpu.get_cpu_capability())" 2>/dev/null)
 if [ "$code" -eq 0 ] && [ -z "${ATEN_CPU_CAPABILITY:-}" ] && [[ "$default_isa" == AVX512* ]]; then
   echo "[test] this CPU runs $default_isa kernels: the tests marked isa again under ATEN_CPU_CAPABILITY=avx2"
-  ATEN_CPU_CAPABILITY=avx2 "$venv/bin/python" -m pytest "$@" --isa-only
+  ATEN_CPU_CAPABILITY=avx2 "$venv/bin/python" -m pytest "${xdist[@]}" "$@" --isa-only
   code=$?
   [ "$code" -eq 5 ] && code=0  # the selection held no isa test
+fi
+total=$((SECONDS - start))
+echo "[test] $((total / 60)) min $((total % 60)) s in all: set-up $((set_up / 60)) min $((set_up % 60)) s, tests the rest"
+if [ "$total" -gt 2700 ]; then
+  echo "[test] WARNING: past 45 minutes of the 90 CI allows: make new tests cheaper or pay for them elsewhere" >&2
 fi
 exit "$code"

@@ -1,18 +1,42 @@
-"""Shared fixtures: a session-wide smoke dataset, seeding, a compile cache of the session's own, the ``gpu`` marker's
-skip rule, and ``--isa-only`` (the tests marked ``isa``, for ci/test.sh's pass under another vector ISA)."""
+"""Shared fixtures and test-run plumbing.
+
+- A session-wide smoke dataset, seeding, and compile caches of the test run's own (shared by its xdist workers).
+- The ``gpu`` marker's skip rule; ``--isa-only`` keeps the tests marked ``isa`` (ci/test.sh's pass under another
+  vector ISA).
+- Under pytest-xdist each worker uses one core (``OMP_NUM_THREADS=1``, for its training subprocesses too).
+- ``tests/durations.json`` (the seconds each test took in CI) orders the run longest first, so that the workers
+  finish together; ``--record-durations PATH`` writes that file, and the summary ends with the run's total.
+"""
 
 from __future__ import annotations
 
+import json
+import os
 import random
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+DURATIONS = Path(__file__).with_name("durations.json")
+BUDGET_WARNING_S = 45 * 60  # CI allows 90 minutes: past 45 a slow addition still has room, and is seen
+
 
 def pytest_addoption(parser):
     parser.addoption("--isa-only", action="store_true",
                      help="run only the tests marked isa (ci/test.sh's second pass under ATEN_CPU_CAPABILITY=avx2)")
+    parser.addoption("--record-durations", metavar="PATH",
+                     help="write each test's seconds (setup + call + teardown) as JSON, as tests/durations.json holds")
+
+
+def pytest_configure(config):
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # several workers share the cores: one thread each
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    else:  # the controller (or a run without xdist) sees every test's reports
+        config.pluginmanager.register(_RunClock(config.getoption("--record-durations")), "gallery-run-clock")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -20,6 +44,9 @@ def pytest_collection_modifyitems(config, items):
         kept = [item for item in items if "isa" in item.keywords]
         config.hook.pytest_deselected(items=[item for item in items if "isa" not in item.keywords])
         items[:] = kept
+    if DURATIONS.is_file():  # longest first; a test not in the file (a new one) counts as quick
+        seconds = json.loads(DURATIONS.read_text())
+        items.sort(key=lambda item: -seconds.get(item.nodeid, 0.0))
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU (run on the GPU machine: pytest -m gpu)")
@@ -28,14 +55,55 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
 
 
-@pytest.fixture(scope="session", autouse=True)
-def _session_compile_cache():
-    """Inductor's and Triton's caches in a fresh folder for this session: what an earlier session on the same machine
-    compiled (and the warm-start markers it left) must not decide whether this one's runs compile or load."""
-    from torch._inductor.utils import fresh_cache
+class _RunClock:
+    """Each test's seconds (setup + call + teardown) and the run's total, said at the end of the run."""
 
-    with fresh_cache():
-        yield
+    def __init__(self, record_to: str | None) -> None:
+        self.record_to = record_to
+        self.seconds: dict[str, float] = {}
+        self.start = time.monotonic()
+
+    def pytest_runtest_logreport(self, report) -> None:
+        self.seconds[report.nodeid] = self.seconds.get(report.nodeid, 0.0) + report.duration
+
+    def pytest_terminal_summary(self, terminalreporter) -> None:
+        total = time.monotonic() - self.start
+        if self.record_to and self.seconds:
+            Path(self.record_to).write_text(json.dumps({k: round(v, 2) for k, v in sorted(self.seconds.items())},
+                                                       indent=0) + "\n")
+        terminalreporter.write_line(f"[tests] {len(self.seconds)} tests in {total / 60:.1f} min "
+                                    f"({sum(self.seconds.values()) / 60:.1f} min of test time over the workers)")
+        if total > BUDGET_WARNING_S:
+            terminalreporter.write_line(
+                f"[tests] WARNING: this run took {total / 60:.1f} min, past the {BUDGET_WARNING_S // 60} min CI "
+                "keeps for growth (90 allowed): make new tests cheaper or pay for them elsewhere",
+                yellow=True, bold=True)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _session_compile_cache(tmp_path_factory):
+    """Inductor's and Triton's caches in a fresh folder of this test run: what an earlier run on the same machine
+    compiled (and the warm-start markers it left) must not decide whether this one's runs compile or load. The
+    xdist workers of one run share it, so that a graph one compiled, another loads."""
+    from torch._inductor.utils import clear_caches
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the run's folder, above each worker's own
+    cache = root / "inductor-cache"
+    cache.mkdir(exist_ok=True)
+    saved = {name: os.environ.get(name) for name in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")}
+    os.environ.update(TORCHINDUCTOR_CACHE_DIR=str(cache), TRITON_CACHE_DIR=str(cache / "triton"))
+    clear_caches()
+    try:
+        yield cache
+    finally:
+        clear_caches()
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 @pytest.fixture(autouse=True)

@@ -177,6 +177,7 @@ def test_regional_compile_reuses_one_graph_for_identical_blocks():
     assert all(model.get_submodule(n)._compiled_call_impl is None for n in names)
 
 
+@pytest.mark.isa
 def test_regional_compile_tiny_swin_matches_eager_forward_and_backward():
     model = _tiny_swin()
     compiled = copy.deepcopy(model)
@@ -245,6 +246,7 @@ def test_tiled_reductions_reach_inductor_beside_the_mode_and_the_tuning():
                                rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.isa
 def test_channels_last_graphs_lay_out_the_backward_graph_too_and_train_like_eager(monkeypatch):
     """Inductor's heuristic never lays out a backward graph (it counts forward convolutions only); the switch makes
     it do so, and the compiled channels_last convnet still trains as the eager one."""

@@ -87,11 +87,13 @@ def check_same_curve():
     torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), rtol=1e-5, atol=0)
 
 
+@pytest.mark.isa
 def test_fallback_path_same_loss_curve():
     with set_triton_enabled(False):
         check_same_curve()
 
 
+@pytest.mark.isa
 def test_triton_path_same_loss_curve():
     if not tu.interpreter_ready():
         proc = subprocess.run([sys.executable, "-m", "pytest", __file__, "-q", "-k", "triton_path", "-p",

@@ -44,6 +44,7 @@ def mixup_targets(n, v, gen):
 CASES = [(1, 7, 0.0, 4096), (5, 11, 0.1, 4096), (4, 37, 0.2, 8), (3, 1000, 0.1, 128), (6, 10, 1.0, 4)]
 
 
+@pytest.mark.isa
 @pytest.mark.parametrize("n,v,smoothing,max_block", CASES)
 def test_loss_and_grads_match_torch(path, n, v, smoothing, max_block):
     gen = torch.Generator().manual_seed(0)
@@ -92,6 +93,7 @@ def test_opcheck():
                                                            target_grad))
 
 
+@pytest.mark.isa
 def test_compiles_without_graph_break():
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(4, 9, generator=gen, requires_grad=True)

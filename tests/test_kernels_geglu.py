@@ -39,6 +39,7 @@ CASES = [((1, 2), 4096), ((5, 46), 4096), ((3, 7, 74), 4096), ((4, 74), 8), ((2,
          ((300, 2 * 48), 4096), ((130, 2 * 96), 32)]
 
 
+@pytest.mark.isa
 @pytest.mark.parametrize("shape,max_block", CASES)
 def test_forward_and_grad_match_torch(path, shape, max_block):
     gen = torch.Generator().manual_seed(0)
@@ -60,6 +61,7 @@ def test_opcheck():
         torch.library.opcheck(geglu_bwd, (torch.randn(3, 4, 5), h.detach()))
 
 
+@pytest.mark.isa
 def test_compiles_without_graph_break():
     h = torch.randn(3, 8, generator=torch.Generator().manual_seed(0), requires_grad=True)
     torch.compile(lambda h: geglu(h).square().sum(), backend="aot_eager", fullgraph=True)(h).backward()

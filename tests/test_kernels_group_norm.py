@@ -53,6 +53,7 @@ CASES = [
 ]
 
 
+@pytest.mark.isa
 @pytest.mark.parametrize("shape,groups,channels_last,activation,affine,max_block", CASES)
 def test_forward_and_grads_match_torch(path, shape, groups, channels_last, activation, affine, max_block):
     gen = torch.Generator().manual_seed(0)
@@ -103,6 +104,7 @@ def test_opcheck():
                                                3, True))
 
 
+@pytest.mark.isa
 def test_compiles_without_graph_break():
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(2, 6, 4, 4, generator=gen, requires_grad=True)

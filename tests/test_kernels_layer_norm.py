@@ -39,6 +39,7 @@ CASES = [
 ]
 
 
+@pytest.mark.isa
 @pytest.mark.parametrize("shape,affine,max_block", CASES)
 def test_forward_and_grads_match_torch(path, shape, affine, max_block):
     gen = torch.Generator().manual_seed(0)
@@ -71,6 +72,7 @@ def test_opcheck():
         torch.library.opcheck(layer_norm_bwd, (torch.randn_like(y), x.detach(), w.detach(), mean, rstd))
 
 
+@pytest.mark.isa
 def test_compiles_without_graph_break():
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(3, 5, 8, generator=gen, requires_grad=True)

@@ -38,6 +38,7 @@ def _forward_and_grads(fn, qkv, bias, mask, dout):
     (5, 16, 3, 32, None),
     (17, 7, 1, 16, 1),   # more windows than one backward program sums (16), one mask for all
 ])
+@pytest.mark.isa
 def test_triton_forward_and_grads_match_the_math(interpreter, windows, n, heads, d, n_win):
     qkv, bias, mask = _inputs(windows, n, heads, d, n_win)
     dout = torch.randn(windows, n, heads, d)

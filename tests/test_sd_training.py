@@ -80,6 +80,7 @@ def test_recipes_resolve_the_sd_switches(caption_data, tmp_path, monkeypatch):
         base_config("smoke", cache_latents=True)
 
 
+@pytest.mark.isa
 @pytest.mark.slow
 @pytest.mark.parametrize("amp_level, rtol", [("O0", 1e-4), ("O1", 3e-2)])
 def test_accelerated_recipe_matches_baseline_step_by_step(caption_data, tmp_path, amp_level, rtol):
