@@ -308,3 +308,18 @@ def test_workers_fill_the_cache_the_run_then_hits(load, monkeypatch):
     torch.testing.assert_close(out, expected)
     for (name, p), q in zip(model.named_parameters(), expected_model.parameters()):
         torch.testing.assert_close(p.grad, q.grad, msg=name)
+
+
+def test_workers_copy_the_runs_cpu_code_width():
+    """A run that switched to AVX2-width CPU code (gallery_lib.accel.cpu_codegen) hands that to its workers: their
+    graphs must be the ones the run would compile, or every one of them misses the cache."""
+    from torch._inductor import config
+
+    from gallery_lib.accel.precompile.record import apply_flags, backend_flags
+
+    with config.patch({"cpp.simdlen": 256}):
+        flags = backend_flags()
+    assert flags["cpp_simdlen"] == 256
+    with config.patch({"cpp.simdlen": None}):
+        apply_flags(flags)  # as a worker does with the run's flags
+        assert config.cpp.simdlen == 256

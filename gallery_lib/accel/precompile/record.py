@@ -150,9 +150,14 @@ def largest_first(calls: list[BlockCall]) -> list[BlockCall]:
 
 
 def backend_flags() -> dict[str, Any]:
+    """The process-wide settings that shape the compiled code, for the workers to copy (and the warm-start key): a
+    worker's graph must be the one the run would compile. ``cpp_simdlen`` is the run's CPU code width
+    (``gallery_lib.accel.cpu_codegen``)."""
+    from torch._inductor import config as inductor
+
     return {"matmul_tf32": torch.backends.cuda.matmul.allow_tf32, "cudnn_tf32": torch.backends.cudnn.allow_tf32,
             "float32_matmul_precision": torch.get_float32_matmul_precision(),
-            "deterministic": torch.are_deterministic_algorithms_enabled()}
+            "deterministic": torch.are_deterministic_algorithms_enabled(), "cpp_simdlen": inductor.cpp.simdlen}
 
 
 def apply_flags(flags: dict[str, Any]) -> None:
@@ -166,6 +171,9 @@ def apply_flags(flags: dict[str, Any]) -> None:
         torch.backends.cudnn.allow_tf32 = flags["cudnn_tf32"]
     if torch.are_deterministic_algorithms_enabled() != flags["deterministic"]:
         torch.use_deterministic_algorithms(flags["deterministic"], warn_only=True)
+    from torch._inductor import config as inductor
+
+    inductor.cpp.simdlen = flags["cpp_simdlen"]
 
 
 def compile_call(call: BlockCall, device: torch.device, compile_kwargs: dict[str, Any]) -> None:
