@@ -21,7 +21,7 @@ import os, torch
 print(0 if torch.cuda.is_available() else min(4, os.cpu_count() or 1))" 2>/dev/null || echo 0)}
 xdist=()
 if [ "$workers" -gt 1 ] && [[ " $* " != *" -n "* ]]; then
-  xdist=(-n "$workers")
+  xdist=(-n "$workers" --dist loadgroup)  # tests of one xdist_group share a module fixture in one worker
 fi
 "$venv/bin/python" -m pytest "${xdist[@]}" "$@"
 code=$?

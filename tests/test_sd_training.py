@@ -180,16 +180,19 @@ def test_resume_continues_the_ema_exactly(caption_data, tmp_path):
     assert losses_of(whole) == losses_of(resumed)
 
 
-@pytest.mark.slow
-def test_precompiled_blocks_train_like_the_baseline_and_only_load_in_the_run(caption_data, tmp_path):
-    """The accelerated recipe with its blocks precompiled by 2 worker processes: the training process finds every
-    block graph in Inductor's cache (no graph compiled by the run itself), loads each while the workers compile the
-    others (its training steps then trace nothing), and the losses are the baseline's."""
+@pytest.fixture(scope="module")
+def precompiled(caption_data, tmp_path_factory):
+    """The accelerated recipe in fp32 with its blocks precompiled by 2 worker processes, run once in a cold compile
+    cache of its own (kept for the second run of the test below), and the baseline it must train like: one cold
+    compile of the SD blocks (~2 min on 2 cores) for the two tests that look at it."""
+    from types import SimpleNamespace
+
     from torch._dynamo.utils import counters
 
-    from torch._inductor.utils import fresh_cache
+    from compile_testing import compile_cache_at
 
-    base = tiny(caption_data, tmp_path, steps=8, amp_level="O0")
+    tmp = tmp_path_factory.mktemp("precompiled")
+    base = tiny(caption_data, tmp, steps=8, amp_level="O0")
     accelerated = apply_recipe("accelerated", base).replace(amp_level="O0", precompile_workers=2)
     assert accelerated.precompile_overlap  # the default
     assert accelerated.compile_scope == "blocks"
@@ -199,8 +202,18 @@ def test_precompiled_blocks_train_like_the_baseline_and_only_load_in_the_run(cap
     # fresh too: an earlier test's workers (where os.cpu_count() gives the recipe some) would leave a warm-start marker.
     torch._dynamo.reset()
     counters.clear()
-    with fresh_cache():
+    with compile_cache_at(tmp / "inductor") as cache:
         summary = run(accelerated)
+    return SimpleNamespace(accelerated=accelerated, baseline=baseline, summary=summary, cache=cache)
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("sd_precompiled")  # one worker runs the fixture's cold compile for both
+def test_precompiled_blocks_train_like_the_baseline_and_only_load_in_the_run(precompiled):
+    """The accelerated recipe with its blocks precompiled by 2 worker processes: the training process finds every
+    block graph in Inductor's cache (no graph compiled by the run itself), loads each while the workers compile the
+    others (its training steps then trace nothing), and the losses are the baseline's."""
+    summary = precompiled.summary
     assert summary["precompile_time_s"] > 0
     assert any("precompiled by 2 processes" in note for note in summary["notes"])
     cache = summary["compile_cache"]  # what the run logs: every graph loaded, none compiled here
@@ -211,28 +224,26 @@ def test_precompiled_blocks_train_like_the_baseline_and_only_load_in_the_run(cap
     assert cache["graphs_traced"] == len(loaded) == summary["precompile"]["graphs"]
     assert summary["attention"] and summary["attention_probe_time_s"] > 0  # probed while the workers compiled
     assert len(summary["warmup_step_times_ms"]) == summary["warmup_steps"]
-    torch.testing.assert_close(torch.tensor(losses_of(accelerated)), torch.tensor(losses_of(baseline)),
-                               rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(torch.tensor(losses_of(precompiled.accelerated)),
+                               torch.tensor(losses_of(precompiled.baseline)), rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.slow  # ~2 min on 2 cores: the first run's workers compile the blocks with Inductor's C++ backend
-def test_a_second_run_starts_no_workers_and_trains_like_the_first(caption_data, tmp_path):
+@pytest.mark.slow
+@pytest.mark.xdist_group("sd_precompiled")
+def test_a_second_run_starts_no_workers_and_trains_like_the_first(precompiled, tmp_path):
     """The accelerated recipe twice with one compile cache: the first run's 2 workers precompile the blocks, the
     second finds the marker they left, starts none, loads every graph in its first step (no cache miss) and gives
     the first run's losses step by step."""
-    from torch._inductor.utils import fresh_cache
+    from compile_testing import compile_cache_at
 
-    base = tiny(caption_data, tmp_path, steps=8, amp_level="O0")
-    first = apply_recipe("accelerated", base).replace(precompile_workers=2)
+    first = precompiled.accelerated
     second = first.replace(output_dir=str(tmp_path / "second"))
-    summaries = []
-    with fresh_cache():
-        for cfg in (first, second):
-            torch._dynamo.reset()
-            summaries.append(run(cfg))
-    assert summaries[0]["precompile"]["graphs"] > 0 and "precompile_skipped" not in summaries[0]
-    assert "precompile" not in summaries[1] and summaries[1]["precompile_skipped"]
-    cache = summaries[1]["compile_cache"]
+    torch._dynamo.reset()
+    with compile_cache_at(precompiled.cache):
+        summary = run(second)
+    assert precompiled.summary["precompile"]["graphs"] > 0 and "precompile_skipped" not in precompiled.summary
+    assert "precompile" not in summary and summary["precompile_skipped"]
+    cache = summary["compile_cache"]
     assert cache["aot_autograd_misses"] == cache["fx_graph_misses"] == 0 and cache["aot_autograd_hits"] > 0, cache
     torch.testing.assert_close(torch.tensor(losses_of(second)), torch.tensor(losses_of(first)), rtol=1e-4, atol=1e-6)
 
