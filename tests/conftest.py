@@ -36,7 +36,10 @@ def pytest_configure(config):
         os.environ.setdefault("OMP_NUM_THREADS", "1")
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     else:  # the controller (or a run without xdist) sees every test's reports
-        config.pluginmanager.register(_RunClock(config.getoption("--record-durations")), "gallery-run-clock")
+        record_to = config.getoption("--record-durations")
+        if record_to and config.getoption("--isa-only"):  # the second pass keeps the first pass's file
+            record_to += ".isa"
+        config.pluginmanager.register(_RunClock(record_to), "gallery-run-clock")
 
 
 def pytest_collection_modifyitems(config, items):
