@@ -26,7 +26,7 @@ BUDGET_WARNING_S = 45 * 60  # CI allows 90 minutes: past 45 a slow addition stil
 
 def pytest_addoption(parser):
     parser.addoption("--isa-only", action="store_true",
-                     help="run only the tests marked isa (ci/test.sh's second pass under ATEN_CPU_CAPABILITY=avx2)")
+                     help="run only the tests marked isa (ci/test.sh's second pass, with AVX2 kernels)")
     parser.addoption("--record-durations", metavar="PATH",
                      help="write each test's seconds (setup + call + teardown) as JSON, as tests/durations.json holds")
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import operator
 import pickle
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -67,6 +68,7 @@ def test_the_pass_keys_inductor_caches_and_survives_pickling():
     assert repr(copy) == "KeepAttentionLayout(v1)"  # the precompile marker keys the options by repr
 
 
+@pytest.mark.slow  # over 30 s on 2 cores: left out of the fast tier
 def test_compiled_block_trains_as_eager_with_the_attention_out_of_the_channels_last_set(monkeypatch):
     from torch._inductor.graph import GraphLowering
 

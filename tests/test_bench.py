@@ -175,6 +175,7 @@ def test_bad_input_is_refused_in_one_line_before_anything_runs(argv, message, ca
     assert list(tmp_path.iterdir()) == []  # no data, no runs, no result file
 
 
+@pytest.mark.slow  # over 30 s on 2 cores: left out of the fast tier
 def test_cpu_bench_writes_rows_a_figure_and_the_goals(toy, tmp_path, capsys):
     out = tmp_path / "bench.json"
     argv = ["bench", "--models", "toy", "--recipes", "baseline,peer", "--batch-size", "4,8", "--warmup-steps", "1",

@@ -177,6 +177,7 @@ def test_regional_compile_reuses_one_graph_for_identical_blocks():
     assert all(model.get_submodule(n)._compiled_call_impl is None for n in names)
 
 
+@pytest.mark.slow  # over 30 s on 2 cores: left out of the fast tier
 @pytest.mark.isa
 def test_regional_compile_tiny_swin_matches_eager_forward_and_backward():
     model = _tiny_swin()

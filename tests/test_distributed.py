@@ -129,6 +129,7 @@ def test_zero2_accumulates_and_clips_as_one_process(smoke_data, tmp_path):
     assert losses(runs["clipped"])[2:] != pytest.approx(losses(runs["default_clip"])[2:], rel=1e-3)  # it clipped
 
 
+@pytest.mark.slow  # over 30 s on 2 cores: left out of the fast tier
 def test_zero2_compiled_blocks_train_the_same_function(smoke_data, tmp_path, one_process):
     cfg = dist_cfg(smoke_data, tmp_path, data_parallel="zero2", compile=True, compile_scope="blocks")
     result = launch(cfg, echo=None)
@@ -136,6 +137,7 @@ def test_zero2_compiled_blocks_train_the_same_function(smoke_data, tmp_path, one
     assert losses(cfg) == pytest.approx(one_process, rel=1e-4, abs=1e-5)  # Inductor's kernels, fp32
 
 
+@pytest.mark.slow  # over 30 s on 2 cores: left out of the fast tier
 def test_zero2_exports_the_full_ema_model(tmp_path):
     """Text-to-image with an EMA: the pipeline a ZeRO-2 run exports holds the UNet that DDP's exports."""
     from safetensors.torch import load_file

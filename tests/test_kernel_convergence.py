@@ -93,6 +93,7 @@ def test_fallback_path_same_loss_curve():
         check_same_curve()
 
 
+@pytest.mark.slow  # over 30 s on 2 cores: left out of the fast tier
 @pytest.mark.isa
 def test_triton_path_same_loss_curve():
     if not tu.interpreter_ready():

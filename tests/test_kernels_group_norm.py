@@ -12,6 +12,7 @@ from gallery_lib.accel.kernels import group_norm, set_triton_enabled
 from gallery_lib.accel.kernels.group_norm import _plan, group_norm_bwd, group_norm_fwd
 
 
+@pytest.mark.slow  # over 30 s on 2 cores: left out of the fast tier
 def test_interpreter_subprocess():
     run_file_in_interpreter(__file__)
 
