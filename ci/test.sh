@@ -17,12 +17,19 @@ bash "$repo/ci/setup_browser.sh"  # chromium + playwright for the browser tests 
 venv=${GALLERY_VENV:-$repo/.venv}
 cd "$repo"
 set_up=$((SECONDS - start))
+# One compile cache for both passes below (tests/conftest.py): the AVX2 pass loads the graphs the first one compiled.
+if [ -z "${GALLERY_TEST_COMPILE_CACHE:-}" ]; then
+  GALLERY_TEST_COMPILE_CACHE=$(mktemp -d -t gallery-test-compile-cache.XXXXXX)
+  trap 'rm -rf "$GALLERY_TEST_COMPILE_CACHE"' EXIT
+  export GALLERY_TEST_COMPILE_CACHE
+fi
 workers=${GALLERY_TEST_WORKERS:-$("$venv/bin/python" -c "
 import os, torch
 print(0 if torch.cuda.is_available() else min(4, os.cpu_count() or 1))" 2>/dev/null || echo 0)}
 xdist=()
 if [ "$workers" -gt 1 ] && [[ " $* " != *" -n "* ]]; then
-  xdist=(-n "$workers" --dist loadgroup)  # tests of one xdist_group share a module fixture in one worker
+  # the tests of one xdist_group run in one worker (they share a fixture or a compile), in tests/conftest.py's order
+  xdist=(-n "$workers" --dist loadgroup --no-loadscope-reorder)
 fi
 "$venv/bin/python" -m pytest "${xdist[@]}" "$@"
 code=$?

@@ -47,15 +47,28 @@ def pytest_collection_modifyitems(config, items):
         kept = [item for item in items if "isa" in item.keywords]
         config.hook.pytest_deselected(items=[item for item in items if "isa" not in item.keywords])
         items[:] = kept
-    if DURATIONS.is_file():  # longest first; a test not in the file (a new one) counts as quick
-        seconds = json.loads(DURATIONS.read_text())
-        items.sort(key=lambda item: -seconds.get(item.nodeid, 0.0))
+    if DURATIONS.is_file():  # a test not in the file (a new one) counts as quick
+        _longest_first(items, json.loads(DURATIONS.read_text()))
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU (run on the GPU machine: pytest -m gpu)")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+def _longest_first(items, seconds: dict[str, float]) -> None:
+    """Longest first, so that the workers finish together. The tests of one ``xdist_group`` run in one worker, one
+    after the other (they share what the first one compiles): they sort as one unit by their total, the longest of
+    them first. ci/test.sh keeps this order (``--no-loadscope-reorder``)."""
+    def unit(item) -> str:
+        marker = item.get_closest_marker("xdist_group")
+        return (marker.args[0] if marker.args else marker.kwargs["name"]) if marker else item.nodeid
+
+    totals: dict[str, float] = {}
+    for item in items:
+        totals[unit(item)] = totals.get(unit(item), 0.0) + seconds.get(item.nodeid, 0.0)
+    items.sort(key=lambda item: (-totals[unit(item)], unit(item), -seconds.get(item.nodeid, 0.0)))
 
 
 class _RunClock:
@@ -84,17 +97,25 @@ class _RunClock:
 
 
 @pytest.fixture(scope="session", autouse=True)
-def _session_compile_cache(tmp_path_factory):
+def _session_compile_cache(tmp_path_factory, request):
     """Inductor's and Triton's caches in a fresh folder of this test run: what an earlier run on the same machine
     compiled (and the warm-start markers it left) must not decide whether this one's runs compile or load. The
-    xdist workers of one run share it, so that a graph one compiled, another loads."""
+    xdist workers of one run share it, so that a graph one compiled, another loads; ci/test.sh's two passes share
+    one through ``GALLERY_TEST_COMPILE_CACHE``."""
     from torch._inductor.utils import clear_caches
 
     root = tmp_path_factory.getbasetemp()
     if os.environ.get("PYTEST_XDIST_WORKER"):
         root = root.parent  # the run's folder, above each worker's own
-    cache = root / "inductor-cache"
-    cache.mkdir(exist_ok=True)
+    cache = Path(os.environ.get("GALLERY_TEST_COMPILE_CACHE") or root / "inductor-cache")
+    cache.mkdir(parents=True, exist_ok=True)
+    if request.config.getoption("--isa-only"):
+        # ci/test.sh's AVX2 pass shares the first pass's cache (GALLERY_TEST_COMPILE_CACHE). Inductor's cache keys
+        # hold its config but not ATEN_CPU_CAPABILITY: naming the AVX2 width keys this pass's graphs apart from
+        # AVX-512 ones, and loads those the first pass compiled at this width (where the CPU compile check chose it).
+        import torch._inductor.config
+
+        torch._inductor.config.cpp.simdlen = 256
     saved = {name: os.environ.get(name) for name in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")}
     os.environ.update(TORCHINDUCTOR_CACHE_DIR=str(cache), TRITON_CACHE_DIR=str(cache / "triton"))
     clear_caches()

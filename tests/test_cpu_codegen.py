@@ -42,8 +42,9 @@ def test_the_transpose_check_agrees_with_what_inductor_compiles_and_the_workarou
     with torch._inductor.config.patch({"cpp.simdlen": None}):  # as before any workaround of this session
         if avx512_codegen():
             assert tiles_transpose_right() == _compiled_is_right()
+    named = torch._inductor.config.cpp.simdlen == 256  # by ci/test.sh's AVX2 pass (tests/conftest.py), or earlier
     note = use_safe_cpu_codegen()
-    assert (note is not None) == (torch._inductor.config.cpp.simdlen == 256)
+    assert (note is not None or named) == (torch._inductor.config.cpp.simdlen == 256)
     assert _compiled_is_right()
 
 
