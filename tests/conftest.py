@@ -65,10 +65,18 @@ def _longest_first(items, seconds: dict[str, float]) -> None:
         marker = item.get_closest_marker("xdist_group")
         return (marker.args[0] if marker.args else marker.kwargs["name"]) if marker else item.nodeid
 
+    def own(item) -> float:
+        return seconds.get(_without_group(item.nodeid), 0.0)
+
     totals: dict[str, float] = {}
     for item in items:
-        totals[unit(item)] = totals.get(unit(item), 0.0) + seconds.get(item.nodeid, 0.0)
-    items.sort(key=lambda item: (-totals[unit(item)], unit(item), -seconds.get(item.nodeid, 0.0)))
+        totals[unit(item)] = totals.get(unit(item), 0.0) + own(item)
+    items.sort(key=lambda item: (-totals[unit(item)], unit(item), -own(item)))
+
+
+def _without_group(nodeid: str) -> str:
+    """The test's id without the ``@group`` that pytest-xdist's loadgroup appends to it."""
+    return nodeid.partition("@")[0]
 
 
 class _RunClock:
@@ -80,7 +88,8 @@ class _RunClock:
         self.start = time.monotonic()
 
     def pytest_runtest_logreport(self, report) -> None:
-        self.seconds[report.nodeid] = self.seconds.get(report.nodeid, 0.0) + report.duration
+        nodeid = _without_group(report.nodeid)
+        self.seconds[nodeid] = self.seconds.get(nodeid, 0.0) + report.duration
 
     def pytest_terminal_summary(self, terminalreporter) -> None:
         total = time.monotonic() - self.start

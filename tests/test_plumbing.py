@@ -1,0 +1,35 @@
+"""The test run's own plumbing (tests/conftest.py, ci/test.sh): what keeps CI inside its time."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+CONFTEST = Path(__file__).with_name("conftest.py")
+
+
+def test_an_xdist_group_runs_in_one_worker_longest_first_and_its_time_is_recorded(tmp_path):
+    """Tests that share a compile must land in one worker, one after the other (``--dist loadgroup``; pytest 9.2 made
+    pytest-xdist drop the groups silently), ordered by tests/durations.json, with their seconds recorded under
+    their plain ids."""
+    (tmp_path / "conftest.py").write_text(CONFTEST.read_text())
+    (tmp_path / "durations.json").write_text(json.dumps({"test_g.py::test_short": 1.0, "test_g.py::test_long": 9.0}))
+    (tmp_path / "test_g.py").write_text(
+        "import os, time\nimport pytest\n\n"
+        "@pytest.mark.xdist_group('shared')\ndef test_short():\n    print('ran-on', os.environ['PYTEST_XDIST_WORKER'])\n\n"
+        "@pytest.mark.xdist_group('shared')\ndef test_long():\n    print('ran-on', os.environ['PYTEST_XDIST_WORKER'])\n"
+        + "".join(f"\ndef test_alone_{i}():\n    time.sleep(0.2)\n" for i in range(6)))
+    record = tmp_path / "seconds.json"
+    done = subprocess.run([sys.executable, "-m", "pytest", "-n", "2", "--dist", "loadgroup", "--no-loadscope-reorder",
+                           "-p", "no:cacheprovider", "-v", f"--record-durations={record}", str(tmp_path)],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:]
+    grouped = [line for line in done.stdout.splitlines()  # "[gw0] [ 12%] PASSED test_g.py::test_long@shared"
+               if line.startswith("[gw") and "PASSED test_g.py::test_" in line and "@shared" in line]
+    workers = {line.split("]")[0] for line in grouped}
+    assert len(grouped) == 2 and len(workers) == 1, done.stdout[-3000:]  # both tagged, both in one worker
+    order = [line.split("::")[1].split("@")[0] for line in grouped]
+    assert order == ["test_long", "test_short"]  # the longest of the group first
+    assert {"test_g.py::test_long", "test_g.py::test_short"} <= set(json.loads(record.read_text()))
