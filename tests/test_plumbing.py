@@ -17,9 +17,9 @@ def test_an_xdist_group_runs_in_one_worker_longest_first_and_its_time_is_recorde
     (tmp_path / "conftest.py").write_text(CONFTEST.read_text())
     (tmp_path / "durations.json").write_text(json.dumps({"test_g.py::test_short": 1.0, "test_g.py::test_long": 9.0}))
     (tmp_path / "test_g.py").write_text(
-        "import os, time\nimport pytest\n\n"
-        "@pytest.mark.xdist_group('shared')\ndef test_short():\n    print('ran-on', os.environ['PYTEST_XDIST_WORKER'])\n\n"
-        "@pytest.mark.xdist_group('shared')\ndef test_long():\n    print('ran-on', os.environ['PYTEST_XDIST_WORKER'])\n"
+        "import time\nimport pytest\n\n"
+        "@pytest.mark.xdist_group('shared')\ndef test_short():\n    pass\n\n"
+        "@pytest.mark.xdist_group('shared')\ndef test_long():\n    pass\n"
         + "".join(f"\ndef test_alone_{i}():\n    time.sleep(0.2)\n" for i in range(6)))
     record = tmp_path / "seconds.json"
     done = subprocess.run([sys.executable, "-m", "pytest", "-n", "2", "--dist", "loadgroup", "--no-loadscope-reorder",
