@@ -64,6 +64,8 @@ def ddp(smoke_data, tmp_path_factory) -> RunResult:
     return launch(cfg, echo=None)
 
 
+@pytest.mark.slow  # two processes over gloo, over 15 s on 2 cores: left out of the fast tier
+@pytest.mark.xdist_group("two_process_runs")  # the module fixtures' runs, once in one worker
 def test_ddp_two_processes_train_what_one_process_trains(ddp, one_process):
     assert len(one_process) == STEPS and one_process[-1] != one_process[0]
     assert losses(ddp.config) == pytest.approx(one_process, **FP32)
@@ -71,6 +73,8 @@ def test_ddp_two_processes_train_what_one_process_trains(ddp, one_process):
     assert ddp.summary["world_size"] == 2 and ddp.summary["global_batch_size"] == 16
 
 
+@pytest.mark.slow  # two processes over gloo, over 15 s on 2 cores: left out of the fast tier
+@pytest.mark.xdist_group("two_process_runs")  # the module fixtures' runs, once in one worker
 def test_zero2_two_processes_train_what_one_process_trains(zero2, one_process):
     assert losses(zero2.config) == pytest.approx(one_process, **FP32)
     assert any(n.startswith("ZeRO-2 over 2 process(es): FSDP2 fully_shard(reshard_after_forward=False) of 4 blocks")
@@ -85,6 +89,8 @@ def test_zero2_two_processes_train_what_one_process_trains(zero2, one_process):
     assert saved["data"]["epoch"] == 1  # 8 steps of 7 per epoch
 
 
+@pytest.mark.slow  # two processes over gloo, over 15 s on 2 cores: left out of the fast tier
+@pytest.mark.xdist_group("two_process_runs")  # the module fixtures' runs, once in one worker
 def test_zero2_shards_hold_the_weights_and_ema_of_ddp(zero2, ddp, tmp_path):
     """The sharded model, optimizer state and EMA, gathered offline, are DDP's after the same 8 steps."""
     dcp_to_torch_save(zero2.run_dir / "checkpoints" / "step_8.dcp", tmp_path / "full.pt")
@@ -114,6 +120,7 @@ def optimizer_indices(cfg: RunConfig) -> dict[str, int]:
     return {names[id(p)]: i for i, p in enumerate(p for g in groups for p in g["params"])}
 
 
+@pytest.mark.slow  # two processes over gloo, over 15 s on 2 cores: left out of the fast tier
 def test_zero2_accumulates_and_clips_as_one_process(smoke_data, tmp_path):
     """2 processes x 3 images x 2 accumulated batches (10 steps an epoch, as one process's batches of 12): each
     batch's gradients are reduce-scattered and added up, the norm of the sharded gradients is clipped, and fused AdamW
@@ -130,6 +137,7 @@ def test_zero2_accumulates_and_clips_as_one_process(smoke_data, tmp_path):
 
 
 @pytest.mark.slow  # over 30 s on 2 cores: left out of the fast tier
+@pytest.mark.xdist_group("two_process_runs")  # the module fixtures' runs, once in one worker
 def test_zero2_compiled_blocks_train_the_same_function(smoke_data, tmp_path, one_process):
     cfg = dist_cfg(smoke_data, tmp_path, data_parallel="zero2", compile=True, compile_scope="blocks")
     result = launch(cfg, echo=None)
@@ -191,6 +199,8 @@ def copy_checkpoint(cfg: RunConfig, step: int, out: Path, **changes) -> RunConfi
     return resumed
 
 
+@pytest.mark.slow  # two processes over gloo, over 15 s on 2 cores: left out of the fast tier
+@pytest.mark.xdist_group("two_process_runs")  # the module fixtures' runs, once in one worker
 def test_zero2_resumes_bitwise_on_the_same_process_count(zero2, tmp_path):
     resumed = copy_checkpoint(zero2.config, 4, tmp_path)
     result = launch(resumed, echo=None)
@@ -200,6 +210,8 @@ def test_zero2_resumes_bitwise_on_the_same_process_count(zero2, tmp_path):
     assert new["data"] == old["data"] and new["scheduler"] == old["scheduler"] and new["ema_step"] == 8
 
 
+@pytest.mark.slow  # two processes over gloo, over 15 s on 2 cores: left out of the fast tier
+@pytest.mark.xdist_group("two_process_runs")  # the module fixtures' runs, once in one worker
 def test_zero2_checkpoint_of_two_processes_loads_in_one(zero2, tmp_path):
     """One process at the same global batch continues the data stream by global sample count: the losses of the
     two-process run, up to the order of the reductions."""
@@ -209,6 +221,8 @@ def test_zero2_checkpoint_of_two_processes_loads_in_one(zero2, tmp_path):
     assert losses(resumed) == pytest.approx(losses(zero2.config)[4:], **FP32)  # steps 4 to 9
 
 
+@pytest.mark.slow  # two processes over gloo, over 15 s on 2 cores: left out of the fast tier
+@pytest.mark.xdist_group("two_process_runs")  # the module fixtures' runs, once in one worker
 def test_resharding_needs_the_same_global_batch(zero2, tmp_path):
     path = zero2.run_dir / "checkpoints" / "step_4.pt"
     meta = read_checkpoint(path)["meta"]

@@ -286,6 +286,7 @@ NAN_ON_SOME_RANKS = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # two processes over gloo, over 15 s on 2 cores: left out of the fast tier
 @pytest.mark.parametrize("guard, options", [
     ("host", dict(amp_level="O1")),  # the default: bf16 autocast on a CPU, no GradScaler, standard AdamW
     ("device", dict(fused_optimizer=True, amp_level="O0")),

@@ -166,6 +166,7 @@ def test_recipe_switches_learn_the_same_function(smoke_data, tmp_path):
     assert "attention" not in base_summary
 
 
+@pytest.mark.slow  # two processes over gloo, over 15 s on 2 cores: left out of the fast tier
 def test_launch_two_process_ddp_with_gloo(smoke_data, tmp_path):
     cfg = micro_cfg(smoke_data, tmp_path, nproc_per_node=2, steps=4, warmup_steps=1, log_every=2)
     lines: list[str] = []
