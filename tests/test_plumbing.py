@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -24,7 +25,8 @@ def test_an_xdist_group_runs_in_one_worker_longest_first_and_its_time_is_recorde
     record = tmp_path / "seconds.json"
     done = subprocess.run([sys.executable, "-m", "pytest", "-n", "2", "--dist", "loadgroup", "--no-loadscope-reorder",
                            "-p", "no:cacheprovider", "-v", f"--record-durations={record}", str(tmp_path)],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          env={k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST")})
     assert done.returncode == 0, done.stdout[-3000:]
     grouped = [line for line in done.stdout.splitlines()  # "[gw0] [ 12%] PASSED test_g.py::test_long@shared"
                if line.startswith("[gw") and "PASSED test_g.py::test_" in line and "@shared" in line]
@@ -32,4 +34,5 @@ def test_an_xdist_group_runs_in_one_worker_longest_first_and_its_time_is_recorde
     assert len(grouped) == 2 and len(workers) == 1, done.stdout[-3000:]  # both tagged, both in one worker
     order = [line.split("::")[1].split("@")[0] for line in grouped]
     assert order == ["test_long", "test_short"]  # the longest of the group first
-    assert {"test_g.py::test_long", "test_g.py::test_short"} <= set(json.loads(record.read_text()))
+    recorded = json.loads(record.read_text())
+    assert {"test_g.py::test_long", "test_g.py::test_short"} <= set(recorded), recorded
