@@ -111,13 +111,12 @@ def _session_compile_cache(tmp_path_factory, request):
     compiled (and the warm-start markers it left) must not decide whether this one's runs compile or load. The
     xdist workers of one run share it, so that a graph one compiled, another loads; ci/test.sh's two passes share
     one through ``GALLERY_TEST_COMPILE_CACHE``."""
-    from torch._inductor.utils import clear_caches
+    from compile_testing import compile_cache_at
 
     root = tmp_path_factory.getbasetemp()
     if os.environ.get("PYTEST_XDIST_WORKER"):
         root = root.parent  # the run's folder, above each worker's own
     cache = Path(os.environ.get("GALLERY_TEST_COMPILE_CACHE") or root / "inductor-cache")
-    cache.mkdir(parents=True, exist_ok=True)
     if request.config.getoption("--isa-only"):
         # ci/test.sh's AVX2 pass shares the first pass's cache (GALLERY_TEST_COMPILE_CACHE). Inductor's cache keys
         # hold its config but not ATEN_CPU_CAPABILITY: naming the AVX2 width keys this pass's graphs apart from
@@ -125,18 +124,8 @@ def _session_compile_cache(tmp_path_factory, request):
         import torch._inductor.config
 
         torch._inductor.config.cpp.simdlen = 256
-    saved = {name: os.environ.get(name) for name in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")}
-    os.environ.update(TORCHINDUCTOR_CACHE_DIR=str(cache), TRITON_CACHE_DIR=str(cache / "triton"))
-    clear_caches()
-    try:
+    with compile_cache_at(cache):
         yield cache
-    finally:
-        clear_caches()
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 @pytest.fixture(autouse=True)

@@ -15,7 +15,8 @@ def test_an_xdist_group_runs_in_one_worker_longest_first_and_its_time_is_recorde
     """Tests that share a compile must land in one worker, one after the other (``--dist loadgroup``; pytest 9.2 made
     pytest-xdist drop the groups silently), ordered by tests/durations.json, with their seconds recorded under
     their plain ids."""
-    (tmp_path / "conftest.py").write_text(CONFTEST.read_text())
+    for helper in (CONFTEST, CONFTEST.with_name("compile_testing.py")):
+        (tmp_path / helper.name).write_text(helper.read_text())
     (tmp_path / "durations.json").write_text(json.dumps({"test_g.py::test_short": 1.0, "test_g.py::test_long": 9.0}))
     (tmp_path / "test_g.py").write_text(
         "import time\nimport pytest\n\n"
