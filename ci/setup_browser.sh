@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs what the browser tests need (tests/test_browser.py): Debian's chromium and the playwright package.
 #
-#   bash ci/setup_browser.sh
+#   bash ci/setup_browser.sh [chromium]    # chromium: the apt part only (the environment may not exist yet)
 #
 # chromium comes from apt (as root, or through sudo); playwright drives it (no browser download: the tests point
 # playwright at Debian's chromium). Without apt, it says so and leaves the browser tests to skip.
@@ -20,6 +20,7 @@ if ! command -v chromium >/dev/null 2>&1; then
     echo "[setup] no apt-get: install chromium yourself for the browser tests"
   fi
 fi
+[ "${1:-}" = chromium ] && exit 0
 "$venv/bin/python" -c "import playwright" 2>/dev/null || "$venv/bin/python" -m pip install --quiet "playwright>=1.40"
 command -v chromium >/dev/null 2>&1 && echo "[setup] browser: $(chromium --version 2>/dev/null)"
 exit 0

@@ -22,6 +22,28 @@ if [ ! -x "$venv/bin/python" ]; then
 fi
 py="$venv/bin/python"
 stamp="$venv/.gallery-installed-$extras"
+
+# uv installs the same wheels as pip several times faster (torch's CUDA libraries alone are about 3 GB). It reads no
+# pip.conf, so where it fails (say, a machine that reaches packages only through pip's configured mirror) pip runs.
+# GALLERY_NO_UV=1: pip only.
+have_uv() {
+  [ -z "${GALLERY_NO_UV:-}" ] && { "$py" -m uv --version >/dev/null 2>&1 || "$py" -m pip install --quiet uv >/dev/null 2>&1; }
+}
+install() {
+  if have_uv; then
+    "$py" -m uv pip install --python "$py" --quiet "$@" && return 0
+    echo "[setup] uv could not install $*: trying pip"
+  fi
+  "$py" -m pip install --quiet "$@"
+}
+# For an index that may not answer (PyTorch's CPU index from a machine that reaches PyPI only): fail within seconds.
+install_or_give_up() {
+  if have_uv; then
+    UV_HTTP_TIMEOUT=10 UV_HTTP_RETRIES=0 "$py" -m uv pip install --python "$py" --quiet "$@"
+  else
+    "$py" -m pip install --quiet --timeout 10 --retries 0 "$@"
+  fi
+}
 if [ -f "$stamp" ] && [ "$stamp" -nt "$repo/pyproject.toml" ] && "$py" -c "import torch, timm, gallery_lib" 2>/dev/null; then
   echo "[setup] $venv is up to date ($extras)"
   exit 0
@@ -32,22 +54,22 @@ if ! "$py" -c "import torch, torchvision" 2>/dev/null; then
   if [ -n "${GALLERY_TORCH_SPEC:-}" ]; then
     echo "[setup] installing $GALLERY_TORCH_SPEC"
     # shellcheck disable=SC2086
-    "$py" -m pip install --quiet $GALLERY_TORCH_SPEC
+    install $GALLERY_TORCH_SPEC
   else
     tag=${GALLERY_TORCH_INDEX:-$(cd "$repo" && "$python" -m gallery_lib.gpu_check)} || exit 1
     index="https://download.pytorch.org/whl/$tag"
     if [ "$tag" = cpu ]; then
       echo "[setup] no GPU: trying PyTorch's CPU build ($index)"
       # shellcheck disable=SC2086
-      if ! "$py" -m pip install --quiet --timeout 10 --retries 0 --index-url "$index" $cpu_pin 2>/dev/null; then
+      if ! install_or_give_up --index-url "$index" $cpu_pin 2>/dev/null; then
         echo "[setup] PyTorch's CPU index did not answer: installing PyPI's $cpu_pin (with CUDA libraries)"
         # shellcheck disable=SC2086
-        "$py" -m pip install --quiet $cpu_pin
+        install $cpu_pin
       fi
     else
       echo "[setup] GPU driver wants $tag: installing $tested_range from $index"
       # shellcheck disable=SC2086
-      "$py" -m pip install --quiet --index-url "$index" $tested_range
+      install --index-url "$index" $tested_range
       if ! "$py" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
         echo "[setup] ERROR: torch was installed from $index but cannot use the GPU that nvidia-smi lists." >&2
         nvidia-smi --query-gpu=name,driver_version --format=csv >&2 || true
@@ -58,13 +80,13 @@ if ! "$py" -c "import torch, torchvision" 2>/dev/null; then
   fi
 fi
 echo "[setup] installing gallery-lib[$extras]"
-"$py" -m pip install --quiet -e "$repo[$extras]"
+install -e "$repo[$extras]"
 if "$py" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null \
     && ! "$py" -c "import cudnn" 2>/dev/null; then
   # ResNet-50's accelerated recipe folds its norms into cuDNN's fused convolutions through the frontend's graph API,
   # which needs only the cuDNN that torch ships: not the CUTLASS DSL its wheel also asks for.
   echo "[setup] GPU: installing cuDNN's Python frontend (nvidia-cudnn-frontend)"
-  "$py" -m pip install --quiet --no-deps "nvidia-cudnn-frontend>=1.12,<2"
+  install --no-deps "nvidia-cudnn-frontend>=1.12,<2"
 fi
 touch "$stamp"
 echo "[setup] ready: $py"

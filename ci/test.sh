@@ -12,8 +12,13 @@
 set -uo pipefail
 start=$SECONDS
 repo=$(cd "$(dirname "$0")/.." && pwd)
+# chromium (apt) downloads beside the Python packages; then playwright, in the environment (the browser tests skip
+# without them)
+bash "$repo/ci/setup_browser.sh" chromium &
+browser=$!
 bash "$repo/ci/setup_env.sh" notebooks,sd,lab,test || exit 1
-bash "$repo/ci/setup_browser.sh"  # chromium + playwright for the browser tests (they skip without them)
+wait "$browser"
+bash "$repo/ci/setup_browser.sh"
 venv=${GALLERY_VENV:-$repo/.venv}
 cd "$repo"
 set_up=$((SECONDS - start))
