@@ -247,6 +247,7 @@ def test_tiled_reductions_reach_inductor_beside_the_mode_and_the_tuning():
                                rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow  # over 10 s on 2 cores: left out of the fast tier
 @pytest.mark.isa
 def test_channels_last_graphs_lay_out_the_backward_graph_too_and_train_like_eager(monkeypatch):
     """Inductor's heuristic never lays out a backward graph (it counts forward convolutions only); the switch makes

@@ -317,6 +317,7 @@ def test_zero2_refuses_what_cannot_work(fields, message):
     RunConfig(model="swin_micro", data_parallel="ddp", **fields)  # each is fine with DDP
 
 
+@pytest.mark.slow  # over 10 s on 2 cores: left out of the fast tier
 def test_ddp_accumulates_with_one_all_reduce_per_step_as_one_process(smoke_data, tmp_path):
     """2 processes x 3 images x 2 accumulated batches against one process's batches of 12: the first batch's backward
     runs under DDP's no_sync, the last one all-reduces the sum."""

@@ -91,6 +91,7 @@ def test_large_mean_is_stable(path, max_block):
     torch.testing.assert_close(got, F.group_norm(x.double(), 2).float(), atol=5e-3, rtol=0)
 
 
+@pytest.mark.slow  # over 10 s on 2 cores: left out of the fast tier
 def test_opcheck():
     """Schema, fake tensor, autograd registration and AOT dispatch of both ops (reference path on CPU)."""
     gen = torch.Generator().manual_seed(0)

@@ -182,6 +182,7 @@ def test_a_stopped_recipe_leaves_every_other_result_and_one_line(tmp_path):
     assert "- baseline: " in text and "img/s" in text and "Traceback" not in text
 
 
+@pytest.mark.slow  # over 10 s on 2 cores: left out of the fast tier
 def test_two_lanes_run_notebooks_side_by_side_and_report_each(tmp_path):
     """``--jobs 2``: each notebook in its own process, two at a time, every line prefixed with its name; a failing
     notebook fails the whole run, after the others ran."""

@@ -151,6 +151,7 @@ def test_an_error_in_the_recording_forward_stops_the_workers():
     assert time.perf_counter() - start < 60  # the workers were killed, not waited for
 
 
+@pytest.mark.slow  # over 10 s on 2 cores: left out of the fast tier
 def test_workers_started_early_exit_on_their_own_without_a_queue():
     """A run that fails before its precompile (a bad data folder, say) must not leave workers behind, even when the
     caller never closes them: they give up after their timeout."""
@@ -166,6 +167,7 @@ def test_workers_started_early_exit_on_their_own_without_a_queue():
     assert not workers.queue_path.parent.exists()  # its folder is removed
 
 
+@pytest.mark.slow  # over 10 s on 2 cores: left out of the fast tier
 def test_meanwhile_runs_once_while_the_workers_have_their_queue():
     """The run's other pre-step work (the attention probe) goes there: the workers are compiling by then."""
     from gallery_lib.accel.precompile import CompileWorkers
