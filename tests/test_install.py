@@ -67,23 +67,29 @@ def test_pyproject_pins_the_tested_range_that_setup_installs():
     assert all("," in dep for dep in deps["optional-dependencies"]["sd"] if dep.startswith(("diffusers", "transf")))
 
 
-def _fake_machine(tmp_path: Path, *, driver: str | None, cpu_index_answers: bool) -> tuple[dict, Path]:
-    """A venv whose python has no torch and logs pip calls, and an nvidia-smi that reports ``driver``."""
+def _fake_machine(tmp_path: Path, *, driver: str | None, cpu_index_answers: bool,
+                  installer: str = "uv") -> tuple[dict, Path]:
+    """A venv whose python has no torch and logs its installs (``uv`` or ``pip`` as the installer, or
+    ``uv-failing``: uv there, every install through it failing), and an nvidia-smi that reports ``driver``."""
     venv, bin_dir, log = tmp_path / "venv", tmp_path / "bin", tmp_path / "pip.log"
     (venv / "bin").mkdir(parents=True)
     bin_dir.mkdir()
     fail_cpu = "true" if cpu_index_answers else 'case "$*" in *whl/cpu*) exit 1;; esac'
+    fail_uv = 'case "$*" in "-m uv pip install"*) exit 1;; esac' if installer == "uv-failing" else "true"
     _script(venv / "bin" / "python", f"""#!/bin/bash
 if [ "$1" = -c ]; then exit 1; fi          # no torch in this venv yet, and after 'installing' still no GPU
-if [ "$1 $2 $3" = "-m pip install" ]; then echo "$*" >> {log}; {fail_cpu}; exit 0; fi
+case "$*" in "-m pip install"*|"-m uv pip install"*)
+  echo "UV_HTTP_TIMEOUT=${{UV_HTTP_TIMEOUT:-}} $*" >> {log}; {fail_cpu}; {fail_uv}; exit 0;; esac
 exit 0
 """)
     if driver:
         _script(bin_dir / "nvidia-smi", f"#!/bin/bash\necho 'NVIDIA L4, {driver}'\n")
     env = dict(os.environ, GALLERY_VENV=str(venv), PYTHON=sys.executable,
                PATH=f"{bin_dir}:{os.environ['PATH']}" if driver else "/usr/bin:/bin")
-    env.pop("GALLERY_TORCH_SPEC", None)
-    env.pop("GALLERY_TORCH_INDEX", None)
+    for name in ("GALLERY_TORCH_SPEC", "GALLERY_TORCH_INDEX", "GALLERY_NO_UV"):
+        env.pop(name, None)
+    if installer == "pip":
+        env["GALLERY_NO_UV"] = "1"
     return env, log
 
 
@@ -92,15 +98,25 @@ def _script(path: Path, text: str) -> None:
     path.chmod(path.stat().st_mode | stat.S_IEXEC)
 
 
-def test_setup_installs_the_cpu_build_first_and_falls_back_quickly(tmp_path):
-    env, log = _fake_machine(tmp_path, driver=None, cpu_index_answers=False)
+@pytest.mark.parametrize("installer", ["uv", "pip", "uv-failing"])
+def test_setup_installs_the_cpu_build_first_and_falls_back_quickly(tmp_path, installer):
+    env, log = _fake_machine(tmp_path, driver=None, cpu_index_answers=False, installer=installer)
     done = subprocess.run(["bash", str(REPO / "ci" / "setup_env.sh"), "notebooks"], env=env, capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     calls = log.read_text().splitlines()
-    assert "--retries 0 --index-url https://download.pytorch.org/whl/cpu torch==2.14.1" in calls[0]
-    assert calls[1].endswith("install --quiet torch==2.14.1 torchvision==0.29.1")  # PyPI's build, same pin
-    assert "CPU index did not answer" in done.stdout and "-e" in calls[2]
+    tool = "-m pip install --quiet" if installer == "pip" else "-m uv pip install --python"
+    assert tool in calls[0] and "--index-url https://download.pytorch.org/whl/cpu torch==2.14.1" in calls[0]
+    # a quick failure where the index does not answer: pip's flags, or uv's variables
+    assert "--timeout 10 --retries 0" in calls[0] if installer == "pip" else calls[0].startswith("UV_HTTP_TIMEOUT=10 ")
+    pypi = [call for call in calls[1:] if call.endswith(" torch==2.14.1 torchvision==0.29.1")]  # PyPI's build
+    editable = [call for call in calls[1:] if " -e " in call]
+    assert "CPU index did not answer" in done.stdout and "--index-url" not in " ".join(pypi + editable)
+    if installer == "uv-failing":  # each install tried with uv, then with pip
+        assert [tool in call for call in pypi] == [True, False] and [tool in call for call in editable] == [True, False]
+        assert "uv could not install" in done.stdout
+    else:
+        assert calls == calls[:1] + pypi + editable and all(tool in call for call in calls), calls
 
 
 def test_setup_picks_the_drivers_cuda_and_fails_loudly_when_torch_cannot_see_the_gpu(tmp_path):
