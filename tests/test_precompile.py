@@ -247,6 +247,74 @@ def test_a_second_run_of_the_same_graphs_starts_no_workers(tmp_path, monkeypatch
     assert warm.is_warm(second.cached_key)  # the caches missed nothing in the second run: its marker stays
 
 
+def test_without_workers_a_run_waits_for_another_compiling_the_same_graphs(tmp_path, monkeypatch):
+    """Without workers the first step compiles the blocks, and the run holds this machine's lock on their graph set
+    until then; a run recording graphs whose lock another process holds waits for it (its first step then loads
+    them); a run after them finds the graphs marked warm and neither waits nor holds."""
+    import fcntl
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    from gallery_lib.accel.compile_plan import CompilePlan
+    from gallery_lib.accel.distributed import DistInfo
+    from gallery_lib.accel.precompile import warm
+    from gallery_lib.accel.precompile.record import backend_flags
+
+    monkeypatch.setattr(warm, "marker_dir", lambda: tmp_path / "markers")  # beside the session's compile cache
+    family = SimpleNamespace(block_types=(Block,), block_modules=(Block.__module__,))
+    cfg = SimpleNamespace(model="toy", recipe="accelerated", batch_size=2, image_size=8, precompile_workers=0,
+                          precompile_overlap=True, precompile_first_use=True, compile=True, model_family=family)
+    cpu = DistInfo(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
+    batch, other_batch = torch.randn(2, 6, 8), torch.randn(1, 6, 8)
+
+    def key_of(x: torch.Tensor) -> str:  # as a plan records it, once its compile_blocks has compiled its model
+        model = Model()
+        regional_compile(model, (Block,), backend="eager")
+        calls, _ = record_block_calls(model, lambda: model(x), BLOCKS)
+        return warm.graph_set_key((c.graph_key for c in calls), {"backend": "eager"}, backend_flags(), cpu.device)
+
+    def held(key: str) -> bool:
+        (tmp_path / "markers").mkdir(exist_ok=True)
+        with open(tmp_path / "markers" / f"{key}.lock", "a") as file:
+            try:
+                fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return True
+            fcntl.flock(file, fcntl.LOCK_UN)
+            return False
+
+    def plan_run(x: torch.Tensor, before_its_first_step_is_done=lambda plan: True) -> list[str]:
+        lines = []
+        with CompilePlan(cfg, cpu) as plan:
+            model = Model()  # each run its own model, as in its own process
+            plan.compile_blocks(model, backend="eager")
+            assert not plan.precompile(model, lambda: model(x), lines.append, lambda: None)
+            assert before_its_first_step_is_done(plan)
+            plan.first_step_done()
+        return lines
+
+    key, other_key = key_of(batch), key_of(other_batch)
+    assert plan_run(batch, lambda plan: held(key) and not warm.is_warm(key)) == []
+    assert not held(key) and warm.is_warm(key)  # marked once its first step was done, and let go
+
+    def other_run_compiling(seconds: float) -> None:
+        lock = warm.CompileLock(other_key)
+        lock.acquire()
+        time.sleep(seconds)
+        warm.mark_warm(other_key)
+        lock.release()
+
+    other = threading.Thread(target=other_run_compiling, args=(2.0,))
+    other.start()
+    while other.is_alive() and not held(other_key):
+        time.sleep(0.05)
+    lines = plan_run(other_batch, lambda plan: not held(other_key))  # it waited, and holds nothing
+    other.join()
+    assert len(lines) == 1 and "waited 2 s for another run" in lines[0] and "3 distinct block graphs" in lines[0]
+    assert plan_run(batch) == [] and not held(key)  # warm: no wait, no hold
+
+
 @pytest.mark.slow  # ~1 min each on 2 cores: Inductor's C++ backend compiles 3 forward and 3 backward graphs
 @pytest.mark.parametrize("load", [True, False], ids=["loaded-as-they-land", "loaded-by-the-run"])
 def test_workers_fill_the_cache_the_run_then_hits(load, monkeypatch):

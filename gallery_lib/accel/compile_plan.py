@@ -7,7 +7,9 @@ precompile them from one recorded forward before the first step (``precompile``)
 (``summary``: the precompile report and the compile-cache statistics of this run alone).
 
 A second run of the same graphs on the same machine starts no workers: the first left a marker beside the compiled
-graphs, and its first step loads them from the caches (``accel/precompile/warm.py``).
+graphs, and its first step loads them from the caches (``accel/precompile/warm.py``). Without workers, a run whose
+first step would compile the same block graphs as another run on the machine is compiling now waits for it and loads
+them instead (``first_step_done`` ends this run's own hold).
 """
 
 from __future__ import annotations
@@ -46,6 +48,8 @@ class CompilePlan(contextlib.AbstractContextManager):
         """The key of the block graphs when an earlier run left them all in the caches and no worker ran."""
         self.skipped_seconds = 0.0
         """Then: the recording forward that found it out."""
+        self._first_step_compiles = None
+        """Without workers: (this machine's lock on the block graphs' key, the key) while the first step compiles."""
         from gallery_lib.accel.compile import compile_cache_stats, compile_phase_seconds
 
         # Dynamo's counters live as long as the process (torch._dynamo.reset keeps them): the run reports its own part.
@@ -62,6 +66,8 @@ class CompilePlan(contextlib.AbstractContextManager):
     def __exit__(self, *exc: object) -> None:
         if self.workers is not None:
             self.workers.close()
+        if self._first_step_compiles is not None:
+            self._first_step_compiles[0].release()
 
     def compile_blocks(self, model: nn.Module, **compile_kwargs: Any) -> list[str]:
         """Compiles each of the model family's repeated blocks in place (``regional_compile``); returns their names."""
@@ -76,9 +82,11 @@ class CompilePlan(contextlib.AbstractContextManager):
         """Has the workers compile the blocks' distinct graphs from one recorded ``forward`` of the plain ``model``
         (not a DDP wrapper: a forward without its backward would leave DDP's reducer waiting), running ``meanwhile``
         while they compile; returns False, without running ``meanwhile``, when there is nothing to precompile, or
-        when an earlier run left every graph in the caches (the first step loads them, and no worker starts)."""
-        if not self.cfg.precompile_workers or not self.blocks:
-            return False
+        when an earlier run left every graph in the caches (the first step loads them, and no worker starts).
+        Without workers the first step compiles: this waits for another run on the machine compiling the same graphs,
+        or else holds them for this run until ``first_step_done``."""
+        if not self.blocks or not self.cfg.precompile_workers and self.dist.world_size > 1:
+            return False  # (ranks of one run record the same graphs: one waiting would stall the others' collectives)
         from gallery_lib.accel.precompile import precompile_blocks, record_block_calls, warm
         from gallery_lib.accel.precompile.record import backend_flags
 
@@ -86,6 +94,9 @@ class CompilePlan(contextlib.AbstractContextManager):
         calls, _ = record_block_calls(model, forward, self.blocks)
         key = warm.graph_set_key((c.graph_key for c in calls), self.compile_kwargs, backend_flags(),
                                  self.dist.device)
+        if not self.cfg.precompile_workers:
+            self._compile_once_on_this_machine(key, len(calls), log)
+            return False
         if warm.is_warm(key):
             if self.workers is not None:
                 self.workers.close()
@@ -108,6 +119,32 @@ class CompilePlan(contextlib.AbstractContextManager):
         if not self.report.failures and not self.report.load_failures:
             warm.mark_warm(key, self.hint)
         return True
+
+    def _compile_once_on_this_machine(self, key: str, graphs: int, log: Callable[[str], Any]) -> None:
+        """Holds this machine's lock on ``key`` until the first step has compiled the graphs; when another run holds
+        it, waits for that run instead, whose graphs this run's first step then loads."""
+        from gallery_lib.accel.precompile import warm
+
+        if warm.is_warm(key):
+            return
+        lock = warm.CompileLock(key)
+        waited = lock.acquire()
+        if waited:
+            lock.release()
+            log(f"[gallery] waited {waited:.0f} s for another run on this machine that was compiling the same "
+                f"{graphs} distinct block graphs: the first step loads them")
+        else:
+            self._first_step_compiles = (lock, key)
+
+    def first_step_done(self) -> None:
+        """The loop's first step has compiled (or loaded) every block graph: marks them warm, ends the hold."""
+        if self._first_step_compiles is not None:
+            from gallery_lib.accel.precompile import warm
+
+            lock, key = self._first_step_compiles
+            warm.mark_warm(key, self.hint)
+            lock.release()
+            self._first_step_compiles = None
 
     @property
     def precompile_seconds(self) -> float:

@@ -215,6 +215,8 @@ def _train_from(setup_start: float, cfg: RunConfig, dist: DistInfo, plan: Compil
                                  cuda_graphs)
         lr = optimizer.param_groups[0]["lr"]
         skipped = guard.update(loss, optimizer, update)
+        if step == start:
+            plan.first_step_done()  # its graphs are compiled: another run of them on this machine may load them now
         optimizer.zero_grad(set_to_none=True)
         step_log.record(loss, lr, skipped)
         profiler.after_step(step)

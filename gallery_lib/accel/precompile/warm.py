@@ -7,6 +7,10 @@ everything those graphs depend on: the recorded block calls (``record._graph_key
 configuration, the backend flags, the device, the torch and Triton versions and this package's source. A run that
 records the same key skips the workers, and its first step loads the graphs from the caches.
 
+Where no workers precompile (too few cores), the run's first step compiles its blocks. ``CompileLock`` then keeps
+two runs on one machine that record the same key (two notebooks at a time, two test workers) from compiling the same
+graphs side by side: the second waits for the first, and its first step loads what the first compiled.
+
 The marker is a hint, never a cache itself: a run whose caches were emptied under it compiles its graphs itself, as
 without workers, and ``forget_warm`` removes the marker so that the next run uses workers again. A run also keeps a
 second, coarser marker (``hint``: model, batch, recipe, ...) so that it knows before building the model whether to
@@ -15,9 +19,11 @@ start the workers at all; the exact key then decides.
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import hashlib
 import os
+import time
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -117,3 +123,28 @@ def hinted_warm(hint: str) -> bool:
 
 def forget_warm(key: str) -> None:
     (marker_dir() / key).unlink(missing_ok=True)
+
+
+class CompileLock:
+    """This machine's lock on compiling the graph set ``key`` (an advisory file lock beside the markers: the system
+    releases it when its process ends, however it ends)."""
+
+    def __init__(self, key: str) -> None:
+        directory = marker_dir()
+        directory.mkdir(parents=True, exist_ok=True)
+        self._file = open(directory / f"{key}.lock", "a")
+
+    def acquire(self) -> float:
+        """Takes the lock, waiting while another process holds it; returns the seconds waited (0.0: it was free)."""
+        try:
+            fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return 0.0
+        except BlockingIOError:
+            start = time.perf_counter()
+            fcntl.flock(self._file, fcntl.LOCK_EX)
+            return time.perf_counter() - start
+
+    def release(self) -> None:
+        if not self._file.closed:
+            fcntl.flock(self._file, fcntl.LOCK_UN)
+            self._file.close()
