@@ -19,7 +19,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from test_notebooks import same_worker_as_its_browser_run
+from test_notebooks import same_worker_as_the_runs_sharing_its_graphs
 
 REPO = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((REPO / "notebooks").glob("*.ipynb"))
@@ -112,7 +112,7 @@ def _wait_until_up(status_url: str, server: subprocess.Popen, log: Path, timeout
     raise RuntimeError(f"JupyterLab did not answer within {timeout} s:\n{log.read_text()[-3000:]}")
 
 
-@pytest.mark.parametrize("path", [same_worker_as_its_browser_run(path) for path in NOTEBOOKS])
+@pytest.mark.parametrize("path", [same_worker_as_the_runs_sharing_its_graphs(path) for path in NOTEBOOKS])
 def test_notebook_runs_in_jupyterlab_in_a_real_browser(lab, path):
     from playwright.sync_api import sync_playwright
 

@@ -47,15 +47,24 @@ def test_notebook_is_committed_clean_with_one_parameters_cell(path):
     assert len(code) <= 12, "notebooks stay thin: the work belongs in gallery_lib"
 
 
-def same_worker_as_its_browser_run(path: Path):
-    """The notebook's papermill and browser runs in one xdist worker, one after the other: the second loads the
-    graphs the first compiled, from the test run's compile cache (tests/conftest.py)."""
-    return pytest.param(path, id=path.stem, marks=pytest.mark.xdist_group(f"notebook-{path.stem}"))
+# The SD UNet's notebooks (SD, DreamBooth and the ladder) compile the same block graphs.
+_SHARES_GRAPHS_WITH = {"dreambooth": "sd_unet", "stable_diffusion": "sd_unet", "optimization_ladder": "sd_unet"}
+
+
+def graph_group(notebook: str) -> str:
+    """The xdist group of a notebook's papermill and browser runs: with those of the notebooks that compile the same
+    graphs, in one worker one after the other, so that the first compiles them and the others load them from the test
+    run's compile cache (tests/conftest.py) instead of compiling them again beside it."""
+    return f"notebooks-{_SHARES_GRAPHS_WITH.get(notebook, notebook)}"
+
+
+def same_worker_as_the_runs_sharing_its_graphs(path: Path):
+    return pytest.param(path, id=path.stem, marks=pytest.mark.xdist_group(graph_group(path.stem)))
 
 
 @pytest.mark.notebook
 @pytest.mark.slow
-@pytest.mark.parametrize("path", [same_worker_as_its_browser_run(path) for path in RECIPE_NOTEBOOKS])
+@pytest.mark.parametrize("path", [same_worker_as_the_runs_sharing_its_graphs(path) for path in RECIPE_NOTEBOOKS])
 def test_notebook_runs_headless_in_smoke_profile(path, tmp_path):
     out_dir = tmp_path / "output"
     params = {"profile": "smoke", "output_dir": str(out_dir), "data_root": str(tmp_path / "data"),
@@ -124,7 +133,7 @@ NOTEBOOK_CHECKS = {  # what a notebook shows beyond the recipes, the report and 
 
 @pytest.mark.notebook
 @pytest.mark.slow
-@pytest.mark.xdist_group("notebook-stable_diffusion")  # its rungs compile the SD notebook's graphs: one worker for both
+@pytest.mark.xdist_group(graph_group("optimization_ladder"))
 def test_ladder_notebook_climbs_every_rung_in_smoke_profile(tmp_path):
     """Every rung a CPU can run trains and lands in the ladder report; the CUDA-graph rung is reported left out."""
     from gallery_lib.ladder import RUNGS, recipe_name
