@@ -26,8 +26,16 @@ stamp="$venv/.gallery-installed-$extras"
 # uv installs the same wheels as pip several times faster (torch's CUDA libraries alone are about 3 GB). It reads no
 # pip.conf, so where it fails (say, a machine that reaches packages only through pip's configured mirror) pip runs.
 # GALLERY_NO_UV=1: pip only.
+uv_ready=""  # yes or no once known: pip installs uv at most once
 have_uv() {
-  [ -z "${GALLERY_NO_UV:-}" ] && { "$py" -m uv --version >/dev/null 2>&1 || "$py" -m pip install --quiet uv >/dev/null 2>&1; }
+  if [ -z "$uv_ready" ]; then
+    uv_ready=no
+    if [ -z "${GALLERY_NO_UV:-}" ] && { "$py" -m uv --version >/dev/null 2>&1 \
+        || "$py" -m pip install --quiet uv >/dev/null 2>&1; }; then
+      uv_ready=yes
+    fi
+  fi
+  [ "$uv_ready" = yes ]
 }
 install() {
   if have_uv; then
