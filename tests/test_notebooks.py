@@ -154,7 +154,7 @@ def test_ladder_notebook_climbs_every_rung_in_smoke_profile(tmp_path):
             continue
         summary = json.loads(summary_line.read_text().splitlines()[-1])
         assert summary["type"] == "summary" and rows[rung.name]["img_per_s"] == summary["samples_per_s"]
-    assert [rows[name]["batch_size"] for name in ("tf32", "batch", "checkpointing")] == [2, 4, 8]
+    assert [rows[name]["batch_size"] for name in ("tf32", "batch", "checkpointing")] == [2, 4, 4]
     text = "\n".join(o.get("text", "") for c in nb.cells for o in c.get("outputs", []) if o.output_type == "stream")
     assert "Fastest rung:" in text and "ladder-11-cuda_graphs (CUDA graphs): left out, needs a GPU" in text
     shown = [o["data"]["text/markdown"] for c in nb.cells for o in c.get("outputs", [])

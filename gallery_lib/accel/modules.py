@@ -2,15 +2,27 @@
 
 Parameter names match the modules they replace (``weight``/``bias``; ``proj`` for GEGLU), so ``state_dict`` keys
 do not change when `gallery_lib.accel.patch.apply_kernels` swaps them in. ``from_module`` builds a fused module that
-shares the original's parameters (optimizer state and checkpoints keep pointing at the same tensors).
+shares the original's parameters (optimizer state and checkpoints keep pointing at the same tensors). Compiled on a
+CPU, where there is no Triton kernel, they give the compiler the replaced layers' ops (`_compiling_for_cpu`).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from gallery_lib.accel.kernels import geglu, group_norm, layer_norm
+
+
+def _compiling_for_cpu(t: torch.Tensor) -> bool:
+    """True while ``torch.compile`` traces a layer whose tensor ``t`` is on a CPU. The fused kernels are Triton's:
+    traced on a CPU, the op would run its PyTorch reference as one opaque call. The layers hand the compiler torch's
+    own ops instead, those of the layers they replaced, in the same order: Inductor fuses them itself, and the graphs
+    are the unpatched model's, so the compile caches serve both (a CPU ladder compiles its block rungs' graphs once,
+    not once per rung). ``t`` is the weight where there is one: Dynamo numbers a graph's inputs in the order it first
+    touches them, and the replaced layers touch their weights before their input."""
+    return torch.compiler.is_compiling() and t.device.type == "cpu"
 
 
 class FusedGroupNorm(nn.Module):
@@ -41,6 +53,9 @@ class FusedGroupNorm(nn.Module):
         return fused
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _compiling_for_cpu(x if self.weight is None else self.weight):
+            y = F.group_norm(x, self.num_groups, self.weight, self.bias, self.eps)
+            return F.silu(y) if self.activation == "silu" else y
         return group_norm(x, self.num_groups, self.weight, self.bias, self.eps, self.activation)
 
     def extra_repr(self) -> str:
@@ -70,6 +85,8 @@ class FusedLayerNorm(nn.Module):
         return fused
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _compiling_for_cpu(x if self.weight is None else self.weight):
+            return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
         return layer_norm(x, self.weight, self.bias, self.eps)
 
     def extra_repr(self) -> str:
@@ -92,7 +109,11 @@ class FusedGEGLU(nn.Module):
         return fused
 
     def forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        return geglu(self.proj(hidden_states))
+        hidden_states = self.proj(hidden_states)
+        if _compiling_for_cpu(hidden_states):
+            hidden_states, gate = hidden_states.chunk(2, dim=-1)
+            return hidden_states * F.gelu(gate)
+        return geglu(hidden_states)
 
     def extra_repr(self) -> str:
         return f"dim_in={self.proj.in_features}, dim_out={self.proj.out_features // 2}"
