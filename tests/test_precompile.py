@@ -272,7 +272,8 @@ def test_without_workers_a_run_waits_for_another_compiling_the_same_graphs(tmp_p
         model = Model()
         regional_compile(model, (Block,), backend="eager")
         calls, _ = record_block_calls(model, lambda: model(x), BLOCKS)
-        return warm.graph_set_key((c.graph_key for c in calls), {"backend": "eager"}, backend_flags(), cpu.device)
+        return warm.graph_set_key((c.graph_key for c in calls), {"backend": "eager", "dynamic": False},
+                                  backend_flags(), cpu.device)
 
     def held(key: str) -> bool:
         (tmp_path / "markers").mkdir(exist_ok=True)

@@ -61,9 +61,11 @@ def regional_compile(model: nn.Module, block_types: Iterable[type | str] | None 
         model: the model; its ``state_dict`` and parameters are untouched.
         block_types: classes or class names to compile (default: every registered family's); the outermost match
             wins.
-        compile_kwargs: passed to ``torch.compile`` (``backend``, ``mode``, ``dynamic``, ...). ``dynamic=False``
-            gives every block shape its own static graph (what whole-model compilation does); the default lets
-            Dynamo turn a block's changing sizes symbolic after its first recompile, which is slower at run time.
+        compile_kwargs: passed to ``torch.compile`` (``backend``, ``mode``, ``dynamic``, ...). ``dynamic`` defaults
+            to ``False``: every block shape gets its own static graph, as the gallery's runs compile them.
+            ``dynamic=None`` lets Dynamo turn a block's changing sizes symbolic after its first recompile, which is
+            slower at run time and, on a CPU, to compile (tiny Swin's third block graph: a minute of symbolic shape
+            reasoning).
 
     Returns:
         The qualified names of the compiled modules.
@@ -71,6 +73,7 @@ def regional_compile(model: nn.Module, block_types: Iterable[type | str] | None 
     names = block_names(model, block_types)
     if any(p.device.type == "cpu" for p in model.parameters()):
         use_safe_cpu_codegen()
+    compile_kwargs.setdefault("dynamic", False)
     for name in names:
         model.get_submodule(name).compile(**compile_kwargs)
     raise_recompile_limit()

@@ -73,6 +73,7 @@ class CompilePlan(contextlib.AbstractContextManager):
         """Compiles each of the model family's repeated blocks in place (``regional_compile``); returns their names."""
         from gallery_lib.accel.compile import regional_compile
 
+        compile_kwargs.setdefault("dynamic", False)  # regional_compile's default, which the workers need to know
         self.blocks = regional_compile(model, self.cfg.model_family.block_types, **compile_kwargs)
         self.compile_kwargs = compile_kwargs
         return self.blocks
