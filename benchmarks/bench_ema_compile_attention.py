@@ -1,4 +1,4 @@
-"""GPU benchmark for issue 4: EMA modes, compile strategies and attention backends, written as one JSON file.
+"""GPU benchmark: EMA modes, compile strategies and attention backends, written as one JSON file.
 
     python benchmarks/bench_ema_compile_attention.py --out benchmarks/results/ema_compile_attention_h100.json
     python benchmarks/bench_ema_compile_attention.py --parts ema,attention --quick --out /tmp/quick.json

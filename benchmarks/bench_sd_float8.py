@@ -2,7 +2,7 @@
 
     python benchmarks/bench_sd_float8.py --batch 32 --out RESULT.json
 
-One question, issue 24's "levers to measure": does converting the transformer blocks' linear layers to torchao's
+One of the levers to measure for the SD step: does converting the transformer blocks' linear layers to torchao's
 float8 training (tensorwise dynamic scaling) make the SD training step faster? Both variants are the same plain step
 (random SD-1.5 UNet, bf16 autocast, fused AdamW, SDPA, 64x64 latents with 77x768 text states), each transformer and
 ResNet block compiled on its own (regional, as the gallery compiles), run in alternating rounds so clock drift hits

@@ -1,4 +1,4 @@
-"""Does cuDNN's conv + batch-norm fusion pay for ResNet-50? A probe of the lever issue 18 points to.
+"""Does cuDNN's conv + batch-norm fusion pay for ResNet-50? A probe of that lever for the ResNet-50 goal.
 
     python benchmarks/probe_cudnn_conv_bn.py --out RESULT.json   (needs a GPU and ``nvidia-cudnn-frontend``)
 

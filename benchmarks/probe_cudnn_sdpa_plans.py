@@ -1,4 +1,4 @@
-"""Is there a faster cuDNN attention for SD-1.5's shapes than the one PyTorch's SDPA picks? A probe for issue 24.
+"""Is there a faster cuDNN attention for SD-1.5's shapes than the one PyTorch's SDPA picks? A probe for the SD step.
 
     python benchmarks/probe_cudnn_sdpa_plans.py --out RESULT.json   (needs a GPU and ``nvidia-cudnn-frontend``)
 

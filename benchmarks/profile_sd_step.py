@@ -2,7 +2,7 @@
 
     python benchmarks/profile_sd_step.py --batch 32 --out RESULT.json
 
-Issue 24 asks which levers could make the step at batch 32 faster than plain ``torch.compile``; this says where the
+The question is which levers could make the step at batch 32 faster than plain ``torch.compile``; this says where the
 time is before choosing one. The step is ``bench_sd_float8.py``'s bf16 variant (random SD-1.5 UNet, bf16 autocast,
 fused AdamW, blocks compiled as the gallery compiles them). After warm-up, ``--steps`` steps run under the profiler;
 every CUDA kernel's time is summed by kind (convolution, matmul, attention, Inductor's Triton kernels, normalization,

@@ -284,7 +284,7 @@ def build_parser() -> argparse.ArgumentParser:
     _flag(p, "recipes", default=DEFAULT_RECIPES, help=f"comma-separated (default: {DEFAULT_RECIPES})")
     p.set_defaults(func=cmd_run)
     p = sub.add_parser("bench", help="time each model's training step per recipe and batch size; write a result "
-                                     "file, a figure and which of issue 24's goals the run met")
+                                     "file, a figure and which of the speed goals the run met")
     _add_bench_flags(p)
     p.set_defaults(func=cmd_bench)
     return parser

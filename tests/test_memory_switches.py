@@ -130,7 +130,7 @@ def test_accelerated_with_checkpointing_leaves_out_its_cuda_graphs(monkeypatch):
 
 @pytest.mark.parametrize("family", ["stable_diffusion", "swin_transformer"])
 def test_accelerated_with_zero2_leaves_out_its_cuda_graphs_and_precompile_workers(family, monkeypatch):
-    """Issue 22's runs: `--recipe accelerated --set data_parallel=zero2` on GPUs compiles without CUDA graphs (ZeRO-2's
+    """Multi-GPU runs: `--recipe accelerated --set data_parallel=zero2` on GPUs compiles without CUDA graphs (ZeRO-2's
     all-gathers run in hooks outside them) and without precompile workers (sharded blocks cannot be copied to them),
     instead of stopping at RunConfig's refusal of both."""
     from gallery_lib.recipes import recipe_config

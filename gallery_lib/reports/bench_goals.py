@@ -1,9 +1,9 @@
-"""Issue 24's goals (and issue 18's for ResNet-50), judged from the rows of one ``gallery bench`` run: each met, not
-met, or not measured.
+"""The project's speed goals for one H100 (SD-1.5, Swin-T, ResNet-50), judged from the rows of one ``gallery bench``
+run: each met, not met, or not measured.
 
 Every verdict carries the numbers it was judged from, and a goal whose rows the run did not measure (another model,
-another batch size, a CPU's tiny configs) says so instead of judging from other numbers. The goals are the issue's,
-set for one H100; the result file names the GPU the rows were measured on.
+another batch size, a CPU's tiny configs) says so instead of judging from other numbers. The goals were set for
+one H100; the result file names the GPU the rows were measured on.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ class GoalResult:
 
 
 def check_goals(rows: Sequence[Row]) -> list[GoalResult]:
-    """Every goal of issues 24 and 18 that a bench run can judge (its rows are synthetic-input steps)."""
+    """Every speed goal that a bench run can judge (its rows are synthetic-input steps)."""
     return [
         speedup_goal(rows, SD, 32, min_ratio=1.15),
         throughput_goal(rows, SD, min_samples_per_s=150.0),
@@ -125,6 +125,5 @@ def compile_time_goal(rows: Sequence[Row], model: str, caches: str, *, max_s: fl
 def describe_goals(rows: Sequence[Row], device: str | None) -> str:
     """The verdicts as printed lines, under a header naming where the rows were measured."""
     results = check_goals(rows)
-    head = (f"Issue 24's goals and issue 18's for ResNet-50 (set for one H100), from this run's own numbers on "
-            f"{device or 'this machine'}:")
+    head = f"The speed goals (set for one H100), from this run's own numbers on {device or 'this machine'}:"
     return "\n".join([head, *(f"  {result.line()}" for result in results)])

@@ -6,7 +6,7 @@ batch of the model's real shapes, reused every step (``workflow.model_step_confi
 set the pace. A run that fails (out of memory, say) becomes a row with an ``error`` and the bench goes on.
 
 The result file (``benchmarks/results/bench-<gpu>-<date>.json``: the machine, the command, one row per run) and its
-figure are rewritten after every run, so a bench stopped by a time limit keeps what it measured. Which of issue 24's
+figure are rewritten after every run, so a bench stopped by a time limit keeps what it measured. Which of the speed
 goals the rows meet is judged from the rows alone (``reports/bench_goals.py``).
 
 Everything is resolved and checked before the first run: a typo in a model, a recipe or a batch size fails at once.
