@@ -83,13 +83,15 @@ def test_every_geglu_of_the_tiny_unet_is_fused():
 
 
 @pytest.mark.gpu
-def test_gpu_backend_on_the_tiny_unet_matches_eager():
+def test_gpu_backend_on_the_tiny_unet_matches_eager(monkeypatch):
     """On a GPU: the Triton GEGLU kernel in the graph, Inductor, CUDA graphs; forward and weight gradients as eager
     (fp32, TF32 off)."""
     from gallery_lib.accel.backend import gallery_backend
     from gallery_lib.models.sd_parts import build_unet
 
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    # TF32 off for this test only: the flags are process-wide, and Inductor's cache key holds them.
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
     torch.manual_seed(0)
     unet = build_unet("sd_tiny").cuda()
     args = (torch.randn(2, 4, 16, 16, device="cuda"), torch.tensor([10, 500], device="cuda"),
