@@ -10,7 +10,8 @@ the run fails if any notebook fails: none may fail silently.
 
 Without a GPU, two notebooks run at a time (``--jobs``; each in its own process, its lines prefixed with its name):
 a CPU run spends much of its time in single-threaded compilation and start-up, so a second notebook fills the other
-core. The longest notebook starts first. With a GPU they run one after another, each with the whole GPU.
+core. The longest notebook starts first, and those that can load its compiled graphs come last. With a GPU they run
+one after another, each with the whole GPU.
 """
 
 from __future__ import annotations
@@ -27,7 +28,10 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 NOTEBOOKS = REPO / "notebooks"
-LONGEST_FIRST = ("optimization_ladder",)  # a rung per process: as long as the other notebooks together on a CPU
+# The order in lanes: the ladder first (a rung per process: the longest on a CPU), then the notebooks that share no
+# compiled graph with it, then the SD UNet's other two, which by then load the graphs its rungs compiled instead of
+# compiling the same ones beside it. Notebooks not named here come after these.
+LANE_ORDER = ("optimization_ladder", "resnet50", "swin_transformer", "dreambooth", "stable_diffusion")
 
 
 def ensure_kernel() -> str:
@@ -123,9 +127,9 @@ def default_jobs() -> int:
 
 
 def run_in_lanes(notebooks: list[Path], jobs: int, argv: list[str]) -> list[str]:
-    """Runs each notebook in a child process of this script, ``jobs`` at a time, the longest first; returns the
+    """Runs each notebook in a child process of this script, ``jobs`` at a time, in ``LANE_ORDER``; returns the
     names of those that failed. Each child's lines are printed as they come, prefixed with its notebook's name."""
-    ordered = sorted(notebooks, key=lambda nb: nb.stem not in LONGEST_FIRST)
+    ordered = sorted(notebooks, key=lambda nb: LANE_ORDER.index(nb.stem) if nb.stem in LANE_ORDER else len(LANE_ORDER))
     todo: queue.Queue[Path] = queue.Queue()
     for nb in ordered:
         todo.put(nb)

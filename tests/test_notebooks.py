@@ -28,6 +28,14 @@ def test_there_are_notebooks():
     assert NOTEBOOKS, "notebooks/ holds no .ipynb"
 
 
+def test_the_lanes_order_names_every_notebook_and_the_sd_unets_come_after_the_ladder():
+    """ci/run_notebooks.py's lanes take the ladder first and the SD and DreamBooth notebooks last, so that these load
+    the UNet graphs the ladder's rungs compiled; a notebook missing from the order would only run last."""
+    order = _runner().LANE_ORDER
+    assert sorted(order) == [path.stem for path in NOTEBOOKS]
+    assert order[0] == LADDER.stem and set(order[-2:]) == set(_SHARES_GRAPHS_WITH) - {LADDER.stem}
+
+
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_notebook_is_committed_clean_with_one_parameters_cell(path):
     nb = nbformat.read(path, as_version=4)
