@@ -73,11 +73,16 @@ def regional_compile(model: nn.Module, block_types: Iterable[type | str] | None 
     names = block_names(model, block_types)
     if any(p.device.type == "cpu" for p in model.parameters()):
         use_safe_cpu_codegen()
-    compile_kwargs.setdefault("dynamic", False)
+    compile_kwargs = with_block_defaults(compile_kwargs)
     for name in names:
         model.get_submodule(name).compile(**compile_kwargs)
     raise_recompile_limit()
     return names
+
+
+def with_block_defaults(compile_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``compile_kwargs`` with ``regional_compile``'s defaults filled in (``dynamic=False``): what it compiles with."""
+    return {**compile_kwargs, "dynamic": compile_kwargs.get("dynamic", False)}
 
 
 def undo_regional_compile(model: nn.Module, names: Iterable[str]) -> None:

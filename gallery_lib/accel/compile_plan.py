@@ -71,11 +71,10 @@ class CompilePlan(contextlib.AbstractContextManager):
 
     def compile_blocks(self, model: nn.Module, **compile_kwargs: Any) -> list[str]:
         """Compiles each of the model family's repeated blocks in place (``regional_compile``); returns their names."""
-        from gallery_lib.accel.compile import regional_compile
+        from gallery_lib.accel.compile import regional_compile, with_block_defaults
 
-        compile_kwargs.setdefault("dynamic", False)  # regional_compile's default, which the workers need to know
         self.blocks = regional_compile(model, self.cfg.model_family.block_types, **compile_kwargs)
-        self.compile_kwargs = compile_kwargs
+        self.compile_kwargs = with_block_defaults(compile_kwargs)  # what was compiled: the workers compile the same
         return self.blocks
 
     def precompile(self, model: nn.Module, forward: Callable[[], Any], log: Callable[[str], Any],
