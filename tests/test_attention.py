@@ -182,17 +182,17 @@ def test_diffusers_hook_matches_and_reverts():
 
 
 def test_diffusers_processor_with_mask_group_norm_and_4d_input():
-    diffusers = pytest.importorskip("diffusers")
+    attention_processor = pytest.importorskip("diffusers.models.attention_processor")  # a submodule loaded lazily
     from gallery_lib.accel.attention import GalleryAttnProcessor
 
     torch.manual_seed(0)
-    attn = diffusers.models.attention_processor.Attention(
+    attn = attention_processor.Attention(
         query_dim=16, heads=2, dim_head=8, norm_num_groups=4, residual_connection=True, rescale_output_factor=2.0)
     x = torch.randn(2, 16, 3, 3)  # 4-D input path, group norm, residual, rescale
     ref = attn(x)
     attn.set_processor(GalleryAttnProcessor())
     torch.testing.assert_close(attn(x), ref, rtol=1e-5, atol=1e-5)
-    cross = diffusers.models.attention_processor.Attention(query_dim=16, cross_attention_dim=12, heads=2, dim_head=8)
+    cross = attention_processor.Attention(query_dim=16, cross_attention_dim=12, heads=2, dim_head=8)
     h, ctx, mask = torch.randn(2, 5, 16), torch.randn(2, 4, 12), torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])
     ref = cross(h, encoder_hidden_states=ctx, attention_mask=(1 - mask) * -10000.0)
     cross.set_processor(GalleryAttnProcessor())
@@ -229,6 +229,24 @@ def test_swin_hook_matches_forward_and_grads_and_reverts():
     hook.remove()
     assert all("forward" not in m.__dict__ for m in model.modules())
     torch.testing.assert_close(model(x), ref_out, rtol=0, atol=0)
+
+
+@pytest.mark.isa
+def test_on_a_cpu_the_hooked_swin_compiles_to_the_graphs_of_timms_own_attention():
+    """Compiled on a CPU, where ``auto``'s rule is math, the hook leaves timm's attention in the graph: the accelerated
+    recipe's graphs are the compiled recipe's node for node, and the compile caches serve both."""
+    from test_patch import _aot_graphs
+
+    plain = _tiny_swin()
+    hooked = _tiny_swin()
+    hooked.load_state_dict(plain.state_dict())
+    x = torch.randn(2, 3, 32, 32)
+    with hook_swin_attention(hooked) as hook:
+        plain_graphs, hooked_graphs = _aot_graphs(plain, x), _aot_graphs(hooked, x)
+        assert hook.selector.chosen == {}  # the registry chose nothing: timm's attention ran
+        hooked(x)  # eager, the registry still routes the call (its CPU rule)
+        assert set(hook.selector.chosen.values()) == {"math (the CPU rule)"}
+    assert len(hooked_graphs) == 2 and hooked_graphs == plain_graphs  # one forward, one backward
 
 
 def test_swin_hook_refuses_backends_without_bias():

@@ -41,9 +41,9 @@ class AttentionProbe:
         accelerated = self._args[0]
         chosen = dict(accelerated.attention.selector.chosen) if accelerated.attention is not None else self.choices
         if not chosen:
-            if accelerated.attention is not None:  # hooked, yet no registry call: Swin's own kernel
-                log("[gallery] attention: the hooked modules ran their own kernel (Swin's window attention on a GPU); "
-                    "no scaled_dot_product_attention call")
+            if accelerated.attention is not None:  # hooked, yet no registry call
+                log("[gallery] attention: the hooked modules ran their own kernel (Swin's window attention on a GPU, "
+                    "timm's own attention compiled on a CPU); no scaled_dot_product_attention call")
             else:  # timm's Swin by default, and convnets: there is no attention kernel to choose
                 log("[gallery] attention: no scaled_dot_product_attention call (the model has no attention, or "
                     "computes it with its own matmul and softmax)")

@@ -114,6 +114,10 @@ def _uses_window_attention(backend: str, qkv: torch.Tensor) -> bool:
 
 
 def _swin_window_forward(self: nn.Module, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    if self._gallery_backend == "auto" and torch.compiler.is_compiling() and not x.is_cuda:
+        # Compiled off a GPU, auto has no kernel to choose (its rule there is math): timm's own attention, so that the
+        # graph is the plain model's and the compile caches serve both, as for the fused layers (accel/modules.py)
+        return type(self).forward(self, x, mask)
     b_, n, _ = x.shape
     qkv = self.qkv(x).reshape(b_, n, 3, self.num_heads, -1)
     bias = self._get_rel_pos_bias()  # (1, heads, N, N)
@@ -139,8 +143,8 @@ def hook_swin_attention(model: nn.Module, backend: str = "auto",
     The relative position bias and the shift mask are one additive bias, so an explicit ``backend`` must accept
     a bias (``math`` or ``efficient``), or be ``window``: the window-attention kernel, which adds them itself
     (``kernels/window_attention.py``, the PyTorch math where Triton cannot run). ``auto`` runs that kernel on a GPU
-    and picks among the bias-taking backends elsewhere (or where the kernel cannot take the window size). ``state_dict``
-    is unchanged.
+    and picks among the bias-taking backends elsewhere (or where the kernel cannot take the window size); compiled on
+    a CPU, where that pick is math, it leaves timm's own attention in the graph. ``state_dict`` is unchanged.
     """
     if backend not in ("auto", "window") and (backend not in BACKENDS or not BACKENDS[backend].supports_bias):
         ok = [n for n, b in BACKENDS.items() if b.supports_bias] + ["window"]
