@@ -273,3 +273,29 @@ def test_the_advice_of_a_nonfinite_stop_fits_when_it_began():
     late = g.error(7, "ckpt/step_8.pt")  # steps 6-7 after six good ones: the learning rate or the data
     assert late.first_step == 6 and "Lower the learning rate (lr)" in str(late) and "numerics" not in str(late)
     assert g.error(11, "ckpt", start=10).first_step == 10 and "first steps" in str(g.error(11, "ckpt", start=10))
+
+
+def test_a_run_after_a_deterministic_one_in_the_same_process_is_set_up_as_in_a_fresh_one():
+    """In-process runs (the tests) do not inherit the last run's deterministic algorithms or fp32 matmul precision:
+    both are in Inductor's cache key, so an inherited one would change the numerics and miss every graph that fresh
+    processes compiled."""
+    from gallery_lib.run.train import configure_backends
+
+    def state():
+        return (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
+                torch.get_float32_matmul_precision(), torch.backends.cudnn.benchmark)
+
+    saved = state()
+    fast, deterministic = (SimpleNamespace(deterministic=d, sdpa_math=False) for d in (False, True))
+    try:
+        configure_backends(fast)
+        after_fast = state()
+        assert after_fast == (False, False, "high", True)
+        configure_backends(deterministic)
+        assert state() == (True, True, "highest", False)
+        configure_backends(fast)
+        assert state() == after_fast
+    finally:
+        torch.use_deterministic_algorithms(saved[0], warn_only=saved[1])
+        torch.set_float32_matmul_precision(saved[2])
+        torch.backends.cudnn.benchmark = saved[3]

@@ -68,12 +68,15 @@ def seed_everything(seed: int) -> None:
 
 
 def configure_backends(cfg: RunConfig) -> None:
-    if cfg.deterministic:
-        torch.use_deterministic_algorithms(True, warn_only=True)
-        torch.backends.cudnn.benchmark = False
-    else:
-        torch.backends.cudnn.benchmark = True  # off: same step and start (benchmarks/RESULTS.md#sd15-start-2)
-        torch.set_float32_matmul_precision("high")  # TF32 for fp32 matmuls, as every GPU trainer enables
+    # Each switch is set both ways, and only where it differs: an in-process run (the tests) must not inherit the last
+    # run's choice, and Inductor's cache key holds these settings, so a needless assignment would key its graphs apart
+    # from a fresh process's.
+    if torch.are_deterministic_algorithms_enabled() != cfg.deterministic:
+        torch.use_deterministic_algorithms(cfg.deterministic, warn_only=cfg.deterministic)
+    torch.backends.cudnn.benchmark = not cfg.deterministic  # same step and start (benchmarks/RESULTS.md#sd15-start-2)
+    precision = "highest" if cfg.deterministic else "high"  # high: TF32 for fp32 matmuls, as every GPU trainer enables
+    if torch.get_float32_matmul_precision() != precision:
+        torch.set_float32_matmul_precision(precision)
     fused_sdpa = not cfg.sdpa_math  # set both ways: in-process runs (tests) must not inherit the last run's choice
     torch.backends.cuda.enable_flash_sdp(fused_sdpa)
     torch.backends.cuda.enable_mem_efficient_sdp(fused_sdpa)
