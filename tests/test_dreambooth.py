@@ -14,6 +14,7 @@ from gallery_lib.profiles import base_config
 from gallery_lib.recipes import apply_recipe
 from gallery_lib.run.metrics import read_metrics
 from gallery_lib.run.train import run
+from test_sd_training import SD_UNET_FP32
 
 pytest.importorskip("diffusers")
 pytest.importorskip("peft")
@@ -129,7 +130,8 @@ def test_prior_preservation_adds_the_weighted_class_half(dreambooth_data, tmp_pa
 
 @pytest.mark.slow
 @pytest.mark.parametrize("lora_rank, amp_level, rtol", [
-    pytest.param(0, "O0", 1e-4, id="full-fp32"), pytest.param(4, "O0", 1e-4, id="lora-fp32"),
+    pytest.param(0, "O0", 1e-4, id="full-fp32", marks=pytest.mark.xdist_group(SD_UNET_FP32)),
+    pytest.param(4, "O0", 1e-4, id="lora-fp32"),
     pytest.param(0, "O1", 3e-2, id="full-bf16", marks=pytest.mark.isa),  # bf16's kernels differ most between ISAs
     pytest.param(4, "O1", 3e-2, id="lora-bf16", marks=pytest.mark.isa)])
 def test_recipes_give_the_same_losses_step_by_step(dreambooth_data, tmp_path, lora_rank, amp_level, rtol):
