@@ -73,7 +73,7 @@ def configure_backends(cfg: RunConfig) -> None:
     # from a fresh process's.
     if torch.are_deterministic_algorithms_enabled() != cfg.deterministic:
         torch.use_deterministic_algorithms(cfg.deterministic, warn_only=cfg.deterministic)
-    torch.backends.cudnn.benchmark = not cfg.deterministic  # same step and start (benchmarks/RESULTS.md#sd15-start-2)
+    torch.backends.cudnn.benchmark = not cfg.deterministic  # off: same step and start (RESULTS.md#sd15-start-2)
     precision = "highest" if cfg.deterministic else "high"  # high: TF32 for fp32 matmuls, as every GPU trainer enables
     if torch.get_float32_matmul_precision() != precision:
         torch.set_float32_matmul_precision(precision)
