@@ -3,7 +3,7 @@
 Parameter names match the modules they replace (``weight``/``bias``; ``proj`` for GEGLU), so ``state_dict`` keys
 do not change when `gallery_lib.accel.patch.apply_kernels` swaps them in. ``from_module`` builds a fused module that
 shares the original's parameters (optimizer state and checkpoints keep pointing at the same tensors). Compiled on a
-CPU, where there is no Triton kernel, they give the compiler the replaced layers' ops (`_compiling_for_cpu`).
+CPU, where there is no Triton kernel, they give the compiler the replaced layers' ops (`compiling_for_cpu`).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from torch import nn
 from gallery_lib.accel.kernels import geglu, group_norm, layer_norm
 
 
-def _compiling_for_cpu(t: torch.Tensor) -> bool:
+def compiling_for_cpu(t: torch.Tensor) -> bool:
     """True while ``torch.compile`` traces a layer whose tensor ``t`` is on a CPU. The fused kernels are Triton's:
     traced on a CPU, the op would run its PyTorch reference as one opaque call. The layers hand the compiler torch's
     own ops instead, those of the layers they replaced, in the same order: Inductor fuses them itself, and the graphs
@@ -53,7 +53,7 @@ class FusedGroupNorm(nn.Module):
         return fused
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if _compiling_for_cpu(x if self.weight is None else self.weight):
+        if compiling_for_cpu(x if self.weight is None else self.weight):
             y = F.group_norm(x, self.num_groups, self.weight, self.bias, self.eps)
             return F.silu(y) if self.activation == "silu" else y
         return group_norm(x, self.num_groups, self.weight, self.bias, self.eps, self.activation)
@@ -85,7 +85,7 @@ class FusedLayerNorm(nn.Module):
         return fused
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if _compiling_for_cpu(x if self.weight is None else self.weight):
+        if compiling_for_cpu(x if self.weight is None else self.weight):
             return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
         return layer_norm(x, self.weight, self.bias, self.eps)
 
@@ -110,7 +110,7 @@ class FusedGEGLU(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         hidden_states = self.proj(hidden_states)
-        if _compiling_for_cpu(hidden_states):
+        if compiling_for_cpu(hidden_states):
             hidden_states, gate = hidden_states.chunk(2, dim=-1)
             return hidden_states * F.gelu(gate)
         return geglu(hidden_states)

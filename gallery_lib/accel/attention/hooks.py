@@ -13,6 +13,7 @@ from torch import nn
 
 from gallery_lib.accel.attention.backends import (BACKENDS, BackendSelector, _remember_devices, attention,
                                                   default_selector)
+from gallery_lib.accel.modules import compiling_for_cpu
 
 class GalleryAttnProcessor:
     """diffusers attention processor that sends the attention product through this registry.
@@ -114,9 +115,9 @@ def _uses_window_attention(backend: str, qkv: torch.Tensor) -> bool:
 
 
 def _swin_window_forward(self: nn.Module, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-    if self._gallery_backend == "auto" and torch.compiler.is_compiling() and not x.is_cuda:
-        # Compiled off a GPU, auto has no kernel to choose (its rule there is math): timm's own attention, so that the
-        # graph is the plain model's and the compile caches serve both, as for the fused layers (accel/modules.py)
+    if self._gallery_backend == "auto" and compiling_for_cpu(x):  # x: timm's forward touches it first
+        # auto has no kernel to choose on a CPU (its rule there is math): the compiler gets timm's own attention, so
+        # that the graph is the plain model's, as the fused layers do
         return type(self).forward(self, x, mask)
     b_, n, _ = x.shape
     qkv = self.qkv(x).reshape(b_, n, 3, self.num_heads, -1)
