@@ -44,6 +44,7 @@ from gallery_lib.accel.compile_plan import CompilePlan
 from gallery_lib.accel.distributed import (DistInfo, exit_process, gather_full_module, gradient_sync,
                                            init_distributed, reshard, shutdown)
 from gallery_lib.accel.precision import Precision
+from gallery_lib.accel.torch_switches import set_deterministic_algorithms, set_float32_matmul_precision
 from gallery_lib.config import CUDA_GRAPH_COMPILE_MODES, RunConfig, validate_for_machine
 from gallery_lib.recipes import at_batch_size
 from gallery_lib.run.attention_probe import AttentionProbe
@@ -68,15 +69,11 @@ def seed_everything(seed: int) -> None:
 
 
 def configure_backends(cfg: RunConfig) -> None:
-    # Each switch is set both ways, and only where it differs: an in-process run (the tests) must not inherit the last
-    # run's choice, and Inductor's cache key holds these settings, so a needless assignment would key its graphs apart
-    # from a fresh process's.
-    if torch.are_deterministic_algorithms_enabled() != cfg.deterministic:
-        torch.use_deterministic_algorithms(cfg.deterministic, warn_only=cfg.deterministic)
+    # Each switch is set both ways: an in-process run (the tests) must not inherit the last run's choice.
+    set_deterministic_algorithms(cfg.deterministic)
     torch.backends.cudnn.benchmark = not cfg.deterministic  # off: same step and start (RESULTS.md#sd15-start-2)
-    precision = "highest" if cfg.deterministic else "high"  # high: TF32 for fp32 matmuls, as every GPU trainer enables
-    if torch.get_float32_matmul_precision() != precision:
-        torch.set_float32_matmul_precision(precision)
+    # high: TF32 for fp32 matmuls, as every GPU trainer enables
+    set_float32_matmul_precision("highest" if cfg.deterministic else "high")
     fused_sdpa = not cfg.sdpa_math  # set both ways: in-process runs (tests) must not inherit the last run's choice
     torch.backends.cuda.enable_flash_sdp(fused_sdpa)
     torch.backends.cuda.enable_mem_efficient_sdp(fused_sdpa)

@@ -161,17 +161,13 @@ def backend_flags() -> dict[str, Any]:
 
 
 def apply_flags(flags: dict[str, Any]) -> None:
-    # Only what differs: even a no-op assignment switches the newer fp32_precision setting from "none" to "ieee",
-    # which is part of Inductor's cache key, and every graph would then miss.
-    if torch.get_float32_matmul_precision() != flags["float32_matmul_precision"]:
-        torch.set_float32_matmul_precision(flags["float32_matmul_precision"])
-    if torch.backends.cuda.matmul.allow_tf32 != flags["matmul_tf32"]:
-        torch.backends.cuda.matmul.allow_tf32 = flags["matmul_tf32"]
-    if torch.backends.cudnn.allow_tf32 != flags["cudnn_tf32"]:
-        torch.backends.cudnn.allow_tf32 = flags["cudnn_tf32"]
-    if torch.are_deterministic_algorithms_enabled() != flags["deterministic"]:
-        torch.use_deterministic_algorithms(flags["deterministic"], warn_only=True)
     from torch._inductor import config as inductor
+
+    from gallery_lib.accel import torch_switches
+
+    torch_switches.set_float32_matmul_precision(flags["float32_matmul_precision"])
+    torch_switches.set_tf32(matmul=flags["matmul_tf32"], cudnn=flags["cudnn_tf32"])
+    torch_switches.set_deterministic_algorithms(flags["deterministic"])
 
     inductor.cpp.simdlen = flags["cpp_simdlen"]
 
