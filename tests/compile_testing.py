@@ -1,9 +1,12 @@
 """Test helpers: how many compiled graphs a process loaded from, or missed in, Inductor's on-disk caches; a cache
-folder of a test's own that outlives one ``with`` block (``fresh_cache`` makes a new one each time)."""
+folder of a test's own that outlives one ``with`` block (``fresh_cache`` makes a new one each time); the graphs
+``torch.compile`` hands the compiler (``aot_graphs``)."""
 import contextlib
 import os
 from pathlib import Path
 from typing import Iterator
+
+import torch
 
 from gallery_lib.accel.compile import compile_cache_stats
 
@@ -35,3 +38,21 @@ def compile_cache_counts() -> tuple[int, int]:
     stats = compile_cache_stats()
     hits = stats["aot_autograd_hits"] + stats["fx_graph_hits"]
     return hits, stats["aot_autograd_misses"] + stats["fx_graph_misses"]
+
+
+def aot_graphs(call, *args) -> list[str]:
+    """The forward and backward graphs (as code) that ``torch.compile`` hands the compiler for ``call(*args)``."""
+    from functorch.compile import make_boxed_func
+    from torch._functorch.aot_autograd import aot_module_simplified
+
+    codes = []
+
+    def keep(gm, _inputs):
+        codes.append(gm.code)
+        return make_boxed_func(gm.forward)
+    torch._dynamo.reset()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = torch.compile(call, fullgraph=True, backend=lambda gm, inputs: aot_module_simplified(
+            gm, inputs, fw_compiler=keep, bw_compiler=keep))(*args)
+    out.float().square().mean().backward()
+    return codes

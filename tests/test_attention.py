@@ -235,14 +235,14 @@ def test_swin_hook_matches_forward_and_grads_and_reverts():
 def test_on_a_cpu_the_hooked_swin_compiles_to_the_graphs_of_timms_own_attention():
     """Compiled on a CPU, where ``auto``'s rule is math, the hook leaves timm's attention in the graph: the accelerated
     recipe's graphs are the compiled recipe's node for node, and the compile caches serve both."""
-    from test_patch import _aot_graphs
+    from compile_testing import aot_graphs
 
     plain = _tiny_swin()
     hooked = _tiny_swin()
     hooked.load_state_dict(plain.state_dict())
     x = torch.randn(2, 3, 32, 32)
     with hook_swin_attention(hooked) as hook:
-        plain_graphs, hooked_graphs = _aot_graphs(plain, x), _aot_graphs(hooked, x)
+        plain_graphs, hooked_graphs = aot_graphs(plain, x), aot_graphs(hooked, x)
         assert hook.selector.chosen == {}  # the registry chose nothing: timm's attention ran
         hooked(x)  # eager, the registry still routes the call (its CPU rule)
         assert set(hook.selector.chosen.values()) == {"math (the CPU rule)"}

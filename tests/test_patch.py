@@ -4,6 +4,7 @@ import pickle
 
 import pytest
 import torch
+from compile_testing import aot_graphs
 from torch import nn
 
 from gallery_lib.accel.modules import FusedGEGLU, FusedGroupNorm, FusedLayerNorm
@@ -164,24 +165,6 @@ def test_config_kernel_ops_choose_what_the_run_swaps():
             RunConfig(model="sd_tiny", kernel_ops=bad)
 
 
-def _aot_graphs(call, *args) -> list[str]:
-    """The forward and backward graphs (as code) that ``torch.compile`` hands the compiler for ``call(*args)``."""
-    from functorch.compile import make_boxed_func
-    from torch._functorch.aot_autograd import aot_module_simplified
-
-    codes = []
-
-    def keep(gm, _inputs):
-        codes.append(gm.code)
-        return make_boxed_func(gm.forward)
-    torch._dynamo.reset()
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        out = torch.compile(call, fullgraph=True, backend=lambda gm, inputs: aot_module_simplified(
-            gm, inputs, fw_compiler=keep, bw_compiler=keep))(*args)
-    out.float().square().mean().backward()
-    return codes
-
-
 @pytest.mark.isa
 def test_on_a_cpu_the_fused_layers_compile_to_the_graphs_of_the_layers_they_replace():
     """Traced on a CPU, the fused layers hand the compiler the replaced layers' own ops, touched in the same order, so
@@ -194,6 +177,6 @@ def test_on_a_cpu_the_fused_layers_compile_to_the_graphs_of_the_layers_they_repl
     calls = {"resnet block": lambda unet: lambda: unet.down_blocks[0].resnets[0](x, temb),
              "transformer": lambda unet: lambda: unet.down_blocks[0].attentions[0](x, text, return_dict=False)[0]}
     for name, call in calls.items():
-        plain_graphs, fused_graphs = _aot_graphs(call(plain)), _aot_graphs(call(fused))
+        plain_graphs, fused_graphs = aot_graphs(call(plain)), aot_graphs(call(fused))
         assert len(fused_graphs) == 2, name  # one forward, one backward
         assert fused_graphs == plain_graphs, name  # node for node, inputs in the same order
