@@ -26,6 +26,10 @@ stamp="$venv/.gallery-installed-$extras"
 # uv installs the same wheels as pip several times faster (torch's CUDA libraries alone are about 3 GB). It reads no
 # pip.conf, so where it fails (say, a machine that reaches packages only through pip's configured mirror) pip runs.
 # GALLERY_NO_UV=1: pip only.
+# Byte-compile at install, as pip does and uv by default does not: where PYTHONDONTWRITEBYTECODE is set (as on the
+# 2-core machine of benchmarks/RESULTS.md#ci) every process would compile torch's and diffusers' sources again, most of
+# a smoke run's start.
+export UV_COMPILE_BYTECODE=${UV_COMPILE_BYTECODE:-1}
 uv_ready=""  # yes or no once known: pip installs uv at most once
 have_uv() {
   if [ -z "$uv_ready" ]; then
@@ -96,5 +100,6 @@ if "$py" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"
   echo "[setup] GPU: installing cuDNN's Python frontend (nvidia-cudnn-frontend)"
   install --no-deps "nvidia-cudnn-frontend>=1.12,<2"
 fi
+"$py" -m compileall -q "$repo/gallery_lib" >/dev/null  # the editable package too (stale files recompile in memory)
 touch "$stamp"
 echo "[setup] ready: $py"

@@ -79,14 +79,14 @@ def _fake_machine(tmp_path: Path, *, driver: str | None, cpu_index_answers: bool
     _script(venv / "bin" / "python", f"""#!/bin/bash
 if [ "$1" = -c ]; then exit 1; fi          # no torch in this venv yet, and after 'installing' still no GPU
 case "$*" in "-m pip install"*|"-m uv pip install"*)
-  echo "UV_HTTP_TIMEOUT=${{UV_HTTP_TIMEOUT:-}} $*" >> {log}; {fail_cpu}; {fail_uv}; exit 0;; esac
+  echo "UV_HTTP_TIMEOUT=${{UV_HTTP_TIMEOUT:-}} UV_COMPILE_BYTECODE=${{UV_COMPILE_BYTECODE:-}} $*" >> {log}; {fail_cpu}; {fail_uv}; exit 0;; esac
 exit 0
 """)
     if driver:
         _script(bin_dir / "nvidia-smi", f"#!/bin/bash\necho 'NVIDIA L4, {driver}'\n")
     env = dict(os.environ, GALLERY_VENV=str(venv), PYTHON=sys.executable,
                PATH=f"{bin_dir}:{os.environ['PATH']}" if driver else "/usr/bin:/bin")
-    for name in ("GALLERY_TORCH_SPEC", "GALLERY_TORCH_INDEX", "GALLERY_NO_UV"):
+    for name in ("GALLERY_TORCH_SPEC", "GALLERY_TORCH_INDEX", "GALLERY_NO_UV", "UV_COMPILE_BYTECODE"):
         env.pop(name, None)
     if installer == "pip":
         env["GALLERY_NO_UV"] = "1"
@@ -112,6 +112,8 @@ def test_setup_installs_the_cpu_build_first_and_falls_back_quickly(tmp_path, ins
     pypi = [call for call in calls[1:] if call.endswith(" torch==2.14.1 torchvision==0.29.1")]  # PyPI's build
     editable = [call for call in calls[1:] if " -e " in call]
     assert "CPU index did not answer" in done.stdout and "--index-url" not in " ".join(pypi + editable)
+    # uv byte-compiles what it installs, as pip does: no process then compiles torch's sources again at its start
+    assert all(" UV_COMPILE_BYTECODE=1 " in call for call in calls if tool in call), calls
     if installer == "uv-failing":  # each install tried with uv, then with pip
         assert [tool in call for call in pypi] == [True, False] and [tool in call for call in editable] == [True, False]
         assert "uv could not install" in done.stdout
