@@ -189,7 +189,8 @@ def result_row(cfg: RunConfig, summary: dict) -> dict:
 
     speed = summary["samples_per_s"]
     return {
-        "model": cfg.model, "recipe": cfg.recipe, "batch_size": cfg.batch_size, "samples_per_s": speed,
+        "model": cfg.model, "recipe": cfg.recipe, "batch_size": cfg.batch_size,
+        "processes": summary.get("world_size", cfg.nproc_per_node), "samples_per_s": speed,
         "median_step_ms": summary["median_step_time_ms"], "p20_step_ms": summary["p20_step_time_ms"],
         "p80_step_ms": summary["p80_step_time_ms"], "peak_mem_gib": summary["peak_mem_mb"] / 1024,
         "peak_mem_kind": summary["peak_mem_kind"],
@@ -219,7 +220,8 @@ def error_row(cfg: RunConfig, message: str) -> dict:
     """A failed run's row: ``error`` says why in a few words, ``error_detail`` holds the log's tail."""
     lines = [line.strip() for line in message.splitlines() if "Error" in line]
     reason = "out of memory" if "out of memory" in message.lower() else (lines[-1] if lines else message)[:200]
-    return {"model": cfg.model, "recipe": cfg.recipe, "batch_size": cfg.batch_size, "error": reason,
+    return {"model": cfg.model, "recipe": cfg.recipe, "batch_size": cfg.batch_size, "processes": cfg.nproc_per_node,
+            "error": reason,
             "error_detail": message[-1500:], "run_dir": str(cfg.run_dir)}
 
 
