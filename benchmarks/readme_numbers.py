@@ -1,0 +1,94 @@
+"""README's numbers, rendered from the result files that hold them.
+
+Each block of README.md between ``<!-- numbers:NAME -->`` and ``<!-- /numbers:NAME -->`` is written here from
+``benchmarks/results/``; ``tests/test_readme.py`` fails when README disagrees with its files.
+
+    python benchmarks/readme_numbers.py           # rewrites README.md's blocks
+    python benchmarks/readme_numbers.py --check   # exit 1, naming the block, where README differs
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+
+HEADLINE = (  # (what was trained, the bench file holding its peer and accelerated rows, batch)
+    ("Swin-T, 224 px", "bench_h100/bench_swin_b128_window_attention_repeat.json", 128),
+    ("ResNet-50, 224 px", "bench_h100/bench_resnet_b256_conv_bn_round2.json", 256),
+    ("SD-1.5 UNet, 512 px", "bench_h100/sd15_close/bench_sd_b32_close.json", 32),
+)
+CPU_GALLERY = "cpu_gallery"
+"""The folder of the CPU gallery's timings, ``gallery_<commit>.txt``; the newest file is quoted."""
+
+
+def _row(rows: list[dict], recipe: str, batch: int) -> dict:
+    return next(r for r in rows if r["recipe"] == recipe and r["batch_size"] == batch and "error" not in r)
+
+
+def headline_table() -> str:
+    lines = ["| model | GPU, batch | `peer` img/s | `accelerated` img/s | speedup "
+             "| peak reserved GiB, peer → accelerated |", "|---|---|---|---|---|---|"]
+    for model, path, batch in HEADLINE:
+        record = json.loads((RESULTS / path).read_text())
+        peer, fast = _row(record["rows"], "peer", batch), _row(record["rows"], "accelerated", batch)
+        gpu = record["gpu"].replace("NVIDIA ", "").split(" ")[0]
+        lines.append(f"| {model} | {gpu}, {batch} | {peer['samples_per_s']:,.1f} | {fast['samples_per_s']:,.1f} | "
+                     f"{fast['samples_per_s'] / peer['samples_per_s']:.2f}x | "
+                     f"{peer['peak_reserved_gib']:.1f} → {fast['peak_reserved_gib']:.1f} |")
+    return "\n".join(lines)
+
+
+def cpu_gallery_time() -> str:
+    """The newest CPU gallery run's wall time, e.g. ``13 min 14 s (2 cores, fresh clone, commit 6c7a045)``."""
+    runs = sorted((RESULTS / CPU_GALLERY).glob("gallery_*.txt"), key=lambda p: _started(p.read_text()))
+    text = runs[-1].read_text()
+    wall = int(re.search(r"wall (\d+) s", text).group(1))
+    commit = re.search(r"# commit (\w+)", text).group(1)
+    return f"{wall // 60} min {wall % 60} s on 2 CPU cores from a fresh clone (commit {commit})"
+
+
+def _started(text: str) -> str:
+    match = re.search(r"started (\d\d:\d\d:\d\d) UTC (\d{4}-\d\d-\d\d)", text)
+    return f"{match.group(2)} {match.group(1)}" if match else ""
+
+
+BLOCKS = {"headline": headline_table, "cpu-gallery": cpu_gallery_time}
+
+
+def render(readme: str) -> str:
+    """``readme`` with every block rewritten."""
+    for name, make in BLOCKS.items():
+        pattern = re.compile(rf"(<!-- numbers:{name} -->)(.*?)(<!-- /numbers:{name} -->)", re.S)
+        if not pattern.search(readme):
+            raise ValueError(f"README.md has no <!-- numbers:{name} --> block")
+        body = make()
+        sep = "\n" if "\n" in body else ""
+        readme = pattern.sub(lambda m: f"{m.group(1)}{sep}{body}{sep}{m.group(3)}", readme)
+    return readme
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="only compare; exit 1 where README differs")
+    args = parser.parse_args()
+    path = ROOT / "README.md"
+    text = path.read_text()
+    rendered = render(text)
+    if args.check:
+        if rendered != text:
+            print("README.md's numbers differ from their result files: run python benchmarks/readme_numbers.py",
+                  file=sys.stderr)
+            return 1
+        return 0
+    path.write_text(rendered)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,49 @@
+"""README's numbers are rendered from the result files that hold them (``benchmarks/readme_numbers.py``)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _numbers():
+    spec = importlib.util.spec_from_file_location("readme_numbers", ROOT / "benchmarks" / "readme_numbers.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_readme_numbers_are_those_of_their_result_files():
+    readme = (ROOT / "README.md").read_text()
+    assert _numbers().render(readme) == readme, "run python benchmarks/readme_numbers.py"
+
+
+def test_a_number_edited_by_hand_is_caught():
+    numbers = _numbers()
+    readme = (ROOT / "README.md").read_text()
+    speedup = numbers.headline_table().splitlines()[2].split(" | ")[4]  # the first model's speedup, e.g. 1.30x
+    edited = readme.replace(speedup, "1.99x", 1)
+    assert edited != readme and numbers.render(edited) == readme
+    with pytest.raises(ValueError, match="numbers:headline"):
+        numbers.render(readme.replace("<!-- numbers:headline -->", ""))
+
+
+def test_readme_keeps_the_two_commands_on_its_first_screen():
+    lines = (ROOT / "README.md").read_text().splitlines()
+    first_screen = "\n".join(lines[:60])
+    assert "bash ci/gallery.sh" in first_screen and "bash ci/test.sh" in first_screen
+
+
+def test_no_user_facing_text_or_code_points_at_an_issue_number():
+    import re
+
+    pattern = re.compile(r"\bissues? #?\d+", re.I)
+    files = [ROOT / "README.md", ROOT / "benchmarks" / "RESULTS.md", *(ROOT / "docs").glob("*.md"),
+             *(ROOT / "notebooks").glob("*.ipynb"), *(ROOT / "gallery_lib").rglob("*.py")]
+    found = [f"{path.relative_to(ROOT)}: {match.group(0)}" for path in files
+             for match in pattern.finditer(path.read_text())]
+    assert len(files) > 80 and not found, found
