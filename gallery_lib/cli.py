@@ -227,7 +227,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise ConfigError(f"--recipes {args.recipes!r} names no recipe: pass some of {BENCH_RECIPES}.")
     runs = bench.plan_runs(models, recipes, bench.parse_batch_sizes(args.batch_size, models), profile=args.profile,
                            warmup_steps=args.warmup_steps, timed_steps=args.timed_steps, output_dir=args.output_dir,
-                           data_root=args.data_root, overrides=parse_overrides(args.set))
+                           data_root=args.data_root, overrides=parse_overrides(args.set),
+                           processes=bench.parse_processes(args.processes))
     out = bench.out_path(args.out, bench.gpu_name())
     record = bench.run_bench(runs, out, command=args.command_line, profile=args.profile)
     print(f"\n{bench_table(record['rows'])}\n\n{describe_goals(record['rows'], record['device'])}")
@@ -246,6 +247,9 @@ def _add_bench_flags(p: argparse.ArgumentParser) -> None:
                "(default: the profile's)")
     _flag(p, "profile", choices=PROFILES, default="auto",
           help="smoke: the tiny models on a CPU; full: the GPU models; auto: full when a GPU is visible")
+    _flag(p, "processes", metavar="COUNTS",
+          help="comma-separated process counts (GPUs) to run each recipe at, e.g. 1,2: the table gives the scaling "
+               "over one process (default: nproc_per_node, 1)")
     _flag(p, "warmup_steps", type=int, help="untimed steps first, compilation included (default: the profile's)")
     _flag(p, "timed_steps", type=int, help="steps timed after warm-up (default: 30 on a GPU, at least that; the "
                                             "profile's on a CPU)")

@@ -123,7 +123,8 @@ def test_table_and_figure_show_ratios_and_failures(tmp_path):
     rows = [row("sd15", "peer", 32, 120.0), row("sd15", "accelerated", 32, 150.0, to_steady_s=14.25, compile_caches="warm"),
             {"model": "sd15", "recipe": "accelerated", "batch_size": 64, "error": "out of memory"}]
     table = bench_table(rows)
-    assert "| sd15 | accelerated | 32 | 150.0 | 1.25x |" in table and "| 64 | error: out of memory |" in table
+    assert "| sd15 | accelerated | 32 | 1 | 150.0 | 1.25x |  |" in table
+    assert "| 64 | 1 | error: out of memory |" in table
     assert table.splitlines()[3].endswith("| 60.0 | 14.2 (warm) |") and table.splitlines()[2].endswith("| 60.0 |  |")
     record = {"rows": rows, "device": "NVIDIA H100 80GB HBM3", "torch": "2.11.0", "date": "2026-11-24 10:00:00"}
     assert write_figure(record, tmp_path / "bench.png").stat().st_size > 10_000
@@ -132,6 +133,34 @@ def test_table_and_figure_show_ratios_and_failures(tmp_path):
     narrow.canvas.draw()
     title = narrow._suptitle.get_window_extent()
     assert title.x0 >= 0 and title.x1 <= narrow.bbox.width, (title, narrow.bbox)
+
+
+def test_the_table_gives_the_scaling_over_one_process():
+    rows = [row("sd15", "peer", 32, 120.0), row("sd15", "accelerated", 32, 150.0),
+            row("sd15", "peer", 32, 228.0, processes=2), row("sd15", "accelerated", 32, 270.0, processes=2),
+            row("sd15", "accelerated", 64, 9.0, processes=2)]  # no one-process row at batch 64
+    lines = bench_table(rows).splitlines()
+    assert "| processes |" in lines[0] and "| scaling |" in lines[0]
+    assert "| sd15 | accelerated | 32 | 1 | 150.0 | 1.25x |  |" in lines[3]  # one process: nothing to scale from
+    assert "| sd15 | peer | 32 | 2 | 228.0 | 1.00x | 95.0% |" in lines[4]
+    assert "| sd15 | accelerated | 32 | 2 | 270.0 | 1.18x | 90.0% |" in lines[5]  # over the 2-process peer
+    assert "| sd15 | accelerated | 64 | 2 | 9.0 |  |  |" in lines[6]
+
+
+def test_a_plan_over_process_counts_runs_each_recipe_at_each(tmp_path):
+    from gallery_lib.run.bench import parse_processes, plan_runs
+
+    plan = dict(profile="smoke", warmup_steps=None, timed_steps=None, output_dir=str(tmp_path),
+                data_root=str(tmp_path), overrides={})
+    runs = plan_runs(["swin_micro"], ["peer", "accelerated"], {"swin_micro": None}, processes=parse_processes("1,2"),
+                     **plan)
+    assert [(c.recipe, c.nproc_per_node) for c in runs] == [("peer", 1), ("peer", 2), ("accelerated", 1),
+                                                           ("accelerated", 2)]
+    assert len({c.run_dir for c in runs}) == 4
+    assert [c.nproc_per_node for c in plan_runs(["swin_micro"], ["peer"], {"swin_micro": None}, **plan)] == [1]
+    with pytest.raises(ConfigError, match="--processes '1,0' is invalid: expected positive integers, e.g. "
+                                          "--processes 1,2"):
+        parse_processes("1,0")
 
 
 def test_models_by_name_or_family_shortcut():

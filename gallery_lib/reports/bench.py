@@ -16,32 +16,50 @@ REFERENCE = "peer"
 Row = dict[str, Any]
 
 
-def find_row(rows: Sequence[Row], model: str, recipe: str, batch_size: int) -> Row | None:
-    """The row of ``recipe`` for ``model`` at ``batch_size`` (the first, if the file holds several)."""
-    return next((r for r in rows if (r["model"], r["recipe"], r["batch_size"]) == (model, recipe, batch_size)), None)
+def processes(row: Row) -> int:
+    """How many processes (GPUs) the row's run used; rows written before the bench recorded it ran on one."""
+    return row.get("processes", 1)
+
+
+def find_row(rows: Sequence[Row], model: str, recipe: str, batch_size: int,
+             procs: int | None = None) -> Row | None:
+    """The row of ``recipe`` for ``model`` at ``batch_size`` per process, on ``procs`` processes (any, if None; the
+    first, if the file holds several)."""
+    return next((r for r in rows if (r["model"], r["recipe"], r["batch_size"]) == (model, recipe, batch_size)
+                 and procs in (None, processes(r))), None)
 
 
 def ratio_over_peer(rows: Sequence[Row], row: Row) -> float | None:
-    """``row``'s samples/s over the peer's at the same model and batch size; ``None`` if either has no number."""
-    peer = find_row(rows, row["model"], REFERENCE, row["batch_size"])
+    """``row``'s samples/s over the peer's at the same model, batch size and process count; ``None`` if either has
+    no number."""
+    peer = find_row(rows, row["model"], REFERENCE, row["batch_size"], processes(row))
     if "error" in row or peer is None or "error" in peer:
         return None
     return row["samples_per_s"] / peer["samples_per_s"]
 
 
+def scaling(rows: Sequence[Row], row: Row) -> float | None:
+    """``row``'s samples/s over N times the same run's on one process (N = its process count): 1.0 is perfect
+    scaling. ``None`` on one process, or without a one-process row to compare with."""
+    one = find_row(rows, row["model"], row["recipe"], row["batch_size"], 1)
+    if processes(row) == 1 or "error" in row or one is None or "error" in one:
+        return None
+    return row["samples_per_s"] / (processes(row) * one["samples_per_s"])
+
+
 def bench_table(rows: Sequence[Row]) -> str:
     """A markdown table of the rows, in run order."""
-    head = ("| model | recipe | batch | samples/s | vs peer | step ms: median (p20-p80) | peak GiB | MFU "
-            "| compile s | to steady speed s (caches) |\n|---|---|---|---|---|---|---|---|---|---|")
+    head = ("| model | recipe | batch | processes | samples/s | vs peer | scaling | step ms: median (p20-p80) | "
+            "peak GiB | MFU | compile s | to steady speed s (caches) |\n" + "|---" * 12 + "|")
     return "\n".join([head, *(_table_line(rows, row) for row in rows)])
 
 
 def _table_line(rows: Sequence[Row], row: Row) -> str:
-    start = f"| {row['model']} | {row['recipe']} | {row['batch_size']} |"
+    start = f"| {row['model']} | {row['recipe']} | {row['batch_size']} | {processes(row)} |"
     if "error" in row:
-        return f"{start} error: {row['error']} | | | | | | |"
-    ratio = ratio_over_peer(rows, row)
-    return (f"{start} {row['samples_per_s']:,.1f} | {_fmt(ratio, '{:.2f}x')} | {row['median_step_ms']:.1f} "
+        return f"{start} error: {row['error']} | | | | | | | |"
+    return (f"{start} {row['samples_per_s']:,.1f} | {_fmt(ratio_over_peer(rows, row), '{:.2f}x')} | "
+            f"{_fmt(scaling(rows, row), '{:.1%}')} | {row['median_step_ms']:.1f} "
             f"({row['p20_step_ms']:.1f}-{row['p80_step_ms']:.1f}) | {row['peak_mem_gib']:.2f} | "
             f"{_fmt(row['mfu'], '{:.1%}')} | {row['compile_s']:.1f} | {_steady(row)} |")
 

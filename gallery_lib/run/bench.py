@@ -74,14 +74,14 @@ def parse_batch_sizes(values: Sequence[str], models: Sequence[str]) -> dict[str,
     return sizes
 
 
-def _positive_ints(text: str, value: str) -> list[int]:
+def _positive_ints(text: str, value: str, flag: str = "--batch-size",
+                   example: str = "--batch-size 32,48 or --batch-size sd15=32") -> list[int]:
     try:
         numbers = [int(part) for part in text.split(",") if part.strip()]
     except ValueError:
         numbers = []
     if not numbers or min(numbers) < 1:
-        raise ConfigError(f"--batch-size {value!r} is invalid: expected positive integers, e.g. --batch-size 32,48 "
-                          "or --batch-size sd15=32.")
+        raise ConfigError(f"{flag} {value!r} is invalid: expected positive integers, e.g. {example}.")
     return list(dict.fromkeys(numbers))
 
 
@@ -104,9 +104,10 @@ def parse_recipe(entry: str) -> tuple[str, dict[str, Any]]:
 
 def plan_runs(models: Sequence[str], recipes: Sequence[str], batch_sizes: dict[str, list[int] | None], *,
               profile: str, warmup_steps: int | None, timed_steps: int | None, output_dir: str, data_root: str,
-              overrides: dict[str, Any]) -> list[RunConfig]:
+              overrides: dict[str, Any], processes: Sequence[int] = ()) -> list[RunConfig]:
     """Every run's config, resolved and checked for this machine before any runs: models in the order given, then
-    batch sizes, then recipes."""
+    batch sizes, then recipes, then ``processes`` (process counts, e.g. ``(1, 2)`` for the scaling over two GPUs;
+    none given: ``nproc_per_node`` as set)."""
     from gallery_lib.recipes import recipe_config
     from gallery_lib.workflow import model_step_config
 
@@ -118,9 +119,19 @@ def plan_runs(models: Sequence[str], recipes: Sequence[str], batch_sizes: dict[s
             base = base.replace(output_dir=str(Path(output_dir) / f"batch{base.batch_size}"))
             for entry in recipes:
                 cfg = recipe_config(model_step_config(base, steps=base.steps), *parse_recipe(entry))
-                validate_for_machine(cfg)
-                runs.append(cfg)
+                for procs in processes or [cfg.nproc_per_node]:
+                    run = cfg.replace(nproc_per_node=procs, output_dir=str(Path(cfg.output_dir) / f"{procs}proc")
+                                      if processes else cfg.output_dir)
+                    validate_for_machine(run)
+                    runs.append(run)
     return runs
+
+
+def parse_processes(text: str | None) -> list[int]:
+    """``--processes 1,2``: the process counts to run each recipe at (none: ``nproc_per_node`` as set)."""
+    if not text:
+        return []
+    return _positive_ints(text, text, flag="--processes", example="--processes 1,2")
 
 
 def _step_counts(base: RunConfig, warmup_steps: int | None, timed_steps: int | None) -> RunConfig:
