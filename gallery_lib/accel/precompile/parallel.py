@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from gallery_lib.accel.compile import compile_phase_seconds, phase_seconds_since
+from gallery_lib.accel.cpu_codegen import use_safe_cpu_codegen
 from gallery_lib.accel.precompile.record import (BlockCall, backend_flags, largest_first, meta_copy, compile_call,
                                                  record_block_calls, run_eagerly)
 from gallery_lib.accel.precompile.worker import (DONE_PREFIX, IMPORTS_ENV, PHASES_PREFIX, READY_PREFIX, STARTED_SEP,
@@ -168,6 +169,8 @@ def precompile_blocks(model: nn.Module, forward: Callable[[], Any], names: Itera
     start = time.perf_counter()
     names = list(names)
     device = next(iter(model.parameters())).device
+    if device.type == "cpu":  # the C++ code width, decided before the workers copy it (record.backend_flags)
+        use_safe_cpu_codegen()
     if not isinstance(workers, CompileWorkers):
         # Started now, their imports, CUDA context and compile pool come up while this process records.
         workers = CompileWorkers(workers, device, {type(model.get_submodule(n)).__module__ for n in names},
