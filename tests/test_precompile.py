@@ -7,6 +7,10 @@ of the same blocks then has no cache miss and computes what eager computes.
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -318,14 +322,24 @@ def test_without_workers_a_run_waits_for_another_compiling_the_same_graphs(tmp_p
 
 @pytest.mark.slow  # ~1 min each on 2 cores: Inductor's C++ backend compiles 3 forward and 3 backward graphs
 @pytest.mark.parametrize("load", [True, False], ids=["loaded-as-they-land", "loaded-by-the-run"])
-def test_workers_fill_the_cache_the_run_then_hits(load, monkeypatch):
+def test_workers_fill_the_cache_the_run_then_hits(load):
+    """``workers_fill_the_cache``, in a fresh process as a training run is one: what earlier tests left in a pytest
+    worker's process (settings that Inductor's cache keys hold) is not what the precompile workers start with."""
+    code = f"import test_precompile; test_precompile.workers_fill_the_cache({load})"
+    done = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent, capture_output=True, text=True,
+                          timeout=900)
+    assert done.returncode == 0, (done.stdout[-2000:], done.stderr[-4000:])
+
+
+def workers_fill_the_cache(load: bool) -> None:
     """With ``load`` this process loads every graph once a worker has exited, and the run then traces nothing;
     without it the run's first call traces and finds every graph in the caches. The run autotunes cuDNN, the workers
     do not: the graphs must hit all the same."""
     from torch._dynamo.utils import counters
     from torch._inductor.utils import fresh_cache
 
-    monkeypatch.setattr(torch.backends.cudnn, "benchmark", True)
+    torch.manual_seed(0)
+    torch.backends.cudnn.benchmark = True
 
     kwargs = {"backend": "inductor", "dynamic": False}
     x = torch.randn(2, 6, 8)
