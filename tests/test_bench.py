@@ -80,7 +80,8 @@ def test_goals_met_with_their_numbers():
 
 
 def test_goals_not_met_say_why():
-    rows = [row("sd15", "peer", 32, 124.0), row("sd15", "accelerated", 32, 121.0, to_steady_s=71.2, compile_caches="cold"),
+    rows = [row("sd15", "peer", 32, 124.0),
+            row("sd15", "accelerated", 32, 121.0, to_steady_s=71.2, compile_caches="cold"),
             row("sd15", "accelerated", 64, 0, error="out of memory"),
             row("sd15", "accelerated+ema=off", 32, 123.0, ema="off"),
             row("swin_tiny_patch4_window7_224", "peer", 128, 3800.0),
@@ -120,7 +121,8 @@ def test_compile_caches_cold_when_the_run_or_its_workers_compiled():
 
 
 def test_table_and_figure_show_ratios_and_failures(tmp_path):
-    rows = [row("sd15", "peer", 32, 120.0), row("sd15", "accelerated", 32, 150.0, to_steady_s=14.25, compile_caches="warm"),
+    rows = [row("sd15", "peer", 32, 120.0),
+            row("sd15", "accelerated", 32, 150.0, to_steady_s=14.25, compile_caches="warm"),
             {"model": "sd15", "recipe": "accelerated", "batch_size": 64, "error": "out of memory"}]
     table = bench_table(rows)
     assert "| sd15 | accelerated | 32 | 1 | 150.0 | 1.25x |  |" in table

@@ -79,7 +79,8 @@ def _fake_machine(tmp_path: Path, *, driver: str | None, cpu_index_answers: bool
     _script(venv / "bin" / "python", f"""#!/bin/bash
 if [ "$1" = -c ]; then exit 1; fi          # no torch in this venv yet, and after 'installing' still no GPU
 case "$*" in "-m pip install"*|"-m uv pip install"*)
-  echo "UV_HTTP_TIMEOUT=${{UV_HTTP_TIMEOUT:-}} UV_COMPILE_BYTECODE=${{UV_COMPILE_BYTECODE:-}} $*" >> {log}; {fail_cpu}; {fail_uv}; exit 0;; esac
+  echo "UV_HTTP_TIMEOUT=${{UV_HTTP_TIMEOUT:-}} UV_COMPILE_BYTECODE=${{UV_COMPILE_BYTECODE:-}} $*" >> {log}
+  {fail_cpu}; {fail_uv}; exit 0;; esac
 exit 0
 """)
     if driver:

@@ -122,7 +122,8 @@ class CompileWorkers:
             log_path = Path(self._tmp.name) / f"worker{i}.log"
             with open(log_path, "w") as out:
                 self.procs.append((subprocess.Popen(
-                    [sys.executable, "-m", "gallery_lib.accel.precompile.worker", str(self.queue_path), str(torch.device(device))],
+                    [sys.executable, "-m", "gallery_lib.accel.precompile.worker", str(self.queue_path),
+                     str(torch.device(device))],
                     stdout=out, stderr=subprocess.STDOUT, env=env), log_path))
 
     def close(self) -> None:
@@ -296,7 +297,8 @@ def _follow_workers(workers: CompileWorkers, loading: _Loader, deadline: float,
         running = [proc for proc, _ in workers.procs if proc.poll() is None]
         if not running and done_at is None:
             done_at = time.perf_counter()
-        # Loading waits for a worker to exit (nothing left to claim), which frees its cores (RESULTS.md#sd15-compile-time).
+        # Loading waits for a worker to exit (nothing left to claim), which frees its cores
+        # (RESULTS.md#sd15-compile-time).
         # Read after the poll: a worker seen exited has written all its lines, none is missed.
         loaded = bool(loading.waiting) and len(running) < len(workers.procs) and loading.load(
             name for _, log_path in workers.procs for name in _finished_graphs(log_path))
