@@ -1,6 +1,5 @@
 """benchmarks/compare_loss_curves.py: pairwise step-by-step comparison of runs' losses, read from metrics.jsonl."""
 
-import importlib.util
 import json
 import math
 from pathlib import Path
@@ -8,11 +7,9 @@ from pathlib import Path
 import pytest
 
 from gallery_lib.run.metrics import MetricsWriter
+from script_testing import load_script
 
-_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "compare_loss_curves.py"
-_spec = importlib.util.spec_from_file_location("compare_loss_curves", _PATH)
-compare_loss_curves = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(compare_loss_curves)
+compare_loss_curves = load_script("benchmarks/compare_loss_curves.py")
 
 
 def write_run(path: Path, losses: list[float]) -> Path:

@@ -1,16 +1,13 @@
 """benchmarks/compile_times.py: where a run's time before steady speed went, read from its summary record."""
 
 import dataclasses
-import importlib.util
 from pathlib import Path
 
 from gallery_lib.accel.precompile import PrecompileReport
 from gallery_lib.run.metrics import MetricsWriter
+from script_testing import load_script
 
-_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "compile_times.py"
-_spec = importlib.util.spec_from_file_location("compile_times", _PATH)
-compile_times = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(compile_times)
+compile_times = load_script("benchmarks/compile_times.py")
 
 
 def write_run(path: Path, summary: dict | None) -> Path:

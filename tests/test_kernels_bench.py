@@ -1,17 +1,11 @@
 """benchmarks/bench_kernels.py on CPU: its CLI, byte counts and row logic, with fake timers standing in for the GPU."""
 
-import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from script_testing import load_script
 
-_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_kernels.py"
-_spec = importlib.util.spec_from_file_location("bench_kernels", _PATH)
-bench = importlib.util.module_from_spec(_spec)
-sys.modules[_spec.name] = bench  # dataclasses resolve string annotations through it
-_spec.loader.exec_module(bench)
+bench = load_script("benchmarks/bench_kernels.py")
 
 
 def test_help_exits_cleanly(capsys):

@@ -159,13 +159,9 @@ def test_a_failing_rung_is_reported_and_the_ladder_goes_on(monkeypatch):
 
 
 def test_bench_ladder_joins_parts_in_ladder_order_with_short_failures(tmp_path):
-    import importlib.util
-    from pathlib import Path
+    from script_testing import load_script
 
-    spec = importlib.util.spec_from_file_location("bench_ladder", Path(__file__).parents[1] / "benchmarks" /
-                                                  "bench_ladder.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_script("benchmarks/bench_ladder.py")
     parts = []
     for i, entries in enumerate([[_result("amp", 12.0), _result("tf32", 10.0)],
                                  [_result("checkpointing", None), _result("amp", 13.0)]]):

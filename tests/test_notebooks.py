@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import time
 from pathlib import Path
 
 import nbformat
 import pytest
+from script_testing import load_script
 
 REPO = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((REPO / "notebooks").glob("*.ipynb"))
@@ -18,10 +18,7 @@ INJECTED = ("profile", "output_dir", "data_root", "interactive")  # what ci/run_
 
 
 def _runner():
-    spec = importlib.util.spec_from_file_location("run_notebooks", REPO / "ci" / "run_notebooks.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("ci/run_notebooks.py")
 
 
 def test_there_are_notebooks():

@@ -2,19 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
+from script_testing import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _numbers():
-    spec = importlib.util.spec_from_file_location("readme_numbers", ROOT / "benchmarks" / "readme_numbers.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("benchmarks/readme_numbers.py")
 
 
 def test_readme_numbers_are_those_of_their_result_files():

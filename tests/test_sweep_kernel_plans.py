@@ -1,17 +1,15 @@
 """benchmarks/sweep_kernel_plans.py on CPU: plan grids, knob restore and best-plan choice with a fake GPU timer."""
 
-import importlib.util
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from script_testing import load_script
 
 _BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(_BENCH))  # the sweep imports bench_kernels as a sibling module, as when run as a script
-_spec = importlib.util.spec_from_file_location("sweep_kernel_plans", _BENCH / "sweep_kernel_plans.py")
-sweep = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(sweep)
+sweep = load_script("benchmarks/sweep_kernel_plans.py")
 
 ln_mod = sweep.ln_mod
 
