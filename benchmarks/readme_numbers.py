@@ -18,28 +18,28 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 
-HEADLINE = (  # (what was trained, the bench file holding its peer and accelerated rows, batch)
-    ("Swin-T, 224 px", "bench_h100/bench_swin_b128_window_attention_repeat.json", 128),
-    ("ResNet-50, 224 px", "bench_h100/bench_resnet_b256_conv_bn_round2.json", 256),
-    ("SD-1.5 UNet, 512 px", "bench_h100/sd15_close/bench_sd_b32_close.json", 32),
+HEADLINE = (  # (what was trained, its gallery model, the bench file holding its peer and accelerated rows, batch)
+    ("Swin-T, 224 px", "swin_tiny_patch4_window7_224", "bench_h100/bench_swin_b128_window_attention_repeat.json", 128),
+    ("ResNet-50, 224 px", "resnet50", "bench_h100/bench_resnet_b256_conv_bn_round2.json", 256),
+    ("SD-1.5 UNet, 512 px", "sd15", "bench_h100/sd15_close/bench_sd_b32_close.json", 32),
 )
 CPU_GALLERY = "cpu_gallery"
 """The folder of the CPU gallery's timings, ``gallery_<commit>.txt``; the newest file is quoted."""
 
 
-def _row(rows: list[dict], recipe: str, batch: int) -> dict:
-    return next(r for r in rows if r["recipe"] == recipe and r["batch_size"] == batch and "error" not in r)
-
-
 def headline_table() -> str:
+    """Peer against accelerated on one GPU, as ``gallery bench`` reads its rows (``gallery_lib.reports.bench``)."""
+    from gallery_lib.reports.bench import find_row, ratio_over_peer
+
     lines = ["| model | GPU, batch | `peer` img/s | `accelerated` img/s | speedup "
              "| peak reserved GiB, peer → accelerated |", "|---|---|---|---|---|---|"]
-    for model, path, batch in HEADLINE:
+    for label, model, path, batch in HEADLINE:
         record = json.loads((RESULTS / path).read_text())
-        peer, fast = _row(record["rows"], "peer", batch), _row(record["rows"], "accelerated", batch)
+        rows = record["rows"]
+        peer, fast = find_row(rows, model, "peer", batch, 1), find_row(rows, model, "accelerated", batch, 1)
         gpu = record["gpu"].replace("NVIDIA ", "").split(" ")[0]
-        lines.append(f"| {model} | {gpu}, {batch} | {peer['samples_per_s']:,.1f} | {fast['samples_per_s']:,.1f} | "
-                     f"{fast['samples_per_s'] / peer['samples_per_s']:.2f}x | "
+        lines.append(f"| {label} | {gpu}, {batch} | {peer['samples_per_s']:,.1f} | {fast['samples_per_s']:,.1f} | "
+                     f"{ratio_over_peer(rows, fast):.2f}x | "
                      f"{peer['peak_reserved_gib']:.1f} → {fast['peak_reserved_gib']:.1f} |")
     return "\n".join(lines)
 
