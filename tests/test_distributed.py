@@ -4,6 +4,7 @@ flags reach torchrun, and the combinations that cannot work are refused."""
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -346,3 +347,83 @@ def test_gradient_sync_skips_ddp_all_reduce_but_not_the_last_batch():
         assert ddp.require_backward_grad_sync is True
     with gradient_sync(nn.Linear(2, 2), enabled=False):  # a plain or ZeRO-2 module: nothing to skip
         pass
+
+
+@pytest.mark.parametrize("visible, own", [("4,6", "6"), (None, "1")])
+def test_each_process_of_a_multi_gpu_run_sees_its_own_gpu_as_cuda_0(monkeypatch, visible, own):
+    """So that every process compiles the graphs (keyed on their device, cuda:1 included) that one process does."""
+    from gallery_lib.accel import distributed
+
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    if visible is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    listed = {}  # a CUDA that lists its devices once, on the first question, from the variable then set
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: listed.setdefault(
+        "n", len(os.environ["CUDA_VISIBLE_DEVICES"].split(",")) if "CUDA_VISIBLE_DEVICES" in os.environ else 2))
+    assert distributed.see_only_own_gpu() and os.environ["CUDA_VISIBLE_DEVICES"] == own
+    # where CUDA had listed the devices before, the process keeps the machine's numbering
+    listed["n"] = 2
+    if visible is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    assert not distributed.see_only_own_gpu() and os.environ.get("CUDA_VISIBLE_DEVICES") == visible
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert not distributed.see_only_own_gpu() and os.environ.get("CUDA_VISIBLE_DEVICES") == visible
+
+
+def test_a_training_process_that_sees_its_own_gpu_alone_passes_the_machine_check(monkeypatch, smoke_data, tmp_path):
+    """The launcher checked the machine's GPUs; the process itself, pinned to one, must not refuse nproc_per_node=2."""
+    from gallery_lib.run import train
+
+    cfg = dist_cfg(smoke_data, tmp_path, device="cuda")
+    path = cfg.save(tmp_path / "config.json")
+    started = {}
+
+    def init_distributed(device_type, *, zero2, own_gpu):
+        started.update(device_type=device_type, own_gpu=own_gpu)
+        raise KeyboardInterrupt  # stop before the training starts
+
+    monkeypatch.setattr(train, "see_only_own_gpu", lambda: True)
+    monkeypatch.setattr("gallery_lib.config.visible_cuda_devices", lambda: 1)
+    monkeypatch.setattr(train, "init_distributed", init_distributed)
+    with pytest.raises(KeyboardInterrupt):
+        train.main(["--config", str(path)])
+    assert started == {"device_type": "cuda", "own_gpu": True}
+
+
+def test_blocks_compiled_in_place_inside_ddp_keep_the_graphs_of_one_process(tmp_path):
+    """Dynamo's DDPOptimizer splits the graph of a block compiled inside DDP at its gradient buckets: a multi-process
+    run would compile other graphs than those a single process and the precompile workers leave in the caches."""
+    import torch.distributed as torch_dist
+    from torch import nn
+    from torch._dynamo.testing import CompileCounter
+
+    from gallery_lib.accel.distributed import keep_block_graphs_whole_under_ddp
+
+    def graphs_compiled(whole: bool) -> int:
+        torch._dynamo.reset()
+        with torch._dynamo.config.patch(optimize_ddp=True):
+            if whole:
+                keep_block_graphs_whole_under_ddp()
+            torch.manual_seed(0)
+            model = nn.Sequential(*(nn.Sequential(nn.Linear(512, 512), nn.GELU(), nn.Linear(512, 512))
+                                    for _ in range(2)))
+            ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=1)  # a bucket per 1 MiB Linear
+            counter = CompileCounter()
+            for block in model:
+                block.compile(backend=counter)
+            ddp(torch.randn(4, 512)).sum().backward()
+            return counter.frame_count
+
+    torch_dist.init_process_group("gloo", store=torch_dist.FileStore(str(tmp_path / "store"), 1), rank=0,
+                                  world_size=1)
+    try:
+        assert graphs_compiled(whole=False) > 2  # split at the buckets
+        assert graphs_compiled(whole=True) == 2  # one graph per block, as in one process
+    finally:
+        torch_dist.destroy_process_group()
+        torch._dynamo.reset()

@@ -15,7 +15,8 @@ The order matters and is the same for every model and recipe:
 6. compile - last. The whole model (``compile_scope='model'``) is compiled on the DDP-wrapped module, so
    TorchDynamo's DDPOptimizer can split graphs at gradient-bucket boundaries and overlap communication
    with the backward pass (PyTorch's recommended order for DDP), or on the sharded root. The blocks
-   (``compile_scope='blocks'``) are compiled in place inside whatever wraps them, as torchtitan compiles per block.
+   (``compile_scope='blocks'``) are compiled in place inside whatever wraps them, as torchtitan compiles per block,
+   and keep under DDP the graphs one process compiles (``keep_block_graphs_whole_under_ddp``).
 
 Each step appends a line to ``notes``; the training log prints them so a run says what it did.
 """
@@ -32,7 +33,7 @@ import torch.utils.checkpoint
 from gallery_lib.config import KERNEL_OPS, RunConfig
 from gallery_lib.accel.compile_plan import CompilePlan
 from gallery_lib.accel.cpu_codegen import use_safe_cpu_codegen
-from gallery_lib.accel.distributed import DistInfo, apply_zero2, wrap_ddp
+from gallery_lib.accel.distributed import DistInfo, apply_zero2, keep_block_graphs_whole_under_ddp, wrap_ddp
 from gallery_lib.accel.precision import Precision
 
 if TYPE_CHECKING:  # imported where fused_attention is on: the core loop does not need the registry
@@ -84,6 +85,8 @@ def apply_accelerations(model: torch.nn.Module, cfg: RunConfig, precision: Preci
         if codegen_note:
             notes.append(codegen_note)
     if cfg.compile and cfg.compile_scope == "blocks":
+        if train_module is not model and cfg.data_parallel == "ddp":
+            keep_block_graphs_whole_under_ddp()
         # Static shapes, as whole-model compilation has: each block shape gets its own graph.
         names = plan.compile_blocks(model, backend="inductor", dynamic=False, **compile_kwargs(cfg))
         notes.append(f"torch.compile(mode={cfg.compile_mode!r}{tuning}) of {len(names)} repeated blocks in place"

@@ -75,14 +75,36 @@ class DistInfo:
         return self.rank == 0
 
 
-def init_distributed(device_type: str, *, zero2: bool = False) -> DistInfo:
-    """Reads torchrun's environment; starts a process group when more than one process runs, or for ZeRO-2."""
+def see_only_own_gpu() -> bool:
+    """Lets this process of a multi-process run see only its own GPU (``CUDA_VISIBLE_DEVICES``), as ``cuda:0``.
+
+    The compile caches key each graph on its device, ``cuda:1`` included: without this, every process but the first
+    compiles the whole model again on a machine whose caches hold one process's graphs. Called before anything asks
+    CUDA for its devices; where something already has, the process keeps the machine's numbering (False)."""
+    local_rank, local_procs = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    gpus = visible.split(",") if visible is not None else [str(i) for i in range(local_procs)]
+    if local_procs <= 1 or len(gpus) < local_procs:
+        return False
+    os.environ["CUDA_VISIBLE_DEVICES"] = gpus[local_rank]
+    if torch.cuda.device_count() == 1:
+        return True
+    if visible is None:  # no GPU, or CUDA had already listed them all: as before
+        del os.environ["CUDA_VISIBLE_DEVICES"]
+    else:
+        os.environ["CUDA_VISIBLE_DEVICES"] = visible
+    return False
+
+
+def init_distributed(device_type: str, *, zero2: bool = False, own_gpu: bool = False) -> DistInfo:
+    """Reads torchrun's environment; starts a process group when more than one process runs, or for ZeRO-2.
+    ``own_gpu``: ``see_only_own_gpu`` made this process's GPU ``cuda:0``."""
     rank = int(os.environ.get("RANK", 0))
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if device_type == "cuda":
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
+        device = torch.device("cuda", 0 if own_gpu else local_rank)
+        torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
     if (world_size > 1 or zero2) and not dist.is_initialized():
@@ -95,11 +117,23 @@ def init_distributed(device_type: str, *, zero2: bool = False) -> DistInfo:
     return DistInfo(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
 
 
+def keep_block_graphs_whole_under_ddp() -> None:
+    """Blocks compiled in place inside DDP keep the graphs one process compiles.
+
+    Dynamo's DDPOptimizer would split each block's graph at gradient-bucket boundaries, so a multi-process run
+    compiled other graphs than a single process (or its precompile workers) left in the caches. The split is for a
+    model compiled whole; each compiled block's backward is already an autograd node of its own, after which DDP's
+    hooks start the all-reduce of its buckets while the blocks before it run their backward."""
+    import torch._dynamo
+
+    torch._dynamo.config.optimize_ddp = False
+
+
 def wrap_ddp(model: nn.Module, info: DistInfo, *, bucket_cap_mb: int = 25, static_graph: bool = False) -> nn.Module:
     """``model`` in DDP with gradients as bucket views (the model itself with one process)."""
     if info.world_size == 1:
         return model
-    device_ids = [info.local_rank] if info.device.type == "cuda" else None
+    device_ids = [info.device.index] if info.device.type == "cuda" else None
     return nn.parallel.DistributedDataParallel(model, device_ids=device_ids, bucket_cap_mb=bucket_cap_mb,
                                                gradient_as_bucket_view=True, static_graph=static_graph)
 

@@ -42,7 +42,7 @@ import torch
 from gallery_lib.accel.accelerate import apply_accelerations
 from gallery_lib.accel.compile_plan import CompilePlan
 from gallery_lib.accel.distributed import (DistInfo, exit_process, gather_full_module, gradient_sync,
-                                           init_distributed, reshard, shutdown)
+                                           init_distributed, reshard, see_only_own_gpu, shutdown)
 from gallery_lib.accel.precision import Precision
 from gallery_lib.accel.torch_switches import set_deterministic_algorithms, set_float32_matmul_precision
 from gallery_lib.config import CUDA_GRAPH_COMPILE_MODES, RunConfig, validate_for_machine
@@ -342,9 +342,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Run one training job from a saved config (used by torchrun).")
     parser.add_argument("--config", required=True, help="path to a config.json written by the launcher")
     args = parser.parse_args(argv)
+    own_gpu = see_only_own_gpu()  # first: before anything asks CUDA for its devices
     cfg = RunConfig.load(args.config)
-    device_type = validate_for_machine(cfg)
-    dist = init_distributed(device_type, zero2=cfg.data_parallel == "zero2")
+    # The launcher checked this machine's GPUs; this process now sees its own alone.
+    device_type = validate_for_machine(cfg, cuda_devices=cfg.nproc_per_node if own_gpu else None)
+    dist = init_distributed(device_type, zero2=cfg.data_parallel == "zero2", own_gpu=own_gpu)
     cfg = _count_every_node(cfg, dist)
     if dist.is_main:
         clear_failure(cfg.run_dir)  # a torchrun restart tries again
