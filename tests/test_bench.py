@@ -126,6 +126,12 @@ def test_table_and_figure_show_ratios_and_failures(tmp_path):
             {"model": "sd15", "recipe": "accelerated", "batch_size": 64, "error": "out of memory"}]
     table = bench_table(rows)
     assert "| sd15 | accelerated | 32 | 1 | 150.0 | 1.25x |  |" in table
+    assert "| peak GiB: reserved (allocated) |" in table.splitlines()[0]
+    assert "| 40.00 |" in table.splitlines()[2]  # a row without reserved memory: allocated alone
+    with_reserved = bench_table([row("sd15", "accelerated", 32, 150.0, peak_reserved_gib=42.5)])
+    assert "| 42.50 (40.00) |" in with_reserved
+    on_cpu = bench_table([row("toy", "peer", 4, 9.0, peak_mem_kind="cpu_max_rss")])
+    assert "| 40.00 (resident) |" in on_cpu
     assert "| 64 | 1 | error: out of memory |" in table
     assert table.splitlines()[3].endswith("| 60.0 | 14.2 (warm) |") and table.splitlines()[2].endswith("| 60.0 |  |")
     record = {"rows": rows, "device": "NVIDIA H100 80GB HBM3", "torch": "2.11.0", "date": "2026-11-24 10:00:00"}
@@ -215,6 +221,9 @@ def test_cpu_bench_writes_rows_a_figure_and_the_goals(toy, tmp_path, capsys):
     assert main(argv) == 0
     record = json.loads(out.read_text())
     assert record["command"] == "gallery " + " ".join(argv) and record["profile"] == "smoke"
+    head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent)
+    if head.returncode == 0:  # the code that ran (a copy without .git records None)
+        assert record["commit"] == head.stdout.strip() and isinstance(record["dirty"], bool)
     assert record["device"] == "CPU" and record["torch"] and record["date"]
     assert [(r["recipe"], r["batch_size"]) for r in record["rows"]] == [
         ("baseline", 4), ("peer", 4), ("baseline", 8), ("peer", 8)]
@@ -246,6 +255,17 @@ def test_a_gpu_plan_times_at_least_30_steps_after_warm_up(monkeypatch, tmp_path)
     assert len({c.run_dir for c in runs}) == 4
     with pytest.raises(ConfigError, match="--timed-steps 10 is too few on a GPU"):
         plan_runs(["sd15"], ["peer"], {"sd15": [32]}, timed_steps=10, **plan)
+
+
+def test_a_copy_without_git_is_named_by_gallery_commit(monkeypatch, tmp_path):
+    from gallery_lib.run.bench import source_version
+
+    monkeypatch.delenv("GALLERY_COMMIT", raising=False)
+    assert source_version(tmp_path) == {"commit": None, "dirty": None}  # not a git checkout: unknown, not guessed
+    monkeypatch.setenv("GALLERY_COMMIT", "428463b+dirty")
+    assert source_version(tmp_path) == {"commit": "428463b", "dirty": True}
+    monkeypatch.setenv("GALLERY_COMMIT", "428463b")
+    assert source_version(tmp_path) == {"commit": "428463b", "dirty": False}
 
 
 def test_default_result_file_names_the_gpu_and_date_and_never_overwrites(monkeypatch, tmp_path):

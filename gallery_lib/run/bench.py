@@ -15,8 +15,10 @@ Everything is resolved and checked before the first run: a typo in a model, a re
 from __future__ import annotations
 
 import json
+import os
 import platform
 import re
+import subprocess
 import time
 from importlib import metadata
 from pathlib import Path
@@ -183,8 +185,8 @@ def machine_record(command: str, profile: str) -> dict:
     """The header of a result file: what ran, where, with which software."""
     import torch
 
-    return {"command": command, "date": time.strftime("%Y-%m-%d %H:%M:%S"), "profile": resolve_profile(profile),
-            "gpu": gpu_name(), "device": None, "torch": torch.__version__,
+    return {"command": command, **source_version(), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "profile": resolve_profile(profile), "gpu": gpu_name(), "device": None, "torch": torch.__version__,
             "triton": _version("triton", "pytorch-triton"), "python": platform.python_version(),
             "timing": "the training step alone on one reused batch; CUDA events per step after warm-up (wall clock on "
                       "a CPU); median with p20/p80; compile_s = warm-up steps + precompilation, shorter when an "
@@ -192,6 +194,27 @@ def machine_record(command: str, profile: str) -> dict:
                       "precompilation + the warm-up steps up to the last one over 1.1x the median; compile_caches "
                       "= cold (the run or its precompile workers compiled) or warm (it loaded all from the caches)",
             "rows": [], "goals": []}
+
+
+def source_version(repo: Path = Path(__file__).resolve().parents[2]) -> dict[str, Any]:
+    """The git ``commit`` of the code that ran and whether its tracked files had changes (``dirty``). A copy without
+    ``.git`` (a GPU machine's) is named by ``GALLERY_COMMIT`` (``<commit>`` or ``<commit>+dirty``); else both are
+    ``None``."""
+    def git(*args: str) -> str | None:
+        try:
+            done = subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return done.stdout.strip() if done.returncode == 0 else None
+
+    commit = git("rev-parse", "HEAD")
+    if commit is not None:
+        return {"commit": commit, "dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
+    named = os.environ.get("GALLERY_COMMIT")
+    if named:
+        commit, _, dirty = named.partition("+")
+        return {"commit": commit, "dirty": dirty == "dirty"}
+    return {"commit": None, "dirty": None}
 
 
 def result_row(cfg: RunConfig, summary: dict) -> dict:
