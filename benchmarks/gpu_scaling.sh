@@ -5,7 +5,7 @@
 name=$1; procs=$2; shift 2
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$(dirname "$0")"/../.whl/*.whl
 export PYTHONPATH=${GALLERY_PYTHONPATH:-/tmp/site:$PWD} PYTHONUNBUFFERED=1
-# a copy without .git (the GPU machine's): GALLERY_COMMIT=<commit>[+dirty] names the code in the result files
+# on a copy of a checkout (the GPU machine's, whose .git may be older): GALLERY_COMMIT=<commit>[+dirty] names the code
 out=${OUT:-benchmarks/results}
 for n in 1 "$procs"; do
   python3 -m gallery_lib.cli bench --profile full --data-root /tmp/data --output-dir "/tmp/bench_${name}_$n" \

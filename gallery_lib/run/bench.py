@@ -197,9 +197,14 @@ def machine_record(command: str, profile: str) -> dict:
 
 
 def source_version(repo: Path = Path(__file__).resolve().parents[2]) -> dict[str, Any]:
-    """The git ``commit`` of the code that ran and whether its tracked files had changes (``dirty``). A copy without
-    ``.git`` (a GPU machine's) is named by ``GALLERY_COMMIT`` (``<commit>`` or ``<commit>+dirty``); else both are
-    ``None``."""
+    """The ``commit`` of the code that ran and whether its tracked files had changes (``dirty``): as
+    ``GALLERY_COMMIT=<commit>[+dirty]`` names them where set (a copy of a checkout, as on a GPU machine, whose
+    ``.git`` may be older than its files), else from git; both ``None`` where neither knows."""
+    named = os.environ.get("GALLERY_COMMIT")
+    if named:
+        commit, _, dirty = named.partition("+")
+        return {"commit": commit, "dirty": dirty == "dirty"}
+
     def git(*args: str) -> str | None:
         try:
             done = subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True, timeout=30)
@@ -208,13 +213,9 @@ def source_version(repo: Path = Path(__file__).resolve().parents[2]) -> dict[str
         return done.stdout.strip() if done.returncode == 0 else None
 
     commit = git("rev-parse", "HEAD")
-    if commit is not None:
-        return {"commit": commit, "dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
-    named = os.environ.get("GALLERY_COMMIT")
-    if named:
-        commit, _, dirty = named.partition("+")
-        return {"commit": commit, "dirty": dirty == "dirty"}
-    return {"commit": None, "dirty": None}
+    if commit is None:
+        return {"commit": None, "dirty": None}
+    return {"commit": commit, "dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
 
 
 def result_row(cfg: RunConfig, summary: dict) -> dict:
