@@ -85,7 +85,7 @@ def apply_accelerations(model: torch.nn.Module, cfg: RunConfig, precision: Preci
         if codegen_note:
             notes.append(codegen_note)
     if cfg.compile and cfg.compile_scope == "blocks":
-        if train_module is not model and cfg.data_parallel == "ddp":
+        if train_module is not model:  # DDP-wrapped (ZeRO-2 shards the model in place)
             keep_block_graphs_whole_under_ddp()
         # Static shapes, as whole-model compilation has: each block shape gets its own graph.
         names = plan.compile_blocks(model, backend="inductor", dynamic=False, **compile_kwargs(cfg))

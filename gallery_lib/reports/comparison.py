@@ -175,7 +175,7 @@ def comparison_table(runs: list[RunRecord], reference: str = "baseline") -> list
             "warmup_s": s["warmup_time_s"] + (s["precompile_time_s"] or 0.0) if s["warmup_time_s"] is not None
             else None,
             # On a GPU, reserved: what must fit (allocated undercounts CUDA graphs' pools and the allocator's cache).
-            "peak_mem_gib": (s.get("peak_reserved_mb") or s["peak_mem_mb"]) / 1024 if s["peak_mem_mb"] is not None
+            "peak_mem_gib": (s["peak_reserved_mb"] or s["peak_mem_mb"]) / 1024 if s["peak_mem_mb"] is not None
             else None,
             "final_loss": s["final_loss"],
             "skipped_samples": s["skipped_samples"],
