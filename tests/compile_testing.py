@@ -1,8 +1,9 @@
 """Test helpers: how many compiled graphs a process loaded from, or missed in, Inductor's on-disk caches; a cache
-folder of a test's own that outlives one ``with`` block (``fresh_cache`` makes a new one each time); the graphs
-``torch.compile`` hands the compiler (``aot_graphs``)."""
+folder of a test's own that outlives one ``with`` block (``fresh_cache`` makes a new one each time), optionally holding
+the C++ kernels another cache built; the graphs ``torch.compile`` hands the compiler (``aot_graphs``)."""
 import contextlib
 import os
+import shutil
 from pathlib import Path
 from typing import Iterator
 
@@ -30,6 +31,31 @@ def compile_cache_at(path: Path) -> Iterator[Path]:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
+
+
+# What makes a cache warm for graphs: Inductor's FX graph and AOTAutograd caches, Triton's, and the gallery's
+# warm-start markers. Everything else in the folder is code keyed by its own source: C++ kernels and their builds.
+_GRAPH_ENTRIES = ("fxgraph", "aotautograd", "triton", "locks", "gallery_precompiled")
+
+
+def copy_kernel_builds(source: Path, cache: Path) -> int:
+    """Hard-links (copies across file systems) the C++ kernels that ``source``'s compiles built into ``cache``; no
+    graph, no marker. A compile in ``cache`` then traces, lowers and caches every graph as in an empty folder, and
+    skips the C++ compiler only for a kernel with the same source and flags. Returns how many files it placed."""
+    placed = 0
+
+    def link(src: str, dst: str) -> None:
+        nonlocal placed
+        try:
+            os.link(src, dst)
+        except OSError:
+            shutil.copy2(src, dst)
+        placed += 1
+
+    for entry in sorted(source.iterdir()) if source.is_dir() else []:
+        if entry.is_dir() and entry.name not in _GRAPH_ENTRIES:
+            shutil.copytree(entry, cache / entry.name, copy_function=link, dirs_exist_ok=True)
+    return placed
 
 
 def compile_cache_counts() -> tuple[int, int]:

@@ -25,7 +25,7 @@ def caption_data(tmp_path_factory):
 
 
 # The fp32 step-by-step tests of SD and DreamBooth compile the same UNet block graphs: in one worker, one after the
-# other, the second loads what the first compiled.
+# other, the second loads what the first compiled, and the precompile tests' cold graph cache gets its C++ kernels.
 SD_UNET_FP32 = "sd_unet_fp32"
 
 
@@ -188,15 +188,16 @@ def test_resume_continues_the_ema_exactly(caption_data, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def precompiled(caption_data, tmp_path_factory):
-    """The accelerated recipe in fp32 with its blocks precompiled by 2 worker processes, run once in a cold compile
-    cache of its own (kept for the second run of the test below), and the baseline it must train like: one cold
-    compile of the SD blocks (~2 min on 2 cores) for the two tests that look at it."""
+def precompiled(caption_data, tmp_path_factory, _session_compile_cache):
+    """The accelerated recipe in fp32 with its blocks precompiled by 2 worker processes, run once in a compile cache
+    of its own without graphs (kept for the second run of the test below), and the baseline it must train like. The
+    workers trace and compile every block graph; of their C++ kernels, those the session's runs built already (the
+    group's fp32 tests ran these blocks) are linked in: the C++ compiler runs once per kernel in the test run."""
     from types import SimpleNamespace
 
     from torch._dynamo.utils import counters
 
-    from compile_testing import compile_cache_at
+    from compile_testing import compile_cache_at, copy_kernel_builds
 
     tmp = tmp_path_factory.mktemp("precompiled")
     base = tiny(caption_data, tmp, steps=8, amp_level="O0")
@@ -209,13 +210,14 @@ def precompiled(caption_data, tmp_path_factory):
     # fresh too: an earlier test's workers (where os.cpu_count() gives the recipe some) would leave a warm-start marker.
     torch._dynamo.reset()
     counters.clear()
+    copy_kernel_builds(_session_compile_cache, tmp / "inductor")
     with compile_cache_at(tmp / "inductor") as cache:
         summary = run(accelerated)
     return SimpleNamespace(accelerated=accelerated, baseline=baseline, summary=summary, cache=cache)
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("sd_precompiled")  # one worker runs the fixture's cold compile for both
+@pytest.mark.xdist_group(SD_UNET_FP32)  # after the group's fp32 runs, whose kernels the fixture links in
 def test_precompiled_blocks_train_like_the_baseline_and_only_load_in_the_run(precompiled):
     """The accelerated recipe with its blocks precompiled by 2 worker processes: the training process finds every
     block graph in Inductor's cache (no graph compiled by the run itself), loads each while the workers compile the
@@ -236,7 +238,7 @@ def test_precompiled_blocks_train_like_the_baseline_and_only_load_in_the_run(pre
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("sd_precompiled")
+@pytest.mark.xdist_group(SD_UNET_FP32)
 def test_a_second_run_starts_no_workers_and_trains_like_the_first(precompiled, tmp_path):
     """The accelerated recipe twice with one compile cache: the first run's 2 workers precompile the blocks, the
     second finds the marker they left, starts none, loads every graph in its first step (no cache miss) and gives
