@@ -5,7 +5,8 @@
                 optimizer unfused, a per-tensor EMA loop when the profile trains an EMA, DDP when several processes.
 ``compiled``    plain ``torch.compile``: compile + bfloat16 autocast + fused optimizer + foreach EMA.
 ``peer``        the strongest plain-PyTorch setup a skilled user writes in a few lines: ``compiled`` plus the switches
-                the family declares (``ModelFamily.peer``: cached latents for diffusion, channels_last for convnets).
+                the family declares (``ModelFamily.peer``: cached latents for diffusion, channels_last for convnets),
+                replayed as CUDA graphs on a GPU (``mode="reduce-overhead"``).
                 ``accelerated`` has to beat it; ``gallery bench`` measures both.
 ``accelerated`` ``compiled`` plus the switches that measured faster for the model's family, which the family
                 declares (``ModelFamily.accelerated`` in ``gallery_lib/models/<family>.py``, each with a pointer
@@ -41,12 +42,16 @@ def compiled(base: RunConfig) -> RunConfig:
 def peer(base: RunConfig) -> RunConfig:
     """The strongest plain-PyTorch setup a skilled user writes in a few lines: ``compiled`` plus the family's peer.
 
-    What such a user adds for the family (``ModelFamily.peer``): the frozen encoders run once over the data for
-    Stable Diffusion and DreamBooth (cached latents), channels_last for convnets, nothing more for Swin. It is the bar
-    ``accelerated`` is measured against (``gallery bench``), so that its gains are over the best a user gets without
-    this library, not over the easy setup.
+    On a GPU that user adds one word, ``mode="reduce-overhead"``: the compiled model replays as CUDA graphs. What
+    such a user adds for the family (``ModelFamily.peer``, which may also turn the graphs off): the frozen encoders
+    run once over the data for Stable Diffusion and DreamBooth (cached latents), channels_last for convnets, nothing
+    more for Swin. It is the bar ``accelerated`` is measured against (``gallery bench``), so that its gains are over
+    the best a user gets without this library, not over the easy setup.
     """
-    return compiled(base).replace(recipe="peer", **base.model_family.peer)
+    # The graphs made every family's plain model faster or left it the same (benchmarks/RESULTS.md#peer).
+    graphs = {"compile_mode": "reduce-overhead"} if runs_on_gpu(base) else {}
+    switches = {**graphs, **base.model_family.peer}
+    return compiled(base).replace(recipe="peer", **_without_graphs_where_they_cannot_replay(base, switches))
 
 
 def accelerated(base: RunConfig) -> RunConfig:
@@ -57,20 +62,29 @@ def accelerated(base: RunConfig) -> RunConfig:
         switches.update(base.model_family.accelerated_on_gpu)
     if "ema" in switches:
         switches["ema"] = _ema_mode(base, switches["ema"])
-    # Left out where the run cannot use them: a block recomputed in the backward (checkpointing) cannot replay as a
-    # CUDA graph, ZeRO-2's collectives run in hooks outside the graphs, and its sharded blocks cannot be copied to
-    # precompile workers.
     zero2 = base.data_parallel == "zero2"
-    graphs_allowed = not (base.gradient_checkpointing or zero2)
     blocks_on_gpu = switches.get("compile_scope") == "blocks" and on_gpu
     if blocks_on_gpu:  # precompiled, replayed as CUDA graphs where they pay
         switches.update(compile_mode=_block_graph_mode(base), precompile_workers=precompile_workers_for_machine())
-    if not graphs_allowed and switches.get("compile_mode") in CUDA_GRAPH_COMPILE_MODES:
-        switches["compile_mode"] = "default"
-    if zero2:
+    if zero2:  # its sharded blocks cannot be copied to precompile workers
         switches.pop("precompile_workers", None)
-    cfg = compiled(base).replace(recipe="accelerated", **switches)
-    return cfg.replace(extra={**cfg.extra, GRAPHS_BY_BATCH: True}) if blocks_on_gpu and graphs_allowed else cfg
+    cfg = compiled(base).replace(recipe="accelerated", **_without_graphs_where_they_cannot_replay(base, switches))
+    if blocks_on_gpu and _graphs_can_replay(base):
+        return cfg.replace(extra={**cfg.extra, GRAPHS_BY_BATCH: True})
+    return cfg
+
+
+def _graphs_can_replay(base: RunConfig) -> bool:
+    """A block recomputed in the backward (checkpointing) cannot replay as a CUDA graph, and ZeRO-2's collectives run
+    in hooks outside the graphs."""
+    return not (base.gradient_checkpointing or base.data_parallel == "zero2")
+
+
+def _without_graphs_where_they_cannot_replay(base: RunConfig, switches: dict[str, Any]) -> dict[str, Any]:
+    """``switches`` with a CUDA-graph ``compile_mode`` turned back to ``default`` where ``base`` cannot replay them."""
+    if not _graphs_can_replay(base) and switches.get("compile_mode") in CUDA_GRAPH_COMPILE_MODES:
+        return {**switches, "compile_mode": "default"}
+    return switches
 
 
 GRAPHS_BY_BATCH = "block_graphs_by_batch"

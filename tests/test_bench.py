@@ -48,6 +48,30 @@ def test_peer_is_compiled_plus_the_family_switches(family, switches):
     assert peer.compile and peer.fused_optimizer and peer.amp_dtype == "bfloat16" and peer.ema == compiled.ema
     assert not (peer.kernels or peer.fused_attention) and peer.compile_scope == "model"  # nothing of this library
     assert list(RECIPES).index("peer") == list(RECIPES).index("compiled") + 1
+    assert peer.compile_mode == "default"  # no GPU here: nothing to replay
+
+
+@pytest.mark.parametrize("family", ["stable_diffusion", "dreambooth", "resnet50", "swin_transformer"])
+def test_on_a_gpu_the_peer_replays_cuda_graphs_where_the_run_can(family, monkeypatch):
+    """The one word a skilled user adds on a GPU, ``mode="reduce-overhead"``; not where no graph can replay."""
+    monkeypatch.setattr("gallery_lib.recipes.runs_on_gpu", lambda base: True)
+    base = base_config("smoke", family=family)
+    peer = apply_recipe("peer", base)
+    assert peer == apply_recipe("compiled", base).replace(recipe="peer", compile_mode="reduce-overhead",
+                                                          **FAMILIES[family].peer)
+    assert apply_recipe("peer", base.replace(gradient_checkpointing=True)).compile_mode == "default"
+    assert apply_recipe("peer", base.replace(data_parallel="zero2")).compile_mode == "default"
+
+
+def test_a_family_can_keep_its_peer_without_cuda_graphs(toy, monkeypatch):
+    import dataclasses
+
+    from gallery_lib.models import register_family
+
+    monkeypatch.setattr("gallery_lib.recipes.runs_on_gpu", lambda base: True)
+    register_family(dataclasses.replace(toy, peer={**toy.peer, "compile_mode": "default"}))
+    peer = apply_recipe("peer", base_config("smoke", family=toy.name))
+    assert peer.compile_mode == "default" and peer.channels_last == toy.peer.get("channels_last", False)
 
 
 def row(model, recipe, batch, samples_per_s, p20=10.0, p80=10.2, ema="fused", **extra):

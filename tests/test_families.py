@@ -52,7 +52,7 @@ def test_accelerated_replays_cuda_graphs_on_a_gpu_and_compiles_plainly_on_a_cpu(
     monkeypatch.setattr("gallery_lib.recipes.runs_on_gpu", lambda base: True)
     fast = apply_recipe("accelerated", base)
     assert (fast.compile, fast.compile_mode, fast.compile_scope) == (True, "reduce-overhead", "model")
-    assert apply_recipe("peer", base).compile_mode == "default"  # the plain peer stays what a user writes
+    assert apply_recipe("peer", base).compile_mode == "reduce-overhead"  # the one word a skilled user adds too
 
 
 def test_an_option_the_family_cannot_take_fails_before_any_data(toy, tmp_path):

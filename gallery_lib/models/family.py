@@ -61,7 +61,8 @@ class ModelFamily:
     peer: Mapping[str, Any] = field(default_factory=dict)
     """What the ``peer`` recipe switches on top of ``compiled``: what a skilled user adds to ``torch.compile`` in a few
     lines of plain PyTorch for this family (cached latents for diffusion, channels_last for convnets), so that
-    ``accelerated`` is measured against the strongest setup a user gets without this library."""
+    ``accelerated`` is measured against the strongest setup a user gets without this library. On a GPU ``peer``
+    replays CUDA graphs unless this sets ``compile_mode`` (``"default"`` where graphs slow the plain model down)."""
     block_types: tuple[str, ...] = ()
     """Class names of the repeated blocks that ``compile_scope='blocks'`` compiles in place (outermost match)."""
     block_modules: tuple[str, ...] = ()
