@@ -41,11 +41,14 @@ _GRAPH_ENTRIES = ("fxgraph", "aotautograd", "triton", "locks", "gallery_precompi
 def copy_kernel_builds(source: Path, cache: Path) -> int:
     """Hard-links (copies across file systems) the C++ kernels that ``source``'s compiles built into ``cache``; no
     graph, no marker. A compile in ``cache`` then traces, lowers and caches every graph as in an empty folder, and
-    skips the C++ compiler only for a kernel with the same source and flags. Returns how many files it placed."""
+    skips the C++ compiler only for a kernel with the same source and flags. Returns how many files it placed (a file
+    already there stays)."""
     placed = 0
 
     def link(src: str, dst: str) -> None:
         nonlocal placed
+        if os.path.exists(dst):
+            return
         try:
             os.link(src, dst)
         except OSError:

@@ -320,23 +320,35 @@ def test_without_workers_a_run_waits_for_another_compiling_the_same_graphs(tmp_p
     assert plan_run(batch) == [] and not held(key)  # warm: no wait, no hold
 
 
-@pytest.mark.slow  # ~1 min each on 2 cores: Inductor's C++ backend compiles 3 forward and 3 backward graphs
+@pytest.fixture(scope="module")
+def toy_kernel_builds(tmp_path_factory) -> Path:
+    """Where the toy blocks' C++ kernel builds are kept between the tests below (no graphs: each test's cache has
+    none, so its workers compile every graph; only the C++ compiler runs once per kernel)."""
+    return tmp_path_factory.mktemp("toy-kernel-builds")
+
+
+@pytest.mark.slow  # ~1 min on 2 cores for the first: Inductor's C++ backend compiles 3 forward and 3 backward graphs
+@pytest.mark.xdist_group("precompile_toy_kernels")  # one worker: the second links the first's kernel builds
 @pytest.mark.parametrize("load", [True, False], ids=["loaded-as-they-land", "loaded-by-the-run"])
-def test_workers_fill_the_cache_the_run_then_hits(load):
+def test_workers_fill_the_cache_the_run_then_hits(load, toy_kernel_builds, tmp_path):
     """``workers_fill_the_cache``, in a fresh process as a training run is one: what earlier tests left in a pytest
     worker's process (settings that Inductor's cache keys hold) is not what the precompile workers start with."""
-    code = f"import test_precompile; test_precompile.workers_fill_the_cache({load})"
+    code = (f"import test_precompile; from pathlib import Path; "
+            f"test_precompile.workers_fill_the_cache({load}, Path({str(tmp_path / 'inductor')!r}), "
+            f"Path({str(toy_kernel_builds)!r}))")
     done = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent, capture_output=True, text=True,
                           timeout=900)
     assert done.returncode == 0, (done.stdout[-2000:], done.stderr[-4000:])
 
 
-def workers_fill_the_cache(load: bool) -> None:
+def workers_fill_the_cache(load: bool, cache: Path, kernel_builds: Path) -> None:
     """With ``load`` this process loads every graph once a worker has exited, and the run then traces nothing;
     without it the run's first call traces and finds every graph in the caches. The run autotunes cuDNN, the workers
-    do not: the graphs must hit all the same."""
+    do not: the graphs must hit all the same. ``cache`` starts with no graph, and with the C++ kernels in
+    ``kernel_builds``, where it leaves its own."""
     from torch._dynamo.utils import counters
-    from torch._inductor.utils import fresh_cache
+
+    from compile_testing import compile_cache_at, copy_kernel_builds
 
     torch.manual_seed(0)
     torch.backends.cudnn.benchmark = True
@@ -346,7 +358,8 @@ def workers_fill_the_cache(load: bool) -> None:
     expected_model = Model()
     expected = expected_model(x)
     expected.backward()
-    with fresh_cache():
+    copy_kernel_builds(kernel_builds, cache)
+    with compile_cache_at(cache):
         torch._dynamo.reset()
         counters.clear()
         model = Model()
@@ -393,6 +406,7 @@ def workers_fill_the_cache(load: bool) -> None:
     torch.testing.assert_close(out, expected)
     for (name, p), q in zip(model.named_parameters(), expected_model.parameters()):
         torch.testing.assert_close(p.grad, q.grad, msg=name)
+    copy_kernel_builds(cache, kernel_builds)
 
 
 def test_workers_copy_the_runs_cpu_code_width():
