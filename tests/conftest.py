@@ -1,6 +1,7 @@
 """Shared fixtures and test-run plumbing.
 
-- A session-wide smoke dataset, seeding, and compile caches of the test run's own (shared by its xdist workers).
+- A session-wide smoke dataset, seeding, and compile caches of the test run's own (shared by its xdist workers), where
+  ``optimize(model)``'s cached choices go too.
 - The ``gpu`` marker's skip rule; ``--isa-only`` keeps the tests marked ``isa`` (ci/test.sh's pass under another
   vector ISA).
 - Under pytest-xdist each worker uses one core (``OMP_NUM_THREADS=1``, for its training subprocesses too).
@@ -124,6 +125,9 @@ def _session_compile_cache(tmp_path_factory, request):
         import torch._inductor.config
 
         torch._inductor.config.cpp.simdlen = 256
+    # What optimize(model) chose goes there too, not to the user's ~/.cache: a test run decides afresh, once
+    # (the ResNet notebook's two runs share it as they share the graphs).
+    os.environ["GALLERY_CACHE_DIR"] = str(cache / "gallery_lib")
     with compile_cache_at(cache):
         yield cache
 

@@ -5,6 +5,8 @@ checks trace with ``aot_eager`` (Dynamo + AOTAutograd, no code generation) and i
 """
 
 import copy
+import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -101,6 +103,16 @@ def test_optimize_tries_candidates_in_the_loop_and_trains_like_eager(tmp_path):
     _loop(again, 2)
     assert again.gallery_optimize.cached and again.gallery_optimize.choice == report.choice
     assert again.gallery_optimize.trial_steps == 0 and "cached in" in logs[-1]
+
+
+def test_the_choices_go_to_the_gallery_cache_dir_where_set_else_the_users_cache(monkeypatch, tmp_path):
+    from gallery_lib.accel.optimize import default_cache_file
+
+    assert default_cache_file() == Path(os.environ["GALLERY_CACHE_DIR"]) / "optimize.json"  # the test run's own
+    assert Path.home() / ".cache" not in default_cache_file().parents
+    monkeypatch.delenv("GALLERY_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert default_cache_file() == tmp_path / "gallery_lib" / "optimize.json"
 
 
 def test_a_failing_candidate_is_skipped_with_its_reason_and_the_step_still_trains(tmp_path):

@@ -9,7 +9,8 @@ autotuning, graph capture) and a few timed ones; a step is timed from one traini
 the loop's whole step (backward, optimizer, data).
 The chooser then keeps the fastest, logs each candidate's compile time and steady ms per step and why it chose,
 and caches the choice per model, input shape, autocast state, GPU and torch version
-(``~/.cache/gallery_lib/optimize.json``), so the next run starts with it at once.
+(``~/.cache/gallery_lib/optimize.json``; ``$GALLERY_CACHE_DIR/optimize.json`` where that is set), so the next run
+starts with it at once.
 
 The trial steps are real training steps (every candidate computes the same function), so nothing is thrown away.
 A candidate that fails to compile or run is logged with its error and that step runs eagerly. Parameters keep their
@@ -123,6 +124,8 @@ def optimize(model: nn.Module, *, backend: str = "auto", candidates: Iterable[st
 
 
 def default_cache_file() -> Path:
+    if os.environ.get("GALLERY_CACHE_DIR"):
+        return Path(os.environ["GALLERY_CACHE_DIR"]) / "optimize.json"
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     return Path(base) / "gallery_lib" / "optimize.json"
 
