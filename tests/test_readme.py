@@ -44,3 +44,20 @@ def test_no_user_facing_text_or_code_points_at_an_issue_number():
     found = [f"{path.relative_to(ROOT)}: {match.group(0)}" for path in files
              for match in pattern.finditer(path.read_text())]
     assert len(files) > 80 and not found, found
+
+
+def test_every_pointer_into_results_names_a_section_it_has():
+    """Code, docs and notebooks keep one line per decision pointing at ``benchmarks/RESULTS.md#<section>``: each such
+    section must exist, as must the targets of RESULTS.md's own ``(#section)`` links."""
+    import re
+
+    results = (ROOT / "benchmarks" / "RESULTS.md").read_text()
+    sections = set(re.findall(r'<a id="([^"]+)"></a>', results))
+    files = [ROOT / "README.md", *(ROOT / "docs").glob("*.md"), *(ROOT / "notebooks").glob("*.ipynb"),
+             *(ROOT / "gallery_lib").rglob("*.py"), *(ROOT / "benchmarks").glob("*.py"),
+             *(ROOT / "benchmarks").glob("*.sh"), *(ROOT / "tests").glob("*.py")]
+    pointers = [(path.relative_to(ROOT), name) for path in files
+                for name in re.findall(r"RESULTS\.md#([\w-]+)", path.read_text())]
+    pointers += [("benchmarks/RESULTS.md", name) for name in re.findall(r"\]\(#([\w-]+)\)", results)]
+    assert len(pointers) > 50 and len(sections) > 20
+    assert not [pointer for pointer in pointers if pointer[1] not in sections]
