@@ -42,16 +42,20 @@ def compiled(base: RunConfig) -> RunConfig:
 def peer(base: RunConfig) -> RunConfig:
     """The strongest plain-PyTorch setup a skilled user writes in a few lines: ``compiled`` plus the family's peer.
 
-    On a GPU that user adds one word, ``mode="reduce-overhead"``: the compiled model replays as CUDA graphs. What
-    such a user adds for the family (``ModelFamily.peer``, which may also turn the graphs off): the frozen encoders
-    run once over the data for Stable Diffusion and DreamBooth (cached latents), channels_last for convnets, nothing
-    more for Swin. It is the bar ``accelerated`` is measured against (``gallery bench``), so that its gains are over
-    the best a user gets without this library, not over the easy setup.
+    On a GPU that user adds one word, ``mode="reduce-overhead"``: the compiled model replays as CUDA graphs, at the
+    batch sizes where ``accelerated`` replays its own (``ModelFamily.block_graphs_below_pixels``). What such a user
+    adds for the family (``ModelFamily.peer``, which may also turn the graphs off): the frozen encoders run once over
+    the data for Stable Diffusion and DreamBooth (cached latents), channels_last for convnets, nothing more for Swin.
+    It is the bar ``accelerated`` is measured against (``gallery bench``), so that its gains are over the best a user
+    gets without this library, not over the easy setup.
     """
     # The graphs made every family's plain model faster or left it the same (benchmarks/RESULTS.md#peer).
-    graphs = {"compile_mode": "reduce-overhead"} if runs_on_gpu(base) else {}
+    graphs = {"compile_mode": _graph_mode_for_batch(base)} if runs_on_gpu(base) else {}
     switches = {**graphs, **base.model_family.peer}
-    return compiled(base).replace(recipe="peer", **_without_graphs_where_they_cannot_replay(base, switches))
+    cfg = compiled(base).replace(recipe="peer", **_without_graphs_where_they_cannot_replay(base, switches))
+    if graphs and "compile_mode" not in base.model_family.peer and _graphs_can_replay(base):
+        return cfg.replace(extra={**cfg.extra, GRAPHS_BY_BATCH: True})
+    return cfg
 
 
 def accelerated(base: RunConfig) -> RunConfig:
@@ -65,7 +69,7 @@ def accelerated(base: RunConfig) -> RunConfig:
     zero2 = base.data_parallel == "zero2"
     blocks_on_gpu = switches.get("compile_scope") == "blocks" and on_gpu
     if blocks_on_gpu:  # precompiled, replayed as CUDA graphs where they pay
-        switches.update(compile_mode=_block_graph_mode(base), precompile_workers=precompile_workers_for_machine())
+        switches.update(compile_mode=_graph_mode_for_batch(base), precompile_workers=precompile_workers_for_machine())
     if zero2:  # its sharded blocks cannot be copied to precompile workers
         switches.pop("precompile_workers", None)
     cfg = compiled(base).replace(recipe="accelerated", **_without_graphs_where_they_cannot_replay(base, switches))
@@ -88,8 +92,8 @@ def _without_graphs_where_they_cannot_replay(base: RunConfig, switches: dict[str
 
 
 GRAPHS_BY_BATCH = "block_graphs_by_batch"
-"""The note in ``RunConfig.extra`` saying that ``accelerated`` chose ``compile_mode`` from the step's size, so a run
-at another batch size decides again (``at_batch_size``)."""
+"""The note in ``RunConfig.extra`` saying that ``accelerated`` or ``peer`` chose ``compile_mode`` from the step's
+size, so a run at another batch size decides again (``at_batch_size``)."""
 
 
 def runs_on_gpu(base: RunConfig) -> bool:
@@ -97,9 +101,10 @@ def runs_on_gpu(base: RunConfig) -> bool:
     return resolve_device(base.device, visible_cuda_devices()) == "cuda"
 
 
-def _block_graph_mode(base: RunConfig) -> str:
+def _graph_mode_for_batch(base: RunConfig) -> str:
     """``reduce-overhead`` where a step of ``base`` is small enough for its host to set the step time, so that CUDA
-    graphs of the compiled blocks speed it up (``ModelFamily.block_graphs_below_pixels``), else ``default``."""
+    graphs of the compiled blocks (or model) speed it up (``ModelFamily.block_graphs_below_pixels``), else
+    ``default``."""
     limit = base.model_family.block_graphs_below_pixels
     return "reduce-overhead" if limit is None or base.batch_size * base.image_size ** 2 < limit else "default"
 
@@ -108,7 +113,7 @@ def at_batch_size(cfg: RunConfig, batch_size: int) -> RunConfig:
     """``cfg`` at another batch size (the batch-size search's trials and its chosen size), with the blocks' CUDA
     graphs decided again for that size where ``accelerated`` decided them, and not named by the user."""
     cfg = cfg.replace(batch_size=batch_size)
-    return cfg.replace(compile_mode=_block_graph_mode(cfg)) if cfg.extra.get(GRAPHS_BY_BATCH) else cfg
+    return cfg.replace(compile_mode=_graph_mode_for_batch(cfg)) if cfg.extra.get(GRAPHS_BY_BATCH) else cfg
 
 
 def precompile_workers_for_machine() -> int:
