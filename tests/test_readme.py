@@ -61,3 +61,12 @@ def test_every_pointer_into_results_names_a_section_it_has():
     pointers += [("benchmarks/RESULTS.md", name) for name in re.findall(r"\]\(#([\w-]+)\)", results)]
     assert len(pointers) > 50 and len(sections) > 20
     assert not [pointer for pointer in pointers if pointer[1] not in sections]
+
+
+def test_results_lists_every_section_in_its_contents():
+    import re
+
+    results = (ROOT / "benchmarks" / "RESULTS.md").read_text()
+    contents = results.split("<a id=", 1)[0]
+    sections = re.findall(r'<a id="([^"]+)"></a>\n## ', results)
+    assert len(sections) > 15 and not [name for name in sections if f"(#{name})" not in contents]
