@@ -18,17 +18,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 
-# (what was trained, its gallery model, the bench file holding its peer and accelerated rows, batch, the peer's row:
-# run before `peer` replayed CUDA graphs by itself, so named by its change)
-PEER_WITH_GRAPHS = "peer+compile_mode=reduce-overhead"
-HEADLINE = (
-    ("Swin-T, 224 px", "swin_tiny_patch4_window7_224", "peer_graphs_h200/bench_peer_graphs_swin.json", 128,
-     PEER_WITH_GRAPHS),
-    ("ResNet-50, 224 px", "resnet50", "peer_graphs_h200/bench_peer_graphs_resnet.json", 256, PEER_WITH_GRAPHS),
-    ("SD-1.5 UNet, 512 px", "sd15", "peer_graphs_h200/bench_peer_graphs_sd.json", 32, PEER_WITH_GRAPHS),
-    ("DreamBooth, SD-1.5 full fine-tuning, 512 px", "dreambooth_sd15", "peer_graphs_h200/bench_peer_graphs_db.json", 1,
-     PEER_WITH_GRAPHS),
+HEADLINE = (  # (what was trained, its gallery model, the bench file holding its peer and accelerated rows, batch)
+    ("Swin-T, 224 px", "swin_tiny_patch4_window7_224", "peer_graphs_h200/bench_peer_graphs_swin.json", 128),
+    ("ResNet-50, 224 px", "resnet50", "peer_graphs_h200/bench_peer_graphs_resnet.json", 256),
+    ("SD-1.5 UNet, 512 px", "sd15", "peer_graphs_h200/bench_peer_graphs_sd.json", 32),
+    ("DreamBooth, SD-1.5 full fine-tuning, 512 px", "dreambooth_sd15", "peer_graphs_h200/bench_peer_graphs_db.json", 1),
 )
+PEER_ROW = "peer+compile_mode=reduce-overhead"
+"""The peer's row in those files: run before ``peer`` replayed CUDA graphs by itself, so named by that change."""
 CPU_GALLERY = "cpu_gallery"
 """The folder of the CPU gallery's timings, ``gallery_<commit>.txt``; the newest file is quoted."""
 
@@ -39,10 +36,10 @@ def headline_table() -> str:
 
     lines = ["| model | GPU, batch | `peer` img/s | `accelerated` img/s | speedup "
              "| peak reserved GiB, peer → accelerated |", "|---|---|---|---|---|---|"]
-    for label, model, path, batch, peer_recipe in HEADLINE:
+    for label, model, path, batch in HEADLINE:
         record = json.loads((RESULTS / path).read_text())
         rows = record["rows"]
-        peer, fast = find_row(rows, model, peer_recipe, batch, 1), find_row(rows, model, "accelerated", batch, 1)
+        peer, fast = find_row(rows, model, PEER_ROW, batch, 1), find_row(rows, model, "accelerated", batch, 1)
         gpu = record["gpu"].replace("NVIDIA ", "").split(" ")[0]
         lines.append(f"| {label} | {gpu}, {batch} | {peer['samples_per_s']:,.1f} | {fast['samples_per_s']:,.1f} | "
                      f"{fast['samples_per_s'] / peer['samples_per_s']:.2f}x | "

@@ -10,6 +10,7 @@ from typing import Iterator
 import torch
 
 from gallery_lib.accel.compile import compile_cache_stats
+from gallery_lib.accel.precompile import warm
 
 
 @contextlib.contextmanager
@@ -35,30 +36,24 @@ def compile_cache_at(path: Path) -> Iterator[Path]:
 
 # What makes a cache warm for graphs: Inductor's FX graph and AOTAutograd caches, Triton's, and the gallery's
 # warm-start markers. Everything else in the folder is code keyed by its own source: C++ kernels and their builds.
-_GRAPH_ENTRIES = ("fxgraph", "aotautograd", "triton", "locks", "gallery_precompiled")
+_GRAPH_ENTRIES = ("fxgraph", "aotautograd", "triton", "locks", warm.marker_dir().name)
 
 
-def copy_kernel_builds(source: Path, cache: Path) -> int:
+def copy_kernel_builds(source: Path, cache: Path) -> None:
     """Hard-links (copies across file systems) the C++ kernels that ``source``'s compiles built into ``cache``; no
     graph, no marker. A compile in ``cache`` then traces, lowers and caches every graph as in an empty folder, and
-    skips the C++ compiler only for a kernel with the same source and flags. Returns how many files it placed (a file
-    already there stays)."""
-    placed = 0
-
+    skips the C++ compiler only for a kernel with the same source and flags. A file already in ``cache`` stays."""
     def link(src: str, dst: str) -> None:
-        nonlocal placed
         if os.path.exists(dst):
             return
         try:
             os.link(src, dst)
         except OSError:
             shutil.copy2(src, dst)
-        placed += 1
 
     for entry in sorted(source.iterdir()) if source.is_dir() else []:
         if entry.is_dir() and entry.name not in _GRAPH_ENTRIES:
             shutil.copytree(entry, cache / entry.name, copy_function=link, dirs_exist_ok=True)
-    return placed
 
 
 def compile_cache_counts() -> tuple[int, int]:
