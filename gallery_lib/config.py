@@ -33,6 +33,7 @@ COMPILE_SCOPES = ("model", "blocks")
 EMA_MODES = ("off", "loop", "foreach", "fused", "stream")
 OPTIMIZERS = ("adamw", "sgd")
 DATA_PARALLEL_MODES = ("ddp", "zero2")
+DDP_GRAD_COMPRESSION = ("none", "bf16")
 REPORT_TO = ("none", "tensorboard")
 TRITON_KERNEL_OPS = ("group_norm_silu", "layer_norm", "geglu")
 KERNEL_OPS = TRITON_KERNEL_OPS + ("conv_bn_relu",)  # cuDNN's fused conv + batch norm: float16 only, so never "all"
@@ -173,6 +174,10 @@ class RunConfig:
     """DDP only: promise DDP that every step uses the same parameters in the same graph, so it can skip its per-step
     bookkeeping after the first step. Off by default: a model whose steps use different parameters (data-dependent
     branches) breaks the promise (see ``gallery_lib.accel.distributed``)."""
+    ddp_grad_compression: str = setting("none", choices=DDP_GRAD_COMPRESSION)
+    """DDP only: ``bf16`` all-reduces the gradient buckets as bfloat16 (PyTorch's ``bf16_compress_hook``: half the
+    bytes, each bucket divided by the process count, then rounded) and writes the mean back to the fp32 gradients;
+    ``none`` all-reduces them in their own dtype. Lossy: the gradients carry bf16's 8-bit mantissa."""
     device: str = setting("auto", choices=DEVICES)
     """``auto`` picks CUDA when present, else CPU."""
     num_workers: int = setting(4, kind=int, minimum=0)

@@ -127,10 +127,12 @@ def _apply_data_parallel(model: torch.nn.Module, cfg: RunConfig, dist: DistInfo,
         notes.append(f"ZeRO-2 over {dist.world_size} process(es): FSDP2 fully_shard(reshard_after_forward=False) of "
                      f"{len(blocks)} blocks and the root; gradients and optimizer state sharded")
         return model, template
-    train_module = wrap_ddp(model, dist, bucket_cap_mb=cfg.ddp_bucket_cap_mb, static_graph=cfg.ddp_static_graph)
+    train_module = wrap_ddp(model, dist, bucket_cap_mb=cfg.ddp_bucket_cap_mb, static_graph=cfg.ddp_static_graph,
+                            grad_compression=cfg.ddp_grad_compression)
     if train_module is not model:
         notes.append(f"DDP over {dist.world_size} processes: gradients as bucket views, {cfg.ddp_bucket_cap_mb} MB "
-                     f"buckets{', static graph' if cfg.ddp_static_graph else ''}")
+                     f"buckets{', static graph' if cfg.ddp_static_graph else ''}"
+                     f"{', bf16 all-reduce' if cfg.ddp_grad_compression == 'bf16' else ''}")
     return train_module, None
 
 

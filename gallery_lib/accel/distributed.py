@@ -10,7 +10,9 @@ bucket size is ``ddp_bucket_cap_mb`` (PyTorch's 25 MB by default), and ``ddp_sta
 uses the same parameters in the same graph. It is off by default: the training loop's graph is static (every step runs
 forward and backward of the whole model), but a model with data-dependent control flow or parameters that some steps
 leave unused breaks it (silently wrong reduction order, or an error at the second step), which a recipe cannot know
-of an arbitrary model.
+of an arbitrary model. ``ddp_grad_compression='bf16'`` all-reduces the buckets as bfloat16 (``bf16_compress_hook``:
+half the bytes on the wire; the mean comes back into the fp32 gradients, rounded to bf16's 8-bit mantissa). It is
+lossy, so it is off unless a family's loss curves were checked against the fp32 all-reduce.
 
 ``zero2``: ``apply_zero2`` shards the model with PyTorch's own engine, FSDP2: ``fully_shard(reshard_after_forward=
 False)`` on each of the family's repeated blocks (``ModelFamily.block_types``, found as regional compilation finds
@@ -129,13 +131,22 @@ def keep_block_graphs_whole_under_ddp() -> None:
     torch._dynamo.config.optimize_ddp = False
 
 
-def wrap_ddp(model: nn.Module, info: DistInfo, *, bucket_cap_mb: int = 25, static_graph: bool = False) -> nn.Module:
-    """``model`` in DDP with gradients as bucket views (the model itself with one process)."""
+def wrap_ddp(model: nn.Module, info: DistInfo, *, bucket_cap_mb: int = 25, static_graph: bool = False,
+             grad_compression: str = "none") -> nn.Module:
+    """``model`` in DDP with gradients as bucket views (the model itself with one process); ``grad_compression``
+    ``bf16`` all-reduces the buckets as bfloat16 (PyTorch's ``bf16_compress_hook``)."""
     if info.world_size == 1:
         return model
     device_ids = [info.device.index] if info.device.type == "cuda" else None
-    return nn.parallel.DistributedDataParallel(model, device_ids=device_ids, bucket_cap_mb=bucket_cap_mb,
-                                               gradient_as_bucket_view=True, static_graph=static_graph)
+    ddp = nn.parallel.DistributedDataParallel(model, device_ids=device_ids, bucket_cap_mb=bucket_cap_mb,
+                                              gradient_as_bucket_view=True, static_graph=static_graph)
+    if grad_compression == "bf16":
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
+
+        ddp.register_comm_hook(state=None, hook=bf16_compress_hook)
+    elif grad_compression != "none":
+        raise ValueError(f"grad_compression={grad_compression!r}: expected 'none' or 'bf16'")
+    return ddp
 
 
 def apply_zero2(model: nn.Module, block_types: Iterable[str], info: DistInfo) -> tuple[list[str], nn.Module]:
