@@ -175,9 +175,10 @@ class RunConfig:
     bookkeeping after the first step. Off by default: a model whose steps use different parameters (data-dependent
     branches) breaks the promise (see ``gallery_lib.accel.distributed``)."""
     ddp_grad_compression: str = setting("none", choices=DDP_GRAD_COMPRESSION)
-    """DDP only: ``bf16`` all-reduces the gradient buckets as bfloat16 (PyTorch's ``bf16_compress_hook``: half the
-    bytes, each bucket divided by the process count, then rounded) and writes the mean back to the fp32 gradients;
-    ``none`` all-reduces them in their own dtype. Lossy: the gradients carry bf16's 8-bit mantissa."""
+    """DDP only: ``bf16`` all-reduces the gradient buckets as bfloat16 (PyTorch's ``bf16_compress_hook``: each bucket
+    rounded to bf16, divided by the process count and summed in bf16, half the bytes) and writes the mean back to the
+    fp32 gradients; ``none`` all-reduces them in their own dtype. Lossy (bf16's 8-bit mantissa), and slower for SD-1.5
+    on two H200s (benchmarks/RESULTS.md#two-gpus)."""
     device: str = setting("auto", choices=DEVICES)
     """``auto`` picks CUDA when present, else CPU."""
     num_workers: int = setting(4, kind=int, minimum=0)
