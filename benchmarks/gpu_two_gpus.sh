@@ -2,6 +2,8 @@
 # DDP scaling on a 2-GPU machine in one call: how the GPUs are linked and what an all-reduce of SD's gradients takes
 # alone, then `gallery bench` runs; their JSON in $OUT, every log in $OUT/logs.tgz (the device returns 8 files).
 #   bash benchmarks/gpu_two_gpus.sh classifiers [SECONDS]   ResNet-50 b256 and Swin-T b128, accelerated, 1 and 2 GPUs
+#                                                           (each ResNet run took about 150 s with its data: 580 s
+#                                                           held ResNet's two runs and part of Swin's first)
 #   bash benchmarks/gpu_two_gpus.sh sd [SECONDS]            SD-1.5 b32: accelerated on 1 and 2 GPUs, the DDP levers on
 #                                                           2 GPUs, then the fastest lever once more, as time allows
 # (on the GPU machine: diffusers in .whl/, nvidia-cudnn-frontend in .whl/cudnn/; GALLERY_COMMIT names the code)
@@ -24,8 +26,8 @@ summary() {  # the rows of the JSON files: img/s, step ms, reserved GiB
   python3 - "$out"/*.json <<'EOF'
 import json, sys
 for path in sys.argv[1:]:
-    data = json.load(open(path))
-    for r in data.get("rows", []):
+    rows = json.load(open(path)).get("rows")
+    for r in rows if isinstance(rows, list) else []:  # bench files only (the probe's rows are a dict)
         if "error" in r:
             print(f"{path.split('/')[-1]} {r['recipe']} p{r['processes']}: {r['error']}"); continue
         print(f"{path.split('/')[-1]} {r['model']} {r['recipe']} b{r['batch_size']} p{r['processes']}: "
