@@ -21,13 +21,13 @@ from pathlib import Path
 import torch
 
 from gallery_lib.config import RunConfig, parse_overrides
-from gallery_lib.ladder import (RUNG_NAMES, RungResult, failure_reason, ladder_configs, rung_named,
+from gallery_lib.recipes.ladder import (RUNG_NAMES, RungResult, failure_reason, ladder_configs, rung_named,
                                 rung_parents)
-from gallery_lib.profiles import base_config
-from gallery_lib.run.bench import gpu_name
+from gallery_lib.recipes.profiles import base_config
+from gallery_lib.app.bench import gpu_name
 from gallery_lib.reports.ladder import ladder_report
 from gallery_lib.run.launch import RunFailed, launch
-from gallery_lib.workflow import prepare
+from gallery_lib.app.workflow import prepare
 
 _KEYS = ("recipe", "samples_per_s", "median_step_time_ms", "p20_step_time_ms", "p80_step_time_ms", "warmup_time_s",
          "setup_time_s", "precompile_time_s", "peak_mem_mb", "final_loss", "global_batch_size", "world_size",

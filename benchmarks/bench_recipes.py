@@ -30,11 +30,11 @@ import torch
 
 from gallery_lib.config import parse_overrides
 from gallery_lib.run.launch import launch
-from gallery_lib.profiles import base_config
-from gallery_lib.run.bench import gpu_name
+from gallery_lib.recipes.profiles import base_config
+from gallery_lib.app.bench import gpu_name
 from gallery_lib.recipes import apply_recipe, recipe_config
 from gallery_lib.reports.comparison import mfu
-from gallery_lib.workflow import prepare
+from gallery_lib.app.workflow import prepare
 
 _KEYS = ("recipe", "samples_per_s", "median_step_time_ms", "p20_step_time_ms", "p80_step_time_ms", "warmup_time_s",
          "setup_time_s", "precompile_time_s", "peak_mem_mb", "final_loss", "mean_loss_last_10", "global_batch_size",

@@ -19,9 +19,9 @@ from pathlib import Path
 
 import torch
 
-from gallery_lib.profiles import base_config
+from gallery_lib.recipes.profiles import base_config
 from gallery_lib.run.launch import launch
-from gallery_lib.workflow import prepare
+from gallery_lib.app.workflow import prepare
 
 
 def main(argv: list[str] | None = None) -> int:

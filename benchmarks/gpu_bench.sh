@@ -5,6 +5,6 @@ name=$1; shift
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$(dirname "$0")"/../.whl/*.whl
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 out=${OUT:-benchmarks/results}
-python3 -m gallery_lib.cli bench --profile full --data-root /tmp/data --output-dir "/tmp/bench_$name" \
+python3 -m gallery_lib.app.cli bench --profile full --data-root /tmp/data --output-dir "/tmp/bench_$name" \
   --out "$out/bench_$name.json" "$@" > "$out/bench_$name.log" 2>&1
 grep "\[bench\] ===\|done:\|Error\|error:\|goal" "$out/bench_$name.log" | tail -30

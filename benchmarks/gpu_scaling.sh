@@ -8,7 +8,7 @@ export PYTHONPATH=${GALLERY_PYTHONPATH:-/tmp/site:$PWD} PYTHONUNBUFFERED=1
 # on a copy of a checkout (the GPU machine's, whose .git may be older): GALLERY_COMMIT=<commit>[+dirty] names the code
 out=${OUT:-benchmarks/results}
 for n in 1 "$procs"; do
-  python3 -m gallery_lib.cli bench --profile full --data-root /tmp/data --output-dir "/tmp/bench_${name}_$n" \
+  python3 -m gallery_lib.app.cli bench --profile full --data-root /tmp/data --output-dir "/tmp/bench_${name}_$n" \
     --out "$out/${name}_${n}gpu.json" --set nproc_per_node="$n" "$@" > "$out/${name}_${n}gpu.log" 2>&1
   grep "\[bench\] ===\|done:\|compilation in this run\|pre-compilation\|Error\|error:" "$out/${name}_${n}gpu.log" | tail -12
 done

@@ -17,7 +17,7 @@ left() { echo $((budget - (SECONDS - t0))); }
 finish() { tar czf "$out/logs_$mode.tgz" -C "$raw" . ; echo "[two_gpus] done in $((SECONDS - t0)) s"; }
 bench() {  # NAME FLAGS...: one `gallery bench`, stopped where the call's time runs out (its JSON keeps each run)
   local name=$1; shift
-  timeout "$(( $(left) - 15 ))" python3 -m gallery_lib.cli bench --profile full --data-root /tmp/data \
+  timeout "$(( $(left) - 15 ))" python3 -m gallery_lib.app.cli bench --profile full --data-root /tmp/data \
     --output-dir "/tmp/bench_$name" --out "$out/$name.json" "$@" > "$raw/$name.log" 2>&1
   rm -f "$out/$name.png"
   grep "\[bench\] ===\|done:\|Error\|error:" "$raw/$name.log" | tail -8

@@ -6,7 +6,7 @@
 # The environment is .venv/ at the repository root (override with GALLERY_VENV). On a GPU machine a
 # conda environment from environment.yml works too: activate it and set GALLERY_VENV to its prefix.
 # Torch comes first, in the range the gallery is tested with, built for this machine: on a GPU machine from PyTorch's
-# index for the CUDA that the driver runs (gallery_lib/gpu_check.py reads nvidia-smi; an error if torch then cannot
+# index for the CUDA that the driver runs (gallery_lib/config/gpu_check.py reads nvidia-smi; an error if torch then cannot
 # see the GPU); on a CPU machine the CPU build from PyTorch's CPU index when it answers, else PyPI's default build
 # (which carries the CUDA libraries, ~3 GB). Override with GALLERY_TORCH_SPEC="torch==X torchvision==Y" (installed
 # as given, from pip's configured indexes) or GALLERY_TORCH_INDEX=cu128|cu130|cpu.
@@ -68,7 +68,7 @@ if ! "$py" -c "import torch, torchvision" 2>/dev/null; then
     # shellcheck disable=SC2086
     install $GALLERY_TORCH_SPEC
   else
-    tag=${GALLERY_TORCH_INDEX:-$(cd "$repo" && "$python" -m gallery_lib.gpu_check)} || exit 1
+    tag=${GALLERY_TORCH_INDEX:-$(cd "$repo" && "$python" -m gallery_lib.config.gpu_check)} || exit 1
     index="https://download.pytorch.org/whl/$tag"
     if [ "$tag" = cpu ]; then
       echo "[setup] no GPU: trying PyTorch's CPU build ($index)"

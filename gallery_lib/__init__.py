@@ -1,9 +1,9 @@
 """gallery_lib: the support package of the accelerated-training notebook gallery.
 
 The notebooks stay thin; this package holds the run configuration, the recipes, the model families, the data
-pipeline, the training loop, the launcher and the reports (see ``DESIGN.md``). What a notebook calls is importable
-from here: ``base_config``, ``prepare``, ``run_recipes``, ``compare``, ``summarize`` (and ``optimize(model)`` for
-a plain PyTorch loop). Names are imported on first use, so ``import gallery_lib`` stays cheap.
+pipeline, the training loop, the launcher and the reports, in layers (``docs/DESIGN.md``). What a notebook calls is
+importable from here: ``base_config``, ``prepare``, ``run_recipes``, ``compare``, ``summarize`` (and
+``optimize(model)`` for a plain PyTorch loop). Names are imported on first use, so ``import gallery_lib`` stays cheap.
 """
 
 from __future__ import annotations
@@ -14,12 +14,12 @@ from typing import Any
 __version__ = "0.1.0"
 
 _PUBLIC = {
-    "base_config": "gallery_lib.profiles",
-    "prepare": "gallery_lib.workflow",
-    "run_recipes": "gallery_lib.workflow",
-    "compare": "gallery_lib.workflow",
-    "summarize": "gallery_lib.workflow",
-    "model_step_config": "gallery_lib.workflow",
+    "base_config": "gallery_lib.recipes.profiles",
+    "prepare": "gallery_lib.app.workflow",
+    "run_recipes": "gallery_lib.app.workflow",
+    "compare": "gallery_lib.app.workflow",
+    "summarize": "gallery_lib.app.workflow",
+    "model_step_config": "gallery_lib.app.workflow",
     "config_controls": "gallery_lib.reports.widgets",
     "dataset_preview": "gallery_lib.reports.sampling",
     "dreambooth_preview": "gallery_lib.reports.sampling",
@@ -30,9 +30,9 @@ _PUBLIC = {
     "optimize": "gallery_lib.accel.optimize",
     "pipeline_throughput": "gallery_lib.data.throughput",
     "recipe_table": "gallery_lib.reports.recipe_table",
-    "run_ladder": "gallery_lib.ladder",
-    "default_sizes": "gallery_lib.ladder",
-    "ladder_base": "gallery_lib.ladder",
+    "run_ladder": "gallery_lib.recipes.ladder",
+    "default_sizes": "gallery_lib.recipes.ladder",
+    "ladder_base": "gallery_lib.recipes.ladder",
     "ladder_plan": "gallery_lib.reports.ladder",
     "ladder_report": "gallery_lib.reports.ladder",
 }

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gallery_lib.cli import build_parser, configs_from_args, main
+from gallery_lib.app.cli import build_parser, configs_from_args, main
 from gallery_lib.config import ConfigError, RunConfig
 
 

@@ -103,7 +103,7 @@ def test_find_batch_size_must_be_a_bool():
 
 
 def test_cli_flag_accepts_dashes_and_underscores():
-    from gallery_lib.cli import base_from_args, build_parser
+    from gallery_lib.app.cli import base_from_args, build_parser
 
     for flag in ("--find_batch_size", "--find-batch-size"):
         args = build_parser().parse_args(["train", "--profile", "smoke", flag, "--batch_size", "64"])

@@ -11,14 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from gallery_lib.cli import main
+from gallery_lib.app.cli import main
 from gallery_lib.config import ConfigError
 from gallery_lib.models import FAMILIES, unregister_family
-from gallery_lib.profiles import base_config
+from gallery_lib.recipes.profiles import base_config
 from gallery_lib.recipes import RECIPES, apply_recipe
 from gallery_lib.reports.bench import bench_figure, bench_table, write_figure
 from gallery_lib.reports.bench_goals import MET, NOT_MEASURED, NOT_MET, check_goals
-from gallery_lib.run.bench import parse_batch_sizes, resolve_models
+from gallery_lib.app.bench import parse_batch_sizes, resolve_models
 
 ROW_FIELDS = {"model", "recipe", "batch_size", "samples_per_s", "median_step_ms", "p20_step_ms", "p80_step_ms",
               "peak_mem_gib", "mfu", "compile_s", "flops_per_sample", "to_steady_s", "compile_caches"}
@@ -55,9 +55,9 @@ def test_peer_is_compiled_plus_the_family_switches(family, switches):
 def test_on_a_gpu_the_peer_replays_cuda_graphs_where_the_run_can(family, monkeypatch):
     """The one word a skilled user adds on a GPU, ``mode="reduce-overhead"``; not where no graph can replay, and,
     as ``accelerated`` decides for its blocks, not for steps large enough for the GPU to set their pace."""
-    from gallery_lib.recipes import GRAPHS_BY_BATCH, at_batch_size
+    from gallery_lib.accel.graph_choice import GRAPHS_BY_BATCH, at_batch_size
 
-    monkeypatch.setattr("gallery_lib.recipes.runs_on_gpu", lambda base: True)
+    monkeypatch.setattr("gallery_lib.recipes.named.runs_on_gpu", lambda base: True)
     base = base_config("full", family=family, data_root="/data")
     peer = apply_recipe("peer", base)
     plain = apply_recipe("compiled", base).replace(recipe="peer", compile_mode="reduce-overhead",
@@ -77,7 +77,7 @@ def test_a_family_can_keep_its_peer_without_cuda_graphs(toy, monkeypatch):
 
     from gallery_lib.models import register_family
 
-    monkeypatch.setattr("gallery_lib.recipes.runs_on_gpu", lambda base: True)
+    monkeypatch.setattr("gallery_lib.recipes.named.runs_on_gpu", lambda base: True)
     register_family(dataclasses.replace(toy, peer={**toy.peer, "compile_mode": "default"}))
     peer = apply_recipe("peer", base_config("smoke", family=toy.name))
     assert peer.compile_mode == "default" and peer.channels_last == toy.peer.get("channels_last", False)
@@ -145,7 +145,7 @@ def test_goals_not_measured_name_what_is_missing():
 
 
 def test_compile_caches_cold_when_the_run_or_its_workers_compiled():
-    from gallery_lib.run.bench import compile_caches
+    from gallery_lib.app.bench import compile_caches
 
     hits = {"aot_autograd_misses": 0, "fx_graph_misses": 0}
     assert compile_caches({"compile_cache": {**hits, "fx_graph_misses": 2}}) == "cold"
@@ -189,7 +189,7 @@ def test_the_table_gives_the_scaling_over_one_process():
 
 
 def test_a_plan_over_process_counts_runs_each_recipe_at_each(tmp_path):
-    from gallery_lib.run.bench import parse_processes, plan_runs
+    from gallery_lib.app.bench import parse_processes, plan_runs
 
     plan = dict(profile="smoke", warmup_steps=None, timed_steps=None, output_dir=str(tmp_path),
                 data_root=str(tmp_path), overrides={})
@@ -274,9 +274,9 @@ def test_cpu_bench_writes_rows_a_figure_and_the_goals(toy, tmp_path, capsys, mon
 
 
 def test_a_gpu_plan_times_at_least_30_steps_after_warm_up(monkeypatch, tmp_path):
-    from gallery_lib.run.bench import plan_runs
+    from gallery_lib.app.bench import plan_runs
 
-    monkeypatch.setattr("gallery_lib.config.visible_cuda_devices", lambda: 1)  # planned as on a one-GPU machine
+    monkeypatch.setattr("gallery_lib.config.machine.visible_cuda_devices", lambda: 1)  # planned as on a one-GPU machine
     plan = dict(profile="full", warmup_steps=None, output_dir=str(tmp_path), data_root=str(tmp_path), overrides={})
     sizes = parse_batch_sizes(["sd=32", "swin=128"], ["sd15", "swin_tiny_patch4_window7_224"])
     runs = plan_runs(["sd15", "swin_tiny_patch4_window7_224"], ["peer", "accelerated"], sizes, timed_steps=None,
@@ -293,7 +293,7 @@ def test_a_gpu_plan_times_at_least_30_steps_after_warm_up(monkeypatch, tmp_path)
 
 def test_gallery_commit_names_the_code_where_set_even_in_a_checkout(monkeypatch, tmp_path):
     """A copy of a checkout (a GPU machine's) may carry an older .git than its files: the name given wins."""
-    from gallery_lib.run.bench import source_version
+    from gallery_lib.app.bench import source_version
 
     checkout = Path(__file__).resolve().parents[1]
     monkeypatch.setenv("GALLERY_COMMIT", "428463b+dirty")
@@ -305,7 +305,7 @@ def test_gallery_commit_names_the_code_where_set_even_in_a_checkout(monkeypatch,
 
 
 def test_default_result_file_names_the_gpu_and_date_and_never_overwrites(monkeypatch, tmp_path):
-    from gallery_lib.run.bench import default_out_path, out_path
+    from gallery_lib.app.bench import default_out_path, out_path
 
     monkeypatch.chdir(tmp_path)
     first = default_out_path("NVIDIA H100 80GB HBM3", "2026-11-24")

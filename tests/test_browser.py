@@ -146,7 +146,7 @@ def test_notebook_runs_in_jupyterlab_in_a_real_browser(lab, path):
 
 def _runs_asked_for(notebook: str) -> list[str]:
     """The run folders the injected parameters name: the ladder's rungs or the recipe notebook's recipes."""
-    from gallery_lib.ladder import recipe_name, rung_named
+    from gallery_lib.recipes.ladder import recipe_name, rung_named
 
     parameters = BROWSER_PARAMETERS[notebook]
     if notebook == "optimization_ladder":

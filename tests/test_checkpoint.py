@@ -308,7 +308,7 @@ def test_nonfinite_losses_in_a_row_stop_with_a_checkpoint(smoke_data, tmp_path, 
 
 
 def test_cli_train_has_resume_flags():
-    from gallery_lib.cli import build_parser, configs_from_args
+    from gallery_lib.app.cli import build_parser, configs_from_args
 
     def config(*argv):
         (cfg,) = configs_from_args(build_parser().parse_args(["train", "--profile", "smoke", *argv]))
@@ -362,7 +362,7 @@ def test_resume_from_names_a_checkpoint_file_or_folder(reference, smoke_data, tm
 
 
 def test_cli_names_a_missing_checkpoint_before_starting(smoke_data, tmp_path, capsys):
-    from gallery_lib.cli import main
+    from gallery_lib.app.cli import main
 
     argv = ["train", "--profile", "smoke", "--model", "swin_micro", "--data_dir", str(smoke_data),
             "--output_dir", str(tmp_path), "--resume_from_checkpoint", str(tmp_path / "checkpoint-500")]

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from gallery_lib.cli import base_from_args, build_parser, main, optimization_overrides, recipe_config
+from gallery_lib.app.cli import base_from_args, build_parser, main, optimization_overrides, recipe_config
 
 
 def parse(*argv):
@@ -66,12 +66,13 @@ def test_missing_data_folder_is_reported(capsys, tmp_path, monkeypatch):
 
 
 def test_list_and_console_entry_point():
-    out = subprocess.run([sys.executable, "-m", "gallery_lib.cli", "list"], capture_output=True, text=True, check=True)
+    out = subprocess.run([sys.executable, "-m", "gallery_lib.app.cli", "list"], capture_output=True, text=True,
+                         check=True)
     assert "swin_tiny_patch4_window7_224" in out.stdout and "accelerated" in out.stdout
 
 
 def test_diffusers_and_timm_spellings_set_the_same_fields():
-    from gallery_lib.cli import build_parser, configs_from_args
+    from gallery_lib.app.cli import build_parser, configs_from_args
 
     diffusers = ("train --profile smoke --model sd_tiny --recipe compiled --train_batch_size 3 --resolution 64 "
                  "--mixed_precision fp16 --gradient_checkpointing --use_ema --checkpointing_steps 5 "
@@ -95,7 +96,7 @@ def test_diffusers_and_timm_spellings_set_the_same_fields():
     (["--torchcompile", "cudagraphs"], "--torchcompile cudagraphs: the gallery compiles with inductor"),
 ])
 def test_spellings_the_gallery_cannot_honour_are_refused(argv, message, capsys):
-    from gallery_lib.cli import main
+    from gallery_lib.app.cli import main
 
     assert main(["train", "--profile", "smoke", "--model", "swin_micro", *argv]) == 2
     assert message in capsys.readouterr().err

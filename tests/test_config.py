@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gallery_lib.config import ConfigError, RunConfig, validate_for_machine
-from gallery_lib.profiles import base_config, data_spec
+from gallery_lib.recipes.profiles import base_config, data_spec
 from gallery_lib.recipes import RECIPES, apply_recipe
 
 
@@ -141,7 +141,7 @@ def test_config_either_builds_valid_or_raises_config_error(batch, steps, warm, a
 
 
 def test_model_step_config_times_the_step_alone_in_its_own_folder():
-    from gallery_lib.workflow import model_step_config
+    from gallery_lib.app.workflow import model_step_config
 
     base = base_config("full", output_dir="out")
     step = model_step_config(base)

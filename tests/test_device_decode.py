@@ -14,7 +14,7 @@ from data_prep import make_imagenet_like
 from gallery_lib.data import RobustImageFolder, build_train_loader
 from gallery_lib.data.device_decode import (DeviceBatches, EncodedImageFolder, EncodedSample, collate_encoded,
                                             crop_resize_flip, random_resized_box, read_jpeg_bytes)
-from gallery_lib.settings import ConfigError
+from gallery_lib.config.settings import ConfigError
 
 
 def _image(seed, width, height):
@@ -155,7 +155,7 @@ def test_cpu_transforms_are_refused_with_device_decoding(mock_root):
     with pytest.raises(ValueError, match="auto_augment and color_jitter"):
         build_train_loader(RobustImageFolder(mock_root), batch_size=8, image_size=24, device="cpu",
                            num_workers=0, pipeline="gpu_augment")  # colour jitter at timm's default
-    from gallery_lib.profiles import base_config
+    from gallery_lib.recipes.profiles import base_config
 
     with pytest.raises(ConfigError, match="image_pipeline='gpu_decode' crops and flips on the GPU"):
         base_config("smoke", model="resnet_micro", image_pipeline="gpu_decode", auto_augment="rand-m9-mstd0.5")

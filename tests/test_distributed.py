@@ -13,7 +13,7 @@ import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from gallery_lib.accel.distributed import DistInfo
-from gallery_lib.cli import build_parser, main
+from gallery_lib.app.cli import build_parser, main
 from gallery_lib.config import ConfigError, RunConfig
 from gallery_lib.data.loader import TrainLoader, sampled_loader
 from gallery_lib.run import launch as launch_module
@@ -168,7 +168,7 @@ def test_zero2_exports_the_full_ema_model(tmp_path):
     from safetensors.torch import load_file
 
     from data_prep.captions import make_caption_folder
-    from gallery_lib.profiles import base_config
+    from gallery_lib.recipes.profiles import base_config
 
     data = make_caption_folder(tmp_path / "captions", num_images=16, image_size=32, seed=0, progress=False)
     exported = {}
@@ -404,7 +404,7 @@ def test_a_training_process_that_sees_its_own_gpu_alone_passes_the_machine_check
         raise KeyboardInterrupt  # stop before the training starts
 
     monkeypatch.setattr(train, "see_only_own_gpu", lambda: True)
-    monkeypatch.setattr("gallery_lib.config.visible_cuda_devices", lambda: 1)
+    monkeypatch.setattr("gallery_lib.config.machine.visible_cuda_devices", lambda: 1)
     monkeypatch.setattr(train, "init_distributed", init_distributed)
     with pytest.raises(KeyboardInterrupt):
         train.main(["--config", str(path)])

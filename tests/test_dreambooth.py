@@ -8,9 +8,9 @@ import subprocess
 import pytest
 import torch
 
-from gallery_lib.cli import main
+from gallery_lib.app.cli import main
 from gallery_lib.config import ConfigError, RunConfig
-from gallery_lib.profiles import base_config
+from gallery_lib.recipes.profiles import base_config
 from gallery_lib.recipes import apply_recipe
 from gallery_lib.run.metrics import read_metrics
 from gallery_lib.run.train import run

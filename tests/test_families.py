@@ -8,7 +8,7 @@ import pytest
 
 from gallery_lib.config import ConfigError, RunConfig
 from gallery_lib.models import FAMILIES, MODELS, family_env, family_of, unregister_family
-from gallery_lib.profiles import base_config
+from gallery_lib.recipes.profiles import base_config
 from gallery_lib.recipes import apply_recipe
 
 
@@ -49,7 +49,7 @@ def test_accelerated_replays_cuda_graphs_on_a_gpu_and_compiles_plainly_on_a_cpu(
     """Swin and ResNet-50 keep CUDA graphs on a GPU (benchmarks/RESULTS.md#bench-h100, #resnet50); a CPU has none."""
     base = base_config("full", family=family, data_root="/data")
     assert apply_recipe("accelerated", base.replace(device="cpu")).compile_mode == "default"
-    monkeypatch.setattr("gallery_lib.recipes.runs_on_gpu", lambda base: True)
+    monkeypatch.setattr("gallery_lib.recipes.named.runs_on_gpu", lambda base: True)
     fast = apply_recipe("accelerated", base)
     assert (fast.compile, fast.compile_mode, fast.compile_scope) == (True, "reduce-overhead", "model")
     assert apply_recipe("peer", base).compile_mode == "reduce-overhead"  # the one word a skilled user adds too
@@ -72,7 +72,7 @@ def test_training_processes_import_an_outside_family_again(toy):
 
 @pytest.mark.slow
 def test_a_new_family_runs_baseline_and_accelerated_through_the_gallery(toy, tmp_path):
-    from gallery_lib.workflow import compare, prepare, run_recipes
+    from gallery_lib.app.workflow import compare, prepare, run_recipes
 
     base = base_config("smoke", family="toy_convnet", data_root=str(tmp_path / "data"),
                        output_dir=str(tmp_path / "out"), device="cpu")

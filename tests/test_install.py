@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from gallery_lib import gpu_check
+from gallery_lib.config import gpu_check
 from gallery_lib.config import ConfigError, RunConfig, validate_for_machine
-from gallery_lib.profiles import resolve_profile
+from gallery_lib.recipes.profiles import resolve_profile
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -9,10 +9,11 @@ import pytest
 import torch
 
 from gallery_lib.config import ConfigError, RunConfig
-from gallery_lib.ladder import (RUNG_NAMES, RUNGS, LadderSizes, RungResult, default_sizes, ladder_base, ladder_configs,
-                                recipe_name, rung_named, rung_parents, run_ladder)
-from gallery_lib.profiles import base_config
-from gallery_lib.recipes import GRAPHS_BY_BATCH, accelerated, apply_recipe, describe
+from gallery_lib.recipes.ladder import (RUNG_NAMES, RUNGS, LadderSizes, RungResult, default_sizes, ladder_base,
+                                        ladder_configs, recipe_name, rung_named, rung_parents, run_ladder)
+from gallery_lib.recipes.profiles import base_config
+from gallery_lib.accel.graph_choice import GRAPHS_BY_BATCH
+from gallery_lib.recipes import accelerated, apply_recipe, describe
 from gallery_lib.reports.ladder import findings, ladder_plan, ladder_report, ladder_rows
 from gallery_lib.run.train import configure_backends
 
@@ -50,7 +51,7 @@ def test_each_rung_changes_only_its_own_switches():
 
 
 def test_the_kernels_rung_is_the_accelerated_recipe_at_the_large_batch(monkeypatch):
-    monkeypatch.setattr("gallery_lib.recipes.runs_on_gpu", lambda base: True)
+    monkeypatch.setattr("gallery_lib.recipes.named.runs_on_gpu", lambda base: True)
     base = _full_base()
     rung = ladder_configs(base, sizes=SIZES, on_gpu=True)["kernels"]
     reference = accelerated(base.replace(batch_size=SIZES.large_batch))
@@ -151,7 +152,7 @@ def test_a_failing_rung_is_reported_and_the_ladder_goes_on(monkeypatch):
             raise RunFailed("training exited with code 1\ntorch.OutOfMemoryError: CUDA out of memory. Tried ...")
         return RunResult(cfg, cfg.run_dir, {"samples_per_s": 1.0})
 
-    monkeypatch.setattr("gallery_lib.run.launch.launch", fake_launch)
+    monkeypatch.setattr("gallery_lib.recipes.ladder.launch", fake_launch)
     base = base_config("smoke", family="stable_diffusion", data_root="/data")
     results = run_ladder(base, ["tf32", "amp", "loader", "cuda_graphs"], echo=None)
     assert [(r.rung.name, r.failure) for r in results] == [("tf32", None), ("amp", "out of memory"),

@@ -9,11 +9,11 @@ import torch
 
 from gallery_lib.accel.accelerate import enable_gradient_checkpointing
 from gallery_lib.config import ConfigError
-from gallery_lib.profiles import base_config
+from gallery_lib.recipes.profiles import base_config
 from gallery_lib.recipes import apply_recipe
 from gallery_lib.run.metrics import read_metrics
 from gallery_lib.run.train import run
-from gallery_lib.workflow import prepare
+from gallery_lib.app.workflow import prepare
 
 
 @pytest.mark.parametrize("family, extra", [
@@ -119,7 +119,7 @@ def test_accelerated_with_checkpointing_leaves_out_its_cuda_graphs(monkeypatch):
     case), it compiles them without graphs instead of failing."""
     from gallery_lib.recipes import recipe_config
 
-    monkeypatch.setattr("gallery_lib.recipes.runs_on_gpu", lambda base: True)
+    monkeypatch.setattr("gallery_lib.recipes.named.runs_on_gpu", lambda base: True)
     base = base_config("full", family="stable_diffusion", data_root="/data")
     assert apply_recipe("accelerated", base).compile_mode == "reduce-overhead"
     cfg = recipe_config(base, "accelerated", {"gradient_checkpointing": True})
@@ -135,7 +135,7 @@ def test_accelerated_with_zero2_leaves_out_its_cuda_graphs_and_precompile_worker
     instead of stopping at RunConfig's refusal of both."""
     from gallery_lib.recipes import recipe_config
 
-    monkeypatch.setattr("gallery_lib.recipes.runs_on_gpu", lambda base: True)
+    monkeypatch.setattr("gallery_lib.recipes.named.runs_on_gpu", lambda base: True)
     base = base_config("full", family=family, data_root="/data")
     assert apply_recipe("accelerated", base).compile_mode == "reduce-overhead"
     cfg = recipe_config(base, "accelerated", {"data_parallel": "zero2"})

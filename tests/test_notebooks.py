@@ -141,7 +141,7 @@ NOTEBOOK_CHECKS = {  # what a notebook shows beyond the recipes, the report and 
 @pytest.mark.xdist_group(graph_group("optimization_ladder"))
 def test_ladder_notebook_climbs_every_rung_in_smoke_profile(tmp_path):
     """Every rung a CPU can run trains and lands in the ladder report; the CUDA-graph rung is reported left out."""
-    from gallery_lib.ladder import RUNGS, recipe_name
+    from gallery_lib.recipes.ladder import RUNGS, recipe_name
 
     out_dir = tmp_path / "output"
     params = {"profile": "smoke", "output_dir": str(out_dir), "data_root": str(tmp_path / "data"),

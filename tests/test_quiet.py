@@ -8,7 +8,7 @@ import warnings
 import pytest
 import torch
 
-from gallery_lib.run.quiet import _DropNoCudaRuntime, quiet_known_noise
+from gallery_lib.config.quiet import _DropNoCudaRuntime, quiet_known_noise
 
 DIFFUSERS = ("Dynamo detected a call to a `functools.lru_cache`-wrapped function at 'upsampling.py:156'. Dynamo "
              "ignores the cache wrapper and directly traces the wrapped function.")

@@ -12,7 +12,7 @@ def test_the_table_reads_each_recipe_as_resolved_on_this_machine(monkeypatch):
     assert "cache_latents=True" in rows["accelerated"]["family switches"]
     assert "kernel_ops" not in rows["baseline"]["family switches"]  # kernels off: their ops say nothing
     monkeypatch.setattr("gallery_lib.reports.recipe_table.visible_cuda_devices", lambda: 1)
-    monkeypatch.setattr("gallery_lib.recipes.runs_on_gpu", lambda base: True)
+    monkeypatch.setattr("gallery_lib.recipes.named.runs_on_gpu", lambda base: True)
     gpu = recipe_table(base.replace(device="auto"), ["baseline", ("accelerated", {"batch_size": 6})])
     rows = {row["recipe"]: row for row in gpu.rows}
     assert rows["baseline"]["precision"] == "float16 autocast + GradScaler"
@@ -30,7 +30,7 @@ def test_gpu_only_switches_read_as_what_a_cpu_run_does():
 
 def test_resnet_accelerated_on_a_gpu_reads_the_fused_convolutions_in_float16(monkeypatch):
     monkeypatch.setattr("gallery_lib.reports.recipe_table.visible_cuda_devices", lambda: 1)
-    monkeypatch.setattr("gallery_lib.recipes.runs_on_gpu", lambda base: True)
+    monkeypatch.setattr("gallery_lib.recipes.named.runs_on_gpu", lambda base: True)
     row, = recipe_table(base_config("smoke", family="resnet50"), ["accelerated"]).rows
     assert row["precision"] == "float16 autocast + GradScaler"
     assert row["family switches"] == "channels_last=True, image_pipeline=gpu_augment, kernels=True, " \

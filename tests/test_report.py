@@ -277,7 +277,7 @@ def test_cpu_runs_say_their_timings_are_not_speed_measurements(tmp_path):
 
 def test_a_stopped_run_is_one_line_not_a_row_a_bar_or_a_curve(model_dir):
     from gallery_lib.run.failure import RunFailure
-    from gallery_lib.workflow import summarize
+    from gallery_lib.app.workflow import summarize
 
     log = str(model_dir / "accelerated" / "logs" / "rank0.log")
     _write_run(model_dir, "accelerated", losses=[6.7, float("nan"), float("nan")], times=[900.0, 50.0, 50.0])

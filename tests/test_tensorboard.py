@@ -54,10 +54,10 @@ def test_a_figure_lands_as_an_image(tmp_path):
 def test_a_run_reports_to_tensorboard_and_its_report_figure_follows(tmp_path):
     """A real (tiny) run with report_to='tensorboard': its steps as scalars beside metrics.jsonl, the report's figure
     in the model folder's tensorboard/; the flag spelled as diffusers spells it."""
-    from gallery_lib.cli import build_parser, base_from_args
-    from gallery_lib.profiles import base_config
+    from gallery_lib.app.cli import build_parser, base_from_args
+    from gallery_lib.recipes.profiles import base_config
     from gallery_lib.run.train import run
-    from gallery_lib.workflow import compare, prepare
+    from gallery_lib.app.workflow import compare, prepare
 
     args = build_parser().parse_args(["train", "--model", "swin_micro", "--report_to", "tensorboard"])
     assert base_from_args(args).report_to == "tensorboard"

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from gallery_lib.profiles import base_config
+from gallery_lib.recipes.profiles import base_config
 from gallery_lib.run.failure import RunFailure, RunsFailed, read_failure
 from gallery_lib.run.launch import RunFailed, RunResult
-from gallery_lib.workflow import RecipeRuns, run_recipes
+from gallery_lib.app.workflow import RecipeRuns, run_recipes
 
 
 def _fake_launch(stopping: dict[str, RunFailure], launched: list[str]):
@@ -24,7 +24,7 @@ def test_a_stopped_recipe_is_recorded_and_the_next_one_runs(tmp_path, monkeypatc
                        output_dir=str(tmp_path / "out"))
     log = str(tmp_path / "out" / "rank0.log")
     launched, echoed = [], []
-    monkeypatch.setattr("gallery_lib.workflow.launch", _fake_launch(
+    monkeypatch.setattr("gallery_lib.app.workflow.launch", _fake_launch(
         {"compiled": RunFailure("nonfinite", "loss not finite from step 1", log, first_step=1),
          "baseline+lr=1.0": RunFailure("nonfinite", "loss not finite from step 1", log, first_step=1)}, launched))
     runs = run_recipes(base, ["baseline", "compiled", "accelerated", ("baseline", {"lr": 1.0})], echo=echoed.append)
@@ -46,7 +46,7 @@ def test_a_stopped_recipe_is_recorded_and_the_next_one_runs(tmp_path, monkeypatc
 def test_runs_that_all_finished_raise_nothing(tmp_path, monkeypatch):
     base = base_config("smoke", family="swin_transformer", data_root=str(tmp_path / "data"),
                        output_dir=str(tmp_path / "out"))
-    monkeypatch.setattr("gallery_lib.workflow.launch", _fake_launch({}, []))
+    monkeypatch.setattr("gallery_lib.app.workflow.launch", _fake_launch({}, []))
     runs = run_recipes(base, ["baseline"], echo=None)
     runs.raise_if_failed()
     assert list(runs.values())[-1].config.recipe == "baseline" and not runs.failures

@@ -14,15 +14,14 @@ import torch
 from torch import nn
 
 from gallery_lib.accel.cpu_codegen import use_safe_cpu_codegen
+from gallery_lib.config import families
 
 _RECOMPILE_LIMIT = 64  # one code object serves every block of a class; the default limit (8) is below SD's shapes
 
 
 def registered_block_types() -> tuple[str, ...]:
     """The repeated-block class names of every registered model family (what ``block_names`` looks for by default)."""
-    from gallery_lib.models import FAMILIES
-
-    return tuple(dict.fromkeys(t for family in FAMILIES.values() for t in family.block_types))
+    return tuple(dict.fromkeys(t for family in families.FAMILIES.values() for t in family.block_types))
 
 
 def _matches(module: nn.Module, block_types: tuple) -> bool:

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from gallery_lib.accel.cpu_codegen import use_safe_cpu_codegen
-from gallery_lib.run.quiet import quiet_known_noise
+from gallery_lib.config.quiet import quiet_known_noise
 
 _MIN_GAIN = 0.01  # a compiled candidate must beat eager by 1%, or eager is kept (fewer recompiles and surprises)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from functools import partial
 
 from gallery_lib.models import register_family
-from gallery_lib.models.family import ModelFamily, ModelSpec
+from gallery_lib.config.family import ModelFamily, ModelSpec
 from gallery_lib.models.sd_parts import build_stable_diffusion
 from gallery_lib.models.stable_diffusion import FAMILY as STABLE_DIFFUSION
 from gallery_lib.tasks.dreambooth import DreamBoothTask

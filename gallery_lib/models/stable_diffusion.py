@@ -6,7 +6,7 @@ from __future__ import annotations
 from functools import partial
 
 from gallery_lib.models import register_family
-from gallery_lib.models.family import ModelFamily, ModelSpec
+from gallery_lib.config.family import ModelFamily, ModelSpec
 from gallery_lib.models.sd_parts import build_stable_diffusion
 from gallery_lib.tasks.text_to_image import TextToImageTask
 

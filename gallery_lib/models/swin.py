@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from gallery_lib.models import register_family
-from gallery_lib.models.family import ModelFamily, ModelSpec
+from gallery_lib.config.family import ModelFamily, ModelSpec
 from gallery_lib.tasks.classification import ClassificationTask
 
 
@@ -34,7 +34,7 @@ def hook_window_attention(model: torch.nn.Module):
     """Window attention through ``gallery_lib.accel.attention`` (not timm's own SDPA switch, whose bias-as-mask call makes
     PyTorch pick a slower kernel: benchmarks/RESULTS.md#attention)."""
     from gallery_lib.accel.attention import hook_swin_attention
-    from gallery_lib.settings import ConfigError
+    from gallery_lib.config.settings import ConfigError
 
     try:
         hook = hook_swin_attention(model, backend="auto")

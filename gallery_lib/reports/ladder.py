@@ -1,6 +1,6 @@
 """The optimization ladder's report: each rung's speed and memory beside the talk's A100 figures.
 
-``ladder_report(results, model_dir)`` takes what ``gallery_lib.ladder.run_ladder`` returned and writes
+``ladder_report(results, model_dir)`` takes what ``gallery_lib.recipes.ladder.run_ladder`` returned and writes
 ``ladder.md``, ``ladder.png`` and ``ladder.json`` into the model's output folder. Speedups are throughput ratios
 (images per second), so a rung that changes the batch size is compared fairly; the ``gain`` column compares a rung
 with the rung it builds on, which is what the rung itself bought.
@@ -16,7 +16,7 @@ from typing import Any
 
 from matplotlib.figure import Figure
 
-from gallery_lib.ladder import RungResult, recipe_name
+from gallery_lib.recipes.ladder import RungResult, recipe_name
 from gallery_lib.reports.comparison import _png_bytes, _ReportFigure, with_inline_image
 
 LADDER_MD, LADDER_PNG, LADDER_JSON = "ladder.md", "ladder.png", "ladder.json"
@@ -177,7 +177,7 @@ class LadderPlan:
 
 def ladder_plan(base, rungs: list[str] | None = None, *, sizes=None) -> LadderPlan:
     """Each rung's config against the config it builds on: the fields it changes, as ``field=value``."""
-    from gallery_lib.ladder import ladder_configs, rung_named, rung_parents
+    from gallery_lib.recipes.ladder import ladder_configs, rung_named, rung_parents
     from gallery_lib.recipes import runs_on_gpu
 
     on_gpu = runs_on_gpu(base)

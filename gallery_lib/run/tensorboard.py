@@ -12,7 +12,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from gallery_lib.settings import ConfigError
+from gallery_lib.config.settings import ConfigError
 
 SCALARS = ("loss", "lr", "samples_per_s", "step_time_ms", "peak_mem_mb")
 """The step record's fields shown as ``train/<field>`` curves."""

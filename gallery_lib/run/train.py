@@ -46,7 +46,7 @@ from gallery_lib.accel.distributed import (DistInfo, exit_process, gather_full_m
 from gallery_lib.accel.precision import Precision
 from gallery_lib.accel.torch_switches import set_deterministic_algorithms, set_float32_matmul_precision
 from gallery_lib.config import CUDA_GRAPH_COMPILE_MODES, RunConfig, validate_for_machine
-from gallery_lib.recipes import at_batch_size
+from gallery_lib.accel.graph_choice import at_batch_size
 from gallery_lib.run.attention_probe import AttentionProbe
 from gallery_lib.run.batch_size import search_run_batch_size
 from gallery_lib.run.checkpoint import Checkpointer, check_fresh_start, is_own_checkpoint, resume_source
@@ -55,7 +55,7 @@ from gallery_lib.run.logs import rank_logging
 from gallery_lib.run.metrics import MetricsWriter, superseded_path, supersede_steps
 from gallery_lib.run.nonfinite import NonfiniteGuard
 from gallery_lib.run.profiling import StepProfiler
-from gallery_lib.run.quiet import quiet_known_noise
+from gallery_lib.config.quiet import quiet_known_noise
 from gallery_lib.run.step_log import StepLog
 from gallery_lib.run.summary import build_summary, describe_summary
 from gallery_lib.run.timing import reset_peak_memory

@@ -24,7 +24,7 @@ class Task(Protocol):
     name: ClassVar[str]
     """What the model learns, e.g. ``classification``."""
     options: ClassVar[type]
-    """The frozen dataclass of the task's own settings (``cfg.options``), declared with ``gallery_lib.settings``;
+    """The frozen dataclass of the task's own settings (``cfg.options``), declared with ``gallery_lib.config.settings``;
     its ``check(cfg)`` holds the rules that tie them to the run's fields, ``resume_fields`` those a resumed run
     must share with its checkpoint."""
     model: torch.nn.Module

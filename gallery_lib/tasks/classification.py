@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from gallery_lib.data.device_decode import PIPELINES
-from gallery_lib.settings import ConfigError, setting
+from gallery_lib.config.settings import ConfigError, setting
 
 
 @dataclass(frozen=True, kw_only=True)

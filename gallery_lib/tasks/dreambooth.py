@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from gallery_lib.settings import ConfigError, setting
+from gallery_lib.config.settings import ConfigError, setting
 from gallery_lib.tasks.text_to_image import TextToImageOptions, TextToImageTask, _no_progress_bars
 
 INSTANCE_FOLDER, CLASS_FOLDER = "instance", "class"

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from gallery_lib.data.loader import TrainLoader, _SampleSeeded, sampled_loader
 from gallery_lib.models.sd_parts import PREDICTION_TYPES, assemble_pipeline, tokenize, training_target
-from gallery_lib.settings import ConfigError, setting
+from gallery_lib.config.settings import ConfigError, setting
 
 
 @dataclass(frozen=True, kw_only=True)

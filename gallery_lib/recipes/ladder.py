@@ -25,8 +25,12 @@ import os
 from dataclasses import dataclass, fields
 from typing import Any, Callable
 
-from gallery_lib.config import ConfigError, RunConfig
-from gallery_lib.recipes import baseline, precompile_workers_for_machine, runs_on_gpu
+from gallery_lib.config import ConfigError, RunConfig, validate_for_machine
+from gallery_lib.recipes.named import (baseline, describe, precompile_workers_for_machine, register_recipes,
+                                       runs_on_gpu)
+from gallery_lib.recipes.profiles import base_config, resolve_profile
+from gallery_lib.run.failure import RunsFailed
+from gallery_lib.run.launch import RunFailed, launch
 
 
 @dataclass(frozen=True)
@@ -53,8 +57,6 @@ _LARGER_BATCHES = {"full": lambda first: (48, 96), "smoke": lambda first: (2 * f
 def ladder_base(profile: str = "auto", **overrides: Any) -> RunConfig:
     """The SD base config the ladder climbs from: the profile's, at the ladder's first batch size unless
     ``batch_size`` is given."""
-    from gallery_lib.profiles import base_config, resolve_profile
-
     if overrides.get("batch_size") is None:
         overrides["batch_size"] = _FIRST_BATCH.get(resolve_profile(profile))
     return base_config(profile, family="stable_diffusion", **overrides)
@@ -207,7 +209,7 @@ def _check_family(base: RunConfig) -> None:
 
 
 def rung_recipes() -> dict[str, Callable[[RunConfig], RunConfig]]:
-    """Every rung as a recipe (``base -> config``), for ``gallery_lib.recipes``."""
+    """Every rung as a recipe (``base -> config``), registered beside the named recipes."""
     def make(rung: Rung) -> Callable[[RunConfig], RunConfig]:
         def recipe(base: RunConfig) -> RunConfig:
             cfg = ladder_configs(base)[rung.name]
@@ -217,6 +219,9 @@ def rung_recipes() -> dict[str, Callable[[RunConfig], RunConfig]]:
         recipe.__doc__ = f"Optimization ladder, rung {RUNGS.index(rung)}: {rung.title}. {rung.why}"
         return recipe
     return {recipe_name(rung): make(rung) for rung in RUNGS}
+
+
+register_recipes(rung_recipes())
 
 
 @dataclass
@@ -249,8 +254,6 @@ class LadderRuns(list):
     """The rungs' results in ladder order; ``raise_if_failed`` once everything that ran is shown."""
 
     def raise_if_failed(self) -> None:
-        from gallery_lib.run.failure import RunsFailed
-
         stopped = [result.line() for result in self if result.stopped]
         if stopped:
             raise RunsFailed(stopped)
@@ -260,10 +263,6 @@ def run_ladder(base: RunConfig, rungs: list[str] | None = None, *, sizes: Ladder
                echo: Callable[[str], None] | None = print) -> LadderRuns:
     """Runs the rungs one after another, each in its own training process. Every config is resolved and checked for
     this machine before the first starts; a rung that fails (out of memory, say) is reported and the ladder goes on."""
-    from gallery_lib.config import validate_for_machine
-    from gallery_lib.recipes import describe
-    from gallery_lib.run.launch import RunFailed, launch
-
     on_gpu = runs_on_gpu(base)
     configs = ladder_configs(base, rungs, sizes=sizes, on_gpu=on_gpu)
     parents = rung_parents(on_gpu)

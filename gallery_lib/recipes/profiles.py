@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from gallery_lib.config import ConfigError, RunConfig
+from gallery_lib.config import ConfigError, RunConfig, families
 
 PROFILES = ("auto", "smoke", "full")
 
@@ -21,7 +21,7 @@ def resolve_profile(profile: str) -> str:
     if profile == "auto":
         import torch
 
-        from gallery_lib.gpu_check import check_gpu_usable
+        from gallery_lib.config.gpu_check import check_gpu_usable
 
         check_gpu_usable()  # a GPU torch cannot use is an error, not a quiet smoke run
         return "full" if torch.cuda.is_available() else "smoke"
@@ -30,11 +30,9 @@ def resolve_profile(profile: str) -> str:
 
 def resolve_family(family: str | None, model: str | None = None):
     """The ``ModelFamily``: the one named, else the family of ``model``, else the first registered."""
-    from gallery_lib.models import FAMILIES, family_of, get_family
-
     if family is not None:
-        return get_family(family)
-    return family_of(model) if model is not None else next(iter(FAMILIES.values()))
+        return families.get_family(family)
+    return families.family_of(model) if model is not None else next(iter(families.FAMILIES.values()))
 
 
 def base_config(profile: str = "auto", *, family: str | None = None, data_root: str = "data",

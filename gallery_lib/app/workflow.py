@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterator, Sequence, Union
 from gallery_lib.config import ConfigError, RunConfig, validate_for_machine
 from gallery_lib.run.failure import RunFailure, RunsFailed
 from gallery_lib.run.launch import RunFailed, RunResult, launch
-from gallery_lib.profiles import data_spec
+from gallery_lib.recipes.profiles import data_spec
 from gallery_lib.recipes import RECIPES, all_recipes, describe, recipe_config
 
 RecipeSpec = Union[str, "tuple[str, dict[str, Any]]"]

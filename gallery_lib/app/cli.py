@@ -15,9 +15,9 @@ from typing import Any, Sequence
 
 from gallery_lib.config import (AMP_DTYPES, AMP_LEVELS, COMPILE_MODES, DEVICES, REPORT_TO, ConfigError,
                                 RunConfig, parse_overrides, validate_for_machine)
-from gallery_lib.profiles import PROFILES, base_config
+from gallery_lib.recipes.profiles import PROFILES, base_config
 from gallery_lib.recipes import recipe_config
-from gallery_lib.run.bench import DEFAULT_RECIPES as _BENCH_RECIPES
+from gallery_lib.app.bench import DEFAULT_RECIPES as _BENCH_RECIPES
 from gallery_lib.run.checkpoint import CheckpointError
 
 DEFAULT_RECIPES = "baseline,compiled,accelerated"
@@ -122,7 +122,7 @@ def _recipe_list(text: str) -> list[str]:
 
 def cmd_list(args: argparse.Namespace) -> int:
     from gallery_lib.models import FAMILIES
-    from gallery_lib.ladder import RUNGS, recipe_name
+    from gallery_lib.recipes.ladder import RUNGS, recipe_name
     from gallery_lib.recipes import RECIPES, describe
 
     print("models:")
@@ -139,7 +139,7 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
-    from gallery_lib.workflow import prepare
+    from gallery_lib.app.workflow import prepare
 
     base = base_from_args(args)
     path = prepare(base)
@@ -191,7 +191,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    from gallery_lib.workflow import compare
+    from gallery_lib.app.workflow import compare
 
     base = base_from_args(args)
     report = compare(base, _recipe_list(args.recipes) if args.recipes else None)
@@ -200,7 +200,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from gallery_lib.workflow import compare, launch_all, prepare
+    from gallery_lib.app.workflow import compare, launch_all, prepare
 
     base = base_from_args(args)
     configs = configs_from_args(args)
@@ -219,7 +219,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     from gallery_lib.reports.bench import bench_table
     from gallery_lib.reports.bench_goals import describe_goals
-    from gallery_lib.run import bench
+    from gallery_lib.app import bench
 
     models = bench.resolve_models(_recipe_list(args.models or ""), args.profile)
     recipes = _recipe_list(args.recipes)

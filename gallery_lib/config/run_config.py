@@ -1,7 +1,7 @@
 """RunConfig: the one typed, frozen description of a training run.
 
 Every run (any model, any recipe) is fully described by a ``RunConfig``. Recipes are
-``dataclasses.replace`` of a base config (see ``recipes.py``), the resolved config is saved as
+``dataclasses.replace`` of a base config (see ``gallery_lib.recipes``), the resolved config is saved as
 ``config.json`` beside the run's metrics, and the training subprocess reads it back from there.
 
 Each field declares what it accepts next to its default (``setting``: type, choices, range; see ``settings.py``),
@@ -10,20 +10,20 @@ before any data is prepared or any model is built. The settings of the model's t
 latents for diffusion models) live with the task, in ``cfg.options`` (the family's ``task.options`` dataclass);
 they read and write like the other fields: ``cfg.mixup_alpha``, ``RunConfig(mixup_alpha=0)``, ``--set
 mixup_alpha=0``, one flat ``config.json``. Checks that depend on the machine (GPU count, CUDA-only options) live in
-``validate_for_machine``.
+``machine.validate_for_machine``, the ``--set`` parser in ``overrides.py``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gallery_lib.settings import ConfigError, check_settings, parse_value, setting
+from gallery_lib.config import families
+from gallery_lib.config.settings import ConfigError, check_settings, setting
 
 AMP_LEVELS = ("O0", "O1", "O2")
 AMP_DTYPES = ("auto", "float16", "bfloat16")
@@ -40,7 +40,7 @@ KERNEL_OPS = TRITON_KERNEL_OPS + ("conv_bn_relu",)  # cuDNN's fused conv + batch
 # Compile modes that capture CUDA graphs: only meaningful with a GPU.
 CUDA_GRAPH_COMPILE_MODES = ("reduce-overhead", "max-autotune")
 
-__all__ = ["ConfigError", "RunConfig", "parse_overrides", "validate_for_machine"]
+__all__ = ["ConfigError", "RunConfig", "core_field_names", "task_setting_names"]
 
 
 @dataclass(frozen=True, kw_only=True, init=False)
@@ -249,11 +249,9 @@ class RunConfig:
     """Free-form notes carried into ``config.json`` (e.g. which profile filled which field)."""
 
     def __init__(self, **values: Any) -> None:
-        from gallery_lib.models import family_of  # local import: the family modules import torch
-
         if "model" not in values:
             raise ConfigError("model is missing: name a gallery model (see `gallery list`).")
-        family = family_of(values["model"])
+        family = families.family_of(values["model"])
         own = {f.name for f in dataclasses.fields(family.options)}
         task_values = {name: values.pop(name) for name in list(values) if name in own}
         _check_known(values, family)
@@ -347,10 +345,8 @@ class RunConfig:
     # ----- derived values -------------------------------------------------------------
     @property
     def model_family(self):
-        """The model's ``ModelFamily`` (``gallery_lib.models``): its task, profiles, switches, blocks, hooks."""
-        from gallery_lib.models import family_of
-
-        return family_of(self.model)
+        """The model's ``ModelFamily`` (``families``): its task, profiles, switches, blocks, hooks."""
+        return families.family_of(self.model)
 
     @property
     def task(self) -> str:
@@ -410,10 +406,8 @@ class RunConfig:
         settings of other tasks, all at their off values then, are dropped)."""
         values = json.loads(Path(path).read_text(encoding="utf-8"))
         if "model" in values:
-            from gallery_lib.models import family_of
-
-            own = {f.name for f in dataclasses.fields(family_of(values["model"]).options)}
-            values = {k: v for k, v in values.items() if k in own or k not in _task_setting_names()}
+            own = {f.name for f in dataclasses.fields(families.family_of(values["model"]).options)}
+            values = {k: v for k, v in values.items() if k in own or k not in task_setting_names()}
         return cls(**values)
 
     def replace(self, **changes: Any) -> RunConfig:
@@ -422,16 +416,14 @@ class RunConfig:
         return type(self)(**{**self.to_dict(), **changes})
 
 
-def _core_field_names() -> set[str]:
+def core_field_names() -> set[str]:
     return {f.name for f in dataclasses.fields(RunConfig)}
 
 
-def _task_setting_names() -> dict[str, str]:
+def task_setting_names() -> dict[str, str]:
     """Every task setting of every registered family -> the names of the tasks that have it ("a and b")."""
-    from gallery_lib.models import FAMILIES
-
     tasks: dict[str, list[str]] = {}
-    for family in FAMILIES.values():
+    for family in families.FAMILIES.values():
         for f in dataclasses.fields(family.options):
             names = tasks.setdefault(f.name, [])
             if family.task.name not in names:
@@ -441,8 +433,8 @@ def _task_setting_names() -> dict[str, str]:
 
 def _check_known(values: dict[str, Any], family) -> None:
     """Fails on misspelled fields, and on settings of another task (``cache_latents`` for a classifier)."""
-    core = _core_field_names()
-    other_tasks = _task_setting_names()
+    core = core_field_names()
+    other_tasks = task_setting_names()
     for name in values:
         if name not in core and name in other_tasks:
             raise ConfigError(f"{name}={values[name]!r} applies to {other_tasks[name]} models, not to "
@@ -451,83 +443,3 @@ def _check_known(values: dict[str, Any], family) -> None:
     if unknown:
         allowed = sorted(core - {"options"} | {f.name for f in dataclasses.fields(family.options)})
         raise ConfigError(f"unknown config field(s) {unknown}: allowed fields are {allowed}.")
-
-
-def parse_overrides(assignments: list[str]) -> dict[str, Any]:
-    """``["fused_attention=true", "lr=1e-3"]`` -> ``{"fused_attention": True, "lr": 0.001}`` (for ``--set``)."""
-    known = _core_field_names() - {"options"} | set(_task_setting_names())
-    overrides: dict[str, Any] = {}
-    for item in assignments:
-        key, sep, text = (part.strip() for part in item.partition("="))
-        if not sep:
-            raise ConfigError(f"--set {item!r} is invalid: expected FIELD=VALUE, e.g. --set lr=1e-3.")
-        if key not in known:
-            close = difflib.get_close_matches(key, known, n=3)
-            hint = f"did you mean {' or '.join(close)}?" if close else "`gallery list` and the RunConfig docs list them"
-            raise ConfigError(f"--set {item!r}: there is no setting {key!r}; {hint}")
-        overrides[key] = parse_value(text)
-    return overrides
-
-
-def visible_cuda_devices() -> int:
-    import torch
-
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-
-def resolve_device(requested: str, cuda_devices: int) -> str:
-    """``cuda`` or ``cpu`` for a ``RunConfig.device`` value: ``auto`` takes the GPU when one is visible (and fails
-    when ``nvidia-smi`` lists one that torch cannot use: ``gallery_lib.gpu_check``)."""
-    if requested == "auto" and not cuda_devices:
-        from gallery_lib.gpu_check import check_gpu_usable
-
-        check_gpu_usable()
-    return requested if requested != "auto" else ("cuda" if cuda_devices else "cpu")
-
-
-def _check_cudnn_fusion(cfg: RunConfig) -> None:
-    """``conv_bn_relu`` on a GPU: cuDNN offers the fusion in float16 only, through its Python frontend."""
-    import importlib.util
-
-    if cfg.amp_level != "O1" or cfg.amp_dtype not in ("float16", "auto"):  # auto: float16 on a GPU with O1
-        raise ConfigError(f"kernel_ops with conv_bn_relu runs cuDNN's fused convolutions, which cuDNN offers in float16 "
-                          f"only (got amp_level={cfg.amp_level!r}, amp_dtype={cfg.amp_dtype!r}): set amp_level='O1' "
-                          "and amp_dtype='float16' (a GradScaler comes with it), or drop conv_bn_relu.")
-    if importlib.util.find_spec("cudnn") is None:
-        raise ConfigError("kernel_ops with conv_bn_relu needs cuDNN's Python frontend: pip install --no-deps "
-                          "nvidia-cudnn-frontend (ci/setup_env.sh does so on a GPU machine), or drop conv_bn_relu.")
-
-
-def validate_for_machine(cfg: RunConfig, *, cuda_devices: int | None = None, cpu_count: int | None = None) -> str:
-    """Checks the options that depend on this machine and returns the resolved device (``cuda``/``cpu``).
-
-    Raises ``ConfigError`` naming the fix when a GPU-only option is asked for on a CPU machine, or
-    when more processes are asked for than the machine has devices for.
-    """
-    if cfg.report_to == "tensorboard":
-        import importlib.util
-
-        if importlib.util.find_spec("tensorboard") is None:
-            raise ConfigError("report_to='tensorboard' needs the tensorboard package: pip install tensorboard (or "
-                              "pip install -e '.[tracking]'), or set report_to='none'.")
-    if cuda_devices is None:
-        cuda_devices = visible_cuda_devices()
-    cpu_count = cpu_count or os.cpu_count() or 1
-    device = resolve_device(cfg.device, cuda_devices)
-    if device == "cuda":
-        if cuda_devices == 0:
-            raise ConfigError("device='cuda' was asked for but no CUDA GPU is visible: use device='auto' or 'cpu' "
-                              "(or the smoke profile) on this machine.")
-        if cfg.nproc_per_node > cuda_devices:
-            raise ConfigError(f"nproc_per_node={cfg.nproc_per_node} but only {cuda_devices} GPU(s) are visible: "
-                              f"use nproc_per_node <= {cuda_devices}.")
-        if cfg.kernels and "conv_bn_relu" in cfg.kernel_op_names:
-            _check_cudnn_fusion(cfg)
-    else:
-        if cfg.compile and cfg.compile_mode in CUDA_GRAPH_COMPILE_MODES:
-            raise ConfigError(f"compile_mode={cfg.compile_mode!r} captures CUDA graphs and needs a GPU: use "
-                              "compile_mode='default' on a CPU.")
-        if cfg.nproc_per_node > cpu_count:
-            raise ConfigError(f"nproc_per_node={cfg.nproc_per_node} but this machine has {cpu_count} CPU core(s): "
-                              f"use nproc_per_node <= {cpu_count}.")
-    return device

@@ -21,8 +21,9 @@ from __future__ import annotations
 import os
 from typing import Any, Callable
 
-from gallery_lib.config import (CUDA_GRAPH_COMPILE_MODES, ConfigError, RunConfig, resolve_device,
-                                visible_cuda_devices)
+from gallery_lib.accel.graph_choice import (GRAPHS_BY_BATCH, graph_mode_for_batch, graphs_can_replay,
+                                           without_graphs_where_they_cannot_replay)
+from gallery_lib.config import ConfigError, RunConfig, resolve_device, visible_cuda_devices
 
 
 def baseline(base: RunConfig) -> RunConfig:
@@ -50,10 +51,10 @@ def peer(base: RunConfig) -> RunConfig:
     gets without this library, not over the easy setup.
     """
     # The graphs made every family's plain model faster or left it the same (benchmarks/RESULTS.md#peer).
-    graphs = {"compile_mode": _graph_mode_for_batch(base)} if runs_on_gpu(base) else {}
+    graphs = {"compile_mode": graph_mode_for_batch(base)} if runs_on_gpu(base) else {}
     switches = {**graphs, **base.model_family.peer}
-    cfg = compiled(base).replace(recipe="peer", **_without_graphs_where_they_cannot_replay(base, switches))
-    if graphs and "compile_mode" not in base.model_family.peer and _graphs_can_replay(base):
+    cfg = compiled(base).replace(recipe="peer", **without_graphs_where_they_cannot_replay(base, switches))
+    if graphs and "compile_mode" not in base.model_family.peer and graphs_can_replay(base):
         return cfg.replace(extra={**cfg.extra, GRAPHS_BY_BATCH: True})
     return cfg
 
@@ -69,51 +70,18 @@ def accelerated(base: RunConfig) -> RunConfig:
     zero2 = base.data_parallel == "zero2"
     blocks_on_gpu = switches.get("compile_scope") == "blocks" and on_gpu
     if blocks_on_gpu:  # precompiled, replayed as CUDA graphs where they pay
-        switches.update(compile_mode=_graph_mode_for_batch(base), precompile_workers=precompile_workers_for_machine())
+        switches.update(compile_mode=graph_mode_for_batch(base), precompile_workers=precompile_workers_for_machine())
     if zero2:  # its sharded blocks cannot be copied to precompile workers
         switches.pop("precompile_workers", None)
-    cfg = compiled(base).replace(recipe="accelerated", **_without_graphs_where_they_cannot_replay(base, switches))
-    if blocks_on_gpu and _graphs_can_replay(base):
+    cfg = compiled(base).replace(recipe="accelerated", **without_graphs_where_they_cannot_replay(base, switches))
+    if blocks_on_gpu and graphs_can_replay(base):
         return cfg.replace(extra={**cfg.extra, GRAPHS_BY_BATCH: True})
     return cfg
-
-
-def _graphs_can_replay(base: RunConfig) -> bool:
-    """A block recomputed in the backward (checkpointing) cannot replay as a CUDA graph, and ZeRO-2's collectives run
-    in hooks outside the graphs."""
-    return not (base.gradient_checkpointing or base.data_parallel == "zero2")
-
-
-def _without_graphs_where_they_cannot_replay(base: RunConfig, switches: dict[str, Any]) -> dict[str, Any]:
-    """``switches`` with a CUDA-graph ``compile_mode`` turned back to ``default`` where ``base`` cannot replay them."""
-    if not _graphs_can_replay(base) and switches.get("compile_mode") in CUDA_GRAPH_COMPILE_MODES:
-        return {**switches, "compile_mode": "default"}
-    return switches
-
-
-GRAPHS_BY_BATCH = "block_graphs_by_batch"
-"""The note in ``RunConfig.extra`` saying that ``accelerated`` or ``peer`` chose ``compile_mode`` from the step's
-size, so a run at another batch size decides again (``at_batch_size``)."""
 
 
 def runs_on_gpu(base: RunConfig) -> bool:
     """Whether runs of ``base`` train on a GPU here (``device`` resolved on this machine)."""
     return resolve_device(base.device, visible_cuda_devices()) == "cuda"
-
-
-def _graph_mode_for_batch(base: RunConfig) -> str:
-    """``reduce-overhead`` where a step of ``base`` is small enough for its host to set the step time, so that CUDA
-    graphs of the compiled blocks (or model) speed it up (``ModelFamily.block_graphs_below_pixels``), else
-    ``default``."""
-    limit = base.model_family.block_graphs_below_pixels
-    return "reduce-overhead" if limit is None or base.batch_size * base.image_size ** 2 < limit else "default"
-
-
-def at_batch_size(cfg: RunConfig, batch_size: int) -> RunConfig:
-    """``cfg`` at another batch size (the batch-size search's trials and its chosen size), with the blocks' CUDA
-    graphs decided again for that size where ``accelerated`` decided them, and not named by the user."""
-    cfg = cfg.replace(batch_size=batch_size)
-    return cfg.replace(compile_mode=_graph_mode_for_batch(cfg)) if cfg.extra.get(GRAPHS_BY_BATCH) else cfg
 
 
 def precompile_workers_for_machine() -> int:
@@ -136,11 +104,20 @@ RECIPES: dict[str, Callable[[RunConfig], RunConfig]] = {
 }
 
 
-def all_recipes() -> dict[str, Callable[[RunConfig], RunConfig]]:
-    """``RECIPES`` and the optimization ladder's rungs (``gallery_lib.ladder``), which train Stable Diffusion only."""
-    from gallery_lib.ladder import rung_recipes
+_REGISTERED: dict[str, Callable[[RunConfig], RunConfig]] = {}
 
-    return {**RECIPES, **rung_recipes()}
+
+def register_recipes(recipes: dict[str, Callable[[RunConfig], RunConfig]]) -> None:
+    """Adds recipes beside ``RECIPES`` (the optimization ladder registers its rungs: ``gallery_lib.recipes.ladder``)."""
+    clash = set(recipes) & set(RECIPES)
+    if clash:
+        raise ValueError(f"recipe name(s) {sorted(clash)} are taken by the named recipes")
+    _REGISTERED.update(recipes)
+
+
+def all_recipes() -> dict[str, Callable[[RunConfig], RunConfig]]:
+    """``RECIPES`` and those registered beside them (the ladder's rungs, which train Stable Diffusion only)."""
+    return {**RECIPES, **_REGISTERED}
 
 
 def apply_recipe(name: str, base: RunConfig) -> RunConfig:

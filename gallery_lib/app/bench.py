@@ -24,8 +24,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from gallery_lib.config import ConfigError, RunConfig, parse_overrides, resolve_device, validate_for_machine
-from gallery_lib.profiles import base_config, resolve_profile
+from gallery_lib.config import ConfigError, RunConfig, machine, parse_overrides, resolve_device, validate_for_machine
+from gallery_lib.recipes.profiles import base_config, resolve_profile
 
 DEFAULT_RECIPES = ("baseline", "compiled", "peer", "accelerated")
 GPU_TIMED_STEPS = 30
@@ -111,7 +111,7 @@ def plan_runs(models: Sequence[str], recipes: Sequence[str], batch_sizes: dict[s
     batch sizes, then recipes, then ``processes`` (process counts, e.g. ``(1, 2)`` for the scaling over two GPUs;
     none given: ``nproc_per_node`` as set)."""
     from gallery_lib.recipes import recipe_config
-    from gallery_lib.workflow import model_step_config
+    from gallery_lib.app.workflow import model_step_config
 
     runs = []
     for model in models:
@@ -138,10 +138,8 @@ def parse_processes(text: str | None) -> list[int]:
 
 def _step_counts(base: RunConfig, warmup_steps: int | None, timed_steps: int | None) -> RunConfig:
     """The profile's warm-up and timed steps unless given; at least ``GPU_TIMED_STEPS`` timed steps on a GPU."""
-    from gallery_lib.config import visible_cuda_devices
-
     warmup = base.warmup_steps if warmup_steps is None else warmup_steps
-    on_gpu = resolve_device(base.device, visible_cuda_devices()) == "cuda"
+    on_gpu = resolve_device(base.device, machine.visible_cuda_devices()) == "cuda"
     timed = timed_steps if timed_steps is not None else (
         GPU_TIMED_STEPS if on_gpu else base.steps - base.warmup_steps)
     if timed < 1 or warmup < 0:
@@ -159,7 +157,7 @@ def run_bench(runs: Sequence[RunConfig], out: Path, *, command: str, profile: st
     from gallery_lib.reports.bench import write_figure
     from gallery_lib.reports.bench_goals import check_goals
     from gallery_lib.run.launch import RunFailed, launch
-    from gallery_lib.workflow import prepare
+    from gallery_lib.app.workflow import prepare
 
     record = machine_record(command, profile)
     prepared: set[str] = set()
@@ -285,7 +283,7 @@ def gpu_name() -> str | None:
     would hold device memory through every run; ``None`` without a GPU that torch can use."""
     import torch
 
-    from gallery_lib.gpu_check import nvidia_gpus
+    from gallery_lib.config.gpu_check import nvidia_gpus
 
     gpus = nvidia_gpus() if torch.cuda.is_available() else ()
     return gpus[0][0] if gpus else None

@@ -12,7 +12,7 @@ import functools
 import shutil
 import subprocess
 
-from gallery_lib.settings import ConfigError
+from gallery_lib.config.settings import ConfigError
 
 # The newest CUDA each driver runs (NVIDIA's compatibility table), newest first: (minimum driver, cuda tag).
 DRIVER_CUDA = ((580, "cu130"), (570, "cu128"), (560, "cu126"))
