@@ -101,8 +101,8 @@ def test_goals_met_with_their_numbers():
             row("swin_tiny_patch4_window7_224", "peer", 128, 3800.0, p20=33.0, p80=34.0),
             row("swin_tiny_patch4_window7_224", "accelerated", 128, 5000.0, p20=25.5, p80=26.0),
             row("resnet50", "peer", 256, 5600.0), row("resnet50", "accelerated", 256, 6100.0)]
-    (sd, sd_text), (best, best_text), (swin, swin_text), (ema, ema_text), (cold, cold_text), (warm, warm_text), (
-        resnet, resnet_text) = verdicts(rows)
+    (swin, swin_text), (sd, sd_text), (best, best_text), (ema, ema_text), (cold, cold_text), (warm, warm_text), (
+        resnet, resnet_text) = verdicts(rows)  # each family's goals, in the registry's order
     assert (sd, best, swin, ema, cold, warm, resnet) == (MET,) * 7
     assert cold_text == "batch 32: 41.0 s" and warm_text == "batch 48: 12.5 s"  # another recipe's 99 s is not judged
     assert "6,100.0 against 5,600.0 samples/s = 1.09x" in resnet_text
@@ -120,8 +120,8 @@ def test_goals_not_met_say_why():
             row("swin_tiny_patch4_window7_224", "peer", 128, 3800.0),
             row("swin_tiny_patch4_window7_224", "accelerated", 128, 5100.0, p20=28.6, p80=38.0),
             row("resnet50", "peer", 256, 5000.0), row("resnet50", "accelerated", 256, 5900.0)]
-    (sd, sd_text), (best, best_text), (swin, swin_text), (ema, ema_text), (cold, cold_text), (warm, warm_text), (
-        resnet, resnet_text) = verdicts(rows)
+    (swin, swin_text), (sd, sd_text), (best, best_text), (ema, ema_text), (cold, cold_text), (warm, warm_text), (
+        resnet, resnet_text) = verdicts(rows)  # each family's goals, in the registry's order
     assert (sd, best, swin, ema, cold, resnet) == (NOT_MET,) * 6
     assert cold_text == "batch 32: 71.2 s"
     assert warm == NOT_MEASURED and warm_text == ("no accelerated row with warm caches (a second run of the recipe in "
@@ -131,17 +131,17 @@ def test_goals_not_met_say_why():
     assert "= 1.34x" in swin_text and "p80/p20 1.329" in swin_text  # fast enough, but not steady
     assert "EMA costs 1.7%" in ema_text
     failed = [row("sd15", "peer", 32, 124.0), row("sd15", "accelerated", 32, 0, error="out of memory")]
-    assert verdicts(failed)[0] == (NOT_MET, "accelerated failed: out of memory")
+    assert verdicts(failed)[1] == (NOT_MET, "accelerated failed: out of memory")
 
 
 def test_goals_not_measured_name_what_is_missing():
     tiny = [row("sd_tiny", "peer", 4, 9.0), row("sd_tiny", "accelerated", 4, 12.0)]
     assert [status for status, _ in verdicts(tiny)] == [NOT_MEASURED] * 7
     other_batch = [row("sd15", "peer", 8, 70.0), row("sd15", "accelerated", 8, 85.0)]
-    status, numbers = verdicts(other_batch)[0]
+    status, numbers = verdicts(other_batch)[1]
     assert status == NOT_MEASURED and numbers == "no accelerated and no peer row at batch 32"
     peer_failed = [row("sd15", "peer", 32, 0, error="out of memory"), row("sd15", "accelerated", 32, 140.0)]
-    assert verdicts(peer_failed)[0] == (NOT_MEASURED, "peer failed: out of memory")
+    assert verdicts(peer_failed)[1] == (NOT_MEASURED, "peer failed: out of memory")
 
 
 def test_compile_caches_cold_when_the_run_or_its_workers_compiled():
@@ -317,3 +317,19 @@ def test_default_result_file_names_the_gpu_and_date_and_never_overwrites(monkeyp
     assert default_out_path(None, "2026-11-24").name == "bench-cpu-2026-11-24.json"
     assert out_path(str(tmp_path), "NVIDIA H200").parent == tmp_path  # a folder: the default name in it
     assert out_path("mine.json", "NVIDIA H200") == Path("mine.json")
+
+
+def test_every_family_goal_names_a_check_and_a_model_of_its_family():
+    from gallery_lib.config.family import SPEED_GOAL_CHECKS, SpeedGoal
+    from gallery_lib.reports.bench_goals import _CHECKS
+
+    assert tuple(_CHECKS) == SPEED_GOAL_CHECKS
+    for family in FAMILIES.values():
+        for goal in family.speed_goals:
+            assert goal.model in family.model_names(), (family.name, goal)
+    with pytest.raises(ValueError, match="'speed' is not known"):
+        SpeedGoal("speed", "sd15")
+    only_swin = [goal for goal in FAMILIES["swin_transformer"].speed_goals]
+    rows = [row("swin_tiny_patch4_window7_224", "peer", 128, 3800.0),
+            row("swin_tiny_patch4_window7_224", "accelerated", 128, 5000.0, p20=25.5, p80=26.0)]
+    assert [g.status for g in check_goals(rows, only_swin)] == [MET]

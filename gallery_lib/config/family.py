@@ -30,6 +30,26 @@ class ModelSpec:
     """Filled in by ``register_family``."""
 
 
+SPEED_GOAL_CHECKS = ("speedup", "throughput", "ema_cost", "compile_time")
+
+
+@dataclass(frozen=True)
+class SpeedGoal:
+    """A speed goal that ``gallery bench`` judges from its own rows (its checks: ``reports/bench_goals.py``)."""
+
+    check: str
+    """``speedup`` (``accelerated`` over ``peer`` at a batch size), ``throughput`` (samples/s at the best batch),
+    ``ema_cost`` (the EMA's share of the step) or ``compile_time`` (seconds to steady speed)."""
+    model: str
+    limits: Mapping[str, Any] = field(default_factory=dict)
+    """The check's arguments: ``batch_size``, ``min_ratio``, ``max_spread``, ``min_samples_per_s``, ``max_cost``,
+    ``caches``, ``max_s``."""
+
+    def __post_init__(self) -> None:
+        if self.check not in SPEED_GOAL_CHECKS:
+            raise ValueError(f"speed goal check {self.check!r} is not known: choose one of {SPEED_GOAL_CHECKS}")
+
+
 @dataclass(frozen=True)
 class ModelFamily:
     """A model family: its models and everything the library needs to train them."""
@@ -70,6 +90,8 @@ class ModelFamily:
     attention_hook: Callable[[Any], tuple[str, Any]] | None = None
     """``hook(model) -> (note, AttentionHook)``: routes the model's attention through ``gallery_lib.accel.attention``
     (``fused_attention=True``); ``None`` when the family has no hook, and then that switch is a config error."""
+    speed_goals: tuple[SpeedGoal, ...] = ()
+    """What ``accelerated`` should reach on one GPU, judged by ``gallery bench`` from the rows it measured."""
 
     def __post_init__(self) -> None:
         missing = {"smoke", "full"} - set(self.run_profiles) | {"smoke", "full"} - set(self.data_profiles)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from gallery_lib.models import register_family
-from gallery_lib.config.family import ModelFamily, ModelSpec
+from gallery_lib.config.family import ModelFamily, ModelSpec, SpeedGoal
 from gallery_lib.tasks.classification import ClassificationTask
 
 
@@ -73,4 +73,6 @@ FAMILY = register_family(ModelFamily(
     peer={"channels_last": True},  # one line every convnet user knows
     block_types=("Bottleneck", "BasicBlock"),
     block_modules=("timm.models.resnet",),
+    # set for one H100 at batch 256 (benchmarks/RESULTS.md#peer, #resnet50)
+    speed_goals=(SpeedGoal("speedup", "resnet50", dict(batch_size=256, min_ratio=1.08, min_samples_per_s=6000.0)),),
 ))

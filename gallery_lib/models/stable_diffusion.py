@@ -6,7 +6,7 @@ from __future__ import annotations
 from functools import partial
 
 from gallery_lib.models import register_family
-from gallery_lib.config.family import ModelFamily, ModelSpec
+from gallery_lib.config.family import ModelFamily, ModelSpec, SpeedGoal
 from gallery_lib.models.sd_parts import build_stable_diffusion
 from gallery_lib.tasks.text_to_image import TextToImageTask
 
@@ -67,4 +67,11 @@ FAMILY = register_family(ModelFamily(
     block_types=("Transformer2DModel", "BasicTransformerBlock", "ResnetBlock2D"),
     block_modules=("diffusers.models.unets.unet_2d_blocks", "gallery_lib.accel.patch"),
     attention_hook=hook_diffusers_attention,
+    # set for one H100: the speed over the peer at batch 32, the best throughput, the EMA's cost, the time to
+    # steady speed with cold and warm caches (benchmarks/RESULTS.md#peer, #bench-h100)
+    speed_goals=(SpeedGoal("speedup", "sd15", dict(batch_size=32, min_ratio=1.15)),
+                 SpeedGoal("throughput", "sd15", dict(min_samples_per_s=150.0)),
+                 SpeedGoal("ema_cost", "sd15", dict(max_cost=0.01)),
+                 SpeedGoal("compile_time", "sd15", dict(caches="cold", max_s=45.0)),
+                 SpeedGoal("compile_time", "sd15", dict(caches="warm", max_s=15.0))),
 ))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from gallery_lib.models import register_family
-from gallery_lib.config.family import ModelFamily, ModelSpec
+from gallery_lib.config.family import ModelFamily, ModelSpec, SpeedGoal
 from gallery_lib.tasks.classification import ClassificationTask
 
 
@@ -80,4 +80,7 @@ FAMILY = register_family(ModelFamily(
     block_types=("SwinTransformerBlock",),
     block_modules=("gallery_lib.models.swin",),
     attention_hook=hook_window_attention,
+    # set for one H100 at batch 128, steady steps included (benchmarks/RESULTS.md#peer)
+    speed_goals=(SpeedGoal("speedup", "swin_tiny_patch4_window7_224",
+                           dict(batch_size=128, min_ratio=1.3, max_spread=1.05)),),
 ))

@@ -1,4 +1,4 @@
-"""The project's speed goals for one H100 (SD-1.5, Swin-T, ResNet-50), judged from the rows of one ``gallery bench``
+"""The speed goals each family declares (``ModelFamily.speed_goals``), judged from the rows of one ``gallery bench``
 run: each met, not met, or not measured.
 
 Every verdict carries the numbers it was judged from, and a goal whose rows the run did not measure (another model,
@@ -9,13 +9,12 @@ one H100; the result file names the GPU the rows were measured on.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Sequence
+from typing import Iterable, Sequence
 
+from gallery_lib.config import families
+from gallery_lib.config.family import SpeedGoal
 from gallery_lib.reports.bench import REFERENCE, Row, find_row, ratio_over_peer
 
-SD = "sd15"
-SWIN = "swin_tiny_patch4_window7_224"
-RESNET = "resnet50"
 MET, NOT_MET, NOT_MEASURED = "met", "not met", "not measured"
 
 
@@ -34,17 +33,11 @@ class GoalResult:
         return asdict(self)
 
 
-def check_goals(rows: Sequence[Row]) -> list[GoalResult]:
-    """Every speed goal that a bench run can judge (its rows are synthetic-input steps)."""
-    return [
-        speedup_goal(rows, SD, 32, min_ratio=1.15),
-        throughput_goal(rows, SD, min_samples_per_s=150.0),
-        speedup_goal(rows, SWIN, 128, min_ratio=1.3, max_spread=1.05),
-        ema_cost_goal(rows, SD, max_cost=0.01),
-        compile_time_goal(rows, SD, "cold", max_s=45.0),
-        compile_time_goal(rows, SD, "warm", max_s=15.0),
-        speedup_goal(rows, RESNET, 256, min_ratio=1.08, min_samples_per_s=6000.0),
-    ]
+def check_goals(rows: Sequence[Row], goals: Iterable[SpeedGoal] | None = None) -> list[GoalResult]:
+    """Each goal (by default every registered family's, in the registry's order) judged from ``rows``."""
+    if goals is None:
+        goals = [goal for family in families.FAMILIES.values() for goal in family.speed_goals]
+    return [_CHECKS[goal.check](rows, goal.model, **goal.limits) for goal in goals]
 
 
 def speedup_goal(rows: Sequence[Row], model: str, batch_size: int, *, min_ratio: float,
@@ -120,6 +113,10 @@ def compile_time_goal(rows: Sequence[Row], model: str, caches: str, *, max_s: fl
         return GoalResult(goal, NOT_MEASURED, f"no accelerated row with {caches} caches ({how} measures it)")
     numbers = "; ".join(f"batch {r['batch_size']}: {r['to_steady_s']:.1f} s" for r in found)
     return GoalResult(goal, MET if all(r["to_steady_s"] <= max_s for r in found) else NOT_MET, numbers)
+
+
+_CHECKS = {"speedup": speedup_goal, "throughput": throughput_goal, "ema_cost": ema_cost_goal,
+           "compile_time": compile_time_goal}
 
 
 def describe_goals(rows: Sequence[Row], device: str | None) -> str:
