@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from gallery_lib.data.loader import TrainLoader, _SampleSeeded, sampled_loader
+from gallery_lib.data.loader import TrainLoader, SampleSeeded, sampled_loader
 from gallery_lib.models.sd_parts import PREDICTION_TYPES, assemble_pipeline, tokenize, training_target
 from gallery_lib.config.settings import ConfigError, setting
 
@@ -96,7 +96,7 @@ class TextToImageTask:
         cfg = self.cfg
         # Its own generator: a DataLoader without one draws its worker seed from the global RNG, which would shift
         # every later noise draw against a run that does not cache.
-        return torch.utils.data.DataLoader(_SampleSeeded(source, cfg.seed), batch_size=cfg.batch_size,
+        return torch.utils.data.DataLoader(SampleSeeded(source, cfg.seed), batch_size=cfg.batch_size,
                                            sampler=[(k, 0) for k in range(len(source))], num_workers=cfg.num_workers,
                                            generator=torch.Generator().manual_seed(cfg.seed))
 
