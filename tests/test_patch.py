@@ -180,3 +180,10 @@ def test_on_a_cpu_the_fused_layers_compile_to_the_graphs_of_the_layers_they_repl
         plain_graphs, fused_graphs = aot_graphs(call(plain)), aot_graphs(call(fused))
         assert len(fused_graphs) == 2, name  # one forward, one backward
         assert fused_graphs == plain_graphs, name  # node for node, inputs in the same order
+
+
+def test_the_config_offers_exactly_the_ops_of_the_swap_table():
+    from gallery_lib.accel.patch import KERNEL_OPS as TABLE_OPS
+    from gallery_lib.config import KERNEL_OPS
+
+    assert set(KERNEL_OPS) == set(TABLE_OPS)

@@ -1,6 +1,7 @@
 """Swap a model instance's layers for the fused ones, reversibly, keeping ``state_dict`` keys.
 
-`apply_kernels` walks a plain ``nn.Module`` tree and replaces, per instance (never per class):
+`apply_kernels` walks a plain ``nn.Module`` tree and replaces, per instance (never per class), as the rows of
+``KERNEL_SWAPS`` say (the first row matching a module decides):
 
 * ``nn.GroupNorm`` -> `FusedGroupNorm`. Where diffusers applies SiLU right after a GroupNorm it is fused too:
   in ``ResnetBlock2D`` (``norm1 -> nonlinearity``, and ``norm2 -> nonlinearity`` when
@@ -128,6 +129,7 @@ class _Patcher:
         self.report = PatchReport()
         self.replacements: dict[int, tuple[nn.Module, str]] = {}  # id(old) -> (new module, kind)
         self.names = {id(m): name or "<root>" for name, m in model.named_modules(remove_duplicate=False)}
+        self.handled: set[int] = set()  # modules a row above has swapped already (a block's own norms)
 
     def replace(self, old: nn.Module, new: nn.Module, kind: str) -> None:
         self.replacements[id(old)] = (new, kind)
@@ -148,6 +150,97 @@ class _Patcher:
         self.report._undo_steps.append(lambda m=module: vars(m).pop("forward", None))
 
 
+@dataclass(frozen=True)
+class _LoadedClasses:
+    """The diffusers and timm classes the table matches, those already imported (never imported here)."""
+
+    resnet_block: type | None
+    unet: type | None
+    geglu: type | None
+    bottleneck: type | None
+    layer_norms: tuple[type, ...]
+
+    @classmethod
+    def now(cls) -> _LoadedClasses:
+        timm_layer_norm = _loaded_class("timm.layers.norm", "LayerNorm")
+        return cls(resnet_block=_loaded_class("diffusers.models.resnet", "ResnetBlock2D"),
+                   unet=_loaded_class("diffusers.models.unets.unet_2d_condition", "UNet2DConditionModel"),
+                   geglu=_loaded_class("diffusers.models.activations", "GEGLU"),
+                   bottleneck=_loaded_class("timm.models.resnet", "Bottleneck"),
+                   layer_norms=tuple(t for t in (nn.LayerNorm, timm_layer_norm) if t is not None))
+
+
+def _fuse_resnet_block(patcher: _Patcher, name: str, block: nn.Module, classes: _LoadedClasses) -> None:
+    if problem := _resnet_block_problem(block):
+        patcher.report.skipped.append((name, f"GroupNorm+SiLU not fused: {problem}"))
+        return
+    silu2 = "silu" if block.time_embedding_norm == "default" else None
+    patcher.replace(block.norm1, FusedGroupNorm.from_module(block.norm1, "silu"), "group_norm_silu")
+    patcher.replace(block.norm2, FusedGroupNorm.from_module(block.norm2, silu2),
+                    "group_norm_silu" if silu2 else "group_norm")
+    patcher.override_forward(block, _resnet_block_forward)
+    patcher.handled.update({id(block.norm1), id(block.norm2)})
+
+
+def _fuse_unet_output_norm(patcher: _Patcher, name: str, unet: nn.Module, classes: _LoadedClasses) -> None:
+    norm, act = getattr(unet, "conv_norm_out", None), getattr(unet, "conv_act", None)
+    if type(norm) is nn.GroupNorm and type(act) is nn.SiLU:
+        patcher.replace(norm, FusedGroupNorm.from_module(norm, "silu"), "group_norm_silu")
+        patcher.replace(act, nn.Identity(), "silu_folded")
+        patcher.handled.update({id(norm), id(act)})
+
+
+def _fuse_group_norm(patcher: _Patcher, name: str, norm: nn.Module, classes: _LoadedClasses) -> None:
+    if type(norm) is not nn.GroupNorm:
+        patcher.report.skipped.append((name, f"subclass {type(norm).__name__} may change forward"))
+    else:
+        patcher.replace(norm, FusedGroupNorm.from_module(norm), "group_norm")
+
+
+def _fuse_layer_norm(patcher: _Patcher, name: str, norm: nn.Module, classes: _LoadedClasses) -> None:
+    if type(norm) not in classes.layer_norms:
+        patcher.report.skipped.append((name, f"subclass {type(norm).__name__} may change forward"))
+    elif len(norm.normalized_shape) != 1:
+        patcher.report.skipped.append((name, f"normalizes over {norm.normalized_shape}, not the last dim only"))
+    else:
+        patcher.replace(norm, FusedLayerNorm.from_module(norm), "layer_norm")
+
+
+def _fold_bottleneck_norms(patcher: _Patcher, name: str, block: nn.Module, classes: _LoadedClasses) -> None:
+    if problem := bottleneck_problem(block):
+        patcher.report.skipped.append((name, f"norms not folded into the convolutions: {problem}"))
+    else:
+        patcher.override_forward(block, bottleneck_forward)
+        patcher.report.swapped.append((name, "conv_bn_relu"))
+
+
+def _fuse_geglu(patcher: _Patcher, name: str, geglu: nn.Module, classes: _LoadedClasses) -> None:
+    patcher.replace(geglu, FusedGEGLU.from_module(geglu), "geglu")
+
+
+@dataclass(frozen=True)
+class KernelSwap:
+    """One row of the table: a module that ``matches`` gets ``swap`` when kernel op ``op`` is on."""
+
+    op: str
+    matches: Callable[[nn.Module, _LoadedClasses], bool]
+    swap: Callable[[_Patcher, str, nn.Module, _LoadedClasses], None]
+    notes_when_off: bool = True
+    """With ``op`` off: record "``op``=False" and stop at this row; ``False`` lets the rows below try the module."""
+
+
+KERNEL_SWAPS: tuple[KernelSwap, ...] = (  # the first row that matches a module decides, in this order
+    KernelSwap("group_norm_silu", lambda m, c: type(m) is c.resnet_block, _fuse_resnet_block, notes_when_off=False),
+    KernelSwap("group_norm_silu", lambda m, c: type(m) is c.unet, _fuse_unet_output_norm, notes_when_off=False),
+    KernelSwap("group_norm_silu", lambda m, c: isinstance(m, nn.GroupNorm), _fuse_group_norm),
+    KernelSwap("layer_norm", lambda m, c: isinstance(m, nn.LayerNorm), _fuse_layer_norm),
+    KernelSwap("conv_bn_relu", lambda m, c: type(m) is c.bottleneck, _fold_bottleneck_norms),
+    KernelSwap("geglu", lambda m, c: type(m) is c.geglu, _fuse_geglu),
+)
+KERNEL_OPS = tuple(dict.fromkeys(row.op for row in KERNEL_SWAPS))
+"""The ops ``RunConfig.kernel_ops`` names (``tests/test_patch.py`` checks that the config offers these)."""
+
+
 def apply_kernels(model: nn.Module, *, group_norm_silu: bool = True, layer_norm: bool = True,
                   geglu: bool = True, conv_bn_relu: bool = False) -> PatchReport:
     """Swap ``model``'s layers for fused ones in place and return what changed.
@@ -164,68 +257,25 @@ def apply_kernels(model: nn.Module, *, group_norm_silu: bool = True, layer_norm:
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"apply_kernels expects an nn.Module instance, got {type(model).__name__}")
-    patcher = _Patcher(model)
-    report = patcher.report
-    resnet_cls = _loaded_class("diffusers.models.resnet", "ResnetBlock2D")
-    unet_cls = _loaded_class("diffusers.models.unets.unet_2d_condition", "UNet2DConditionModel")
-    geglu_cls = _loaded_class("diffusers.models.activations", "GEGLU")
-    timm_ln_cls = _loaded_class("timm.layers.norm", "LayerNorm")
-    bottleneck_cls = _loaded_class("timm.models.resnet", "Bottleneck")
-    layer_norm_types = tuple(t for t in (nn.LayerNorm, timm_ln_cls) if t is not None)
-    handled: set[int] = set()
-
+    switched_on = {"group_norm_silu": group_norm_silu, "layer_norm": layer_norm, "geglu": geglu,
+                   "conv_bn_relu": conv_bn_relu}
+    patcher, classes = _Patcher(model), _LoadedClasses.now()
     for name, module in model.named_modules():
         name = name or "<root>"
-        if id(module) in handled:
+        if id(module) in patcher.handled:
             continue
-        if resnet_cls is not None and type(module) is resnet_cls and group_norm_silu:
-            problem = _resnet_block_problem(module)
-            if problem:
-                report.skipped.append((name, f"GroupNorm+SiLU not fused: {problem}"))
+        for row in KERNEL_SWAPS:
+            if not row.matches(module, classes):
                 continue
-            silu2 = "silu" if module.time_embedding_norm == "default" else None
-            patcher.replace(module.norm1, FusedGroupNorm.from_module(module.norm1, "silu"), "group_norm_silu")
-            patcher.replace(module.norm2, FusedGroupNorm.from_module(module.norm2, silu2),
-                            "group_norm_silu" if silu2 else "group_norm")
-            patcher.override_forward(module, _resnet_block_forward)
-            handled.update({id(module.norm1), id(module.norm2)})
-        elif unet_cls is not None and type(module) is unet_cls and group_norm_silu:
-            norm, act = getattr(module, "conv_norm_out", None), getattr(module, "conv_act", None)
-            if type(norm) is nn.GroupNorm and type(act) is nn.SiLU:
-                patcher.replace(norm, FusedGroupNorm.from_module(norm, "silu"), "group_norm_silu")
-                patcher.replace(act, nn.Identity(), "silu_folded")
-                handled.update({id(norm), id(act)})
-        elif isinstance(module, nn.GroupNorm):
-            if not group_norm_silu:
-                report.skipped.append((name, "group_norm_silu=False"))
-            elif type(module) is not nn.GroupNorm:
-                report.skipped.append((name, f"subclass {type(module).__name__} may change forward"))
+            if switched_on[row.op]:
+                row.swap(patcher, name, module, classes)
+            elif row.notes_when_off:
+                patcher.report.skipped.append((name, f"{row.op}=False"))
             else:
-                patcher.replace(module, FusedGroupNorm.from_module(module), "group_norm")
-        elif isinstance(module, nn.LayerNorm):
-            if not layer_norm:
-                report.skipped.append((name, "layer_norm=False"))
-            elif type(module) not in layer_norm_types:
-                report.skipped.append((name, f"subclass {type(module).__name__} may change forward"))
-            elif len(module.normalized_shape) != 1:
-                report.skipped.append((name, f"normalizes over {module.normalized_shape}, not the last dim only"))
-            else:
-                patcher.replace(module, FusedLayerNorm.from_module(module), "layer_norm")
-        elif bottleneck_cls is not None and type(module) is bottleneck_cls:
-            if not conv_bn_relu:
-                report.skipped.append((name, "conv_bn_relu=False"))
-            elif problem := bottleneck_problem(module):
-                report.skipped.append((name, f"norms not folded into the convolutions: {problem}"))
-            else:
-                patcher.override_forward(module, bottleneck_forward)
-                report.swapped.append((name, "conv_bn_relu"))
-        elif geglu_cls is not None and type(module) is geglu_cls:
-            if not geglu:
-                report.skipped.append((name, "geglu=False"))
-            else:
-                patcher.replace(module, FusedGEGLU.from_module(module), "geglu")
+                continue
+            break
     patcher.commit()
-    return report
+    return patcher.report
 
 
 def revert_kernels(model: nn.Module, report: PatchReport) -> nn.Module:
