@@ -50,8 +50,8 @@ def run_variant(args: argparse.Namespace) -> dict:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from bench_ema_compile_attention import build_sd15_unet, make_step
 
-    from gallery_lib.accel.compile import block_names, regional_compile
-    from gallery_lib.accel.precompile import precompile_blocks
+    from gallery_lib.accel.compile.regional import block_names, regional_compile
+    from gallery_lib.accel.compile.precompile import precompile_blocks
 
     torch.backends.cudnn.benchmark = True
     torch.set_float32_matmul_precision("high")

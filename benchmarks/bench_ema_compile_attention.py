@@ -141,7 +141,7 @@ def bench_ema(torch, args, device, batch):
 
 
 def bench_compile(torch, args, device, batch):
-    from gallery_lib.accel.compile import regional_compile
+    from gallery_lib.accel.compile.regional import regional_compile
 
     res = {"batch": batch}
     warm, timed = (2, 3) if args.quick else (3, 5)

@@ -43,7 +43,7 @@ def build(variant: str):
     from diffusers.models.attention import BasicTransformerBlock
     from diffusers.models.resnet import ResnetBlock2D
 
-    from gallery_lib.accel.compile import regional_compile
+    from gallery_lib.accel.compile.regional import regional_compile
     from gallery_lib.models.sd_parts import build_unet
 
     torch.manual_seed(0)

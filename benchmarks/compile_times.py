@@ -10,7 +10,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gallery_lib.accel.precompile import PrecompileReport  # noqa: E402
+from gallery_lib.accel.compile.precompile import PrecompileReport  # noqa: E402
 from gallery_lib.run.metrics import read_metrics  # noqa: E402
 
 

@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gallery_lib.accel.precompile.record import compile_cost  # noqa: E402
+from gallery_lib.accel.compile.precompile.record import compile_cost  # noqa: E402
 from gallery_lib.run.metrics import read_metrics  # noqa: E402
 
 

@@ -9,8 +9,8 @@ from typing import Iterator
 
 import torch
 
-from gallery_lib.accel.compile import compile_cache_stats
-from gallery_lib.accel.precompile import warm
+from gallery_lib.accel.compile.regional import compile_cache_stats
+from gallery_lib.accel.compile.precompile import warm
 
 
 @contextlib.contextmanager

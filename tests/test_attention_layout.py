@@ -1,4 +1,4 @@
-"""Attention keeps its layout in graphs Inductor lays out channels_last (``gallery_lib.accel.attention_layout``):
+"""Attention keeps its layout in graphs Inductor lays out channels_last (``accel/compile/attention_layout.py``):
 the nodes the pass marks, its place in Inductor's cache key, and a compiled conv -> attention -> conv block that
 trains as the eager one with the attention left out of the channels_last set."""
 
@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from gallery_lib.accel.attention_layout import MARK, KeepAttentionLayout, attention_layout_nodes
+from gallery_lib.accel.compile.attention_layout import MARK, KeepAttentionLayout, attention_layout_nodes
 
 HEADS, CHANNELS, SIDE = 2, 8, 4
 

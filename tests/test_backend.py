@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gallery_lib.accel.backend import fuse_geglu
+from gallery_lib.accel.compile.backend import fuse_geglu
 
 
 def _captured(fn, *inputs) -> list[torch.fx.GraphModule]:
@@ -86,7 +86,7 @@ def test_every_geglu_of_the_tiny_unet_is_fused():
 def test_gpu_backend_on_the_tiny_unet_matches_eager(monkeypatch):
     """On a GPU: the Triton GEGLU kernel in the graph, Inductor, CUDA graphs; forward and weight gradients as eager
     (fp32, TF32 off)."""
-    from gallery_lib.accel.backend import gallery_backend
+    from gallery_lib.accel.compile.backend import gallery_backend
     from gallery_lib.models.sd_parts import build_unet
 
     # TF32 off for this test only: the flags are process-wide, and Inductor's cache key holds them.

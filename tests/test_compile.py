@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from gallery_lib.accel.compile import regional_compile, undo_regional_compile
+from gallery_lib.accel.compile.regional import regional_compile, undo_regional_compile
 from gallery_lib.accel.optimize import Candidate, optimize
 
 
@@ -267,7 +267,7 @@ def test_channels_last_graphs_lay_out_the_backward_graph_too_and_train_like_eage
     from torch._inductor.graph import GraphLowering
 
     from gallery_lib.accel.accelerate import compile_kwargs
-    from gallery_lib.accel.attention_layout import KeepAttentionLayout
+    from gallery_lib.accel.compile.attention_layout import KeepAttentionLayout
     from gallery_lib.config import RunConfig
 
     cfg = RunConfig(model="swin_micro", compile=True, channels_last_graphs=True)

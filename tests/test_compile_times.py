@@ -3,7 +3,7 @@
 import dataclasses
 from pathlib import Path
 
-from gallery_lib.accel.precompile import PrecompileReport
+from gallery_lib.accel.compile.precompile import PrecompileReport
 from gallery_lib.run.metrics import MetricsWriter
 from script_testing import load_script
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gallery_lib.accel.cpu_codegen import avx512_codegen, tiles_transpose_right, use_safe_cpu_codegen
+from gallery_lib.accel.compile.cpu_codegen import avx512_codegen, tiles_transpose_right, use_safe_cpu_codegen
 
 pytestmark = pytest.mark.isa
 
@@ -54,7 +54,7 @@ def test_a_compiled_transformer_block_trains_as_eager_in_bf16():
     pytest.importorskip("diffusers")
     from diffusers.models.transformers.transformer_2d import Transformer2DModel
 
-    from gallery_lib.accel.compile import regional_compile, undo_regional_compile
+    from gallery_lib.accel.compile.regional import regional_compile, undo_regional_compile
 
     torch.manual_seed(0)
     holder = torch.nn.Sequential(Transformer2DModel(num_attention_heads=4, attention_head_dim=16, in_channels=64,

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from gallery_lib.accel.compile_plan import CompilePlan
+from gallery_lib.accel.compile.plan import CompilePlan
 from gallery_lib.accel.distributed import DistInfo
 from gallery_lib.accel.precision import Precision
 from gallery_lib.config import RunConfig
@@ -175,13 +175,13 @@ def test_compile_plan_reports_where_its_own_compile_time_went(monkeypatch):
 def test_a_phase_cleared_by_a_reset_counts_from_zero(monkeypatch):
     from torch._dynamo import utils
 
-    from gallery_lib.accel.compile import phase_seconds_since
+    from gallery_lib.accel.compile.regional import phase_seconds_since
 
     monkeypatch.setattr(utils, "compilation_time_metrics", {"bytecode_tracing": [0.2], "gc": [3.0]})
     assert phase_seconds_since({"bytecode_tracing": 5.0, "gc": 1.0}) == {"gc": 2.0, "bytecode_tracing": 0.2}
 
 def test_warm_marker_keys_and_a_stale_marker(tmp_path, monkeypatch):
-    from gallery_lib.accel.precompile import warm
+    from gallery_lib.accel.compile.precompile import warm
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     flags = {"deterministic": False}

@@ -91,7 +91,7 @@ def test_checkpointed_blocks_can_go_to_the_precompile_workers(tmp_path):
     holds the checkpoint function, which diffusers defines as a closure that pickle refuses."""
     import io
 
-    from gallery_lib.accel.precompile.record import meta_copy
+    from gallery_lib.accel.compile.precompile.record import meta_copy
     from gallery_lib.models import get_family
 
     unet = get_family("stable_diffusion").build("sd_tiny", pretrained=None, prediction_type="epsilon",

@@ -15,8 +15,8 @@ import pytest
 import torch
 from torch import nn
 
-from gallery_lib.accel.compile import compile_cache_stats, regional_compile
-from gallery_lib.accel.precompile import TensorSpec, precompile_blocks, record_block_calls
+from gallery_lib.accel.compile.regional import compile_cache_stats, regional_compile
+from gallery_lib.accel.compile.precompile import TensorSpec, precompile_blocks, record_block_calls
 from compile_testing import compile_cache_counts
 
 
@@ -84,7 +84,7 @@ def test_the_recording_forward_keeps_no_autograd_graph_across_blocks():
 def test_running_a_call_eagerly_leaves_the_model_alone_and_its_copy_ready_to_compile():
     """``run_eagerly``, the kernels' first use: a forward and backward on the meta copy made real, then freed back to
     the meta device without gradients; the model's own weights and gradients are untouched."""
-    from gallery_lib.accel.precompile.record import compile_call, meta_copy, run_eagerly
+    from gallery_lib.accel.compile.precompile.record import compile_call, meta_copy, run_eagerly
 
     model, ran = Model(), []
     calls, _ = record_block_calls(model, lambda: model(torch.randn(2, 6, 8)), BLOCKS)
@@ -104,8 +104,8 @@ def test_running_a_call_eagerly_leaves_the_model_alone_and_its_copy_ready_to_com
 def test_queue_is_largest_first_and_each_graph_claimed_once(tmp_path):
     calls, _ = record_block_calls(Model(), lambda m=Model(): None, [])
     assert calls == []
-    from gallery_lib.accel.precompile.record import BlockCall, largest_first
-    from gallery_lib.accel.precompile.worker import _claim
+    from gallery_lib.accel.compile.precompile.record import BlockCall, largest_first
+    from gallery_lib.accel.compile.precompile.worker import _claim
 
     made = [BlockCall(str(c), (), {}, (), True, cost=c) for c in ((5, 1), (1, 9), (5, 3), (2, 2), (3, 0))]
     assert [c.cost for c in largest_first(made)] == [(5, 3), (5, 1), (3, 0), (2, 2), (1, 9)]
@@ -115,7 +115,7 @@ def test_queue_is_largest_first_and_each_graph_claimed_once(tmp_path):
 def test_a_block_with_more_layers_goes_first_even_with_fewer_parameters():
     """SD-1.5's attention blocks (29 submodules) compile slower than its widest resnets (8-9), which hold more
     parameters: the queue orders by submodule count."""
-    from gallery_lib.accel.precompile.record import largest_first
+    from gallery_lib.accel.compile.precompile.record import largest_first
 
     deep, wide = nn.Sequential(*(Block(8) for _ in range(3))), Block(64)
     assert sum(p.numel() for p in wide.parameters()) > sum(p.numel() for p in deep.parameters())
@@ -159,7 +159,7 @@ def test_an_error_in_the_recording_forward_stops_the_workers():
 def test_workers_started_early_exit_on_their_own_without_a_queue():
     """A run that fails before its precompile (a bad data folder, say) must not leave workers behind, even when the
     caller never closes them: they give up after their timeout."""
-    from gallery_lib.accel.precompile import CompileWorkers
+    from gallery_lib.accel.compile.precompile import CompileWorkers
 
     workers = CompileWorkers(1, "cpu", timeout_s=2.0)
     try:
@@ -174,7 +174,7 @@ def test_workers_started_early_exit_on_their_own_without_a_queue():
 @pytest.mark.slow  # over 10 s on 2 cores: left out of the fast tier
 def test_meanwhile_runs_once_while_the_workers_have_their_queue():
     """The run's other pre-step work (the attention probe) goes there: the workers are compiling by then."""
-    from gallery_lib.accel.precompile import CompileWorkers
+    from gallery_lib.accel.compile.precompile import CompileWorkers
 
     model, x = Model(), torch.randn(2, 6, 8)
     workers = CompileWorkers(1, "cpu")
@@ -191,7 +191,7 @@ def test_bad_worker_count():
 
 
 def test_finished_graphs_read_from_worker_logs_ignore_partial_lines(tmp_path):
-    from gallery_lib.accel.precompile.parallel import _finished_graphs
+    from gallery_lib.accel.compile.precompile.parallel import _finished_graphs
 
     log = tmp_path / "worker0.log"
     assert _finished_graphs(log) == []  # not written yet
@@ -201,7 +201,7 @@ def test_finished_graphs_read_from_worker_logs_ignore_partial_lines(tmp_path):
 
 
 def test_a_graph_that_fails_to_load_is_reported_and_left_to_the_run():
-    from gallery_lib.accel.precompile.parallel import BlockCall, _Loader
+    from gallery_lib.accel.compile.precompile.parallel import BlockCall, _Loader
 
     broken = BlockCall("a1", (), {}, (), True, cost=1)  # no module to load: _compile_call raises
     loader = _Loader([broken], torch.device("cpu"), {"backend": "inductor"})
@@ -217,9 +217,9 @@ def test_a_second_run_of_the_same_graphs_starts_no_workers(tmp_path, monkeypatch
     plan of the same run starts no workers (its first step loads the graphs), unless it records other graphs."""
     from types import SimpleNamespace
 
-    from gallery_lib.accel.compile_plan import CompilePlan
+    from gallery_lib.accel.compile.plan import CompilePlan
     from gallery_lib.accel.distributed import DistInfo
-    from gallery_lib.accel.precompile import warm
+    from gallery_lib.accel.compile.precompile import warm
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     family = SimpleNamespace(block_types=(Block,), block_modules=(Block.__module__,))
@@ -260,10 +260,10 @@ def test_without_workers_a_run_waits_for_another_compiling_the_same_graphs(tmp_p
     import time
     from types import SimpleNamespace
 
-    from gallery_lib.accel.compile_plan import CompilePlan
+    from gallery_lib.accel.compile.plan import CompilePlan
     from gallery_lib.accel.distributed import DistInfo
-    from gallery_lib.accel.precompile import warm
-    from gallery_lib.accel.precompile.record import backend_flags
+    from gallery_lib.accel.compile.precompile import warm
+    from gallery_lib.accel.compile.precompile.record import backend_flags
 
     monkeypatch.setattr(warm, "marker_dir", lambda: tmp_path / "markers")  # beside the session's compile cache
     family = SimpleNamespace(block_types=(Block,), block_modules=(Block.__module__,))
@@ -410,11 +410,11 @@ def workers_fill_the_cache(load: bool, cache: Path, kernel_builds: Path) -> None
 
 
 def test_workers_copy_the_runs_cpu_code_width():
-    """A run that switched to AVX2-width CPU code (gallery_lib.accel.cpu_codegen) hands that to its workers: their
+    """A run that switched to AVX2-width CPU code (accel/compile/cpu_codegen.py) hands that to its workers: their
     graphs must be the ones the run would compile, or every one of them misses the cache."""
     from torch._inductor import config
 
-    from gallery_lib.accel.precompile.record import apply_flags, backend_flags
+    from gallery_lib.accel.compile.precompile.record import apply_flags, backend_flags
 
     with config.patch({"cpp.simdlen": 256}):
         flags = backend_flags()

@@ -31,8 +31,8 @@ import torch
 import torch.utils.checkpoint
 
 from gallery_lib.config import KERNEL_OPS, RunConfig
-from gallery_lib.accel.compile_plan import CompilePlan
-from gallery_lib.accel.cpu_codegen import use_safe_cpu_codegen
+from gallery_lib.accel.compile.plan import CompilePlan
+from gallery_lib.accel.compile.cpu_codegen import use_safe_cpu_codegen
 from gallery_lib.accel.distributed import DistInfo, apply_zero2, keep_block_graphs_whole_under_ddp, wrap_ddp
 from gallery_lib.accel.precision import Precision
 
@@ -104,7 +104,7 @@ def compile_kwargs(cfg: RunConfig) -> dict[str, Any]:
     """``torch.compile``'s mode, or, with ``coordinate_descent_tuning``, ``tiled_reductions`` or
     ``channels_last_graphs``, the mode's Inductor options plus theirs (``torch.compile`` takes a mode or options, not
     both). The channels_last layout leaves attention's tensors in their own layout (``attention_layout``)."""
-    from gallery_lib.accel.attention_layout import KeepAttentionLayout
+    from gallery_lib.accel.compile.attention_layout import KeepAttentionLayout
 
     mode = None if cfg.compile_mode == "default" else cfg.compile_mode
     extra = {**({"coordinate_descent_tuning": True} if cfg.coordinate_descent_tuning else {}),

@@ -157,7 +157,7 @@ def apply_zero2(model: nn.Module, block_types: Iterable[str], info: DistInfo) ->
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from gallery_lib.accel.compile import block_names
+    from gallery_lib.accel.compile.regional import block_names
 
     template = meta_template(model)
     _contiguous_parameters(model)

@@ -31,7 +31,7 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import nn
 
-from gallery_lib.accel.cpu_codegen import use_safe_cpu_codegen
+from gallery_lib.accel.compile.cpu_codegen import use_safe_cpu_codegen
 from gallery_lib.config.quiet import quiet_known_noise
 
 _MIN_GAIN = 0.01  # a compiled candidate must beat eager by 1%, or eager is kept (fewer recompiles and surprises)

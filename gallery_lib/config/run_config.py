@@ -108,8 +108,8 @@ class RunConfig:
     """``torch.compile`` mode (``max-autotune-no-cudagraphs`` autotunes matmuls without CUDA graphs)."""
     compile_scope: str = setting("model", choices=COMPILE_SCOPES)
     """What ``compile`` compiles: ``model`` (the whole model, one graph) or ``blocks`` (each repeated block in place,
-    ``gallery_lib.accel.compile.regional_compile``: blocks of one shape share a graph, so there is less to compile; with a
-    CUDA-graph ``compile_mode`` each block replays as CUDA graphs)."""
+    ``accel/compile/regional.py``: blocks of one shape share a graph, so there is less to compile; with a CUDA-graph
+    ``compile_mode`` each block replays as CUDA graphs)."""
     coordinate_descent_tuning: bool = setting(False, kind=bool)
     """With ``compile``: Inductor tunes the block sizes of the Triton kernels it generates, one parameter at a time
     (its ``coordinate_descent_tuning``). Faster steps for a much longer first compile: +3.2% after a 300 s warm-up for
@@ -127,13 +127,13 @@ class RunConfig:
     (benchmarks/RESULTS.md#sd15-layout)."""
     precompile_workers: int = setting(0, kind=int, minimum=0)
     """With ``compile_scope='blocks'``: compile the distinct block graphs in this many parallel processes before the
-    first step (``gallery_lib.accel.precompile``), so the warm-up steps only load them. 0 compiles them in the warm-up
-    steps, one after another."""
+    first step (``gallery_lib.accel.compile.precompile``), so the warm-up steps only load them. 0 compiles them in the
+    warm-up steps, one after another."""
     precompile_overlap: bool = setting(True, kind=bool)
     """With ``precompile_workers``: once a worker has exited (its cores are free), the training process loads the
-    block graphs compiled so far, then each as it lands (step 4 of ``gallery_lib.accel.precompile``), so that the first
-    steps find them traced, loaded and run once (on by default: benchmarks/RESULTS.md#sd15-compile-time). ``False``
-    leaves all the loading to the first steps."""
+    block graphs compiled so far, then each as it lands (step 4 of ``gallery_lib.accel.compile.precompile``), so that
+    the first steps find them traced, loaded and run once (on by default: benchmarks/RESULTS.md#sd15-compile-time).
+    ``False`` leaves all the loading to the first steps."""
     precompile_first_use: bool = setting(True, kind=bool)
     """With ``precompile_workers`` on a GPU: while the workers compile, the training process runs each distinct block
     once uncompiled, so that the libraries build their kernels for this GPU before loading needs them (cuDNN compiles

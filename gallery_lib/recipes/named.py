@@ -21,7 +21,7 @@ from __future__ import annotations
 import os
 from typing import Any, Callable
 
-from gallery_lib.accel.graph_choice import (GRAPHS_BY_BATCH, graph_mode_for_batch, graphs_can_replay,
+from gallery_lib.accel.compile.graph_choice import (GRAPHS_BY_BATCH, graph_mode_for_batch, graphs_can_replay,
                                            without_graphs_where_they_cannot_replay)
 from gallery_lib.config import ConfigError, RunConfig, resolve_device, visible_cuda_devices
 

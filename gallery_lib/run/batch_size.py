@@ -20,7 +20,7 @@ from typing import Any, Callable
 import torch
 
 from gallery_lib.config import RunConfig
-from gallery_lib.accel.graph_choice import at_batch_size
+from gallery_lib.accel.compile.graph_choice import at_batch_size
 
 TRIAL_STEPS = 3
 """Training steps per trial: the first steps compile and autotune, which changes peak memory."""

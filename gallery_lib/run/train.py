@@ -9,7 +9,7 @@ The loop is ``_train_from``; each of its parts is a unit of its own:
 - speed hygiene (``step_log.py``): losses and timings stay on the device and are read back every ``log_every``
   steps, step boundaries are CUDA events, and warm-up steps (compilation, autotuning) are reported apart from the
   steady-state figures (``summary.py``);
-- compilation (``accel/compile_plan.py``): precompile workers start before the model is built, the blocks are
+- compilation (``accel/compile/plan.py``): precompile workers start before the model is built, the blocks are
   precompiled before the first step, the summary says what the compile caches did;
 - a non-finite loss skips the optimizer step on every rank, and ``max_nonfinite_steps`` in a row stop the run with a
   checkpoint (``nonfinite.py``);
@@ -40,13 +40,13 @@ import numpy as np
 import torch
 
 from gallery_lib.accel.accelerate import apply_accelerations
-from gallery_lib.accel.compile_plan import CompilePlan
+from gallery_lib.accel.compile.plan import CompilePlan
 from gallery_lib.accel.distributed import (DistInfo, exit_process, gather_full_module, gradient_sync,
                                            init_distributed, reshard, see_only_own_gpu, shutdown)
 from gallery_lib.accel.precision import Precision
 from gallery_lib.accel.torch_switches import set_deterministic_algorithms, set_float32_matmul_precision
 from gallery_lib.config import CUDA_GRAPH_COMPILE_MODES, RunConfig, validate_for_machine
-from gallery_lib.accel.graph_choice import at_batch_size
+from gallery_lib.accel.compile.graph_choice import at_batch_size
 from gallery_lib.run.attention_probe import AttentionProbe
 from gallery_lib.run.batch_size import search_run_batch_size
 from gallery_lib.run.checkpoint import Checkpointer, check_fresh_start, is_own_checkpoint, resume_source

@@ -18,12 +18,12 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import nn
 
-from gallery_lib.accel.compile import compile_phase_seconds, phase_seconds_since
-from gallery_lib.accel.cpu_codegen import use_safe_cpu_codegen
-from gallery_lib.accel.precompile.record import (BlockCall, backend_flags, largest_first, meta_copy, compile_call,
-                                                 record_block_calls, run_eagerly)
-from gallery_lib.accel.precompile.worker import (DONE_PREFIX, IMPORTS_ENV, PHASES_PREFIX, READY_PREFIX, STARTED_SEP,
-                                                 T0_ENV, TIMEOUT_ENV, warm_compile_pool)
+from gallery_lib.accel.compile.regional import compile_phase_seconds, phase_seconds_since
+from gallery_lib.accel.compile.cpu_codegen import use_safe_cpu_codegen
+from gallery_lib.accel.compile.precompile.record import (BlockCall, backend_flags, compile_call, largest_first,
+                                                         meta_copy, record_block_calls, run_eagerly)
+from gallery_lib.accel.compile.precompile.worker import (DONE_PREFIX, IMPORTS_ENV, PHASES_PREFIX, READY_PREFIX,
+                                                         STARTED_SEP, T0_ENV, TIMEOUT_ENV, warm_compile_pool)
 
 @dataclass
 class PrecompileReport:
@@ -122,7 +122,7 @@ class CompileWorkers:
             log_path = Path(self._tmp.name) / f"worker{i}.log"
             with open(log_path, "w") as out:
                 self.procs.append((subprocess.Popen(
-                    [sys.executable, "-m", "gallery_lib.accel.precompile.worker", str(self.queue_path),
+                    [sys.executable, "-m", "gallery_lib.accel.compile.precompile.worker", str(self.queue_path),
                      str(torch.device(device))],
                     stdout=out, stderr=subprocess.STDOUT, env=env), log_path))
 

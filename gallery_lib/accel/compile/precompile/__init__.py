@@ -1,6 +1,6 @@
 """Parallel ahead-of-time compilation of a model's repeated blocks, so regional compilation reaches speed sooner.
 
-Regional compilation (``accel.compile.regional_compile``) compiles each distinct block graph once, but one after the other
+Regional compilation (``regional.regional_compile``) compiles each distinct block graph once, but one after the other
 in the training process: every distinct graph (block class x parameter shapes x input shapes) costs a Dynamo trace,
 AOTAutograd's joint graph and Inductor's lowering and code generation, mostly single-threaded Python.
 ``precompile_blocks`` spreads those distinct graphs over worker processes that compile them at the same time into
@@ -13,13 +13,13 @@ compiles the same blocks, it finds every graph there and only traces and loads.
 2. group: calls of the same block class, with the same parameter, buffer and input metadata and the same plain
    attributes (Dynamo guards on those too: SD's mid-block ResNets differ from their neighbours only in
    ``output_scale_factor``), compile to the same graph: one representative each.
-3. workers (``python -m gallery_lib.accel.precompile.worker QUEUE DEVICE``, ``CompileWorkers``) start before the recording,
-   so that their imports, CUDA context and Inductor compile pool (10-30 s together on a busy machine) come up
-   meanwhile; a training run starts them before it even builds the model. Then they all read meta-device copies of
-   every representative (real buffers, since index buffers must stay valid), ordered largest first. Each worker
-   claims the next unclaimed graph (an exclusive file create: no scheduler, no IPC), runs forward and backward on random inputs of the
-   recorded specs through ``module.compile(**compile_kwargs)``, and takes the next, so a slow graph never leaves
-   other graphs waiting behind it while a worker sits idle.
+3. workers (``python -m gallery_lib.accel.compile.precompile.worker QUEUE DEVICE``, ``CompileWorkers``) start
+   before the recording, so that their imports, CUDA context and Inductor compile pool (10-30 s together on a busy
+   machine) come up meanwhile; a training run starts them before it even builds the model. Then they all read
+   meta-device copies of every representative (real buffers, since index buffers must stay valid), ordered largest
+   first. Each worker claims the next unclaimed graph (an exclusive file create: no scheduler, no IPC), runs forward
+   and backward on random inputs of the recorded specs through ``module.compile(**compile_kwargs)``, and takes the
+   next, so a slow graph never leaves other graphs waiting behind it while a worker sits idle.
 
    Meanwhile, on a GPU (``warm_kernels``), this process runs each representative once uncompiled on a throwaway copy:
    cuDNN builds its attention and convolution kernels for the GPU on a machine's first use of them, 15-20 s for
@@ -41,7 +41,7 @@ The package: ``record.py`` (steps 1-2, and running one recorded graph), ``worker
 ``parallel.py`` (``precompile_blocks``: the workers, the queue, loading as graphs land, the report).
 """
 
-from gallery_lib.accel.precompile.parallel import CompileWorkers, PrecompileReport, precompile_blocks
-from gallery_lib.accel.precompile.record import BlockCall, TensorSpec, record_block_calls
+from gallery_lib.accel.compile.precompile.parallel import CompileWorkers, PrecompileReport, precompile_blocks
+from gallery_lib.accel.compile.precompile.record import BlockCall, TensorSpec, record_block_calls
 
 __all__ = ["BlockCall", "CompileWorkers", "PrecompileReport", "TensorSpec", "precompile_blocks", "record_block_calls"]

@@ -33,7 +33,7 @@ def gallery_backend(gm: torch.fx.GraphModule, example_inputs):
     """The Dynamo backend: the gallery's passes on ``gm``, then Inductor (CUDA graphs on a GPU)."""
     from torch._inductor.compile_fx import compile_fx
 
-    from gallery_lib.accel.cpu_codegen import use_safe_cpu_codegen
+    from gallery_lib.accel.compile.cpu_codegen import use_safe_cpu_codegen
 
     fuse_geglu(gm)
     on_gpu = any(isinstance(t, torch.Tensor) and t.is_cuda for t in example_inputs)

@@ -7,7 +7,7 @@ precompile them from one recorded forward before the first step (``precompile``)
 (``summary``: the precompile report and the compile-cache statistics of this run alone).
 
 A second run of the same graphs on the same machine starts no workers: the first left a marker beside the compiled
-graphs, and its first step loads them from the caches (``accel/precompile/warm.py``). Without workers, a run whose
+graphs, and its first step loads them from the caches (``precompile/warm.py``). Without workers, a run whose
 first step would compile the same block graphs as another run on the machine is compiling now waits for it and loads
 them instead (``first_step_done`` ends this run's own hold).
 """
@@ -32,7 +32,7 @@ class CompilePlan(contextlib.AbstractContextManager):
         self.hint = None
         """With ``precompile_workers``: the coarse key of this kind of run (``precompile.warm``)."""
         if cfg.precompile_workers:  # RunConfig allows it only with compile=True and compile_scope='blocks'
-            from gallery_lib.accel.precompile import warm
+            from gallery_lib.accel.compile.precompile import warm
 
             self.hint = warm.hint_key(cfg.model, cfg.recipe, cfg.batch_size, cfg.image_size, dist.world_size,
                                       dist.device.type)
@@ -50,14 +50,14 @@ class CompilePlan(contextlib.AbstractContextManager):
         """Then: the recording forward that found it out."""
         self._first_step_compiles = None
         """Without workers: (this machine's lock on the block graphs' key, the key) while the first step compiles."""
-        from gallery_lib.accel.compile import compile_cache_stats, compile_phase_seconds
+        from gallery_lib.accel.compile.regional import compile_cache_stats, compile_phase_seconds
 
         # Dynamo's counters live as long as the process (torch._dynamo.reset keeps them): the run reports its own part.
         self._cache_at_start = compile_cache_stats()
         self._phases_at_start = compile_phase_seconds()
 
     def _start_workers(self):
-        from gallery_lib.accel.precompile import CompileWorkers
+        from gallery_lib.accel.compile.precompile import CompileWorkers
 
         # Every rank compiles the same graphs for its own device: the machine's workers are shared out.
         return CompileWorkers(max(1, self.cfg.precompile_workers // self.dist.world_size), self.dist.device,
@@ -71,7 +71,7 @@ class CompilePlan(contextlib.AbstractContextManager):
 
     def compile_blocks(self, model: nn.Module, **compile_kwargs: Any) -> list[str]:
         """Compiles each of the model family's repeated blocks in place (``regional_compile``); returns their names."""
-        from gallery_lib.accel.compile import regional_compile, with_block_defaults
+        from gallery_lib.accel.compile.regional import regional_compile, with_block_defaults
 
         self.blocks = regional_compile(model, self.cfg.model_family.block_types, **compile_kwargs)
         self.compile_kwargs = with_block_defaults(compile_kwargs)  # what was compiled: the workers compile the same
@@ -87,8 +87,8 @@ class CompilePlan(contextlib.AbstractContextManager):
         or else holds them for this run until ``first_step_done``."""
         if not self.blocks or not self.cfg.precompile_workers and self.dist.world_size > 1:
             return False  # (ranks of one run record the same graphs: one waiting would stall the others' collectives)
-        from gallery_lib.accel.precompile import precompile_blocks, record_block_calls, warm
-        from gallery_lib.accel.precompile.record import backend_flags
+        from gallery_lib.accel.compile.precompile import precompile_blocks, record_block_calls, warm
+        from gallery_lib.accel.compile.precompile.record import backend_flags
 
         start = time.perf_counter()
         calls, _ = record_block_calls(model, forward, self.blocks)
@@ -123,7 +123,7 @@ class CompilePlan(contextlib.AbstractContextManager):
     def _compile_once_on_this_machine(self, key: str, graphs: int, log: Callable[[str], Any]) -> None:
         """Holds this machine's lock on ``key`` until the first step has compiled the graphs; when another run holds
         it, waits for that run instead, whose graphs this run's first step then loads."""
-        from gallery_lib.accel.precompile import warm
+        from gallery_lib.accel.compile.precompile import warm
 
         if warm.is_warm(key):
             return
@@ -139,7 +139,7 @@ class CompilePlan(contextlib.AbstractContextManager):
     def first_step_done(self) -> None:
         """The loop's first step has compiled (or loaded) every block graph: marks them warm, ends the hold."""
         if self._first_step_compiles is not None:
-            from gallery_lib.accel.precompile import warm
+            from gallery_lib.accel.compile.precompile import warm
 
             lock, key = self._first_step_compiles
             warm.mark_warm(key, self.hint)
@@ -157,7 +157,8 @@ class CompilePlan(contextlib.AbstractContextManager):
         if self.report is not None:
             record["precompile"] = dataclasses.asdict(self.report)
         if self.cfg.compile:
-            from gallery_lib.accel.compile import compile_cache_stats, describe_compile_cache, phase_seconds_since
+            from gallery_lib.accel.compile.regional import (compile_cache_stats, describe_compile_cache,
+                                                            phase_seconds_since)
 
             now = compile_cache_stats()
             record["compile_cache"] = {key: now[key] - self._cache_at_start.get(key, 0) for key in now}
@@ -170,7 +171,7 @@ class CompilePlan(contextlib.AbstractContextManager):
             if self.cached_key is not None:
                 record["precompile_skipped"] = "graphs in the compile caches from an earlier run"
                 if record["compile_cache"]["aot_autograd_misses"] + record["compile_cache"]["fx_graph_misses"]:
-                    from gallery_lib.accel.precompile import warm
+                    from gallery_lib.accel.compile.precompile import warm
 
                     warm.forget_warm(self.cached_key)  # the caches were emptied: the next run uses workers again
                     log("[gallery]   the compile caches no longer held every graph an earlier run precompiled, so "

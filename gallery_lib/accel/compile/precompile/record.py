@@ -152,7 +152,7 @@ def largest_first(calls: list[BlockCall]) -> list[BlockCall]:
 def backend_flags() -> dict[str, Any]:
     """The process-wide settings that shape the compiled code, for the workers to copy (and the warm-start key): a
     worker's graph must be the one the run would compile. ``cpp_simdlen`` is the run's CPU code width
-    (``gallery_lib.accel.cpu_codegen``)."""
+    (``gallery_lib.accel.compile.cpu_codegen``)."""
     from torch._inductor import config as inductor
 
     return {"matmul_tf32": torch.backends.cuda.matmul.allow_tf32, "cudnn_tf32": torch.backends.cudnn.allow_tf32,

@@ -13,7 +13,7 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
-from gallery_lib.accel.cpu_codegen import use_safe_cpu_codegen
+from gallery_lib.accel.compile.cpu_codegen import use_safe_cpu_codegen
 from gallery_lib.config import families
 
 _RECOMPILE_LIMIT = 64  # one code object serves every block of a class; the default limit (8) is below SD's shapes

@@ -1,4 +1,5 @@
-"""Step 3 of precompilation: the worker process (``python -m gallery_lib.accel.precompile.worker QUEUE DEVICE``).
+"""Step 3 of precompilation: the worker process
+(``python -m gallery_lib.accel.compile.precompile.worker QUEUE DEVICE``).
 
 It warms up (imports, CUDA context, Inductor's compile pool), waits for the queue ``precompile_blocks`` writes,
 then claims and compiles its graphs one at a time (an exclusive file create per graph) until none is left.
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from gallery_lib.accel.precompile.record import apply_flags, compile_call
+from gallery_lib.accel.compile.precompile.record import apply_flags, compile_call
 
 DONE_PREFIX = "compiled "
 STARTED_SEP = ", started at "
@@ -96,7 +97,7 @@ def compile_queue(path: str, device: str) -> None:
     # choices die with this process: the run tunes its own. The flag is in neither Inductor's cache key nor
     # Dynamo's guards, so the cached graphs are the ones the run would compile (test_precompile checks the hits).
     torch.backends.cudnn.benchmark = False
-    from gallery_lib.accel.compile import compile_phase_seconds, phase_seconds_since, raise_recompile_limit
+    from gallery_lib.accel.compile.regional import compile_phase_seconds, phase_seconds_since, raise_recompile_limit
 
     raise_recompile_limit()
     claims = Path(path).parent / "claims"
@@ -113,8 +114,8 @@ def compile_queue(path: str, device: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 2:
-        print("usage: python -m gallery_lib.accel.precompile.worker QUEUE.pt DEVICE  (started by precompile_blocks)",
-              file=sys.stderr)
+        print("usage: python -m gallery_lib.accel.compile.precompile.worker QUEUE.pt DEVICE  "
+              "(started by precompile_blocks)", file=sys.stderr)
         return 2
     compile_queue(args[0], args[1])
     return 0
