@@ -21,6 +21,7 @@ Run from the shell::
 from __future__ import annotations
 
 import argparse
+import functools
 import io
 import json
 import os
@@ -28,9 +29,8 @@ import pathlib
 
 import numpy as np
 from PIL import Image, ImageDraw
-from tqdm.auto import tqdm
 
-from data_prep.manifest import check_int, one_writer, reuse_or_clear, write_manifest
+from data_prep.manifest import check_int, one_writer, reuse_or_clear, write_dataset
 
 METADATA = "metadata.jsonl"
 _GENERATOR = "data_prep.captions"
@@ -86,22 +86,18 @@ def make_caption_folder(
                       writer="make_caption_folder"):
         return root
 
+    lines: list[str] = []  # metadata.jsonl, a line per image as it is drawn: written after the images
+
+    def image(i: int, name: str) -> bytes:
+        png, caption = _render(params, i)
+        lines.append(json.dumps({"file_name": name, "text": caption}) + "\n")
+        return png
+
     names = [f"{i:05d}.png" for i in range(params["num_images"])]
-    files = [f"{_SPLIT}/{name}" for name in names] + [f"{_SPLIT}/{METADATA}"]
-    (root / _SPLIT).mkdir(parents=True, exist_ok=True)
-    # Written first as incomplete: an interrupted run is recognised and cleaned up by the next call.
-    manifest = {"generator": _GENERATOR, "version": _VERSION, "params": params, "complete": False, "files": files}
-    write_manifest(root, manifest)
-    lines = []
-    with tqdm(total=len(names), desc=f"captions -> {root}", unit="img", mininterval=5.0, disable=not progress) as bar:
-        for i, name in enumerate(names):
-            png, caption = _render(params, i)
-            (root / _SPLIT / name).write_bytes(png)
-            lines.append(json.dumps({"file_name": name, "text": caption}) + "\n")
-            bar.update(1)
-    (root / _SPLIT / METADATA).write_text("".join(lines))
-    write_manifest(root, {**manifest, "complete": True})
-    return root
+    files = [(f"{_SPLIT}/{name}", functools.partial(image, i, name)) for i, name in enumerate(names)]
+    files.append((f"{_SPLIT}/{METADATA}", lambda: "".join(lines).encode()))
+    return write_dataset(root, generator=_GENERATOR, version=_VERSION, params=params, files=files,
+                         desc=f"captions -> {root}", progress=progress)
 
 
 def caption_vocabulary() -> list[str]:

@@ -19,15 +19,15 @@ Run from the shell::
 from __future__ import annotations
 
 import argparse
+import functools
 import io
 import os
 import pathlib
 
 import numpy as np
 from PIL import Image, ImageDraw
-from tqdm.auto import tqdm
 
-from data_prep.manifest import check_int, one_writer, reuse_or_clear, write_manifest
+from data_prep.manifest import check_int, one_writer, reuse_or_clear, write_dataset
 
 INSTANCE, CLASS = "instance", "class"
 INSTANCE_PROMPT, CLASS_PROMPT = "a photo of sks dog", "a photo of dog"
@@ -71,18 +71,9 @@ def make_dreambooth_folders(
         return root
     jobs = [(INSTANCE, i) for i in range(params["num_instance_images"])]
     jobs += [(CLASS, i) for i in range(params["num_class_images"])]
-    files = [f"{folder}/{i:05d}.png" for folder, i in jobs]
-    for folder in (INSTANCE, CLASS):
-        (root / folder).mkdir(parents=True, exist_ok=True)
-    manifest = {"generator": _GENERATOR, "version": _VERSION, "params": params, "complete": False, "files": files}
-    write_manifest(root, manifest)
-    with tqdm(total=len(jobs), desc=f"dreambooth -> {root}", unit="img", mininterval=5.0,
-              disable=not progress) as bar:
-        for (folder, i), rel in zip(jobs, files):
-            (root / rel).write_bytes(_render(params, folder, i))
-            bar.update(1)
-    write_manifest(root, {**manifest, "complete": True})
-    return root
+    files = [(f"{folder}/{i:05d}.png", functools.partial(_render, params, folder, i)) for folder, i in jobs]
+    return write_dataset(root, generator=_GENERATOR, version=_VERSION, params=params, files=files,
+                         desc=f"dreambooth -> {root}", progress=progress)
 
 
 def _render(params: dict[str, int], folder: str, index: int) -> bytes:

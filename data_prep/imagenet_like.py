@@ -18,6 +18,7 @@ Run from the shell::
 from __future__ import annotations
 
 import argparse
+import functools
 import colorsys
 import io
 import os
@@ -25,9 +26,8 @@ import pathlib
 
 import numpy as np
 from PIL import Image, ImageDraw
-from tqdm.auto import tqdm
 
-from data_prep.manifest import check_int, one_writer, reuse_or_clear, write_manifest
+from data_prep.manifest import check_int, one_writer, reuse_or_clear, write_dataset
 
 _GENERATOR = "data_prep.imagenet_like"
 _VERSION = 1  # bump when the pictures change, so old folders are regenerated
@@ -71,21 +71,9 @@ def make_imagenet_like(
                       writer="make_imagenet_like"):
         return root
 
-    plan = _plan(params)
-    root.mkdir(parents=True, exist_ok=True)
-    # Written first as incomplete: an interrupted run is recognised and cleaned up by the next call.
-    manifest = {"generator": _GENERATOR, "version": _VERSION, "params": params, "complete": False,
-                "files": [rel for rel, _ in plan]}
-    write_manifest(root, manifest)
-    with tqdm(total=len(plan), desc=f"imagenet-like -> {root}", unit="img", mininterval=5.0,
-              disable=not progress) as bar:
-        for rel, key in plan:
-            path = root / rel
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_bytes(_render_jpeg(params, *key))
-            bar.update(1)
-    write_manifest(root, {**manifest, "complete": True})
-    return root
+    files = [(rel, functools.partial(_render_jpeg, params, *key)) for rel, key in _plan(params)]
+    return write_dataset(root, generator=_GENERATOR, version=_VERSION, params=params, files=files,
+                         desc=f"imagenet-like -> {root}", progress=progress)
 
 
 def class_names(num_classes: int) -> list[str]:

@@ -4,7 +4,8 @@
 incomplete, so an interrupted run is recognised). ``reuse_or_clear`` returns True when the folder already holds
 exactly the requested dataset; otherwise it removes only the files an earlier run of the same generator listed,
 and refuses to write next to data no generator of ours wrote. ``one_writer`` makes a generator take a lock beside
-its root, so that processes preparing the same dataset at once (two notebooks) write it once.
+its root, so that processes preparing the same dataset at once (two notebooks) write it once. ``write_dataset``
+writes a generator's files under that protocol.
 """
 
 from __future__ import annotations
@@ -15,9 +16,10 @@ import functools
 import json
 import os
 import pathlib
-from typing import Any, Callable, Iterable, Iterator, TypeVar
+from typing import Any, Callable, Iterable, Iterator, Sequence, TypeVar
 
 import numpy as np
+from tqdm.auto import tqdm
 
 MANIFEST = "manifest.json"
 _Maker = TypeVar("_Maker", bound=Callable[..., pathlib.Path])
@@ -81,6 +83,24 @@ def write_manifest(root: pathlib.Path, manifest: dict) -> None:
     tmp = root / (MANIFEST + ".tmp")
     tmp.write_text(json.dumps(manifest, indent=1))
     os.replace(tmp, root / MANIFEST)
+
+
+def write_dataset(root: pathlib.Path, *, generator: str, version: int, params: dict,
+                  files: Sequence[tuple[str, Callable[[], bytes]]], desc: str, progress: bool) -> pathlib.Path:
+    """Writes ``files`` (relative path, what makes its bytes), in order, under the manifest's protocol: listed first
+    as incomplete, so that an interrupted run is recognised and cleaned up by the next call, then marked complete."""
+    manifest = {"generator": generator, "version": version, "params": params, "complete": False,
+                "files": [rel for rel, _ in files]}
+    root.mkdir(parents=True, exist_ok=True)
+    write_manifest(root, manifest)
+    with tqdm(total=len(files), desc=desc, unit="file", mininterval=5.0, disable=not progress) as bar:
+        for rel, make in files:
+            path = root / rel
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(make())
+            bar.update(1)
+    write_manifest(root, {**manifest, "complete": True})
+    return root
 
 
 def remove_own_files(root: pathlib.Path, files: list[str]) -> None:
