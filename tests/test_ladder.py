@@ -147,7 +147,7 @@ def test_plan_lists_what_each_rung_changes():
 def test_a_failing_rung_is_reported_and_the_ladder_goes_on(monkeypatch):
     from gallery_lib.run.launch import RunFailed, RunResult
 
-    def fake_launch(cfg, echo=None):
+    def fake_launch(cfg, echo=None, console="all"):
         if cfg.recipe.endswith("amp"):
             raise RunFailed("training exited with code 1\ntorch.OutOfMemoryError: CUDA out of memory. Tried ...")
         return RunResult(cfg, cfg.run_dir, {"samples_per_s": 1.0})

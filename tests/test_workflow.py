@@ -10,9 +10,11 @@ from gallery_lib.run.launch import RunFailed, RunResult
 from gallery_lib.app.workflow import RecipeRuns, run_recipes
 
 
-def _fake_launch(stopping: dict[str, RunFailure], launched: list[str]):
-    def launch(cfg, echo=None):
+def _fake_launch(stopping: dict[str, RunFailure], launched: list[str], consoles: list[str] | None = None):
+    def launch(cfg, echo=None, console="all"):
         launched.append(cfg.recipe)
+        if consoles is not None:
+            consoles.append(console)
         if cfg.recipe in stopping:
             raise RunFailed("training exited with code 1; per-rank logs: ...\nRuntimeError: ...", stopping[cfg.recipe])
         return RunResult(cfg, cfg.run_dir, {"samples_per_s": 1.0, "nonfinite_steps": 0, "final_loss": 2.0})
@@ -46,7 +48,23 @@ def test_a_stopped_recipe_is_recorded_and_the_next_one_runs(tmp_path, monkeypatc
 def test_runs_that_all_finished_raise_nothing(tmp_path, monkeypatch):
     base = base_config("smoke", family="swin_transformer", data_root=str(tmp_path / "data"),
                        output_dir=str(tmp_path / "out"))
-    monkeypatch.setattr("gallery_lib.app.workflow.launch", _fake_launch({}, []))
+    consoles = []
+    monkeypatch.setattr("gallery_lib.app.workflow.launch", _fake_launch({}, [], consoles))
     runs = run_recipes(base, ["baseline"], echo=None)
+    assert consoles == ["result"]  # a notebook shows one line per run
     runs.raise_if_failed()
     assert list(runs.values())[-1].config.recipe == "baseline" and not runs.failures
+
+
+def test_a_notebook_sees_one_line_per_run_and_the_command_line_every_line():
+    from gallery_lib.run.launch import console_line
+    from gallery_lib.run.summary import describe_summary
+
+    done = describe_summary({"samples_per_s": 41.25, "steps": 16, "resumed_from_step": 0, "warmup_steps": 4,
+                             "warmup_time_s": 0.6, "precompile_time_s": 0.0, "peak_mem_mb": 1024.0,
+                             "final_loss": 0.4585})
+    step = "[gallery] step 4/16 | loss 0.8109 | 31.8 img/s"
+    assert [console_line(line, "baseline", "all") for line in (step, done)] == [step, done]
+    assert console_line(step, "baseline", "result") is None
+    assert console_line(done, "baseline", "result") == ("[gallery] baseline: 41.2 img/s (median of 12 steps after "
+                                                        "warm-up), warm-up 0.6 s, peak 1.00 GiB, final loss 0.4585")

@@ -71,25 +71,28 @@ class RecipeRuns(Mapping):
 
 
 def run_recipes(base: RunConfig, recipes: Sequence[RecipeSpec], *,
-                echo: Callable[[str], None] | None = print) -> RecipeRuns:
+                echo: Callable[[str], None] | None = print, console: str = "result") -> RecipeRuns:
     """Launches every recipe on top of ``base``, one after another; a run that stops is recorded in one line and the
-    next one starts. Every config is resolved and checked for this machine before the first run starts."""
-    return launch_all(resolve_recipes(base, recipes), echo=echo)
+    next one starts. Every config is resolved and checked for this machine before the first run starts. A notebook
+    shows one line per run (``console="result"``, with a progress bar); ``console="all"`` shows every line of it,
+    as each run's ``logs/rank0.log`` keeps them."""
+    return launch_all(resolve_recipes(base, recipes), echo=echo, console=console)
 
 
-def launch_all(configs: Sequence[RunConfig], *, echo: Callable[[str], None] | None = print) -> RecipeRuns:
+def launch_all(configs: Sequence[RunConfig], *, echo: Callable[[str], None] | None = print,
+               console: str = "all") -> RecipeRuns:
     """Launches already-resolved run configs one after another (each validated before any starts)."""
     for cfg in configs:
         validate_for_machine(cfg)
     runs = RecipeRuns()
     for cfg in configs:
-        if echo:
+        if echo and console == "all":
             name, _, overrides = cfg.recipe.partition("+")  # "compiled+lr=0.002": a recipe with overrides
             doc = describe(name) if name in all_recipes() else "custom run"
             echo(f"\n=== {cfg.recipe}: {doc}{' (with overrides)' if overrides else ''} ===")
         runs.names.append(cfg.recipe)
         try:
-            runs.finished[cfg.recipe] = launch(cfg, echo=echo)
+            runs.finished[cfg.recipe] = launch(cfg, echo=echo, console=console)
         except RunFailed as exc:
             failure = _against_finished_runs(exc.failure or RunFailure("error", str(exc).splitlines()[0]), cfg, runs)
             failure.write(cfg.run_dir)

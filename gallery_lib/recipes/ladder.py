@@ -260,9 +260,10 @@ class LadderRuns(list):
 
 
 def run_ladder(base: RunConfig, rungs: list[str] | None = None, *, sizes: LadderSizes | None = None,
-               echo: Callable[[str], None] | None = print) -> LadderRuns:
+               echo: Callable[[str], None] | None = print, console: str = "result") -> LadderRuns:
     """Runs the rungs one after another, each in its own training process. Every config is resolved and checked for
-    this machine before the first starts; a rung that fails (out of memory, say) is reported and the ladder goes on."""
+    this machine before the first starts; a rung that fails (out of memory, say) is reported and the ladder goes on.
+    ``console``: one line per rung (``result``) or every line of each (``all``), as ``launch`` takes it."""
     on_gpu = runs_on_gpu(base)
     configs = ladder_configs(base, rungs, sizes=sizes, on_gpu=on_gpu)
     parents = rung_parents(on_gpu)
@@ -275,10 +276,11 @@ def run_ladder(base: RunConfig, rungs: list[str] | None = None, *, sizes: Ladder
         if cfg is None:
             results.append(RungResult(rung, None, failure="needs a GPU", builds_on=parents[name]))
             continue
-        if echo:
+        if echo and console == "all":
             echo(f"\n=== {cfg.recipe}: {describe(cfg.recipe)} ===")
         try:
-            results.append(RungResult(rung, cfg, summary=launch(cfg, echo=echo).summary, builds_on=parents[name]))
+            results.append(RungResult(rung, cfg, summary=launch(cfg, echo=echo, console=console).summary,
+                                      builds_on=parents[name]))
         except RunFailed as exc:
             reason, log = (exc.failure.reason, exc.failure.log) if exc.failure else (failure_reason(str(exc)), None)
             results.append(RungResult(rung, cfg, failure=reason, builds_on=parents[name], log=log))

@@ -29,6 +29,7 @@ from gallery_lib.run.checkpoint import CheckpointError, check_fresh_start, conti
 from gallery_lib.run.failure import STOPPED_PREFIX, RunFailure, clear_failure, failure_from_text, read_failure
 from gallery_lib.run.metrics import read_metrics
 from gallery_lib.run.progress import StepProgress
+from gallery_lib.run.summary import DONE_PREFIX
 from gallery_lib.models import family_env
 
 RDZV_BACKENDS = ("static", "c10d")
@@ -168,11 +169,25 @@ def preflight(cfg: RunConfig) -> str:
     return device
 
 
-def launch(cfg: RunConfig, *, echo: Callable[[str], None] | None = print,
+CONSOLE_MODES = ("all", "result")
+
+
+def console_line(line: str, recipe: str, console: str) -> str | None:
+    """What ``echo`` gets of one line of rank 0's output: every line (``all``, the command line's way), or only the
+    run's result, named by its recipe (``result``, a notebook's way: one line per run, the rest in its log)."""
+    if console == "all":
+        return line
+    return f"[gallery] {recipe}: {line[len(DONE_PREFIX):]}" if line.startswith(DONE_PREFIX) else None
+
+
+def launch(cfg: RunConfig, *, echo: Callable[[str], None] | None = print, console: str = "all",
            progress: bool | None = None, nodes: Nodes = Nodes()) -> RunResult:
     """Runs ``cfg`` to completion in a torchrun subprocess; raises ``RunFailed`` with the log tail on error.
-    ``progress``: a bar over the steps (``gallery_lib.run.progress``); ``None`` shows one in a notebook or a
-    terminal when ``echo`` is on. ``nodes``: this node's part of a job over several (module docstring)."""
+    ``console``: which of rank 0's lines ``echo`` gets (``console_line``). ``progress``: a bar over the steps
+    (``gallery_lib.run.progress``); ``None`` shows one in a notebook or a terminal when ``echo`` is on. ``nodes``: this
+    node's part of a job over several (module docstring)."""
+    if console not in CONSOLE_MODES:
+        raise ConfigError(f"console={console!r} is not known: choose one of {', '.join(CONSOLE_MODES)}.")
     nodes.check(cfg)
     device = preflight(cfg)
     run_dir = cfg.run_dir.resolve()
@@ -193,8 +208,9 @@ def launch(cfg: RunConfig, *, echo: Callable[[str], None] | None = print,
         tail.append(line.rstrip("\n"))
         bar.feed(line)
         stopped = stopped or line.startswith(STOPPED_PREFIX)
-        if echo and not stopped:
-            echo(line.rstrip("\n"))
+        shown = console_line(line.rstrip("\n"), cfg.recipe, console) if echo and not stopped else None
+        if shown is not None:
+            echo(shown)
     code = proc.wait()
     bar.close()
     if code != 0:

@@ -45,10 +45,14 @@ def build_summary(cfg, dist: DistInfo, step_log: StepLog, *, warmup_steps: int, 
     }
 
 
+DONE_PREFIX = "[gallery] done: "
+"""How the run's last console line starts when it finished (``describe_summary``)."""
+
+
 def describe_summary(summary: dict[str, Any]) -> str:
     """The run's last log line."""
     after = f" after {summary['precompile_time_s']:.1f} s of precompilation" if summary["precompile_time_s"] else ""
     steady = summary["steps"] - summary["resumed_from_step"] - summary["warmup_steps"]
-    return (f"[gallery] done: {summary['samples_per_s']:.1f} img/s (median of {steady} steps after warm-up), "
+    return (f"{DONE_PREFIX}{summary['samples_per_s']:.1f} img/s (median of {steady} steps after warm-up), "
             f"warm-up {summary['warmup_time_s']:.1f} s{after}, peak {summary['peak_mem_mb'] / 1024:.2f} GiB, "
             f"final loss {summary['final_loss']:.4f}")
