@@ -102,12 +102,17 @@ def _times_the_step_alone(nb, family_dir: Path) -> None:
     assert step_summary["reuse_batch"] is True and (step_dir / "report.md").exists()
 
 
+def _shown_images(nb) -> list:
+    """The pictures the executed notebook shows: image outputs, and those inlined in a markdown output (a report's
+    figure, shown once inside its report)."""
+    return [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
+            if "image/png" in o.get("data", {}) or "data:image/png" in o.get("data", {}).get("text/markdown", "")]
+
+
 def _exports_and_samples_a_pipeline(nb, family_dir: Path) -> None:
     """The SD notebook: trained parts exported as a diffusers pipeline and sampled from."""
     assert (family_dir / "accelerated" / "pipeline" / "model_index.json").is_file()
-    images = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
-              if "image/png" in o.get("data", {})]
-    assert len(images) >= 3  # data preview, report figure, sampled grid
+    assert len(_shown_images(nb)) >= 3  # data preview, report figure, sampled grid
 
 
 def _shows_the_one_line_optimize_and_the_pipelines(nb, family_dir: Path) -> None:
@@ -121,9 +126,7 @@ def _shows_the_one_line_optimize_and_the_pipelines(nb, family_dir: Path) -> None
 def _samples_the_subject_in_a_bucket(nb, family_dir: Path) -> None:
     """The DreamBooth notebook: the subject and class pictures shown, the grid sampled from the trained weights and
     saved as a PNG."""
-    images = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
-              if "image/png" in o.get("data", {})]
-    assert len(images) >= 3  # data preview, report figure, sampled grid
+    assert len(_shown_images(nb)) >= 3  # data preview, report figure, sampled grid
     assert (family_dir / "accelerated" / "samples.png").stat().st_size > 10_000
     assert "in a bucket" in "\n".join(c.source for c in nb.cells if c.cell_type == "code")
 
