@@ -306,3 +306,15 @@ def test_a_report_of_runs_that_all_stopped_still_writes(tmp_path):
     report = write_report(model_dir, ["baseline"])
     assert report.table == [] and "- baseline: stopped, out of memory\n" in report.markdown
     assert (model_dir / "report.png").stat().st_size > 1000
+
+
+def test_val_top1_shows_only_where_a_run_scored_the_val_split(model_dir):
+    assert "val top-1" not in to_markdown(comparison_table(load_runs(model_dir)))  # no run scored one
+    k = RUNS["baseline"]
+    scored = dict(device_name=GPU, world_size=NPROC, global_batch_size=BATCH * NPROC, samples_per_s=k["samples_per_s"],
+                  final_loss=k["final_loss"], val_top1=0.625, val_loss=1.1, val_images=40)
+    _write_run(model_dir, "baseline", losses=k["losses"], times=k["times"], summary=scored)
+    lines = to_markdown(comparison_table(load_runs(model_dir))).splitlines()
+    assert "| val top-1 |" in lines[0]
+    assert "| 62.5% |" in next(line for line in lines if line.startswith("| baseline |"))
+    assert lines[0].count("|") == lines[2].count("|")  # every row has the column, empty where unmeasured

@@ -387,3 +387,21 @@ def test_one_process_runs_the_training_module_without_torchrun(smoke_data, tmp_p
     result = launch(cfg, echo=None)
     assert result.summary["world_size"] == 1 and result.summary["resumed_from_step"] == 0  # no restart counted
     assert {p.name for p in (result.run_dir / "logs").iterdir()} == {"rank0.log"}
+
+
+def test_a_classifier_run_saves_its_weights_and_scores_the_val_split(smoke_data, tmp_path):
+    cfg = micro_cfg(smoke_data, tmp_path, steps=4, warmup_steps=1, export_model=True, mixup_alpha=0, cutmix_alpha=0,
+                    amp_level="O0")
+    summary = run(cfg)
+    assert summary["exported_to"] == str(cfg.run_dir / "model.pt")
+    assert summary["val_images"] == 20 and 0.0 <= summary["val_top1"] <= 1.0 and summary["val_loss"] > 0
+    saved = torch.load(cfg.run_dir / "model.pt")
+    model = build_model("swin_micro", num_classes=10)
+    model.load_state_dict(saved)  # a plain state dict of the same model: every key, no wrapper prefix
+    # the score is the saved model's own, on the val split through timm's eval transform
+    from gallery_lib.data.classification import validation_loader
+
+    model.eval()
+    correct = sum((model(images).argmax(1) == labels).sum().item()
+                  for images, labels in validation_loader(str(smoke_data), image_size=64, batch_size=8))
+    assert summary["val_top1"] == pytest.approx(correct / 20)

@@ -160,7 +160,8 @@ def summarize(report, reference: str = "baseline") -> str:
         if row.get("cache_s") is not None:
             text += f"; latent cache built in {row['cache_s']:.1f} s before training"
         text += f"; peak memory {row['peak_mem_gib']:.2f} GiB"
-        text += f"; final loss {row['final_loss']:.3f}."
+        text += f"; final loss {row['final_loss']:.3f}"
+        text += f"; validation top-1 {row['val_top1']:.1%}." if row.get("val_top1") is not None else "."
         lines.append(text)
     lines += [f"- {failure.line(name)}." for name, failure in report.failures.items()]
     if any(row["device"] == "CPU" for row in rows.values()):

@@ -15,6 +15,7 @@ the loss is always ``timm.loss.SoftTargetCrossEntropy``. The batches flow throug
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -23,6 +24,7 @@ from PIL import Image
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD, Mixup, auto_augment as timm_aa, create_transform
 from timm.data.random_erasing import RandomErasing
 
+from gallery_lib.data.image_folder import RobustImageFolder
 from gallery_lib.data.loader import TrainLoader, sampled_loader
 
 
@@ -197,3 +199,20 @@ def _posterize_any_bits(img: Image.Image, bits_to_keep: int, **kwargs) -> Image.
     if bits_to_keep <= 0:
         return Image.new(img.mode, img.size)  # keeping no bit leaves every channel at 0
     return timm_aa.posterize(img, bits_to_keep, **kwargs)
+
+
+def validation_loader(data_dir: str, *, image_size: int, batch_size: int,
+                      channels_last: bool = False) -> torch.utils.data.DataLoader | None:
+    """The ``val`` split as float, normalised batches through timm's eval transform (resize, centre crop), in the
+    training process; ``None`` when ``data_dir`` has no ``val`` split."""
+    if not (Path(data_dir) / "val").is_dir():
+        return None
+    dataset = RobustImageFolder(data_dir, split="val", transform=create_transform(image_size, is_training=False))
+    collate = None
+    if channels_last:
+        def collate(batch):
+            images, labels = torch.utils.data.default_collate(batch)
+            return images.contiguous(memory_format=torch.channels_last), labels
+    return torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=False, num_workers=0,
+                                       collate_fn=collate)
+

@@ -53,9 +53,11 @@ _COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("warmup_s", "warm-up/compile (s)", "{:.1f}"),
     ("peak_mem_gib", "peak memory (GiB), reserved on a GPU", "{:.2f}"),
     ("final_loss", "final loss", "{:.4f}"),
+    ("val_top1", "val top-1", "{:.1%}"),
     ("skipped_samples", "skipped samples", "{}"),
     ("finished", "finished", "{}"),
 )
+_OPTIONAL_COLUMNS = {"val_top1"}
 
 
 @dataclass
@@ -178,6 +180,7 @@ def comparison_table(runs: list[RunRecord], reference: str = "baseline") -> list
             "peak_mem_gib": (s["peak_reserved_mb"] or s["peak_mem_mb"]) / 1024 if s["peak_mem_mb"] is not None
             else None,
             "final_loss": s["final_loss"],
+            "val_top1": s["val_top1"],
             "skipped_samples": s["skipped_samples"],
             "finished": run.finished,
             "run_dir": str(run.run_dir),
@@ -186,12 +189,14 @@ def comparison_table(runs: list[RunRecord], reference: str = "baseline") -> list
 
 
 def to_markdown(table: list[dict[str, Any]], reference: str = "baseline") -> str:
-    """The table as GitHub markdown, with units in the headers and a legend line under it."""
-    headers = [h.format(reference=reference) for _, h, _ in _COLUMNS]
+    """The table as GitHub markdown, with units in the headers and a legend line under it; a column no run has a
+    figure for (val top-1 of a text-to-image model) is left out."""
+    columns = [c for c in _COLUMNS if c[0] not in _OPTIONAL_COLUMNS or any(row[c[0]] is not None for row in table)]
+    headers = [h.format(reference=reference) for _, h, _ in columns]
     lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
     for row in table:
         cells = []
-        for key, _, fmt in _COLUMNS:
+        for key, _, fmt in columns:
             text = _fmt(row[key], fmt)
             if key == "median_step_ms" and row[key] is not None:
                 text += f" [{_fmt(row['p20_step_ms'], fmt)}-{_fmt(row['p80_step_ms'], fmt)}]"
@@ -323,6 +328,7 @@ def _run_stats(run: RunRecord) -> dict[str, Any]:
         "train_flops_per_sample": None,
         "matmul_tflops": None,
         "cache_time_s": None,
+        "val_top1": None,
     }
     if run.summary is not None:
         stats.update({k: v for k, v in run.summary.items() if k in stats})

@@ -240,8 +240,12 @@ def _train_from(setup_start: float, cfg: RunConfig, dist: DistInfo, plan: Compil
         trained = _exported_module(model, ema, accelerated.template, dist)
         if dist.is_main:
             summary["exported_to"] = task.export(cfg.run_dir, trained)
-        if summary.get("exported_to"):  # classifiers export nothing: their checkpoints are the model
+            summary.update(task.evaluate(trained))
+        if summary.get("exported_to"):
             log(f"[gallery] saved the trained model to {summary['exported_to']}")
+        if "val_top1" in summary:
+            log(f"[gallery] validation: top-1 {summary['val_top1']:.1%} of {summary['val_images']} images, "
+                f"loss {summary['val_loss']:.4f}")
     if writer:
         writer.write(summary)
         writer.close()

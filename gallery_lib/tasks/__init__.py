@@ -7,10 +7,11 @@ The loop in ``train.py`` is the same for every model; a task supplies the four t
 - ``dataset``: the data source, which counts and judges unreadable samples (``skipped``, ``check_bad_fraction``);
 - ``loss(module, batch, precision)``: one forward pass and the scalar loss, run by the loop before ``backward``.
 
-Plus ``describe()`` for the log's first line, ``train_flops_per_sample()`` for MFU, ``summary()`` for task-specific numbers in the run summary (e.g. the
-latent-cache time) and ``export(run_dir, model)`` to save the trained model at the end: ``model`` is what to save (the EMA
-of the weights when the run keeps one), a plain module on the CPU or the device (a ZeRO-2 run gathers its shards into
-one first), given on rank 0 only.
+Plus ``describe()`` for the log's first line, ``train_flops_per_sample()`` for MFU, ``summary()`` for task-specific
+numbers in the run summary (e.g. the latent-cache time), ``export(run_dir, model)`` to save the trained model at the
+end and ``evaluate(model)`` for what it scores on held-out data (an empty dict where the task has none): ``model`` is
+the trained one (the EMA of the weights when the run keeps one), a plain module on the CPU or the device (a ZeRO-2 run
+gathers its shards into one first), given on rank 0 only.
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ class Task(Protocol):
     def train_flops_per_sample(self) -> float | None: ...
 
     def export(self, run_dir, model: torch.nn.Module) -> str | None: ...
+
+    def evaluate(self, model: torch.nn.Module) -> dict[str, Any]: ...
 
 
 def build_task(cfg, dist, precision) -> Task:

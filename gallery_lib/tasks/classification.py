@@ -71,7 +71,7 @@ class ClassificationTask:
     def __init__(self, cfg, dist, precision) -> None:
         from gallery_lib.data import RobustImageFolder, build_train_loader
 
-        self.cfg = cfg
+        self.cfg, self.precision = cfg, precision
         opts: ClassificationOptions = cfg.options
         self.dataset = RobustImageFolder(cfg.data_dir, split="train")
         self.pipeline = opts.for_device(dist.device.type).image_pipeline
@@ -122,7 +122,34 @@ class ClassificationTask:
         return {}
 
     def export(self, run_dir, model: torch.nn.Module) -> str | None:
-        return None  # classifiers keep their checkpoints; there is no pipeline to assemble
+        """Saves the trained weights (the EMA's when the run keeps one) as ``<run_dir>/model.pt``, a plain state dict
+        that ``--pretrained`` loads (timm's checkpoint loader); returns the path."""
+        path = Path(run_dir) / "model.pt"
+        plain = getattr(model, "_orig_mod", model)  # a model compiled whole saves its own module's keys
+        torch.save({name: tensor.detach().cpu() for name, tensor in plain.state_dict().items()}, path)
+        return str(path)
+
+    def evaluate(self, model: torch.nn.Module) -> dict[str, Any]:
+        """Top-1 accuracy and loss on the ``val`` split (timm's eval transform: resize, centre crop), with the run's
+        autocast; nothing when the data has no ``val`` split."""
+        from gallery_lib.data.classification import validation_loader
+
+        loader = validation_loader(self.cfg.data_dir, image_size=self.cfg.image_size, batch_size=self.cfg.batch_size,
+                                   channels_last=self.cfg.channels_last)
+        if loader is None:
+            return {}
+        device = next(model.parameters()).device
+        was_training, correct, seen, loss_sum = model.training, 0, 0, 0.0
+        model.eval()
+        with torch.no_grad(), self.precision.autocast():
+            for images, labels in loader:
+                images, labels = images.to(device), labels.to(device)
+                logits = model(images).float()
+                loss_sum += torch.nn.functional.cross_entropy(logits, labels, reduction="sum").item()
+                correct += (logits.argmax(1) == labels).sum().item()
+                seen += labels.numel()
+        model.train(was_training)
+        return {"val_top1": correct / seen, "val_loss": loss_sum / seen, "val_images": seen} if seen else {}
 
 
 def _timm_soft_cross_entropy():

@@ -218,6 +218,9 @@ class DreamBoothTask(TextToImageTask):
         trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
         return {"cache_time_s": self.cache_time_s, "trainable_parameters": trainable, "lora_rank": self.cfg.lora_rank}
 
+    def evaluate(self, model: torch.nn.Module) -> dict[str, Any]:
+        return {}  # no held-out score: the report's sample grid shows what the model learned
+
     def export(self, run_dir: str | Path, model: torch.nn.Module) -> str:
         """Full fine-tuning: a diffusers pipeline folder in ``<run_dir>/pipeline``. LoRA: the adapters (the EMA's
         when there is one) in ``<run_dir>/lora`` and, for a random-init base, the base pipeline in
