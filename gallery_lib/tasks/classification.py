@@ -123,7 +123,7 @@ class ClassificationTask:
 
     def export(self, run_dir, model: torch.nn.Module) -> str | None:
         """Saves the trained weights (the EMA's when the run keeps one) as ``<run_dir>/model.pt``, a plain state dict
-        that ``--pretrained`` loads (timm's checkpoint loader); returns the path."""
+        (``--pretrained`` takes it for the timm models, through timm's checkpoint loader); returns the path."""
         path = Path(run_dir) / "model.pt"
         plain = getattr(model, "_orig_mod", model)  # a model compiled whole saves its own module's keys
         torch.save({name: tensor.detach().cpu() for name, tensor in plain.state_dict().items()}, path)
