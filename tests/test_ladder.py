@@ -192,3 +192,15 @@ def test_the_smoke_ladder_reaches_the_sd_notebooks_batch_at_its_batch_rung():
     assert default_sizes(base_config("smoke", family="stable_diffusion")).large_batch == 8  # gallery train's rungs
     full = ladder_base("full", data_root="/data")
     assert (full.batch_size, default_sizes(full).large_batch, default_sizes(full).checkpointing_batch) == (8, 48, 96)
+
+
+def test_the_talks_a100_marks_are_drawn_beside_gpu_rungs_only():
+    from gallery_lib.reports.ladder import ladder_figure
+
+    results = [_result("tf32", 10.0, 60), _result("amp", 12.0, 62)]
+    on_gpu = ladder_figure(ladder_rows(results))
+    assert all(any(line.get_label().startswith("the talk") for line in ax.get_lines()) for ax in on_gpu.axes)
+    for result in results:
+        result.summary["device_name"] = "CPU"
+    on_cpu = ladder_figure(ladder_rows(results))
+    assert not any(ax.get_lines() for ax in on_cpu.axes) and "not its speed" in on_cpu.texts[0].get_text()

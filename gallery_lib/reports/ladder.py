@@ -97,8 +97,9 @@ def _failure_line(row: dict[str, Any]) -> str:
 
 def ladder_figure(rows: list[dict[str, Any]]) -> Figure:
     """(a) cumulative speedup per rung, (b) peak memory per rung, for the rungs that ran; the talk's A100 figures as
-    black markers."""
+    black markers where the rungs ran on a GPU (a CPU's smoke figures are not comparable with them)."""
     rows = _ran(rows)
+    on_cpu = any(row["device"] == "CPU" for row in rows)
     fig = _ReportFigure(figsize=(12, 8), layout="constrained")
     ax_speed, ax_mem = fig.subplots(2, 1, sharex=True)
     x = range(len(rows))
@@ -112,7 +113,7 @@ def ladder_figure(rows: list[dict[str, Any]]) -> Figure:
         ax.bar([0], [0], color="C1", label="past the talk, this machine")
         ax.bar_label(bars, labels=[fmt.format(row[key]) if row[key] is not None else "" for row in rows],
                      padding=2, fontsize=8)
-        talk = [(i, row[talk_key]) for i, row in enumerate(rows) if row[talk_key] is not None]
+        talk = [] if on_cpu else [(i, row[talk_key]) for i, row in enumerate(rows) if row[talk_key] is not None]
         if talk:
             ax.plot(*zip(*talk), "kD--", label="the talk (one 80 GB A100)")
         ax.set(title=title, ylabel=unit)
@@ -121,7 +122,8 @@ def ladder_figure(rows: list[dict[str, Any]]) -> Figure:
         ax.legend(loc="upper center", ncols=3, fontsize=8)
     ax_mem.set_xticks(list(x), labels, rotation=35, ha="right")
     device = next((row["device"] for row in rows if row["device"]), "no rung ran")
-    fig.suptitle(f"Stable Diffusion UNet training, rung by rung, on {device}")
+    caveat = " (CPU smoke figures: they check each rung's code path, not its speed)" if on_cpu else ""
+    fig.suptitle(f"Stable Diffusion UNet training, rung by rung, on {device}{caveat}")
     return fig
 
 
