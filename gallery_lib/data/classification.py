@@ -59,13 +59,11 @@ class ClassificationBatches:
         return images, targets
 
 
-
 def smooth_one_hot(labels: torch.Tensor, num_classes: int, smoothing: float = 0.0) -> torch.Tensor:
     """One-hot float targets with label smoothing, timm's convention: ``smoothing`` spread over all classes."""
     off = smoothing / num_classes
     targets = torch.full((labels.shape[0], num_classes), off, device=labels.device)
     return targets.scatter_(1, labels.long().view(-1, 1), 1.0 - smoothing + off)
-
 
 
 def build_train_loader(
@@ -175,10 +173,8 @@ def build_train_loader(
     return TrainLoader(loader, dataset, finish=finish)
 
 
-
 def _then(first: Callable, second: Callable) -> Callable:
     return lambda batch: second(first(batch))
-
 
 
 def _make_posterize_pillow_safe(transform) -> None:

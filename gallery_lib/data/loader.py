@@ -93,7 +93,6 @@ class TrainLoader:
         return self.finish(batch)
 
 
-
 def sampled_loader(dataset: torch.utils.data.Dataset, *, batch_size: int, device: torch.device, num_workers: int,
                    seed: int, world_size: int = 1, rank: int = 0, pin_memory: bool | None = None,
                    persistent_workers: bool = True, prefetch_factor: int | None = None,
@@ -115,7 +114,6 @@ def sampled_loader(dataset: torch.utils.data.Dataset, *, batch_size: int, device
         SampleSeeded(dataset, seed), batch_size=batch_size, sampler=sampler, num_workers=num_workers,
         drop_last=True, pin_memory=device.type == "cuda" if pin_memory is None else pin_memory, collate_fn=collate_fn,
         generator=torch.Generator().manual_seed(_rank_seed(seed, rank)), **workers_kw)
-
 
 
 class EpochTaggedSampler(torch.utils.data.Sampler):
