@@ -422,3 +422,39 @@ def test_workers_copy_the_runs_cpu_code_width():
     with config.patch({"cpp.simdlen": None}):
         apply_flags(flags)  # as a worker does with the run's flags
         assert config.cpp.simdlen == 256
+
+
+def _cache_key_switches():
+    """The process-wide switches Inductor's FX graph cache key reads (torch/_inductor/codecache.py)."""
+    matmul = torch.backends.cuda.matmul
+    return (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
+            matmul.fp32_precision, matmul.allow_fp16_reduced_precision_reduction,
+            matmul.allow_bf16_reduced_precision_reduction, torch.get_default_dtype())
+
+
+def test_workers_copy_the_switches_the_cache_key_reads():
+    """A process that ran a fast run ("high" matmul precision) and then a deterministic one ("highest") keys its
+    graphs with fp32_precision "ieee", a fresh worker with "none": the worker copies the exact value, or every graph
+    it compiles misses the run's cache (seen on a GPU after another test's run in the same process)."""
+    from gallery_lib.accel.compile.precompile.record import apply_flags, backend_flags
+
+    matmul = torch.backends.cuda.matmul
+    saved = (_cache_key_switches(), torch.get_float32_matmul_precision())
+    try:
+        torch.set_float32_matmul_precision("high")
+        torch.set_float32_matmul_precision("highest")
+        torch.use_deterministic_algorithms(True, warn_only=False)
+        matmul.allow_bf16_reduced_precision_reduction = False
+        run_switches, flags = _cache_key_switches(), backend_flags()
+        assert run_switches[2] == "ieee"
+        matmul.fp32_precision = "none"  # as in a fresh worker
+        torch.use_deterministic_algorithms(False)
+        matmul.allow_bf16_reduced_precision_reduction = True
+        apply_flags(flags)
+        assert _cache_key_switches() == run_switches
+    finally:
+        (det, warn_only, precision, fp16, bf16, _), legacy = saved
+        torch.set_float32_matmul_precision(legacy)
+        matmul.fp32_precision = precision
+        torch.use_deterministic_algorithms(det, warn_only=warn_only)
+        matmul.allow_fp16_reduced_precision_reduction, matmul.allow_bf16_reduced_precision_reduction = fp16, bf16

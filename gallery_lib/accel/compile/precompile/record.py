@@ -151,13 +151,21 @@ def largest_first(calls: list[BlockCall]) -> list[BlockCall]:
 
 def backend_flags() -> dict[str, Any]:
     """The process-wide settings that shape the compiled code, for the workers to copy (and the warm-start key): a
-    worker's graph must be the one the run would compile. ``cpp_simdlen`` is the run's CPU code width
-    (``gallery_lib.accel.compile.cpu_codegen``)."""
+    worker's graph must be the one the run would compile. They are the settings Inductor's cache key reads, copied
+    exactly: a process that set fp32 matmul precision to "high" and back to "highest" keys its graphs apart from a
+    fresh one (``fp32_precision`` "ieee" against "none"), so the legacy switches alone are not enough.
+    ``cpp_simdlen`` is the run's CPU code width (``gallery_lib.accel.compile.cpu_codegen``)."""
     from torch._inductor import config as inductor
 
-    return {"matmul_tf32": torch.backends.cuda.matmul.allow_tf32, "cudnn_tf32": torch.backends.cudnn.allow_tf32,
+    matmul = torch.backends.cuda.matmul
+    return {"matmul_tf32": matmul.allow_tf32, "cudnn_tf32": torch.backends.cudnn.allow_tf32,
             "float32_matmul_precision": torch.get_float32_matmul_precision(),
-            "deterministic": torch.are_deterministic_algorithms_enabled(), "cpp_simdlen": inductor.cpp.simdlen}
+            "matmul_fp32_precision": getattr(matmul, "fp32_precision", None),
+            "matmul_reduced_precision": (matmul.allow_fp16_reduced_precision_reduction,
+                                         matmul.allow_bf16_reduced_precision_reduction),
+            "deterministic": torch.are_deterministic_algorithms_enabled(),
+            "deterministic_warn_only": torch.is_deterministic_algorithms_warn_only_enabled(),
+            "default_dtype": str(torch.get_default_dtype()), "cpp_simdlen": inductor.cpp.simdlen}
 
 
 def apply_flags(flags: dict[str, Any]) -> None:
@@ -167,8 +175,18 @@ def apply_flags(flags: dict[str, Any]) -> None:
 
     torch_switches.set_float32_matmul_precision(flags["float32_matmul_precision"])
     torch_switches.set_tf32(matmul=flags["matmul_tf32"], cudnn=flags["cudnn_tf32"])
-    torch_switches.set_deterministic_algorithms(flags["deterministic"])
-
+    matmul = torch.backends.cuda.matmul
+    if flags["matmul_fp32_precision"] is not None and matmul.fp32_precision != flags["matmul_fp32_precision"]:
+        matmul.fp32_precision = flags["matmul_fp32_precision"]  # after the legacy switches, which set it too
+    fp16, bf16 = flags["matmul_reduced_precision"]
+    if matmul.allow_fp16_reduced_precision_reduction != fp16:
+        matmul.allow_fp16_reduced_precision_reduction = fp16
+    if matmul.allow_bf16_reduced_precision_reduction != bf16:
+        matmul.allow_bf16_reduced_precision_reduction = bf16
+    if (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()) != (
+            flags["deterministic"], flags["deterministic_warn_only"]):
+        torch.use_deterministic_algorithms(flags["deterministic"], warn_only=flags["deterministic_warn_only"])
+    torch.set_default_dtype(getattr(torch, flags["default_dtype"].removeprefix("torch.")))
     inductor.cpp.simdlen = flags["cpp_simdlen"]
 
 
