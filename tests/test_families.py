@@ -89,3 +89,16 @@ def test_a_new_family_runs_baseline_and_accelerated_through_the_gallery(toy, tmp
     assert saved["fused_loss"] is True and RunConfig.load(tmp_path / "out/toy_convnet/accelerated/config.json") == (
         results["accelerated"].config)
     assert "accelerated" in compare(base, list(results)).markdown
+
+
+@pytest.mark.parametrize("module", ["gallery_lib.models.stable_diffusion", "gallery_lib.models.dreambooth"])
+def test_a_family_module_imported_first_loads_every_family(module):
+    """A fresh process that imports one family module before anything else (a test, a user's script) gets that
+    family and all the others: registering the first one does not import its neighbours while it is half-built."""
+    import subprocess
+    import sys
+
+    code = f"import {module}; from gallery_lib.models import FAMILIES; print(sorted(FAMILIES))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "'dreambooth', 'resnet50', 'stable_diffusion', 'swin_transformer'" in out.stdout

@@ -54,7 +54,11 @@ def _load_families() -> None:
 
 def register_family(family: ModelFamily) -> ModelFamily:
     """Adds ``family`` and its models; a model name may belong to one family only."""
-    _load_families()  # the built-in families first, whoever registers first
+    module = sys._getframe(1).f_globals.get("__name__", "")
+    if not module.startswith("gallery_lib."):
+        # The built-in families first, so a name they hold is refused. Not while a built-in module registers
+        # itself: importing the others then would import it again half-built (dreambooth imports stable_diffusion).
+        _load_families()
     taken = [spec.name for spec in family.models if _FAMILY_OF_MODEL.get(spec.name, family.name) != family.name]
     if taken:
         raise ValueError(f"model name(s) {taken} already belong to another family")
@@ -63,7 +67,6 @@ def register_family(family: ModelFamily) -> ModelFamily:
     for spec in family.models:
         _MODELS[spec.name] = ModelSpec(**{**spec.__dict__, "family": family.name})
         _FAMILY_OF_MODEL[spec.name] = family.name
-    module = sys._getframe(1).f_globals.get("__name__", "")
     if not module.startswith("gallery_lib."):
         _EXTERNAL[family.name] = (module, _import_root(module))
     return family
