@@ -25,6 +25,7 @@ _PUBLIC = {
     "dreambooth_preview": "gallery_lib.reports.sampling",
     "load_pipeline": "gallery_lib.reports.sampling",
     "sample_grid": "gallery_lib.reports.sampling",
+    "compare_samples": "gallery_lib.reports.sampling",
     "RunConfig": "gallery_lib.config",
     "register_family": "gallery_lib.models",
     "optimize": "gallery_lib.accel.optimize",
