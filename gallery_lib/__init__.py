@@ -30,6 +30,7 @@ _PUBLIC = {
     "register_family": "gallery_lib.models",
     "optimize": "gallery_lib.accel.optimize",
     "accelerate": "gallery_lib.accel.your_model",
+    "add_ema": "gallery_lib.accel.your_model",
     "use_channels_last": "gallery_lib.accel.your_model",
     "fuse_kernels": "gallery_lib.accel.your_model",
     "fuse_attention": "gallery_lib.accel.your_model",

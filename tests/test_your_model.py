@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import gallery_lib
-from gallery_lib.accel.your_model import (Change, accelerate, compile_blocks, fuse_attention, fuse_kernels,
+from gallery_lib.accel.your_model import (Change, accelerate, add_ema, compile_blocks, fuse_attention, fuse_kernels,
                                           repeated_block_type, use_channels_last)
 
 RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "RESULTS.md"
@@ -55,7 +55,7 @@ def _losses(model: nn.Module, steps: int = 3) -> list[float]:
 
 
 def test_the_calls_are_public_and_documented_with_an_example():
-    for name in ("accelerate", "use_channels_last", "fuse_kernels", "fuse_attention", "compile_blocks"):
+    for name in ("accelerate", "use_channels_last", "fuse_kernels", "fuse_attention", "compile_blocks", "add_ema"):
         assert name in gallery_lib.__all__
         call = getattr(gallery_lib, name)
         assert call.__doc__ and "    " in call.__doc__ and name in call.__doc__, name  # an indented example
@@ -128,10 +128,30 @@ def test_the_repeated_block_is_found_in_models_no_family_has(tiny_unet):
     assert "BasicTransformerBlock" not in change.what and "Transformer2DModel" in change.what
 
 
+def test_an_ema_says_how_it_updates_on_this_machine():
+    """On a CPU ``auto`` updates with PyTorch's multi-tensor ops; ``fused`` asked for there falls back and says
+    why; the average moves by ``1 - decay`` of the distance to the weights (no warm-up ramp)."""
+    model = TinyTransformer()
+    said: list[str] = []
+    ema = add_ema(model, decay=0.9, ratio_warmup=False, echo=said.append)
+    assert ema.effective_mode == "foreach" and said == [str(ema.change)]
+    assert ema.change.what == "foreach update, decay 0.9"
+    ema.update(model)  # the first update copies the weights
+    before = model.head.weight.detach().clone()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    ema.update(model)  # then each moves 1 - decay of the way
+    torch.testing.assert_close(ema.module.head.weight, before + 0.1)
+    fused = add_ema(model, mode="fused", echo=None)
+    assert fused.effective_mode == "foreach" and "(fused asked, but the EMA lives on cpu)" in fused.change.what
+
+
 def test_every_change_points_at_a_section_results_has(tiny_unet):
     anchors = set(re.findall(r'<a id="([^"]+)"></a>', RESULTS.read_text(encoding="utf-8")))
     changes = [use_channels_last(TinyTransformer()), fuse_kernels(copy.deepcopy(tiny_unet), ops=["geglu"]),
-               fuse_attention(TinyTransformer()), compile_blocks(TinyTransformer())]
+               fuse_attention(TinyTransformer()), compile_blocks(TinyTransformer()),
+               add_ema(TinyTransformer(), echo=None).change]
     for change in changes:
         assert isinstance(change, Change) and change.why
         assert change.measured.split("#")[1] in anchors, change.measured

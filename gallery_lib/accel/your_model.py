@@ -4,12 +4,13 @@ Each call changes the module in place (parameters, ``state_dict`` keys and attri
 a ``Change``: what it did on this model, the one-line reason it helps, and where the measurement behind it is.
 The calls compose, in the order ``accelerate`` applies them (the order of ``accel/accelerate.py``)::
 
-    from gallery_lib import compile_blocks, fuse_attention, fuse_kernels, use_channels_last
+    from gallery_lib import add_ema, compile_blocks, fuse_attention, fuse_kernels, use_channels_last
 
     print(use_channels_last(model))   # channels_last: 53 conv weights in NHWC layout ...
     print(fuse_kernels(model))        # fused kernels: swapped 16: geglu=16 ...
     print(fuse_attention(model))      # fused attention: 32 diffusers attention layers ...
-    print(compile_blocks(model))      # compiled blocks: 12 of BasicTransformerBlock, ResnetBlock2D ...
+    print(compile_blocks(model))      # compiled blocks: 12 blocks compiled in place ...
+    ema = add_ema(model, optimizer)   # EMA of the weights: stream update ...
 
 or all that suit the machine at once: ``changes = accelerate(model)``. A family's runs go through the same calls
 (``accel/accelerate.py``), so a model trained with a gallery recipe and one accelerated here get the same code.
@@ -166,6 +167,36 @@ def _outermost(model: nn.Module, cls: type) -> list[nn.Module]:
                 visit(child)
     visit(model)
     return found
+
+
+def add_ema(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, decay: float = 0.9999,
+            mode: str = "auto", ratio_warmup: bool = True, echo: Callable[[str], Any] | None = print, **options: Any):
+    """An EMA of ``model``'s weights (``gallery_lib.accel.ema.ModelEma``: call ``ema.update(model)`` after each
+    optimizer step, ``ema.module`` for the averaged model). ``mode="auto"`` updates on a side CUDA stream with one
+    fused kernel on a GPU (``stream``; the next optimizer step waits for it, so pass ``optimizer``), and with
+    PyTorch's multi-tensor ops on a CPU (``foreach``); ``ratio_warmup`` is diffusers' ``(1 + step) / (10 + step)``
+    decay ramp. ``echo`` gets the change (``ema.change``).
+
+        ema = add_ema(unet, optimizer)
+        ...
+        optimizer.step(); ema.update(unet)
+    """
+    from gallery_lib.accel.ema import ModelEma, ema_mode_on
+
+    device_type = next(model.parameters()).device.type
+    asked = ("stream" if device_type == "cuda" else "foreach") if mode == "auto" else mode
+    effective, fallback = ema_mode_on(asked, device_type)  # said in the change, so ModelEma need not warn of it
+    ema = ModelEma(model, decay=decay, ratio_warmup=ratio_warmup, mode=effective, **options)
+    if ema.effective_mode == "stream" and optimizer is not None:
+        ema.attach_optimizer(optimizer)  # the next optimizer step waits for the side-stream update
+    because = f" ({asked} asked, but {fallback})" if fallback else ""
+    warmup = " after diffusers' (1 + step) / (10 + step) warm-up" if ratio_warmup else ""
+    ema.change = Change("EMA of the weights", f"{ema.effective_mode} update{because}, decay {decay}{warmup}",
+                        "one fused update kernel on a side stream, beside the next forward, instead of a kernel per "
+                        "tensor on the main stream", f"{RESULTS}#ema")
+    if echo is not None:
+        echo(str(ema.change))
+    return ema
 
 
 def accelerate(model: nn.Module, *, device_type: str | None = None, compile: bool = True,
