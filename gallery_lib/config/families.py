@@ -100,6 +100,25 @@ def build_model(name: str, **kwargs):
     return family_of(name).build(name, **kwargs)
 
 
+def import_family_module(path: str | os.PathLike) -> str:
+    """Imports a family module from a file (``gallery --family-module examples/toy_family.py``): its folder joins
+    ``sys.path`` and the module, imported by its name, registers its family; returns the module's name. The training
+    processes import it again (``family_env``)."""
+    file = Path(path).expanduser().resolve()
+    if file.suffix != ".py" or not file.is_file():
+        raise ConfigError(f"--family-module {path}: no such Python file; name the module that registers your family, "
+                          "e.g. examples/toy_family.py.")
+    if str(file.parent) not in sys.path:
+        sys.path.insert(0, str(file.parent))
+    _load_families()  # the built-in ones first: a model name they hold is refused, not shadowed
+    before = set(_FAMILIES)
+    importlib.import_module(file.stem)
+    if not set(_FAMILIES) - before and not any(module == file.stem for module, _ in _EXTERNAL.values()):
+        raise ConfigError(f"--family-module {path}: importing it registered no family; call "
+                          "gallery_lib.models.register_family(ModelFamily(...)) at its top level.")
+    return file.stem
+
+
 def family_env(family: ModelFamily) -> dict[str, str]:
     """Environment that makes a training subprocess register ``family`` too, when it lives outside gallery_lib."""
     if family.name not in _EXTERNAL:
