@@ -42,6 +42,8 @@ _PUBLIC = {
     "ladder_base": "gallery_lib.recipes.ladder",
     "ladder_plan": "gallery_lib.reports.ladder",
     "ladder_report": "gallery_lib.reports.ladder",
+    "StepLadder": "gallery_lib.reports.step_ladder",
+    "StepTimer": "gallery_lib.run.timing",
 }
 __all__ = sorted(_PUBLIC)
 
