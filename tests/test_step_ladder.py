@@ -23,7 +23,20 @@ def test_rows_time_the_steps_after_warm_up_and_compare_each_rung():
     assert rows[0]["gain"] is None and rows[1]["warmup_s"] == pytest.approx(5.03)
     assert rows[1]["loss_difference"] == pytest.approx(0.01) and rows[0]["loss_difference"] == 0
     assert rows[1]["changes"] == ["compiled: 2 blocks"]
-    assert "| compiled | 20.0 [20.0-20.0] | 400.0 | 2.00x | 2.00x | 0.01 | 5.0 |" in _ladder("cuda").to_markdown()
+    row = "| compiled | 20.0 [20.0-20.0] | 400.0 | 2.00x | 2.00x (plain) | 0.01 | 5.0 |"
+    assert row in _ladder("cuda").to_markdown()
+
+
+def test_a_side_branch_gains_over_the_rung_it_builds_on_and_every_rung_is_set_against_the_peer():
+    ladder = _ladder("cuda")
+    ladder.add("peer", [3.0, 2.0, 1.0, 0.5], [900.0, 25.0, 25.0, 25.0], peer=True)
+    ladder.add("fused", [3.0, 2.0, 1.0, 0.5], [900.0, 32.0, 32.0, 32.0], builds_on="plain")
+    rows = {row["rung"]: row for row in ladder.rows()}
+    assert rows["fused"]["gain"] == pytest.approx(40 / 32) and rows["fused"]["builds_on"] == "plain"
+    assert rows["compiled"]["over_peer"] == pytest.approx(25 / 20) and rows["peer"]["over_peer"] == 1.0
+    assert "| fused | 32.0 [32.0-32.0] | 250.0 | 1.25x | 1.25x (plain) | 0.78x |" in ladder.to_markdown()
+    with pytest.raises(ValueError, match="builds_on='nope' names no rung"):
+        ladder.add("x", [1.0] * 4, [1.0] * 4, builds_on="nope")
 
 
 def test_a_cpu_ladder_shows_no_speedup_and_saves_every_step(tmp_path):

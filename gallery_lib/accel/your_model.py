@@ -202,9 +202,10 @@ def add_ema(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
 def accelerate(model: nn.Module, *, device_type: str | None = None, compile: bool = True,
                echo: Callable[[str], Any] | None = print) -> list[Change]:
     """Applies the accelerations that suit the device ``model`` is on, in the gallery's order, and returns (and by
-    default prints) what each changed: on a GPU channels_last (for a model with convolutions), the fused kernels,
-    the attention registry (a diffusers model) and the blocks compiled and replayed as CUDA graphs; on a CPU the
-    blocks compiled (the fused kernels and the registry are GPU code).
+    default prints) what each changed: on a GPU channels_last (for a model with convolutions), the fused kernels
+    (GEGLU alone when compiling: Inductor's own code beats the other fused kernels), the attention registry (a
+    diffusers model) and the blocks compiled and replayed as CUDA graphs; on a CPU the blocks compiled (the fused
+    kernels and the registry are GPU code).
 
         changes = accelerate(model)    # then train as before: the same parameters, the same optimizer
     """
@@ -214,7 +215,8 @@ def accelerate(model: nn.Module, *, device_type: str | None = None, compile: boo
     if on_gpu:
         if sum(1 for p in model.parameters() if p.dim() == 4) > 2:  # convolutions beyond a stem (a ViT's patch one)
             steps.append(lambda: use_channels_last(model))
-        steps += [lambda: fuse_kernels(model), lambda: fuse_attention(model)]
+        # Under Inductor only GEGLU's kernel beats what Inductor generates itself (benchmarks/RESULTS.md#kernels).
+        steps += [lambda: fuse_kernels(model, ops=("geglu",) if compile else None), lambda: fuse_attention(model)]
     if compile:
         steps.append(lambda: compile_blocks(model, mode="reduce-overhead" if on_gpu else None))
     changes = []

@@ -31,6 +31,10 @@ class StepRung:
     """Every step's time, warm-up included."""
     changes: list[Any] = field(default_factory=list)
     """What the rung's calls said they changed (``gallery_lib.accel.your_model.Change``)."""
+    builds_on: str | None = None
+    """The rung its gain is measured over (default: the one added before it)."""
+    peer: bool = False
+    """The strongest plain-PyTorch setup: every rung's speed is also compared with it."""
 
 
 class StepLadder:
@@ -43,13 +47,17 @@ class StepLadder:
         self.batch_size, self.warmup, self.device = batch_size, warmup, device
         self.rungs: list[StepRung] = []
 
-    def add(self, name: str, losses: Sequence[float], times_ms: Sequence[float],
-            changes: Sequence[Any] = ()) -> dict[str, Any]:
-        """Records a rung and returns its row; needs more steps than ``warmup`` to time any."""
+    def add(self, name: str, losses: Sequence[float], times_ms: Sequence[float], changes: Sequence[Any] = (), *,
+            builds_on: str | None = None, peer: bool = False) -> dict[str, Any]:
+        """Records a rung and returns its row; needs more steps than ``warmup`` to time any. ``builds_on`` names
+        the rung its gain is over (default: the one before); ``peer`` marks the plain-PyTorch setup to beat."""
         if len(times_ms) <= self.warmup:
             raise ValueError(f"StepLadder.add({name!r}): {len(times_ms)} step times, but the first {self.warmup} "
                              "are warm-up: run more steps")
-        self.rungs.append(StepRung(name, [float(v) for v in losses], [float(t) for t in times_ms], list(changes)))
+        if builds_on is not None and builds_on not in [rung.name for rung in self.rungs]:
+            raise ValueError(f"StepLadder.add({name!r}): builds_on={builds_on!r} names no rung added before it")
+        self.rungs.append(StepRung(name, [float(v) for v in losses], [float(t) for t in times_ms], list(changes),
+                                   builds_on, peer))
         return self.rows()[-1]
 
     def rows(self) -> list[dict[str, Any]]:
@@ -60,25 +68,35 @@ class StepLadder:
             row = {"rung": rung.name, "img_per_s": 1e3 * self.batch_size / median, **timed,
                    "warmup_s": sum(rung.times_ms[:self.warmup]) / 1e3,
                    "changes": [str(c) for c in rung.changes]}
-            first, below = (rows[0], rows[-1]) if rows else (row, None)
+            by_name = {r["rung"]: r for r in rows}
+            first = rows[0] if rows else row
+            below = by_name.get(rung.builds_on) if rung.builds_on else (rows[-1] if rows else None)
             row["speedup"] = row["img_per_s"] / first["img_per_s"]
             row["gain"] = row["img_per_s"] / below["img_per_s"] if below else None
+            row["builds_on"] = below["rung"] if below else None
             reference = self.rungs[0].losses
             shared = list(zip(rung.losses, reference))
             row["loss_difference"] = max((abs(a - b) for a, b in shared), default=None)
             rows.append(row)
+        peer = next((r for r, rung in zip(rows, self.rungs) if rung.peer), None)
+        for row in rows:
+            row["over_peer"] = row["img_per_s"] / peer["img_per_s"] if peer else None
         return rows
 
     def to_markdown(self) -> str:
         device = "CPU" if self.device == "cpu" else self.device
-        lines = ["| rung | step ms [p20-p80] | img/s | speedup over the first | gain over the rung below | "
-                 "largest loss difference from the first | warm-up (s) |", "|---|---|---|---|---|---|---|"]
-        for row in self.rows():
+        rows = self.rows()
+        with_peer = any(row["over_peer"] is not None for row in rows)
+        lines = ["| rung | step ms [p20-p80] | img/s | speedup over the first | gain (over) |"
+                 + (" over the peer |" if with_peer else "") + " largest loss difference from the first | "
+                 "warm-up (s) |", "|---|---|---|---|---|" + ("---|" if with_peer else "") + "---|---|"]
+        for row in rows:
+            gain = (f"{speedup_text(row['gain'], device)} ({row['builds_on']})" if row["gain"] is not None else "-")
             lines.append(
                 f"| {row['rung']} | {row['median_step_time_ms']:.1f} [{row['p20_step_time_ms']:.1f}-"
                 f"{row['p80_step_time_ms']:.1f}] | {row['img_per_s']:.1f} | {speedup_text(row['speedup'], device)} | "
-                f"{speedup_text(row['gain'], device) if row['gain'] is not None else '-'} | "
-                f"{row['loss_difference']:.2g} | {row['warmup_s']:.1f} |")
+                f"{gain} |" + (f" {speedup_text(row['over_peer'], device)} |" if with_peer else "")
+                + f" {row['loss_difference']:.2g} | {row['warmup_s']:.1f} |")
         lines.append("")
         lines.append(f"Batch {self.batch_size}; medians over the steps after the first {self.warmup} (warm-up: "
                      "compilation, CUDA-graph capture), which are reported apart.")
