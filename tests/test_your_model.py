@@ -111,6 +111,8 @@ def test_fused_kernels_and_attention_on_a_diffusers_unet_keep_its_output(tiny_un
     with torch.no_grad():
         torch.testing.assert_close(unet(latents, t, text).sample, expected, rtol=1e-4, atol=1e-5)
     assert not fuse_attention(TinyTransformer()).changed
+    nothing = fuse_kernels(TinyTransformer(), ops=["geglu"])
+    assert not nothing.changed and nothing.what == "no layer the geglu kernels replace"
     with pytest.raises(ValueError, match="unknown op.*'gelu'"):
         fuse_kernels(unet, ops=["gelu"])
 

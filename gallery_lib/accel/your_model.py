@@ -81,7 +81,8 @@ def fuse_kernels(model: nn.Module, ops: Iterable[str] | None = None, *, verbose:
     if unknown:
         raise ValueError(f"fuse_kernels: unknown op(s) {unknown}; choose from {list(KERNEL_OPS)}")
     report = apply_kernels(model, **{op: op in chosen for op in KERNEL_OPS})
-    return Change("fused kernels", report.summary(verbose),
+    what = report.summary(verbose) if report.swapped else f"no layer the {', '.join(chosen)} kernels replace"
+    return Change("fused kernels", what,
                   "one kernel where PyTorch launches several, each tensor read and written once",
                   f"{RESULTS}#kernels", changed=bool(report.swapped))
 
