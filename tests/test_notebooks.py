@@ -139,7 +139,10 @@ def _shown_images(nb) -> list:
 
 
 def _exports_and_samples_a_pipeline(nb, family_dir: Path) -> None:
-    """The SD notebook: trained parts exported as a diffusers pipeline and sampled from, one row per recipe."""
+    """The SD notebook: the accelerated calls shown on the UNet with their reasons; trained parts exported as a
+    diffusers pipeline and sampled from, one row per recipe."""
+    text = "\n".join(o.get("text", "") for c in nb.cells for o in c.get("outputs", []) if o.output_type == "stream")
+    assert "fused kernels: swapped 4: geglu=4. Why: " in text and "compiled blocks: 12 blocks compiled" in text
     assert (family_dir / "accelerated" / "pipeline" / "model_index.json").is_file()
     assert len(_shown_images(nb)) >= 3  # data preview, report figure, sampled grid
     assert (family_dir / "samples.png").stat().st_size > 10_000

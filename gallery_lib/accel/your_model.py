@@ -12,7 +12,7 @@ The calls compose, in the order ``accelerate`` applies them (the order of ``acce
     print(compile_blocks(model))      # compiled blocks: 12 blocks compiled in place ...
     ema = add_ema(model, optimizer)   # EMA of the weights: stream update ...
 
-or all that suit the machine at once: ``changes = accelerate(model)``. A family's runs go through the same calls
+or the ones that measured faster, at once: ``changes = accelerate(model)``. A family's runs go through the same calls
 (``accel/accelerate.py``), so a model trained with a gallery recipe and one accelerated here get the same code.
 """
 
@@ -43,14 +43,16 @@ class Change:
     """Where the measurement behind it is (a ``benchmarks/RESULTS.md`` section)."""
     changed: bool = True
     """False when the model had nothing this acceleration acts on."""
+    details: str = ""
+    """More lines for a run's log (the modules a kernel swap left alone, and why)."""
 
     @property
     def note(self) -> str:
-        """The line a run's log keeps: the name and what changed."""
-        return f"{self.name}: {self.what}"
+        """What a run's log keeps: the name, what changed, and the details."""
+        return f"{self.name}: {self.what}" + (f"\n{self.details}" if self.details else "")
 
     def __str__(self) -> str:
-        return f"{self.note}. Why: {self.why} ({self.measured})"
+        return f"{self.name}: {self.what}. Why: {self.why} ({self.measured})"
 
 
 def use_channels_last(model: nn.Module) -> Change:
@@ -81,10 +83,10 @@ def fuse_kernels(model: nn.Module, ops: Iterable[str] | None = None, *, verbose:
     if unknown:
         raise ValueError(f"fuse_kernels: unknown op(s) {unknown}; choose from {list(KERNEL_OPS)}")
     report = apply_kernels(model, **{op: op in chosen for op in KERNEL_OPS})
-    what = report.summary(verbose) if report.swapped else f"no layer the {', '.join(chosen)} kernels replace"
-    return Change("fused kernels", what,
-                  "one kernel where PyTorch launches several, each tensor read and written once",
-                  f"{RESULTS}#kernels", changed=bool(report.swapped))
+    first, _, details = report.summary(verbose).partition("\n")
+    what = first if report.swapped else f"no layer the {', '.join(chosen)} kernels replace"
+    return Change("fused kernels", what, "one kernel where PyTorch launches several, each tensor read and written once",
+                  f"{RESULTS}#kernels", changed=bool(report.swapped), details=details)
 
 
 def fuse_attention(model: nn.Module) -> Change:
@@ -204,9 +206,9 @@ def accelerate(model: nn.Module, *, device_type: str | None = None, compile: boo
                echo: Callable[[str], Any] | None = print) -> list[Change]:
     """Applies the accelerations that suit the device ``model`` is on, in the gallery's order, and returns (and by
     default prints) what each changed: on a GPU channels_last (for a model with convolutions), the fused kernels
-    (GEGLU alone when compiling: Inductor's own code beats the other fused kernels), the attention registry (a
-    diffusers model) and the blocks compiled and replayed as CUDA graphs; on a CPU the blocks compiled (the fused
-    kernels and the registry are GPU code).
+    (GEGLU alone when compiling: Inductor's own code beats the other fused kernels) and the blocks compiled and
+    replayed as CUDA graphs; on a CPU the blocks compiled (the fused kernels are GPU code). Not the attention
+    registry: on SD's shapes PyTorch's own SDPA choice measured as fast (``fuse_attention`` is there to try).
 
         changes = accelerate(model)    # then train as before: the same parameters, the same optimizer
     """
@@ -217,7 +219,7 @@ def accelerate(model: nn.Module, *, device_type: str | None = None, compile: boo
         if sum(1 for p in model.parameters() if p.dim() == 4) > 2:  # convolutions beyond a stem (a ViT's patch one)
             steps.append(lambda: use_channels_last(model))
         # Under Inductor only GEGLU's kernel beats what Inductor generates itself (benchmarks/RESULTS.md#kernels).
-        steps += [lambda: fuse_kernels(model, ops=("geglu",) if compile else None), lambda: fuse_attention(model)]
+        steps.append(lambda: fuse_kernels(model, ops=("geglu",) if compile else None))
     if compile:
         steps.append(lambda: compile_blocks(model, mode="reduce-overhead" if on_gpu else None))
     changes = []
