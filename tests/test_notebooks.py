@@ -158,7 +158,9 @@ def _shows_the_one_line_optimize_and_the_pipelines(nb, family_dir: Path) -> None
 
 def _samples_the_subject_in_a_bucket(nb, family_dir: Path) -> None:
     """The DreamBooth notebook: the subject and class pictures shown, the grid sampled from the trained weights and
-    saved as a PNG, one row per recipe."""
+    saved as a PNG, one row per recipe; the accelerated calls shown on the UNet."""
+    text = "\n".join(o.get("text", "") for c in nb.cells for o in c.get("outputs", []) if o.output_type == "stream")
+    assert "fused kernels: swapped" in text and "compiled blocks: " in text and "Why: " in text
     assert len(_shown_images(nb)) >= 3  # data preview, report figure, sampled grid
     assert (family_dir / "samples.png").stat().st_size > 10_000
     assert "in a bucket" in "\n".join(c.source for c in nb.cells if c.cell_type == "code")
