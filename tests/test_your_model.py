@@ -118,6 +118,20 @@ def test_fused_kernels_and_attention_on_a_diffusers_unet_keep_its_output(tiny_un
         fuse_kernels(unet, ops=["gelu"])
 
 
+def test_swin_window_attention_goes_through_the_registry_and_keeps_its_output():
+    timm = pytest.importorskip("timm")
+    torch.manual_seed(0)
+    swin = timm.create_model("swin_tiny_patch4_window7_224", pretrained=False, num_classes=5, img_size=56,
+                             depths=(1, 1), num_heads=(2, 4), embed_dim=16).eval()
+    x = torch.randn(2, 3, 56, 56)
+    with torch.no_grad():
+        expected = swin(x)
+    change = fuse_attention(swin)
+    assert change.changed and change.what.startswith("2 Swin window-attention modules"), change.what
+    with torch.no_grad():
+        torch.testing.assert_close(swin(x), expected, rtol=1e-4, atol=1e-5)
+
+
 def test_the_repeated_block_is_found_in_models_no_family_has(tiny_unet):
     timm = pytest.importorskip("timm")
     vit = timm.create_model("vit_tiny_patch16_224", pretrained=False, num_classes=10)

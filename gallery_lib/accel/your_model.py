@@ -90,21 +90,31 @@ def fuse_kernels(model: nn.Module, ops: Iterable[str] | None = None, *, verbose:
 
 
 def fuse_attention(model: nn.Module) -> Change:
-    """Routes every attention layer of a diffusers model through the gallery's backend registry, which runs each
-    attention shape on the backend measured fastest for it on this GPU (``gallery_lib.accel.attention``). A model
-    without diffusers attention layers is left as it is (the change says so).
+    """Routes the attention layers the gallery's registry knows through it (``gallery_lib.accel.attention``): timm
+    Swin's window attention (its relative-position bias added inside the window-attention kernel on a GPU, else the
+    fastest backend measured that takes a bias) and a diffusers model's attention layers (the backend measured
+    fastest per shape). A model with neither is left as it is (the change says so).
 
-        print(fuse_attention(unet))
+        print(fuse_attention(swin))
     """
-    if not hasattr(model, "attn_processors"):
-        return Change("fused attention", f"{type(model).__name__} has no diffusers attention layers: nothing to "
-                      "change (timm and plain PyTorch models already call scaled_dot_product_attention)",
-                      _ATTENTION_WHY, f"{RESULTS}#attention", changed=False)
-    from gallery_lib.accel.attention import hook_diffusers_attention
+    from gallery_lib.accel.attention import hook_diffusers_attention, hook_swin_attention
 
-    hook = hook_diffusers_attention(model, backend="auto")
-    return Change("fused attention", f"{len(hook.modules)} diffusers attention layers use the fastest measured "
-                  "backend per shape", _ATTENTION_WHY, f"{RESULTS}#attention")
+    if _has_window_attention(model):
+        hook = hook_swin_attention(model, backend="auto")
+        return Change("fused attention", f"{len(hook.modules)} Swin window-attention modules through the registry "
+                      "(the window-attention kernel on a GPU)", "plain SDPA given the bias as a mask picks a slower "
+                      "kernel; the registry runs the fastest that takes the bias", f"{RESULTS}#attention")
+    if hasattr(model, "attn_processors"):
+        hook = hook_diffusers_attention(model, backend="auto")
+        return Change("fused attention", f"{len(hook.modules)} diffusers attention layers use the fastest measured "
+                      "backend per shape", _ATTENTION_WHY, f"{RESULTS}#attention")
+    return Change("fused attention", f"{type(model).__name__} has no attention layer the registry knows (timm Swin's "
+                  "window attention, diffusers' attention): nothing to change", _ATTENTION_WHY, f"{RESULTS}#attention",
+                  changed=False)
+
+
+def _has_window_attention(model: nn.Module) -> bool:
+    return any(type(m).__name__ == "WindowAttention" and hasattr(m, "_get_rel_pos_bias") for m in model.modules())
 
 
 _ATTENTION_WHY = "PyTorch's own SDPA choice is not the fastest for every shape, and the registry times each once"
@@ -207,8 +217,9 @@ def accelerate(model: nn.Module, *, device_type: str | None = None, compile: boo
     """Applies the accelerations that suit the device ``model`` is on, in the gallery's order, and returns (and by
     default prints) what each changed: on a GPU channels_last (for a model with convolutions), the fused kernels
     (GEGLU alone when compiling: Inductor's own code beats the other fused kernels) and the blocks compiled and
-    replayed as CUDA graphs; on a CPU the blocks compiled (the fused kernels are GPU code). Not the attention
-    registry: on SD's shapes PyTorch's own SDPA choice measured as fast (``fuse_attention`` is there to try).
+    replayed as CUDA graphs, and the attention registry for Swin's window attention; on a CPU the blocks compiled
+    (the fused kernels are GPU code). Not the registry for other attention: on SD's shapes PyTorch's own SDPA choice
+    measured as fast (``fuse_attention`` is there to try).
 
         changes = accelerate(model)    # then train as before: the same parameters, the same optimizer
     """
@@ -220,6 +231,8 @@ def accelerate(model: nn.Module, *, device_type: str | None = None, compile: boo
             steps.append(lambda: use_channels_last(model))
         # Under Inductor only GEGLU's kernel beats what Inductor generates itself (benchmarks/RESULTS.md#kernels).
         steps.append(lambda: fuse_kernels(model, ops=("geglu",) if compile else None))
+        if _has_window_attention(model):  # Swin's biased windows; on SD's shapes PyTorch's own choice is as fast
+            steps.append(lambda: fuse_attention(model))
     if compile:
         steps.append(lambda: compile_blocks(model, mode="reduce-overhead" if on_gpu else None))
     changes = []
