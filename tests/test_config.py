@@ -188,6 +188,7 @@ def test_dotted_names_are_aliases_of_the_flat_ones():
     assert cfg.sections.optimizer.lr == cfg.lr == 1e-3 and cfg.sections.compile.compile is cfg.compile is True
     assert cfg.optimizer == "adamw" and cfg.sections.optimizer.optimizer == "adamw"
     assert cfg.replace(**{"optimizer.lr": 2e-3}) == cfg.replace(lr=2e-3) and cfg.replace(lr=2e-3).lr == 2e-3
+    assert dataclasses.replace(cfg, lr=2e-3, mixup_alpha=0) == cfg.replace(lr=2e-3, mixup_alpha=0)
     assert parse_overrides(["optimizer.lr=1e-3", "lr_warmup_steps=2", "options.mixup_alpha=0"]) == {
         "lr": 1e-3, "lr_warmup_steps": 2, "mixup_alpha": 0}
     with pytest.raises(ConfigError, match=r"training\.lr=0\.1: lr is optimizer\.lr"):

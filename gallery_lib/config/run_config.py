@@ -58,7 +58,11 @@ class RunConfig:
     """Free-form notes carried into ``config.json`` (e.g. which profile filled which field)."""
 
     def __init__(self, **values: Any) -> None:
+        sections = values.pop("sections", None)  # from dataclasses.replace: the fields not changed
         values = flat_values(values)
+        if sections is not None:
+            values = {**{name: getattr(getattr(sections, section), name) for name, section in SECTION_OF.items()},
+                      **values}
         if "model" not in values:
             raise ConfigError("model is missing: name a gallery model (see `gallery list`).")
         family = families.family_of(values["model"])
