@@ -193,6 +193,8 @@ def test_dotted_names_are_aliases_of_the_flat_ones():
         "lr": 1e-3, "lr_warmup_steps": 2, "mixup_alpha": 0}
     with pytest.raises(ConfigError, match=r"training\.lr=0\.1: lr is optimizer\.lr"):
         micro(**{"training.lr": 0.1})
+    with pytest.raises(ConfigError, match="job has no field 'mixup_alpha'"):
+        micro(**{"job.mixup_alpha": 0})
     with pytest.raises(ConfigError, match="there is no section 'optimiser'"):
         micro(**{"optimiser.lr": 0.1})
     with pytest.raises(ConfigError, match=r"lr is given twice \(0\.1 and 0\.2\)"):

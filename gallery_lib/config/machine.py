@@ -1,12 +1,13 @@
 """The checks that depend on this machine: which device a run gets, how many processes it may start, and the
-options that need a GPU or a package. The config itself is checked where it is declared (``run_config.py``)."""
+options that need a GPU or a package. The config itself is checked where it is declared (``sections/``,
+``run_config.py``)."""
 
 from __future__ import annotations
 
 import os
 
 from gallery_lib.config.gpu_check import check_gpu_usable
-from gallery_lib.config.run_config import CUDA_GRAPH_COMPILE_MODES, RunConfig
+from gallery_lib.config.run_config import RunConfig
 from gallery_lib.config.settings import ConfigError
 
 
@@ -63,7 +64,7 @@ def validate_for_machine(cfg: RunConfig, *, cuda_devices: int | None = None, cpu
         if cfg.kernels and "conv_bn_relu" in cfg.kernel_op_names:
             _check_cudnn_fusion(cfg)
     else:
-        if cfg.compile and cfg.compile_mode in CUDA_GRAPH_COMPILE_MODES:
+        if cfg.sections.compile.cuda_graphs:
             raise ConfigError(f"compile_mode={cfg.compile_mode!r} captures CUDA graphs and needs a GPU: use "
                               "compile_mode='default' on a CPU.")
         if cfg.nproc_per_node > cpu_count:

@@ -69,8 +69,9 @@ def flat_values(values: dict[str, Any], *, strict: bool = True) -> dict[str, Any
         if strict and section is not None and section not in SECTION_TYPES and section != TASK_SECTION:
             raise ConfigError(f"{section}.{name}={value!r}: there is no section {section!r}; the sections are "
                               f"{', '.join([*SECTION_TYPES, TASK_SECTION])}.")
-        if strict and section is not None and name in SECTION_OF and SECTION_OF[name] != section:
-            raise ConfigError(f"{section}.{name}={value!r}: {name} is {dotted_name(name)}.")
+        if strict and section is not None and SECTION_OF.get(name, TASK_SECTION) != section:
+            where = f"{name} is {dotted_name(name)}" if name in SECTION_OF else f"{section} has no field {name!r}"
+            raise ConfigError(f"{section}.{name}={value!r}: {where}.")
         if strict and name in flat and flat[name] != value:
             raise ConfigError(f"{name} is given twice ({flat[name]!r} and {value!r}): give it once.")
         flat[name] = value
