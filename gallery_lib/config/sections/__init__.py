@@ -1,5 +1,6 @@
 """``RunConfig``'s sections, in torchtitan's manner: one frozen dataclass per concern, each field declared with its
-rules (``setting``) and docstring, each section's ``__post_init__`` holding the rules that involve only its fields.
+rules (``setting``) and docstring, each section's ``check()`` holding the rules that involve only its fields (a
+``Section`` checks its fields, then them, as it is built).
 
 A field keeps one name in every spelling: flat (``lr``, as ``cfg.lr``, ``RunConfig(lr=...)``, ``--set lr=...`` and
 the config.json files written before the sections) or dotted (``optimizer.lr``, as ``--set optimizer.lr=...`` and

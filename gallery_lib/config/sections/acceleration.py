@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gallery_lib.config.settings import ConfigError, check_settings, setting
+from gallery_lib.config.settings import ConfigError, Section, setting
 
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 COMPILE_SCOPES = ("model", "blocks")
@@ -18,7 +18,7 @@ DDP_GRAD_COMPRESSION = ("none", "bf16")
 
 
 @dataclass(frozen=True, kw_only=True)
-class Compile:
+class Compile(Section):
     """``compile``: whether and how ``torch.compile`` compiles the model, and the Inductor switches beside it."""
 
     compile: bool = setting(False, kind=bool)
@@ -57,8 +57,7 @@ class Compile:
     its attention and convolution kernels on a machine's first use; on by default:
     benchmarks/RESULTS.md#precompile-loading)."""
 
-    def __post_init__(self) -> None:
-        check_settings(self)
+    def check(self) -> None:
         if self.precompile_workers and not (self.compile and self.compile_scope == "blocks"):
             raise ConfigError(f"precompile_workers={self.precompile_workers} needs compile=True and "
                               f"compile_scope='blocks' (got compile={self.compile}, compile_scope="
@@ -75,7 +74,7 @@ class Compile:
 
 
 @dataclass(frozen=True, kw_only=True)
-class Kernels:
+class Kernels(Section):
     """``kernels``: the fused kernels swapped in, the attention kernels and the memory layout."""
 
     kernels: bool = setting(False, kind=bool)
@@ -94,8 +93,7 @@ class Kernels:
     channels_last: bool = setting(False, kind=bool)
     """Keep image tensors (and conv weights) in channels-last memory format."""
 
-    def __post_init__(self) -> None:
-        check_settings(self)
+    def check(self) -> None:
         if not self.kernel_op_names or any(op not in KERNEL_OPS for op in self.kernel_op_names):
             raise ConfigError(f"kernel_ops={self.kernel_ops!r} is invalid: expected 'all' or a comma list of "
                               f"{', '.join(KERNEL_OPS)}.")
@@ -112,7 +110,7 @@ class Kernels:
 
 
 @dataclass(frozen=True, kw_only=True)
-class Parallel:
+class Parallel(Section):
     """``parallel``: the training processes and how they share the training (DDP or ZeRO-2)."""
 
     nproc_per_node: int = setting(1, kind=int, minimum=1)
@@ -134,6 +132,3 @@ class Parallel:
     rounded to bf16, divided by the process count and summed in bf16, half the bytes) and writes the mean back to the
     fp32 gradients; ``none`` all-reduces them in their own dtype. Lossy (bf16's 8-bit mantissa), and slower for SD-1.5
     on two H200s (benchmarks/RESULTS.md#two-gpus)."""
-
-    def __post_init__(self) -> None:
-        check_settings(self)

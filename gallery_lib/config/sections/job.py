@@ -5,14 +5,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gallery_lib.config.settings import ConfigError, check_settings, setting
+from gallery_lib.config.settings import ConfigError, Section, setting
 
 DEVICES = ("auto", "cuda", "cpu")
 REPORT_TO = ("none", "tensorboard")
 
 
 @dataclass(frozen=True, kw_only=True)
-class Job:
+class Job(Section):
     """``job``: the model, the recipe, the device and the output folder."""
 
     model: str
@@ -30,14 +30,13 @@ class Job:
     verbose: bool = setting(False, kind=bool)
     """Log every detail (each module a kernel swap left alone); by default one line per kind of thing."""
 
-    def __post_init__(self) -> None:
-        check_settings(self)
+    def check(self) -> None:
         if not self.recipe:
             raise ConfigError(f"recipe={self.recipe!r} is invalid: expected a recipe name.")
 
 
 @dataclass(frozen=True, kw_only=True)
-class Data:
+class Data(Section):
     """``data``: the training images and how they are loaded."""
 
     data_dir: str = setting("data/imagenet_like", kind=str)
@@ -54,12 +53,10 @@ class Data:
     """Stop with an error when more than this share of the image loads so far failed (judged every ``log_every``
     steps, once 50 images were read); each bad file is skipped, logged with its path and counted. In (0, 1]."""
 
-    def __post_init__(self) -> None:
-        check_settings(self)
 
 
 @dataclass(frozen=True, kw_only=True)
-class Checkpoint:
+class Checkpoint(Section):
     """``checkpoint``: the weights a run starts from, the state it saves and resumes, the model it exports."""
 
     pretrained: str | None = setting(None, kind=str, optional=True)
@@ -86,12 +83,10 @@ class Checkpoint:
     """Save the trained model at the end of the run (Stable Diffusion: a diffusers pipeline folder in
     ``<run_dir>/pipeline`` with the EMA UNet when ``ema`` is on)."""
 
-    def __post_init__(self) -> None:
-        check_settings(self)
 
 
 @dataclass(frozen=True, kw_only=True)
-class Metrics:
+class Metrics(Section):
     """``metrics``: how often the run reads its numbers back, what it profiles, where the metrics go."""
 
     log_every: int = setting(10, kind=int, minimum=1)
@@ -104,6 +99,3 @@ class Metrics:
     """Where the metrics go besides ``metrics.jsonl`` (which stays the record): ``none``, or ``tensorboard`` (step
     scalars and the summary in ``<run_dir>/tensorboard/``, the reports' figure beside the runs; needs the
     ``tensorboard`` package, the ``tracking`` extra). diffusers' ``--report_to``."""
-
-    def __post_init__(self) -> None:
-        check_settings(self)

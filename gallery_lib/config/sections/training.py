@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gallery_lib.config.settings import ConfigError, check_settings, setting
+from gallery_lib.config.settings import ConfigError, Section, setting
 
 OPTIMIZERS = ("adamw", "sgd")
 AMP_LEVELS = ("O0", "O1", "O2")
@@ -14,7 +14,7 @@ EMA_MODES = ("off", "loop", "foreach", "fused", "stream")
 
 
 @dataclass(frozen=True, kw_only=True)
-class Training:
+class Training(Section):
     """``training``: the batch, the steps, and what each step keeps in memory."""
 
     batch_size: int = setting(128, kind=int, minimum=1)
@@ -42,15 +42,14 @@ class Training:
     """Stop (with a checkpoint) after this many non-finite losses in a row; each such step is skipped. 0 turns
     the check off, which also removes its per-step host sync (see ``train.py``)."""
 
-    def __post_init__(self) -> None:
-        check_settings(self)
+    def check(self) -> None:
         if self.warmup_steps > self.steps - 1:
             raise ConfigError(f"warmup_steps={self.warmup_steps} is invalid: expected an integer in [0, "
                               f"{self.steps - 1}] (leave at least one timed step after warm-up).")
 
 
 @dataclass(frozen=True, kw_only=True)
-class Optimizer:
+class Optimizer(Section):
     """``optimizer``: the optimizer, its learning-rate schedule, weight decay and clipping."""
 
     optimizer: str = setting("adamw", choices=OPTIMIZERS)
@@ -67,12 +66,10 @@ class Optimizer:
     fused_optimizer: bool = setting(False, kind=bool)
     """Use ``torch.optim.AdamW(fused=True)``: one kernel for the whole update."""
 
-    def __post_init__(self) -> None:
-        check_settings(self)
 
 
 @dataclass(frozen=True, kw_only=True)
-class Precision:
+class Precision(Section):
     """``precision``: the dtypes of the weights and the math, and deterministic algorithms."""
 
     amp_level: str = setting("O1", choices=AMP_LEVELS)
@@ -82,15 +79,14 @@ class Precision:
     deterministic: bool = setting(False, kind=bool)
     """Ask PyTorch for deterministic algorithms (slower; for exact comparisons)."""
 
-    def __post_init__(self) -> None:
-        check_settings(self)
+    def check(self) -> None:
         if self.amp_level == "O2" and self.amp_dtype == "float16":
             raise ConfigError("amp_level='O2' with amp_dtype='float16' is not supported: O2 keeps bfloat16 weights "
                               "(no loss scaling needed). Use amp_dtype='bfloat16' or 'auto', or amp_level='O1'.")
 
 
 @dataclass(frozen=True, kw_only=True)
-class EMA:
+class EMA(Section):
     """``ema``: the exponential moving average of the trained weights."""
 
     ema: str = setting("off", choices=EMA_MODES)
@@ -104,8 +100,7 @@ class EMA:
     ema_decay: float = setting(0.9999, kind=float, above=0, below=1, hint="e.g. 0.9999")
     """EMA decay, reached through diffusers' default warm-up ``min(decay, (1 + step) / (10 + step))``."""
 
-    def __post_init__(self) -> None:
-        check_settings(self)
+    def check(self) -> None:
         if self.ema_stream_programs and self.ema != "stream":
             raise ConfigError(f"ema_stream_programs={self.ema_stream_programs} sizes the side-stream EMA update, but "
                               f"ema={self.ema!r}: set ema='stream' too, or drop ema_stream_programs.")
