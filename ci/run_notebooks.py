@@ -31,7 +31,7 @@ NOTEBOOKS = REPO / "notebooks"
 # The order in lanes: the ladder first (a rung per process: the longest on a CPU), then the notebooks that share no
 # compiled graph with it, then the SD UNet's other two, which by then load the graphs its rungs compiled instead of
 # compiling the same ones beside it. Notebooks not named here come after these.
-LANE_ORDER = ("optimization_ladder", "resnet50", "swin_transformer", "dreambooth", "stable_diffusion")
+LANE_ORDER = ("optimization_ladder", "resnet50", "swin_transformer", "your_model", "dreambooth", "stable_diffusion")
 
 
 def ensure_kernel() -> str:
@@ -55,6 +55,11 @@ def run_notebook(path: Path, out_dir: Path, parameters: dict, cell_timeout: int)
 
     out_dir.mkdir(parents=True, exist_ok=True)
     out_path = out_dir / path.name
+    declared = pm.inspect_notebook(str(path))  # a notebook without a data set declares no data_root: not passed
+    dropped = sorted(set(parameters) - set(declared))
+    if dropped:
+        print(f"[notebooks] {path.name} takes no parameter {', '.join(dropped)}: not passed", flush=True)
+    parameters = {name: value for name, value in parameters.items() if name in declared}
     # stdout_file/stderr_file: each cell output is written (and flushed) as it arrives, so a long training cell
     # shows its runs' progress; log_output would hand it to papermill's logger, which prints nothing unconfigured.
     pm.execute_notebook(str(path), str(out_path), parameters=parameters, kernel_name=ensure_kernel(),

@@ -25,9 +25,16 @@ _PUBLIC = {
     "dreambooth_preview": "gallery_lib.reports.sampling",
     "load_pipeline": "gallery_lib.reports.sampling",
     "sample_grid": "gallery_lib.reports.sampling",
+    "compare_samples": "gallery_lib.reports.sampling",
     "RunConfig": "gallery_lib.config",
     "register_family": "gallery_lib.models",
     "optimize": "gallery_lib.accel.optimize",
+    "accelerate": "gallery_lib.accel.your_model",
+    "add_ema": "gallery_lib.accel.your_model",
+    "use_channels_last": "gallery_lib.accel.your_model",
+    "fuse_kernels": "gallery_lib.accel.your_model",
+    "fuse_attention": "gallery_lib.accel.your_model",
+    "compile_blocks": "gallery_lib.accel.your_model",
     "pipeline_throughput": "gallery_lib.data.throughput",
     "recipe_table": "gallery_lib.reports.recipe_table",
     "run_ladder": "gallery_lib.recipes.ladder",
@@ -35,6 +42,8 @@ _PUBLIC = {
     "ladder_base": "gallery_lib.recipes.ladder",
     "ladder_plan": "gallery_lib.reports.ladder",
     "ladder_report": "gallery_lib.reports.ladder",
+    "StepLadder": "gallery_lib.reports.step_ladder",
+    "StepTimer": "gallery_lib.run.timing",
 }
 __all__ = sorted(_PUBLIC)
 

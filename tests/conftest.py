@@ -1,5 +1,6 @@
 """Shared fixtures and test-run plumbing.
 
+- ``examples/`` on ``sys.path`` (its family module is imported by name).
 - A session-wide smoke dataset, seeding, and compile caches of the test run's own (shared by its xdist workers), where
   ``optimize(model)``'s cached choices go too.
 - The ``gpu`` marker's skip rule; ``--isa-only`` keeps the tests marked ``isa`` (ci/test.sh's pass under another
@@ -14,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import sys
 import time
 from pathlib import Path
 
@@ -22,6 +24,8 @@ import pytest
 import torch
 
 DURATIONS = Path(__file__).with_name("durations.json")
+# examples/ holds a family module that lives outside the library (toy_family.py): the tests import it by name.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 BUDGET_WARNING_S = 45 * 60  # CI allows 90 minutes: past 45 a slow addition still has room, and is seen
 
 

@@ -26,7 +26,7 @@ ROW_FIELDS = {"model", "recipe", "batch_size", "samples_per_s", "median_step_ms"
 
 @pytest.fixture
 def toy():
-    import toy_family  # importing it registers the family (tests/toy_family.py)
+    import toy_family  # importing it registers the family (examples/toy_family.py)
 
     if "toy_convnet" not in FAMILIES:  # unregistered by an earlier test: import it again
         importlib.reload(toy_family)

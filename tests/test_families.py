@@ -1,8 +1,9 @@
-"""The family registry: a new family is one module (tests/toy_family.py), and every library path reads from it."""
+"""The family registry: a new family is one module (examples/toy_family.py), and every library path reads from it."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -66,7 +67,7 @@ def test_an_option_the_family_cannot_take_fails_before_any_data(toy, tmp_path):
 def test_training_processes_import_an_outside_family_again(toy):
     env = family_env(toy)
     module, _, root = env["GALLERY_FAMILY_MODULES"].partition("=")
-    assert module == "toy_family" and root.endswith("tests")
+    assert module == "toy_family" and root.endswith("examples")
     assert family_env(FAMILIES["swin_transformer"]) == {}  # built-in families need nothing
 
 
@@ -89,3 +90,49 @@ def test_a_new_family_runs_baseline_and_accelerated_through_the_gallery(toy, tmp
     saved = json.loads(path.read_text())
     assert saved["options"]["fused_loss"] is True and RunConfig.load(path) == results["accelerated"].config
     assert "accelerated" in compare(base, list(results)).markdown
+
+
+@pytest.mark.parametrize("module", ["gallery_lib.models.stable_diffusion", "gallery_lib.models.dreambooth"])
+def test_a_family_module_imported_first_loads_every_family(module):
+    """A fresh process that imports one family module before anything else (a test, a user's script) gets that
+    family and all the others: registering the first one does not import its neighbours while it is half-built."""
+    import subprocess
+    import sys
+
+    code = f"import {module}; from gallery_lib.models import FAMILIES; print(sorted(FAMILIES))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "'dreambooth', 'resnet50', 'stable_diffusion', 'swin_transformer'" in out.stdout
+
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "toy_family.py"
+
+
+def test_the_cli_takes_a_family_module_from_a_file(capsys, toy):
+    from gallery_lib.app.cli import main
+
+    assert main(["--family-module", str(EXAMPLE), "list"]) == 0
+    assert "toy_convnet" in capsys.readouterr().out
+    assert main(["--family-module", "no_such_family.py", "list"]) == 2
+    err = capsys.readouterr().err
+    assert "--family-module no_such_family.py: no such Python file" in err and "Traceback" not in err
+
+
+@pytest.mark.slow
+def test_the_example_family_trains_through_gallery_train(tmp_path):
+    """``gallery --family-module examples/toy_family.py train``: a fresh process (the command) registers the family
+    from the file, and the training process it launches imports it again."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "out"
+    command = [sys.executable, "-m", "gallery_lib.app.cli", "--family-module", str(EXAMPLE), "train",
+               "--model", "toy_convnet", "--profile", "smoke", "--steps", "3", "--warmup-steps", "1",
+               "--data-dir", str(tmp_path / "toy_images"), "--output-dir", str(out)]
+    prepared = subprocess.run([*command[:5], "prepare", "--model", "toy_convnet", "--profile", "smoke",
+                               "--data-dir", str(tmp_path / "toy_images")], capture_output=True, text=True, timeout=300)
+    assert prepared.returncode == 0, prepared.stderr[-2000:]
+    trained = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    summary = json.loads((out / "toy_convnet" / "baseline" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert summary["type"] == "summary" and summary["model"] == "toy_convnet" and summary["steps"] == 3

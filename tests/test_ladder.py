@@ -126,6 +126,21 @@ def test_report_speedups_gains_and_findings(tmp_path):
     assert "data:image/png;base64," in report._repr_markdown_()
 
 
+def test_cpu_rungs_show_no_speedup(tmp_path):
+    """On a CPU the smoke rungs check code paths: the table, the findings and the figure say "n/a on CPU (smoke)"
+    where a GPU run has its speedups and gains, and claim no rung "bought nothing"."""
+    results = [_result("tf32", 10.0), _result("amp", 9.0), _result("ema", 30.0)]
+    for result in results:
+        result.summary["device_name"] = "CPU"
+    rows = ladder_rows(results)
+    said = "\n".join(findings(rows))
+    assert "speedup n/a on CPU (smoke)" in said and "Bought no speed" not in said and "3.00x" not in said
+    report = ladder_report(results, tmp_path)
+    assert "| n/a on CPU (smoke) | n/a on CPU (smoke) |" in report.markdown and "0.90x" not in report.markdown
+    speed_axis = report.figure.axes[0]
+    assert "n/a on CPU (smoke)" in speed_axis.get_title() and "30.0" in [t.get_text() for t in speed_axis.texts]
+
+
 def test_a_rung_run_without_the_one_it_builds_on_has_no_gain():
     """Picked alone with the first rung, the kernels rung builds on channels_last all the same: no gain is claimed
     over the first rung, and the CPU parents skip the left-out GPU-only rungs (CUDA graphs, channels_last)."""

@@ -271,8 +271,18 @@ def test_cpu_runs_say_their_timings_are_not_speed_measurements(tmp_path):
         _write_run(model_dir, recipe, losses=[2.0, 1.5, 1.0], times=[50.0, 20.0, 21.0],
                    summary={"device_name": "CPU", "world_size": 1, "global_batch_size": 8, "samples_per_s": 400.0,
                             "median_step_time_ms": 20.0, "output_dir": str(model_dir / recipe)})
-    title = comparison_figure(load_runs(model_dir)).get_suptitle()
+    figure = comparison_figure(load_runs(model_dir))
+    title = figure.get_suptitle()
     assert "CPU" in title and "they are not speed measurements" in title
+    speed_axis = figure.axes[0]
+    assert "n/a on CPU (smoke)" in speed_axis.get_title()
+    assert [t.get_text() for t in speed_axis.texts] == ["400.0", "400.0"]  # throughput, not a 1.00x speedup
+    report = write_report(model_dir)
+    assert "| n/a on CPU (smoke) |" in report.markdown and "1.00x" not in report.markdown
+    from gallery_lib.app.workflow import summarize
+
+    said = summarize(report)
+    assert "speedup over the baseline n/a on CPU (smoke)" in said and "1.00x" not in said
 
 
 def test_a_stopped_run_is_one_line_not_a_row_a_bar_or_a_curve(model_dir):

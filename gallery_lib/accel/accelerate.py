@@ -30,11 +30,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.utils.checkpoint
 
-from gallery_lib.config import KERNEL_OPS, RunConfig
+from gallery_lib.config import RunConfig
 from gallery_lib.accel.compile.plan import CompilePlan
 from gallery_lib.accel.compile.cpu_codegen import use_safe_cpu_codegen
 from gallery_lib.accel.distributed import DistInfo, apply_zero2, keep_block_graphs_whole_under_ddp, wrap_ddp
 from gallery_lib.accel.precision import Precision
+from gallery_lib.accel.your_model import fuse_kernels, use_channels_last
 
 if TYPE_CHECKING:  # imported where fused_attention is on: the core loop does not need the registry
     from gallery_lib.accel.attention import AttentionHook
@@ -64,12 +65,11 @@ def apply_accelerations(model: torch.nn.Module, cfg: RunConfig, precision: Preci
     notes: list[str] = []
     attention = None
     if cfg.channels_last:
-        model = model.to(memory_format=torch.channels_last)
-        notes.append("channels_last: images and conv weights in NHWC layout")
+        notes.append(use_channels_last(model).note)
     if cfg.gradient_checkpointing:
         notes.append(enable_gradient_checkpointing(model))
     if cfg.kernels:
-        notes.append(_apply_kernels(model, cfg.kernel_op_names, cfg.verbose))
+        notes.append(fuse_kernels(model, cfg.kernel_op_names, verbose=cfg.verbose).note)
     if cfg.fused_attention:  # the family's hook (RunConfig refuses the switch for a family without one)
         note, attention = cfg.model_family.attention_hook(model)
         notes.append(note)
@@ -173,12 +173,3 @@ def enable_gradient_checkpointing(model: torch.nn.Module) -> str:
         raise ConfigError(f"gradient_checkpointing=True: {type(model).__name__} has no gradient checkpointing of its "
                           f"own (none of {', '.join(_CHECKPOINTING)}): drop the switch for this model.")
     return f"gradient checkpointing: {', '.join(switched)}; blocks recompute their activations in the backward"
-
-
-def _apply_kernels(model: torch.nn.Module, ops: tuple[str, ...], verbose: bool) -> str:
-    try:
-        from gallery_lib.accel.patch import apply_kernels
-    except ImportError as exc:  # the kernels package is optional for the core loop
-        raise RuntimeError(f"kernels=True needs gallery_lib.accel.patch, which failed to import: {exc}") from exc
-    report = apply_kernels(model, **{op: op in ops for op in KERNEL_OPS})
-    return f"fused kernels: {report.summary(verbose)}"

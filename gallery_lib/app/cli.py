@@ -15,6 +15,7 @@ from typing import Any, Sequence
 
 from gallery_lib.config import (AMP_DTYPES, AMP_LEVELS, COMPILE_MODES, DEVICES, REPORT_TO, ConfigError,
                                 RunConfig, parse_overrides, validate_for_machine)
+from gallery_lib.config.families import import_family_module
 from gallery_lib.recipes.profiles import PROFILES, base_config
 from gallery_lib.recipes import recipe_config
 from gallery_lib.app.bench import DEFAULT_RECIPES as _BENCH_RECIPES
@@ -264,6 +265,9 @@ def _add_bench_flags(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gallery", description=__doc__.split("\n\n")[0].replace("``", "`"))
+    parser.add_argument("--family-module", "--family_module", dest="family_modules", action="append", default=[],
+                        metavar="FILE.py", help="a module outside the library that registers a model family "
+                        "(gallery_lib.models.register_family), e.g. examples/toy_family.py; repeatable")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("list", help="models and recipes").set_defaults(func=cmd_list)
     p = sub.add_parser("prepare", help="make the mock dataset for a profile")
@@ -299,6 +303,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.command_line = "gallery " + shlex.join(sys.argv[1:] if argv is None else argv)
     try:
+        for path in args.family_modules:
+            import_family_module(path)
         return args.func(args)
     except (ConfigError, FileNotFoundError, CheckpointError) as exc:
         print(f"gallery: error: {exc}", file=sys.stderr)

@@ -144,6 +144,8 @@ def compare(cfg: RunConfig, recipes: RecipeRuns | Sequence[str] | None = None):
 
 def summarize(report, reference: str = "baseline") -> str:
     """A few sentences on what each recipe bought, from the report's own numbers."""
+    from gallery_lib.reports.comparison import SPEEDUP_ON_CPU
+
     rows = {row["recipe"]: row for row in report.table}
     ref = rows.get(reference)
     lines = []
@@ -153,7 +155,8 @@ def summarize(report, reference: str = "baseline") -> str:
             continue
         text = f"- {name}: {row['img_per_s']:.1f} img/s on {row['device']} (global batch {row['global_batch']})"
         if ref is not None and name != reference and row["speedup"] is not None:
-            text += f", {row['speedup']:.2f}x the {reference}"
+            text += (f", speedup over the {reference} {SPEEDUP_ON_CPU}" if row["device"] == "CPU"
+                     else f", {row['speedup']:.2f}x the {reference}")
         if row.get("mfu") is not None:
             text += f", MFU {row['mfu']:.1%}"
         text += f"; warm-up/compile {row['warmup_s']:.1f} s"

@@ -54,7 +54,11 @@ def _load_families() -> None:
 
 def register_family(family: ModelFamily) -> ModelFamily:
     """Adds ``family`` and its models; a model name may belong to one family only."""
-    _load_families()  # the built-in families first, whoever registers first
+    module = sys._getframe(1).f_globals.get("__name__", "")
+    if not module.startswith("gallery_lib."):
+        # The built-in families first, so a name they hold is refused. Not while a built-in module registers
+        # itself: importing the others then would import it again half-built (dreambooth imports stable_diffusion).
+        _load_families()
     taken = [spec.name for spec in family.models if _FAMILY_OF_MODEL.get(spec.name, family.name) != family.name]
     if taken:
         raise ValueError(f"model name(s) {taken} already belong to another family")
@@ -63,7 +67,6 @@ def register_family(family: ModelFamily) -> ModelFamily:
     for spec in family.models:
         _MODELS[spec.name] = ModelSpec(**{**spec.__dict__, "family": family.name})
         _FAMILY_OF_MODEL[spec.name] = family.name
-    module = sys._getframe(1).f_globals.get("__name__", "")
     if not module.startswith("gallery_lib."):
         _EXTERNAL[family.name] = (module, _import_root(module))
     return family
@@ -95,6 +98,25 @@ def get_family(name: str) -> ModelFamily:
 def build_model(name: str, **kwargs):
     """Builds gallery model ``name`` with its family task's arguments (e.g. ``num_classes`` for classifiers)."""
     return family_of(name).build(name, **kwargs)
+
+
+def import_family_module(path: str | os.PathLike) -> str:
+    """Imports a family module from a file (``gallery --family-module examples/toy_family.py``): its folder joins
+    ``sys.path`` and the module, imported by its name, registers its family; returns the module's name. The training
+    processes import it again (``family_env``)."""
+    file = Path(path).expanduser().resolve()
+    if file.suffix != ".py" or not file.is_file():
+        raise ConfigError(f"--family-module {path}: no such Python file; name the module that registers your family, "
+                          "e.g. examples/toy_family.py.")
+    if str(file.parent) not in sys.path:
+        sys.path.insert(0, str(file.parent))
+    _load_families()  # the built-in ones first: a model name they hold is refused, not shadowed
+    before = set(_FAMILIES)
+    importlib.import_module(file.stem)
+    if not set(_FAMILIES) - before and not any(module == file.stem for module, _ in _EXTERNAL.values()):
+        raise ConfigError(f"--family-module {path}: importing it registered no family; call "
+                          "gallery_lib.models.register_family(ModelFamily(...)) at its top level.")
+    return file.stem
 
 
 def family_env(family: ModelFamily) -> dict[str, str]:

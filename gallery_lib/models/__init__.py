@@ -2,7 +2,7 @@
 and its ``ModelFamily``) and the model parts that tasks share (``sd_parts``, ``flops``, ``offline_tokenizer``).
 
 The registry the family modules register into lives in the base layer (``gallery_lib.config.families``); its calls
-are importable from here too, as a family module outside the library uses them (``tests/toy_family.py``).
+are importable from here too, as a family module outside the library uses them (``examples/toy_family.py``).
 """
 
 from __future__ import annotations

@@ -59,6 +59,14 @@ _COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("finished", "finished", "{}"),
 )
 _OPTIONAL_COLUMNS = {"val_top1"}
+SPEEDUP_ON_CPU = "n/a on CPU (smoke)"
+"""What a table or figure shows for a speedup measured on a CPU: the smoke profile checks the code path, and its
+CPU timings say nothing about the GPU speed a recipe is for."""
+
+
+def speedup_text(speedup: float | None, device: str | None, fmt: str = "{:.2f}x") -> str:
+    """A speedup as tables and figures show it: ``SPEEDUP_ON_CPU`` for a CPU run."""
+    return SPEEDUP_ON_CPU if device == "CPU" else _fmt(speedup, fmt)
 
 
 @dataclass
@@ -198,7 +206,7 @@ def to_markdown(table: list[dict[str, Any]], reference: str = "baseline") -> str
     for row in table:
         cells = []
         for key, _, fmt in columns:
-            text = _fmt(row[key], fmt)
+            text = speedup_text(row[key], row["device"], fmt) if key == "speedup" else _fmt(row[key], fmt)
             if key == "median_step_ms" and row[key] is not None:
                 text += f" [{_fmt(row['p20_step_ms'], fmt)}-{_fmt(row['p80_step_ms'], fmt)}]"
             if key == "finished":
@@ -227,10 +235,12 @@ def comparison_figure(runs: list[RunRecord], reference: str = "baseline") -> Fig
 
     speeds = [row["img_per_s"] if row["img_per_s"] is not None else 0.0 for row in table]
     bars = ax_speed.bar(names, speeds, color=[colors[n] for n in names])
-    labels = [f"{row['speedup']:.2f}x" if row["speedup"] is not None else _fmt(row["img_per_s"], "{:.0f}")
-              for row in table]
+    on_cpu = any(row["device"] == "CPU" for row in table)
+    labels = [f"{row['speedup']:.2f}x" if row["speedup"] is not None and not on_cpu
+              else _fmt(row["img_per_s"], "{:.1f}") for row in table]
     ax_speed.bar_label(bars, labels=_mark_unfinished(bars, table, labels), padding=2)
-    ax_speed.set(title=f"(a) throughput, speedup vs {reference}", ylabel="img/s (higher is better)")
+    speedup = f"speedup {SPEEDUP_ON_CPU}" if on_cpu else f"speedup vs {reference}"
+    ax_speed.set(title=f"(a) throughput, {speedup}", ylabel="img/s (higher is better)")
     ax_speed.margins(y=0.15)
 
     _plot_step_times(ax_step, runs, table, colors)
@@ -260,7 +270,7 @@ def comparison_figure(runs: list[RunRecord], reference: str = "baseline") -> Fig
 
     model = runs[0].config.get("model", runs[0].run_dir.parent.name) if runs else ""
     title = f"{model}: {_describe(table, 'device')}\nglobal batch {_describe(table, 'global_batch')}"
-    if any(row["device"] == "CPU" for row in table):
+    if on_cpu:
         title += "\non a CPU these timings check the code path; they are not speed measurements"
     fig.suptitle(title)
     return fig

@@ -17,7 +17,7 @@ from typing import Any
 from matplotlib.figure import Figure
 
 from gallery_lib.recipes.ladder import RungResult, recipe_name
-from gallery_lib.reports.comparison import _png_bytes, _ReportFigure, with_inline_image
+from gallery_lib.reports.comparison import _png_bytes, _ReportFigure, speedup_text, with_inline_image
 
 LADDER_MD, LADDER_PNG, LADDER_JSON = "ladder.md", "ladder.png", "ladder.json"
 BOUGHT_NOTHING = 1.03
@@ -58,10 +58,12 @@ def findings(rows: list[dict[str, Any]]) -> list[str]:
     ran = [row for row in rows if row["img_per_s"] is not None]
     if ran:
         top = max(ran, key=lambda row: row["img_per_s"])
-        lines.append(f"Fastest rung: {top['title']} ({top['rung']}), {top['img_per_s']:.1f} img/s, "
-                     f"{top['speedup']:.2f}x the first rung, on {top['device']}.")
+        over_first = (f"speedup {speedup_text(top['speedup'], top['device'])}" if top["device"] == "CPU"
+                      else f"{top['speedup']:.2f}x the first rung")
+        lines.append(f"Fastest rung: {top['title']} ({top['rung']}), {top['img_per_s']:.1f} img/s, {over_first}, "
+                     f"on {top['device']}.")
     flat = [f"{row['title']} ({row['gain']:.2f}x)" for row in ran
-            if row["gain"] is not None and row["gain"] < BOUGHT_NOTHING]
+            if row["gain"] is not None and row["gain"] < BOUGHT_NOTHING and row["device"] != "CPU"]
     if flat:
         lines.append("Bought no speed here (under 3% over the rung each builds on): " + ", ".join(flat) + ".")
     for row in rows:
@@ -81,7 +83,8 @@ def to_markdown(rows: list[dict[str, Any]]) -> str:
         step = f"{row['median_step_ms']:.1f} [{row['p20_step_ms']:.1f}-{row['p80_step_ms']:.1f}]"
         lines.append(f"| {row['rung']} ({row['title']}) | {_fmt(row['batch_size'], '{}')} | "
                      f"{_fmt(row['img_per_s'], '{:.1f}')} | {step} | {_fmt(row['peak_mem_gib'], '{:.1f}')} | "
-                     f"{_fmt(row['speedup'], '{:.2f}x')} | {_fmt(row['gain'], '{:.2f}x')} | "
+                     f"{speedup_text(row['speedup'], row['device'])} | "
+                     f"{speedup_text(row['gain'], row['device'])} | "
                      f"{_fmt(row['talk_speedup'], '{:.2f}x')} | {_fmt(row['talk_peak_mem_gb'], '{:.1f}')} |")
     not_run = [f"- {_failure_line(row)}" for row in rows if row["failure"]]
     return "\n".join(lines + ([""] + not_run if not_run else []))
@@ -96,16 +99,18 @@ def _failure_line(row: dict[str, Any]) -> str:
 
 
 def ladder_figure(rows: list[dict[str, Any]]) -> Figure:
-    """(a) cumulative speedup per rung, (b) peak memory per rung, for the rungs that ran; the talk's A100 figures as
-    black markers where the rungs ran on a GPU (a CPU's smoke figures are not comparable with them)."""
+    """(a) cumulative speedup per rung (throughput on a CPU, where a speedup is n/a), (b) peak memory per rung, for the
+    rungs that ran; the talk's A100 figures as black markers where the rungs ran on a GPU."""
     rows = _ran(rows)
     on_cpu = any(row["device"] == "CPU" for row in rows)
     fig = _ReportFigure(figsize=(12, 8), layout="constrained")
     ax_speed, ax_mem = fig.subplots(2, 1, sharex=True)
     x = range(len(rows))
     labels = [f"{row['rung'].split('-')[1]}. {row['title']}" for row in rows]
+    speed_panel = (("img_per_s", None, "{:.1f}", "(a) throughput; speedup n/a on CPU (smoke)", "img/s") if on_cpu
+                   else ("speedup", "talk_speedup", "{:.2f}x", "(a) throughput over the first rung", "speedup"))
     for ax, key, talk_key, fmt, title, unit in (
-            (ax_speed, "speedup", "talk_speedup", "{:.2f}x", "(a) throughput over the first rung", "speedup"),
+            (ax_speed, *speed_panel),
             (ax_mem, "peak_mem_gib", "talk_peak_mem_gb", "{:.1f}", "(b) peak memory", "GiB (the talk: GB)")):
         values = [row[key] if row[key] is not None else 0.0 for row in rows]
         bars = ax.bar(x, values, color=["C0" if row["talk_speedup"] is not None else "C1" for row in rows])

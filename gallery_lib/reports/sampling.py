@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 
@@ -66,6 +66,45 @@ def sample_grid(pipe, prompts: Sequence[str], *, steps: int = 25, guidance_scale
         from gallery_lib.run.tensorboard import log_to_run
 
         log_to_run(run_dir, "samples", grid)
+    return grid
+
+
+def compare_samples(runs: Mapping[str, Any] | Sequence[str | os.PathLike], prompts: Sequence[str], *,
+                    steps: int = 25, guidance_scale: float = 5.0, seed: int = 0, size: int | None = None,
+                    save_to: str | os.PathLike | None = None):
+    """One row of samples per run, the same prompts and seeds in every row, so the recipes' trained weights sit side
+    by side (baseline above accelerated): a matplotlib figure, also saved as ``save_to`` when given.
+
+    ``runs`` is what ``run_recipes`` returned (run name -> result with a ``run_dir``) or a list of run folders. Each
+    run's exported pipeline is loaded, sampled and freed in turn; a run that exported none is named in the title.
+
+        compare_samples(results, ["a red circle", "a blue square"])
+    """
+    if not prompts:
+        raise ValueError("compare_samples needs at least one prompt")
+    named = ({name: Path(result.run_dir) for name, result in runs.items()} if isinstance(runs, Mapping)
+             else {Path(path).name: Path(path) for path in runs})
+    images, titles, missing = [], [], []
+    for name, run_dir in named.items():
+        try:
+            pipe = load_pipeline(run_dir)
+        except FileNotFoundError:
+            missing.append(name)
+            continue
+        side = size or pipe.unet.config.sample_size * pipe.vae_scale_factor
+        generator = torch.Generator(device="cpu").manual_seed(seed)  # the same starting noise in every row
+        images += pipe(list(prompts), num_inference_steps=steps, guidance_scale=guidance_scale, height=side,
+                       width=side, generator=generator).images
+        titles += [f"{name}: {prompt}" for prompt in prompts]
+        del pipe
+    if not images:
+        raise FileNotFoundError(f"no run among {list(named)} exported a pipeline: run them with export_model=True "
+                                "(the default) to the end first.")
+    grid = image_grid(images, titles, columns=len(prompts))
+    grid.suptitle(f"seed {seed}, {steps} denoising steps; one row per run"
+                  + (f" (no exported pipeline: {', '.join(missing)})" if missing else ""))
+    if save_to is not None:
+        grid.savefig(save_to, dpi=100)
     return grid
 
 

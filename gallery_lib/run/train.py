@@ -101,17 +101,11 @@ def build_ema(model: torch.nn.Module, cfg: RunConfig, optimizer: torch.optim.Opt
     model's plain template (``AcceleratedModel.template``)."""
     if cfg.ema == "off":
         return None, None
-    from gallery_lib.accel.ema import ModelEma, ema_mode_on
+    from gallery_lib.accel.your_model import add_ema
 
-    # A fallback (fused needs CUDA and Triton) is said in the note, so ModelEma is not asked to warn of it.
-    mode, fallback = ema_mode_on(cfg.ema, next(model.parameters()).device.type)
-    ema = ModelEma(model, decay=cfg.ema_decay, ratio_warmup=True, mode=mode, template=template,
-                   stream_programs=cfg.ema_stream_programs or None)
-    if ema.effective_mode == "stream":
-        ema.attach_optimizer(optimizer)  # the next optimizer step waits for the side-stream update
-    asked = f" ({cfg.ema} asked, but {fallback})" if fallback else ""
-    return ema, (f"EMA of the weights: {ema.effective_mode} update{asked}, decay {cfg.ema_decay} after diffusers' "
-                 "(1 + step) / (10 + step) warm-up")
+    ema = add_ema(model, optimizer, decay=cfg.ema_decay, mode=cfg.ema, template=template,
+                  stream_programs=cfg.ema_stream_programs or None, echo=None)
+    return ema, ema.change.note
 
 
 def lr_lambda(cfg: RunConfig):

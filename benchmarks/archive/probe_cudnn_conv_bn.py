@@ -1,6 +1,6 @@
 """Does cuDNN's conv + batch-norm fusion pay for ResNet-50? A probe of that lever for the ResNet-50 goal.
 
-    python benchmarks/probe_cudnn_conv_bn.py --out RESULT.json   (needs a GPU and ``nvidia-cudnn-frontend``)
+    python benchmarks/archive/probe_cudnn_conv_bn.py --out RESULT.json   (needs a GPU and ``nvidia-cudnn-frontend``)
 
 On the GPU machine, which reaches no registry, carry the frontend as a wheel: ``python3 -m pip download --no-deps
 --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 -d .whl_probe nvidia-cudnn-frontend``
@@ -46,8 +46,10 @@ MAX_PLANS = 4  # cuDNN ranks its plans; building each runtime-fusion plan compil
 # stage of timm's resnet50 (the first block of stages 2-4 strides in conv2).
 SHAPES = [
     ("s1_conv2", 64, 64, 3, 1, 56, 3), ("s1_conv3", 64, 256, 1, 1, 56, 3),
-    ("s2_conv2_stride", 128, 128, 3, 2, 56, 1), ("s2_conv2", 128, 128, 3, 1, 28, 3), ("s2_conv3", 128, 512, 1, 1, 28, 4),
-    ("s3_conv2_stride", 256, 256, 3, 2, 28, 1), ("s3_conv2", 256, 256, 3, 1, 14, 5), ("s3_conv3", 256, 1024, 1, 1, 14, 6),
+    ("s2_conv2_stride", 128, 128, 3, 2, 56, 1), ("s2_conv2", 128, 128, 3, 1, 28, 3),
+    ("s2_conv3", 128, 512, 1, 1, 28, 4),
+    ("s3_conv2_stride", 256, 256, 3, 2, 28, 1), ("s3_conv2", 256, 256, 3, 1, 14, 5),
+    ("s3_conv3", 256, 1024, 1, 1, 14, 6),
     ("s4_conv2_stride", 512, 512, 3, 2, 14, 1), ("s4_conv2", 512, 512, 3, 1, 7, 2), ("s4_conv3", 512, 2048, 1, 1, 7, 3),
 ]
 

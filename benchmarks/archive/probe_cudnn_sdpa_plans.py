@@ -1,14 +1,14 @@
 """Is there a faster cuDNN attention for SD-1.5's shapes than the one PyTorch's SDPA picks? A probe for the SD step.
 
-    python benchmarks/probe_cudnn_sdpa_plans.py --out RESULT.json   (needs a GPU and ``nvidia-cudnn-frontend``)
+    python benchmarks/archive/probe_cudnn_sdpa_plans.py --out RESULT.json   (needs a GPU and ``nvidia-cudnn-frontend``)
 
 Carry the frontend as a wheel, as ``probe_cudnn_conv_bn.py`` says. At batch 32 the SD step's largest kernel is cuDNN's
 attention backward at 4096 tokens and head dim 40 (34 ms a step, benchmarks/RESULTS.md#bench-h100), and the same kernel
 runs in the plain peer. PyTorch builds its cuDNN attention graphs with the frontend headers it was compiled with and
 runs the first plan cuDNN's heuristics rank. The frontend from the registry (1.32) can build the forward graph with
 each of its implementations (``AUTO``, ``COMPOSITE``, ``UNIFIED``; its backward takes no such choice) and run every
-plan cuDNN offers for the forward and the backward. For each self-attention shape of SD-1.5 at 512 px (batch 32, 8 heads, the ``(batch, heads, tokens, head_dim)``
-views of ``(batch, tokens, channels)`` the model makes), this times:
+plan cuDNN offers for the forward and the backward. For each self-attention shape of SD-1.5 at 512 px (batch 32,
+8 heads, the ``(batch, heads, tokens, head_dim)`` views of ``(batch, tokens, channels)`` the model makes), this times:
 
 - ``torch``: ``scaled_dot_product_attention`` on the cuDNN backend, forward alone and forward + backward (the backward
   as their difference);

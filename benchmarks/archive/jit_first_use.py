@@ -2,7 +2,7 @@
 second: what a machine's first run pays once, and whether the CUDA driver's JIT cache (``CUDA_CACHE_PATH``) keeps
 it for the next process (benchmarks/RESULTS.md#precompile-loading).
 
-    CUDA_CACHE_PATH=/tmp/jit python benchmarks/jit_first_use.py --stages attn_cudnn,attn_flash,conv --out R.json
+    CUDA_CACHE_PATH=/tmp/jit python benchmarks/archive/jit_first_use.py --stages attn_cudnn,attn_flash,conv --out R.json
 """
 
 import argparse

@@ -1,6 +1,6 @@
 """FP8 training of the SD-1.5 UNet's linear layers on Hopper (torchao float8), against the same step in bf16.
 
-    python benchmarks/bench_sd_float8.py --batch 32 --out RESULT.json
+    python benchmarks/archive/bench_sd_float8.py --batch 32 --out RESULT.json
 
 One of the levers to measure for the SD step: does converting the transformer blocks' linear layers to torchao's
 float8 training (tensorwise dynamic scaling) make the SD training step faster? Both variants are the same plain step
@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
 def log(msg: str) -> None:

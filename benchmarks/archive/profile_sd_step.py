@@ -1,6 +1,6 @@
 """Where the SD-1.5 UNet's training step spends its GPU time: kernel time by kind, from torch.profiler.
 
-    python benchmarks/profile_sd_step.py --batch 32 --out RESULT.json
+    python benchmarks/archive/profile_sd_step.py --batch 32 --out RESULT.json
 
 The question is which levers could make the step at batch 32 faster than plain ``torch.compile``; this says where the
 time is before choosing one. The step is ``bench_sd_float8.py``'s bf16 variant (random SD-1.5 UNet, bf16 autocast,
@@ -22,7 +22,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_sd_float8 import build, make_step  # noqa: E402 - the same step the FP8 comparison times
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from gallery_lib.run.profiling import kernel_table  # noqa: E402 - the kinds `profile_steps` sums by too
 
 

@@ -1,6 +1,6 @@
 """Swin's window-attention kernel against SDPA's efficient kernel as the Swin hook fed it, attention alone.
 
-    python benchmarks/proto_window_attention.py --out RESULT.json
+    python benchmarks/archive/proto_window_attention.py --out RESULT.json
 
 The measurement behind ``gallery_lib/accel/kernels/window_attention.py`` (benchmarks/RESULTS.md#bench-h100): the
 accelerated Swin-T step spent 5.4 ms of its 28 ms in PyTorch's memory-efficient attention. The first numbers came
@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 import triton
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 N, D = 49, 32
 
@@ -35,7 +35,8 @@ def window_kernel(qkv, bias, mask, scale):
 
 
 def sdpa_as_the_hook_does(qkv, bias, mask, scale):
-    """The gallery's Swin hook before the kernel: q, k, v views, the bias expanded over the batch, SDPA's efficient kernel."""
+    """The gallery's Swin hook before the kernel: q, k, v views, the bias expanded over the batch, SDPA's efficient
+    kernel."""
     windows, n, _, heads, d = qkv.shape
     q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
     b = bias.unsqueeze(0)

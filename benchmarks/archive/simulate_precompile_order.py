@@ -1,6 +1,6 @@
 """How long the precompile workers would take under each queue order, from per-graph compile times a run measured.
 
-    python benchmarks/simulate_precompile_order.py RUN/metrics.jsonl [...] [--model sd15]
+    python benchmarks/archive/simulate_precompile_order.py RUN/metrics.jsonl [...] [--model sd15]
 
 Each worker claims the next graph of the queue when it is free (list scheduling, as ``worker.compile_queue`` does).
 For each run's summary (``precompile.graph_seconds``), it prints the time the workers would take with the queue
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from gallery_lib.accel.compile.precompile.record import compile_cost  # noqa: E402
 from gallery_lib.run.metrics import read_metrics  # noqa: E402

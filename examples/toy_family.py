@@ -1,4 +1,4 @@
-"""A third model family, registered from the tests and shipped nowhere: a tiny convnet classifier.
+"""A model family that lives outside the library: a tiny convnet classifier (copy this module for your own model).
 
 Importing this module registers it (``register_family``), and the launcher's training processes import it again, so
 its runs go through the same ``gallery`` path as the built-in families. It touches no library file: this module is

@@ -1,0 +1,231 @@
+"""The gallery's accelerations as one call each, on a model and a training loop that the user brings.
+
+Each call changes the module in place (parameters, ``state_dict`` keys and attributes keep their names) and returns
+a ``Change``: what it did on this model, the one-line reason it helps, and where the measurement behind it is.
+The calls compose, in the order ``accelerate`` applies them (the order of ``accel/accelerate.py``)::
+
+    from gallery_lib import add_ema, compile_blocks, fuse_attention, fuse_kernels, use_channels_last
+
+    print(use_channels_last(model))   # channels_last: 53 conv weights in NHWC layout ...
+    print(fuse_kernels(model))        # fused kernels: swapped 16: geglu=16 ...
+    print(fuse_attention(model))      # fused attention: 32 diffusers attention layers ...
+    print(compile_blocks(model))      # compiled blocks: 12 blocks compiled in place ...
+    ema = add_ema(model, optimizer)   # EMA of the weights: stream update ...
+
+or the ones that measured faster, at once: ``changes = accelerate(model)``. A family's runs go through the same calls
+(``accel/accelerate.py``), so a model trained with a gallery recipe and one accelerated here get the same code.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
+import torch
+from torch import nn
+
+RESULTS = "benchmarks/RESULTS.md"
+_CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
+
+
+@dataclass(frozen=True)
+class Change:
+    """What one acceleration did to a model."""
+
+    name: str
+    """The acceleration (``channels_last``, ``fused kernels``, ...)."""
+    what: str
+    """What changed on this model, counted (``swapped 4: geglu=4``); says so when nothing did."""
+    why: str
+    """The one-line reason it makes a step faster."""
+    measured: str
+    """Where the measurement behind it is (a ``benchmarks/RESULTS.md`` section)."""
+    changed: bool = True
+    """False when the model had nothing this acceleration acts on."""
+    details: str = ""
+    """More lines for a run's log (the modules a kernel swap left alone, and why)."""
+
+    @property
+    def note(self) -> str:
+        """What a run's log keeps: the name, what changed, and the details."""
+        return f"{self.name}: {self.what}" + (f"\n{self.details}" if self.details else "")
+
+    def __str__(self) -> str:
+        return f"{self.name}: {self.what}. Why: {self.why} ({self.measured})"
+
+
+def use_channels_last(model: nn.Module) -> Change:
+    """Puts the 4-D weights (2-D convolutions) in NHWC layout, what cuDNN's tensor-core convolutions read without a
+    transpose; feed images in the same layout (``x.to(memory_format=torch.channels_last)``).
+
+        print(use_channels_last(unet))
+    """
+    convs = [p for p in model.parameters() if p.dim() == 4]
+    model.to(memory_format=torch.channels_last)
+    what = f"{len(convs)} conv weights in NHWC layout" if convs else "no 4-D weight: nothing to change"
+    return Change("channels_last", what, "convolutions on tensor cores read NHWC without transposing",
+                  f"{RESULTS}#sd15-layout", changed=bool(convs))
+
+
+def fuse_kernels(model: nn.Module, ops: Iterable[str] | None = None, *, verbose: bool = False) -> Change:
+    """Swaps the layers the gallery has fused Triton kernels for (``gallery_lib.accel.patch.KERNEL_SWAPS``: GroupNorm
+    with the SiLU after it, LayerNorm, GEGLU) for the fused modules, forward and backward; ``ops`` picks some of
+    them (default: all but ``conv_bn_relu``, which is float16 only). On a CPU the fused modules run their PyTorch
+    reference, so this is for a GPU.
+
+        print(fuse_kernels(unet, ops=["geglu"]))
+    """
+    from gallery_lib.accel.patch import KERNEL_OPS, apply_kernels
+
+    chosen = tuple(ops) if ops is not None else tuple(op for op in KERNEL_OPS if op != "conv_bn_relu")
+    unknown = sorted(set(chosen) - set(KERNEL_OPS))
+    if unknown:
+        raise ValueError(f"fuse_kernels: unknown op(s) {unknown}; choose from {list(KERNEL_OPS)}")
+    report = apply_kernels(model, **{op: op in chosen for op in KERNEL_OPS})
+    first, _, details = report.summary(verbose).partition("\n")
+    what = first if report.swapped else f"no layer the {', '.join(chosen)} kernels replace"
+    return Change("fused kernels", what, "one kernel where PyTorch launches several, each tensor read and written once",
+                  f"{RESULTS}#kernels", changed=bool(report.swapped), details=details)
+
+
+def fuse_attention(model: nn.Module) -> Change:
+    """Routes every attention layer of a diffusers model through the gallery's backend registry, which runs each
+    attention shape on the backend measured fastest for it on this GPU (``gallery_lib.accel.attention``). A model
+    without diffusers attention layers is left as it is (the change says so).
+
+        print(fuse_attention(unet))
+    """
+    if not hasattr(model, "attn_processors"):
+        return Change("fused attention", f"{type(model).__name__} has no diffusers attention layers: nothing to "
+                      "change (timm and plain PyTorch models already call scaled_dot_product_attention)",
+                      _ATTENTION_WHY, f"{RESULTS}#attention", changed=False)
+    from gallery_lib.accel.attention import hook_diffusers_attention
+
+    hook = hook_diffusers_attention(model, backend="auto")
+    return Change("fused attention", f"{len(hook.modules)} diffusers attention layers use the fastest measured "
+                  "backend per shape", _ATTENTION_WHY, f"{RESULTS}#attention")
+
+
+_ATTENTION_WHY = "PyTorch's own SDPA choice is not the fastest for every shape, and the registry times each once"
+
+
+def compile_blocks(model: nn.Module, block_types: Iterable[type | str] | None = None, *,
+                   mode: str | None = None, **compile_kwargs: Any) -> Change:
+    """Compiles each repeated block of ``model`` in place with ``torch.compile`` (regional compilation): one graph
+    per distinct block, not one for the whole model, so compiling takes a fraction of the time. ``block_types``
+    names the block classes (default: the gallery families' blocks where the model has them, else its most repeated
+    block class); ``mode="reduce-overhead"`` replays each block as a CUDA graph on a GPU. Compilation happens in the
+    first steps.
+
+        print(compile_blocks(vit, mode="reduce-overhead"))
+    """
+    from gallery_lib.accel.compile.regional import block_names, regional_compile, registered_block_types
+
+    types = tuple(block_types) if block_types is not None else None
+    if types is None:
+        try:
+            block_names(model, registered_block_types())
+            types = registered_block_types()
+        except ValueError:
+            types = (repeated_block_type(model),)
+    names = regional_compile(model, types, **({"mode": mode} if mode else {}), **compile_kwargs)
+    kinds = Counter(type(model.get_submodule(name)).__name__ for name in names)
+    graphs = ", CUDA graphs" if mode in ("reduce-overhead", "max-autotune") else ""
+    what = (f"{len(names)} blocks compiled in place ({', '.join(f'{n} {k}' for k, n in sorted(kinds.items()))}"
+            f"{graphs}); compilation happens in the first steps")
+    why = ("Inductor fuses each block's memory-bound ops, and compiling repeated blocks instead of the whole model "
+           "leaves far fewer graphs to compile")
+    return Change("compiled blocks", what, why, f"{RESULTS}#sd15-compile-time")
+
+
+def repeated_block_type(model: nn.Module) -> type:
+    """The class of ``model``'s repeated block: among the classes with children that occur at least twice, the one
+    with the most instances whose outermost instances hold at least half the parameters (a transformer's ``Block``,
+    a ConvNeXt's ``ConvNeXtBlock``), else the one holding the most parameters."""
+    total = sum(p.numel() for p in model.parameters()) or 1
+    counts = Counter(type(m) for m in model.modules()
+                     if m is not model and not isinstance(m, _CONTAINERS) and next(m.children(), None) is not None)
+    repeated = [cls for cls, n in counts.items() if n >= 2]
+    if not repeated:
+        raise ValueError(f"compile_blocks: {type(model).__name__} has no repeated block; pass block_types=(...) or "
+                         "compile the whole model with torch.compile")
+
+    def share(cls: type) -> float:
+        return sum(p.numel() for m in _outermost(model, cls) for p in m.parameters()) / total
+    large = [cls for cls in repeated if share(cls) >= 0.5]
+    if large:
+        return max(large, key=lambda cls: (counts[cls], share(cls)))
+    return max(repeated, key=share)
+
+
+def _outermost(model: nn.Module, cls: type) -> list[nn.Module]:
+    found: list[nn.Module] = []
+
+    def visit(module: nn.Module) -> None:
+        for child in module.children():
+            if type(child) is cls:
+                found.append(child)
+            else:
+                visit(child)
+    visit(model)
+    return found
+
+
+def add_ema(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, decay: float = 0.9999,
+            mode: str = "auto", ratio_warmup: bool = True, echo: Callable[[str], Any] | None = print, **options: Any):
+    """An EMA of ``model``'s weights (``gallery_lib.accel.ema.ModelEma``: call ``ema.update(model)`` after each
+    optimizer step, ``ema.module`` for the averaged model). ``mode="auto"`` updates on a side CUDA stream with one
+    fused kernel on a GPU (``stream``; the next optimizer step waits for it, so pass ``optimizer``), and with
+    PyTorch's multi-tensor ops on a CPU (``foreach``); ``ratio_warmup`` is diffusers' ``(1 + step) / (10 + step)``
+    decay ramp. ``echo`` gets the change (``ema.change``).
+
+        ema = add_ema(unet, optimizer)
+        ...
+        optimizer.step(); ema.update(unet)
+    """
+    from gallery_lib.accel.ema import ModelEma, ema_mode_on
+
+    device_type = next(model.parameters()).device.type
+    asked = ("stream" if device_type == "cuda" else "foreach") if mode == "auto" else mode
+    effective, fallback = ema_mode_on(asked, device_type)  # said in the change, so ModelEma need not warn of it
+    ema = ModelEma(model, decay=decay, ratio_warmup=ratio_warmup, mode=effective, **options)
+    if ema.effective_mode == "stream" and optimizer is not None:
+        ema.attach_optimizer(optimizer)  # the next optimizer step waits for the side-stream update
+    because = f" ({asked} asked, but {fallback})" if fallback else ""
+    warmup = " after diffusers' (1 + step) / (10 + step) warm-up" if ratio_warmup else ""
+    ema.change = Change("EMA of the weights", f"{ema.effective_mode} update{because}, decay {decay}{warmup}",
+                        "one fused update kernel on a side stream, beside the next forward, instead of a kernel per "
+                        "tensor on the main stream", f"{RESULTS}#ema")
+    if echo is not None:
+        echo(str(ema.change))
+    return ema
+
+
+def accelerate(model: nn.Module, *, device_type: str | None = None, compile: bool = True,
+               echo: Callable[[str], Any] | None = print) -> list[Change]:
+    """Applies the accelerations that suit the device ``model`` is on, in the gallery's order, and returns (and by
+    default prints) what each changed: on a GPU channels_last (for a model with convolutions), the fused kernels
+    (GEGLU alone when compiling: Inductor's own code beats the other fused kernels) and the blocks compiled and
+    replayed as CUDA graphs; on a CPU the blocks compiled (the fused kernels are GPU code). Not the attention
+    registry: on SD's shapes PyTorch's own SDPA choice measured as fast (``fuse_attention`` is there to try).
+
+        changes = accelerate(model)    # then train as before: the same parameters, the same optimizer
+    """
+    device_type = device_type or next(model.parameters()).device.type
+    on_gpu = device_type == "cuda"
+    steps: list[Callable[[], Change]] = []
+    if on_gpu:
+        if sum(1 for p in model.parameters() if p.dim() == 4) > 2:  # convolutions beyond a stem (a ViT's patch one)
+            steps.append(lambda: use_channels_last(model))
+        # Under Inductor only GEGLU's kernel beats what Inductor generates itself (benchmarks/RESULTS.md#kernels).
+        steps.append(lambda: fuse_kernels(model, ops=("geglu",) if compile else None))
+    if compile:
+        steps.append(lambda: compile_blocks(model, mode="reduce-overhead" if on_gpu else None))
+    changes = []
+    for step in steps:
+        change = step()
+        changes.append(change)
+        if echo is not None:
+            echo(str(change))
+    return changes

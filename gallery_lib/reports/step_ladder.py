@@ -1,0 +1,136 @@
+"""A ladder for the user's own model: each acceleration's training steps timed against the rung below, with the loss
+curves compared step by step (the ``your_model`` notebook).
+
+The loop stays the user's; it marks step boundaries with a ``StepTimer`` (CUDA events on a GPU) and hands its losses
+and step times to the ladder::
+
+    ladder = StepLadder(batch_size=64, warmup=10)
+    ladder.add("plain PyTorch", losses, times_ms)
+    ladder.add("+ compiled blocks", losses, times_ms, changes=[compile_blocks(model)])
+    ladder        # in a notebook: the table and the figure
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from gallery_lib.reports.comparison import _png_bytes, _ReportFigure, speedup_text, with_inline_image
+from gallery_lib.run.timing import StepTimer, summarize_times
+
+__all__ = ["StepLadder", "StepTimer"]
+
+
+@dataclass
+class StepRung:
+    name: str
+    losses: list[float]
+    times_ms: list[float]
+    """Every step's time, warm-up included."""
+    changes: list[Any] = field(default_factory=list)
+    """What the rung's calls said they changed (``gallery_lib.accel.your_model.Change``)."""
+    builds_on: str | None = None
+    """The rung its gain is measured over (default: the one added before it)."""
+    peer: bool = False
+    """The strongest plain-PyTorch setup: every rung's speed is also compared with it."""
+
+
+class StepLadder:
+    """Rungs in the order they were added; each is compared with the first (speedup, loss curve) and the one
+    before it (gain)."""
+
+    def __init__(self, *, batch_size: int, warmup: int, device: str = "cuda") -> None:
+        if warmup < 0:
+            raise ValueError(f"StepLadder: warmup={warmup} must be >= 0")
+        self.batch_size, self.warmup, self.device = batch_size, warmup, device
+        self.rungs: list[StepRung] = []
+
+    def add(self, name: str, losses: Sequence[float], times_ms: Sequence[float], changes: Sequence[Any] = (), *,
+            builds_on: str | None = None, peer: bool = False) -> dict[str, Any]:
+        """Records a rung and returns its row; needs more steps than ``warmup`` to time any. ``builds_on`` names
+        the rung its gain is over (default: the one before); ``peer`` marks the plain-PyTorch setup to beat."""
+        if len(times_ms) <= self.warmup:
+            raise ValueError(f"StepLadder.add({name!r}): {len(times_ms)} step times, but the first {self.warmup} "
+                             "are warm-up: run more steps")
+        if builds_on is not None and builds_on not in [rung.name for rung in self.rungs]:
+            raise ValueError(f"StepLadder.add({name!r}): builds_on={builds_on!r} names no rung added before it")
+        self.rungs.append(StepRung(name, [float(v) for v in losses], [float(t) for t in times_ms], list(changes),
+                                   builds_on, peer))
+        return self.rows()[-1]
+
+    def rows(self) -> list[dict[str, Any]]:
+        rows: list[dict[str, Any]] = []
+        for rung in self.rungs:
+            timed = summarize_times(rung.times_ms[self.warmup:])
+            median = timed["median_step_time_ms"]
+            row = {"rung": rung.name, "img_per_s": 1e3 * self.batch_size / median, **timed,
+                   "warmup_s": sum(rung.times_ms[:self.warmup]) / 1e3,
+                   "changes": [str(c) for c in rung.changes]}
+            by_name = {r["rung"]: r for r in rows}
+            first = rows[0] if rows else row
+            below = by_name.get(rung.builds_on) if rung.builds_on else (rows[-1] if rows else None)
+            row["speedup"] = row["img_per_s"] / first["img_per_s"]
+            row["gain"] = row["img_per_s"] / below["img_per_s"] if below else None
+            row["builds_on"] = below["rung"] if below else None
+            reference = self.rungs[0].losses
+            shared = list(zip(rung.losses, reference))
+            row["loss_difference"] = max((abs(a - b) for a, b in shared), default=None)
+            rows.append(row)
+        peer = next((r for r, rung in zip(rows, self.rungs) if rung.peer), None)
+        for row in rows:
+            row["over_peer"] = row["img_per_s"] / peer["img_per_s"] if peer else None
+        return rows
+
+    def to_markdown(self) -> str:
+        device = "CPU" if self.device == "cpu" else self.device
+        rows = self.rows()
+        with_peer = any(row["over_peer"] is not None for row in rows)
+        lines = ["| rung | step ms [p20-p80] | img/s | speedup over the first | gain (over) |"
+                 + (" over the peer |" if with_peer else "") + " largest loss difference from the first | "
+                 "warm-up (s) |", "|---|---|---|---|---|" + ("---|" if with_peer else "") + "---|---|"]
+        for row in rows:
+            gain = (f"{speedup_text(row['gain'], device)} ({row['builds_on']})" if row["gain"] is not None else "-")
+            lines.append(
+                f"| {row['rung']} | {row['median_step_time_ms']:.1f} [{row['p20_step_time_ms']:.1f}-"
+                f"{row['p80_step_time_ms']:.1f}] | {row['img_per_s']:.1f} | {speedup_text(row['speedup'], device)} | "
+                f"{gain} |" + (f" {speedup_text(row['over_peer'], device)} |" if with_peer else "")
+                + f" {row['loss_difference']:.2g} | {row['warmup_s']:.1f} |")
+        lines.append("")
+        lines.append(f"Batch {self.batch_size}; medians over the steps after the first {self.warmup} (warm-up: "
+                     "compilation, CUDA-graph capture), which are reported apart.")
+        return "\n".join(lines)
+
+    def figure(self) -> _ReportFigure:
+        """(a) images per second per rung, with its speedup over the first (n/a on a CPU); (b) the loss curves."""
+        rows = self.rows()
+        on_cpu = self.device == "cpu"
+        fig = _ReportFigure(figsize=(12, 4.5), layout="constrained")
+        ax_speed, ax_loss = fig.subplots(1, 2)
+        bars = ax_speed.bar(range(len(rows)), [row["img_per_s"] for row in rows],
+                            color=[f"C{i % 10}" for i in range(len(rows))])
+        ax_speed.bar_label(bars, labels=[f"{row['img_per_s']:.1f}" if on_cpu else f"{row['speedup']:.2f}x"
+                                         for row in rows], padding=2)
+        ax_speed.set_xticks(range(len(rows)), [row["rung"] for row in rows], rotation=25, ha="right")
+        ax_speed.set(title="(a) throughput" + ("; speedup n/a on CPU (smoke)" if on_cpu else
+                                                ", speedup over the first rung"), ylabel="img/s (higher is better)")
+        ax_speed.margins(y=0.15)
+        for i, rung in enumerate(self.rungs):
+            ax_loss.plot(range(1, len(rung.losses) + 1), rung.losses, label=rung.name,
+                         linestyle=("-", "--", ":", "-.")[i % 4])
+        ax_loss.set(title="(b) training loss, step by step", xlabel="step", ylabel="loss")
+        ax_loss.legend(fontsize=8)
+        return fig
+
+    def save(self, path: str | os.PathLike, **meta: Any) -> None:
+        """The rows (every step time and loss included) as JSON, with ``meta`` (the command, the commit, the GPU)."""
+        record = {**meta, "batch_size": self.batch_size, "warmup": self.warmup, "device": self.device,
+                  "rows": self.rows(), "steps": [{"rung": r.name, "losses": r.losses, "times_ms": r.times_ms}
+                                                 for r in self.rungs]}
+        with open(path, "w", encoding="utf-8") as out:
+            json.dump(record, out, indent=1)
+
+    def _repr_markdown_(self) -> str:
+        return with_inline_image(self.to_markdown() + "\n\n![ladder](ladder.png)\n", "ladder.png",
+                                 _png_bytes(self.figure()))

@@ -1,0 +1,54 @@
+"""The your_model notebook's ladder: rows from the rungs' own step times and losses, the CPU caveat, the JSON."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from gallery_lib.reports.step_ladder import StepLadder
+
+
+def _ladder(device: str) -> StepLadder:
+    ladder = StepLadder(batch_size=8, warmup=2, device=device)
+    ladder.add("plain", [3.0, 2.0, 1.0, 0.5], [900.0, 50.0, 40.0, 40.0])
+    ladder.add("compiled", [3.0, 2.0, 1.01, 0.5], [5000.0, 30.0, 20.0, 20.0], changes=["compiled: 2 blocks"])
+    return ladder
+
+
+def test_rows_time_the_steps_after_warm_up_and_compare_each_rung():
+    rows = _ladder("cuda").rows()
+    assert rows[0]["median_step_time_ms"] == 40.0 and rows[0]["img_per_s"] == pytest.approx(200.0)
+    assert rows[1]["speedup"] == pytest.approx(2.0) and rows[1]["gain"] == pytest.approx(2.0)
+    assert rows[0]["gain"] is None and rows[1]["warmup_s"] == pytest.approx(5.03)
+    assert rows[1]["loss_difference"] == pytest.approx(0.01) and rows[0]["loss_difference"] == 0
+    assert rows[1]["changes"] == ["compiled: 2 blocks"]
+    row = "| compiled | 20.0 [20.0-20.0] | 400.0 | 2.00x | 2.00x (plain) | 0.01 | 5.0 |"
+    assert row in _ladder("cuda").to_markdown()
+
+
+def test_a_side_branch_gains_over_the_rung_it_builds_on_and_every_rung_is_set_against_the_peer():
+    ladder = _ladder("cuda")
+    ladder.add("peer", [3.0, 2.0, 1.0, 0.5], [900.0, 25.0, 25.0, 25.0], peer=True)
+    ladder.add("fused", [3.0, 2.0, 1.0, 0.5], [900.0, 32.0, 32.0, 32.0], builds_on="plain")
+    rows = {row["rung"]: row for row in ladder.rows()}
+    assert rows["fused"]["gain"] == pytest.approx(40 / 32) and rows["fused"]["builds_on"] == "plain"
+    assert rows["compiled"]["over_peer"] == pytest.approx(25 / 20) and rows["peer"]["over_peer"] == 1.0
+    assert "| fused | 32.0 [32.0-32.0] | 250.0 | 1.25x | 1.25x (plain) | 0.78x |" in ladder.to_markdown()
+    with pytest.raises(ValueError, match="builds_on='nope' names no rung"):
+        ladder.add("x", [1.0] * 4, [1.0] * 4, builds_on="nope")
+
+
+def test_a_cpu_ladder_shows_no_speedup_and_saves_every_step(tmp_path):
+    ladder = _ladder("cpu")
+    assert "n/a on CPU (smoke)" in ladder.to_markdown() and "2.00x" not in ladder.to_markdown()
+    assert "n/a on CPU (smoke)" in ladder.figure().axes[0].get_title()
+    assert "data:image/png;base64," in ladder._repr_markdown_()
+    ladder.save(tmp_path / "ladder.json", model="toy")
+    record = json.loads((tmp_path / "ladder.json").read_text())
+    assert record["model"] == "toy" and record["steps"][1]["times_ms"][0] == 5000.0 and len(record["rows"]) == 2
+
+
+def test_too_few_steps_to_time_is_a_clear_error():
+    with pytest.raises(ValueError, match="first 2 are warm-up: run more steps"):
+        StepLadder(batch_size=1, warmup=2).add("short", [1.0, 1.0], [1.0, 1.0])
