@@ -30,7 +30,7 @@ def _check_cudnn_fusion(cfg: RunConfig) -> None:
     import importlib.util
 
     if cfg.amp_level != "O1" or cfg.amp_dtype not in ("float16", "auto"):  # auto: float16 on a GPU with O1
-        raise ConfigError(f"kernel_ops with conv_bn_relu runs cuDNN's fused convolutions, which cuDNN offers in float16 "
+        raise ConfigError("kernel_ops with conv_bn_relu runs cuDNN's fused convolutions, which cuDNN offers in float16 "
                           f"only (got amp_level={cfg.amp_level!r}, amp_dtype={cfg.amp_dtype!r}): set amp_level='O1' "
                           "and amp_dtype='float16' (a GradScaler comes with it), or drop conv_bn_relu.")
     if importlib.util.find_spec("cudnn") is None:
