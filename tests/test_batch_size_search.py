@@ -60,7 +60,7 @@ def test_search_backs_off_then_trains_as_a_run_started_at_the_chosen_size(smoke_
     steps, stored = read_metrics(cfg.run_dir / "metrics.jsonl")
     assert stored == summary and [s["step"] for s in steps] == [0, 1, 2, 3]
     saved = json.loads((cfg.run_dir / "config.json").read_text())
-    assert saved["batch_size"] == 6 and saved["find_batch_size"] is False
+    assert saved["training"]["batch_size"] == 6 and saved["training"]["find_batch_size"] is False
     assert saved["extra"]["batch_size_search"] == {"tried": [12, 10, 8, 6], "chosen": 6}
     trial_steps, _ = read_metrics(next((cfg.run_dir / SEARCH_DIR / "batch_6").rglob("metrics.jsonl")))
     assert len(trial_steps) == 3  # the trial trained for real, apart from the run's own metrics

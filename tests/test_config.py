@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gallery_lib.config import ConfigError, RunConfig, validate_for_machine
+from gallery_lib.config import ConfigError, RunConfig, parse_overrides, validate_for_machine
+from gallery_lib.config.run_config import core_field_names, task_setting_names
+from gallery_lib.config.sections import EMA, SECTION_OF, SECTION_TYPES, Compile, Kernels, Training
 from gallery_lib.recipes.profiles import base_config, data_spec
 from gallery_lib.recipes import RECIPES, apply_recipe
 
@@ -150,3 +154,63 @@ def test_model_step_config_times_the_step_alone_in_its_own_folder():
     assert (step.steps, step.warmup_steps) == (60, 30)  # SDPA needed ~25 steps to settle on the H200
     assert step.replace(reuse_batch=False, output_dir="out", max_nonfinite_steps=5, steps=base.steps,
                         warmup_steps=base.warmup_steps, export_model=True) == base
+
+
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
+@pytest.mark.parametrize("name", ["flat_config_swin_micro.json", "flat_config_sd_tiny.json"])
+def test_flat_config_json_written_before_the_sections_still_loads(name, tmp_path):
+    """Files written flat by 552a0d8, before the sections: every field loads under its flat name, and the file saved
+    again comes out in sections and loads to the same config."""
+    old = json.loads((FIXTURES / name).read_text())
+    cfg = RunConfig.load(FIXTURES / name)
+    assert {key: cfg.to_dict()[key] for key in old} == old
+    path = cfg.save(tmp_path / "config.json")
+    saved = json.loads(path.read_text())
+    assert list(saved) == [*SECTION_TYPES, "options", "extra"]
+    assert saved["optimizer"]["lr"] == old["lr"] and saved["job"]["model"] == old["model"]
+    assert RunConfig.load(path) == cfg == RunConfig.from_dict(old)
+
+
+def test_every_field_has_one_section_and_keeps_its_flat_name():
+    old = json.loads((FIXTURES / "flat_config_swin_micro.json").read_text())
+    core = set(old) - set(task_setting_names())
+    assert core_field_names() == core | {"options"}  # the fields of 552a0d8, none lost or renamed
+    assert set(SECTION_OF) == core - {"extra"}
+    assert sum(len(dataclasses.fields(cls)) for cls in SECTION_TYPES.values()) == len(SECTION_OF)
+
+
+def test_dotted_names_are_aliases_of_the_flat_ones():
+    cfg = micro(lr=1e-3, compile=True, mixup_alpha=0.2)
+    assert micro(**{"optimizer.lr": 1e-3, "compile.compile": True, "options.mixup_alpha": 0.2}) == cfg
+    assert micro(optimizer={"lr": 1e-3}, compile={"compile": True}, options={"mixup_alpha": 0.2}) == cfg
+    assert cfg.sections.optimizer.lr == cfg.lr == 1e-3 and cfg.sections.compile.compile is cfg.compile is True
+    assert cfg.optimizer == "adamw" and cfg.sections.optimizer.optimizer == "adamw"
+    assert cfg.replace(**{"optimizer.lr": 2e-3}) == cfg.replace(lr=2e-3) and cfg.replace(lr=2e-3).lr == 2e-3
+    assert dataclasses.replace(cfg, lr=2e-3, mixup_alpha=0) == cfg.replace(lr=2e-3, mixup_alpha=0)
+    assert parse_overrides(["optimizer.lr=1e-3", "lr_warmup_steps=2", "options.mixup_alpha=0"]) == {
+        "lr": 1e-3, "lr_warmup_steps": 2, "mixup_alpha": 0}
+    with pytest.raises(ConfigError, match=r"training\.lr=0\.1: lr is optimizer\.lr"):
+        micro(**{"training.lr": 0.1})
+    with pytest.raises(ConfigError, match="job has no field 'mixup_alpha'"):
+        micro(**{"job.mixup_alpha": 0})
+    with pytest.raises(ConfigError, match="there is no section 'optimiser'"):
+        micro(**{"optimiser.lr": 0.1})
+    with pytest.raises(ConfigError, match=r"lr is given twice \(0\.1 and 0\.2\)"):
+        micro(lr=0.1, **{"optimizer.lr": 0.2})
+    with pytest.raises(ConfigError, match="there is no setting 'optimizer.lrr'; did you mean optimizer.lr"):
+        parse_overrides(["optimizer.lrr=1"])
+
+
+def test_each_section_checks_its_own_rules():
+    """A section's rules hold wherever it is built; those that tie sections together are RunConfig's."""
+    with pytest.raises(ConfigError, match="leave at least one timed step"):
+        Training(steps=4, warmup_steps=4)
+    with pytest.raises(ConfigError, match="needs compile=True and compile_scope='blocks'"):
+        Compile(precompile_workers=2)
+    with pytest.raises(ConfigError, match="ema_stream_programs=8 .* set ema='stream'"):
+        EMA(ema="fused", ema_stream_programs=8)
+    assert Kernels(kernels=True, kernel_ops="geglu, layer_norm").kernel_op_names == ("geglu", "layer_norm")
+    with pytest.raises(ConfigError, match="find_batch_size=True is invalid with nproc_per_node=2"):
+        micro(find_batch_size=True, nproc_per_node=2)

@@ -86,9 +86,9 @@ def test_a_new_family_runs_baseline_and_accelerated_through_the_gallery(toy, tmp
     notes = results["accelerated"].summary["notes"]
     assert any("channels_last" in note for note in notes)
     assert any("2 repeated blocks in place" in note for note in notes)
-    saved = json.loads((tmp_path / "out/toy_convnet/accelerated/config.json").read_text())
-    assert saved["fused_loss"] is True and RunConfig.load(tmp_path / "out/toy_convnet/accelerated/config.json") == (
-        results["accelerated"].config)
+    path = tmp_path / "out/toy_convnet/accelerated/config.json"
+    saved = json.loads(path.read_text())
+    assert saved["options"]["fused_loss"] is True and RunConfig.load(path) == results["accelerated"].config
     assert "accelerated" in compare(base, list(results)).markdown
 
 

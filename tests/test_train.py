@@ -177,7 +177,7 @@ def test_launch_two_process_ddp_with_gloo(smoke_data, tmp_path):
     assert any("DDP over 2 processes" in line for line in lines)  # rank 0 streamed to the caller
     assert "[gallery] step" not in (result.run_dir / "logs/rank1.log").read_text()  # rank 1 only logs to its file
     saved = json.loads((result.run_dir / "config.json").read_text())
-    assert saved["nproc_per_node"] == 2 and saved["recipe"] == "baseline"
+    assert saved["parallel"]["nproc_per_node"] == 2 and saved["job"]["recipe"] == "baseline"
 
 
 @pytest.mark.gpu

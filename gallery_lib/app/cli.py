@@ -67,7 +67,8 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
     _flag(o, "compile_mode", choices=COMPILE_MODES, help="torch.compile mode")
     _flag(o, "kernel-opt", action="store_true", default=None, help="swap in gallery_lib's fused kernels")
     _flag(o, "set", action="append", default=[], metavar="FIELD=VALUE",
-          help="any other RunConfig field, e.g. --set fused_attention=true (repeatable)")
+          help="any other RunConfig field, flat or dotted by its section, e.g. --set fused_attention=true or "
+               "--set kernels.fused_attention=true (repeatable)")
     a = p.add_argument_group("the same settings as diffusers' and timm's training scripts spell them")
     a.add_argument("--pretrained", "--pretrained_model_name_or_path", dest="pretrained",
                    help="a local diffusers folder (SD models) or checkpoint file (classifiers); default: random init")
@@ -255,7 +256,7 @@ def _add_bench_flags(p: argparse.ArgumentParser) -> None:
     _flag(p, "timed_steps", type=int, help="steps timed after warm-up (default: 30 on a GPU, at least that; the "
                                             "profile's on a CPU)")
     _flag(p, "set", action="append", default=[], metavar="FIELD=VALUE",
-          help="any RunConfig field, for every run (repeatable)")
+          help="any RunConfig field, flat or dotted (lr or optimizer.lr), for every run (repeatable)")
     _flag(p, "data_root", default="data", help="where each model's mock data is prepared (default: data)")
     _flag(p, "output_dir", default="output/bench", help="the runs' output root (default: output/bench)")
     _flag(p, "out", help="the result file, or a folder to write it in (default: benchmarks/results/"

@@ -2,8 +2,12 @@
 layer may import it.
 
 - ``settings``: ``setting(...)`` (a field's default and rules, declared beside it) and ``ConfigError``;
-- ``run_config``: ``RunConfig``, the one typed, frozen description of a training run;
-- ``overrides``: the ``--set FIELD=VALUE`` parser;
+- ``sections``: ``RunConfig``'s sections (job, data, training, optimizer, precision, compile, kernels, parallel,
+  ema, checkpoint, metrics), each field's rules beside it and each section's own rules in it, and the alias table
+  from flat field names (``lr``) to dotted ones (``optimizer.lr``);
+- ``run_config``: ``RunConfig``, the one typed, frozen description of a training run: the sections, the task's
+  settings and the rules that tie them together; ``config.json`` in and out;
+- ``overrides``: the ``--set FIELD=VALUE`` parser (flat or dotted names);
 - ``machine``: the checks that depend on this machine (device, process count, GPU-only options);
 - ``gpu_check``: a GPU that this torch cannot use is an error (also run by ``ci/setup_env.sh`` before torch exists);
 - ``quiet``: the library messages a user cannot act on, dropped by their exact origin.

@@ -1,12 +1,13 @@
 """The checks that depend on this machine: which device a run gets, how many processes it may start, and the
-options that need a GPU or a package. The config itself is checked where it is declared (``run_config.py``)."""
+options that need a GPU or a package. The config itself is checked where it is declared (``sections/``,
+``run_config.py``)."""
 
 from __future__ import annotations
 
 import os
 
 from gallery_lib.config.gpu_check import check_gpu_usable
-from gallery_lib.config.run_config import CUDA_GRAPH_COMPILE_MODES, RunConfig
+from gallery_lib.config.run_config import RunConfig
 from gallery_lib.config.settings import ConfigError
 
 
@@ -29,7 +30,7 @@ def _check_cudnn_fusion(cfg: RunConfig) -> None:
     import importlib.util
 
     if cfg.amp_level != "O1" or cfg.amp_dtype not in ("float16", "auto"):  # auto: float16 on a GPU with O1
-        raise ConfigError(f"kernel_ops with conv_bn_relu runs cuDNN's fused convolutions, which cuDNN offers in float16 "
+        raise ConfigError("kernel_ops with conv_bn_relu runs cuDNN's fused convolutions, which cuDNN offers in float16 "
                           f"only (got amp_level={cfg.amp_level!r}, amp_dtype={cfg.amp_dtype!r}): set amp_level='O1' "
                           "and amp_dtype='float16' (a GradScaler comes with it), or drop conv_bn_relu.")
     if importlib.util.find_spec("cudnn") is None:
@@ -63,7 +64,7 @@ def validate_for_machine(cfg: RunConfig, *, cuda_devices: int | None = None, cpu
         if cfg.kernels and "conv_bn_relu" in cfg.kernel_op_names:
             _check_cudnn_fusion(cfg)
     else:
-        if cfg.compile and cfg.compile_mode in CUDA_GRAPH_COMPILE_MODES:
+        if cfg.sections.compile.cuda_graphs:
             raise ConfigError(f"compile_mode={cfg.compile_mode!r} captures CUDA graphs and needs a GPU: use "
                               "compile_mode='default' on a CPU.")
         if cfg.nproc_per_node > cpu_count:

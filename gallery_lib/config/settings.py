@@ -2,8 +2,9 @@
 
 ``setting(default, ...)`` is a ``dataclasses.field`` whose metadata holds a ``Rule``; ``check_settings(obj)`` checks
 every field of a config dataclass against its rule, and ``check_value(rule, name, value)`` checks one value (the
-data loader uses it for the same fields when called directly). Every message names the field, the value and what is
-allowed, e.g. ``batch_size=0 is invalid: expected an integer >= 1.``
+data loader uses it for the same fields when called directly). A ``Section`` (one of ``RunConfig``'s) checks its
+fields as it is built, then its own rules. Every message names the field, the value and what is allowed, e.g.
+``batch_size=0 is invalid: expected an integer >= 1.``
 """
 
 from __future__ import annotations
@@ -49,6 +50,18 @@ def check_settings(obj: Any) -> None:
     for f in dataclasses.fields(obj):
         if "rule" in f.metadata:
             check_value(f.metadata["rule"], f.name, getattr(obj, f.name))
+
+
+class Section:
+    """Base of a config section, a frozen dataclass of ``setting`` fields: once built it checks every field against
+    its rule, then ``check()``, the rules among its own fields."""
+
+    def __post_init__(self) -> None:
+        check_settings(self)
+        self.check()
+
+    def check(self) -> None:
+        """The rules that tie this section's fields together (none unless a section declares them)."""
 
 
 def check_value(rule: Rule, name: str, value: Any) -> None:

@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 from matplotlib.figure import Figure
 
+from gallery_lib.config.run_config import flat_config
 from gallery_lib.run.failure import RunFailure, read_failure
 from gallery_lib.run.metrics import read_metrics
 
@@ -75,7 +76,7 @@ class RunRecord:
     recipe: str
     """The run folder's name (the recipe it was trained with, unless the folder was renamed)."""
     config: dict[str, Any]
-    """The resolved ``config.json`` (empty when the run died before writing it)."""
+    """The resolved ``config.json``, every field under its flat name (empty when the run died before writing it)."""
     steps: list[dict[str, Any]]
     """The ``step`` records of ``metrics.jsonl``, in file order."""
     summary: dict[str, Any] | None
@@ -128,7 +129,7 @@ def load_run(run_dir: str | os.PathLike) -> RunRecord:
     if not config_path.is_file() and not metrics_path.is_file():
         raise FileNotFoundError(f"{run_dir} holds no run (neither {CONFIG_FILE} nor {METRICS_FILE}): "
                                 + RUN_HINT.format(recipe=run_dir.name))
-    config = json.loads(config_path.read_text(encoding="utf-8")) if config_path.is_file() else {}
+    config = flat_config(json.loads(config_path.read_text(encoding="utf-8"))) if config_path.is_file() else {}
     steps, summary = read_metrics(metrics_path) if metrics_path.is_file() else ([], None)
     for key in ("model", "recipe"):
         # Both files are written by the same run; disagreeing files were copied in from another run's folder.

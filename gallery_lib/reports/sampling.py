@@ -15,6 +15,8 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
+from gallery_lib.config.run_config import flat_config
+
 
 def load_pipeline(run_dir: str | os.PathLike, device: str | torch.device | None = None):
     """The pipeline a run exported, on ``device`` (default: CUDA when present), in bf16 on a GPU.
@@ -28,7 +30,7 @@ def load_pipeline(run_dir: str | os.PathLike, device: str | torch.device | None 
     lora = run_dir / "lora"
     path = run_dir / "pipeline"
     if lora.is_dir() and not path.is_dir():
-        path = Path(json.loads((run_dir / "config.json").read_text()).get("pretrained") or path)
+        path = Path(flat_config(json.loads((run_dir / "config.json").read_text())).get("pretrained") or path)
     if not (path / "model_index.json").is_file():
         raise FileNotFoundError(f"{path} holds no exported pipeline: run the recipe with export_model=True "
                                 "(the default) to the end first.")

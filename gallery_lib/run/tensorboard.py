@@ -12,6 +12,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from gallery_lib.config.run_config import flat_config
 from gallery_lib.config.settings import ConfigError
 
 SCALARS = ("loss", "lr", "samples_per_s", "step_time_ms", "peak_mem_mb")
@@ -81,7 +82,7 @@ def log_to_run(run_dir: str | Path, tag: str, figure) -> bool:
     import json
 
     config = Path(run_dir) / "config.json"
-    if not config.is_file() or json.loads(config.read_text()).get("report_to") != "tensorboard":
+    if not config.is_file() or flat_config(json.loads(config.read_text())).get("report_to") != "tensorboard":
         return False
     log_figure(Path(run_dir) / "tensorboard", tag, figure)
     return True

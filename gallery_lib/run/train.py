@@ -45,7 +45,7 @@ from gallery_lib.accel.distributed import (DistInfo, exit_process, gather_full_m
                                            init_distributed, reshard, see_only_own_gpu, shutdown)
 from gallery_lib.accel.precision import Precision
 from gallery_lib.accel.torch_switches import set_deterministic_algorithms, set_float32_matmul_precision
-from gallery_lib.config import CUDA_GRAPH_COMPILE_MODES, RunConfig, validate_for_machine
+from gallery_lib.config import RunConfig, validate_for_machine
 from gallery_lib.accel.compile.graph_choice import at_batch_size
 from gallery_lib.run.attention_probe import AttentionProbe
 from gallery_lib.run.batch_size import search_run_batch_size
@@ -199,7 +199,7 @@ def _train_from(setup_start: float, cfg: RunConfig, dist: DistInfo, plan: Compil
     if accelerated.template is not None:
         reshard(model)  # the probe's forward left the whole weights registered
     update = functools.partial(_update, model, optimizer, scheduler, ema, precision, cfg.clip_grad)
-    cuda_graphs = cfg.compile and cfg.compile_mode in CUDA_GRAPH_COMPILE_MODES
+    cuda_graphs = cfg.sections.compile.cuda_graphs
     step_log = StepLog(cfg, dist, writer, loader, start=start, warmup_steps=warmup_steps, log=log)
     profiled = min(cfg.profile_steps, cfg.steps - start - warmup_steps) if dist.is_main else 0
     profiler = StepProfiler(profiled, start + warmup_steps, dist.device, cfg.run_dir, log)

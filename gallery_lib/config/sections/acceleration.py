@@ -1,0 +1,134 @@
+"""The accelerations' sections: ``compile`` (``torch.compile`` and its precompile workers), ``kernels`` (fused
+kernels, attention kernels, memory layout) and ``parallel`` (processes and how they share the training)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gallery_lib.config.settings import ConfigError, Section, setting
+
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+COMPILE_SCOPES = ("model", "blocks")
+# Compile modes that capture CUDA graphs: only meaningful with a GPU.
+CUDA_GRAPH_COMPILE_MODES = ("reduce-overhead", "max-autotune")
+TRITON_KERNEL_OPS = ("group_norm_silu", "layer_norm", "geglu")
+KERNEL_OPS = TRITON_KERNEL_OPS + ("conv_bn_relu",)  # cuDNN's fused conv + batch norm: float16 only, so never "all"
+DATA_PARALLEL_MODES = ("ddp", "zero2")
+DDP_GRAD_COMPRESSION = ("none", "bf16")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Compile(Section):
+    """``compile``: whether and how ``torch.compile`` compiles the model, and the Inductor switches beside it."""
+
+    compile: bool = setting(False, kind=bool)
+    """Wrap the model in ``torch.compile``."""
+    compile_mode: str = setting("default", choices=COMPILE_MODES)
+    """``torch.compile`` mode (``max-autotune-no-cudagraphs`` autotunes matmuls without CUDA graphs)."""
+    compile_scope: str = setting("model", choices=COMPILE_SCOPES)
+    """What ``compile`` compiles: ``model`` (the whole model, one graph) or ``blocks`` (each repeated block in place,
+    ``accel/compile/regional.py``: blocks of one shape share a graph, so there is less to compile; with a CUDA-graph
+    ``compile_mode`` each block replays as CUDA graphs)."""
+    coordinate_descent_tuning: bool = setting(False, kind=bool)
+    """With ``compile``: Inductor tunes the block sizes of the Triton kernels it generates, one parameter at a time
+    (its ``coordinate_descent_tuning``). Slightly faster steps for a much longer first compile, so no recipe turns it
+    on; worth it for runs of hours (benchmarks/RESULTS.md#resnet50)."""
+    tiled_reductions: bool = setting(False, kind=bool)
+    """With ``compile``: Inductor tiles its reduction kernels over two dimensions (its ``triton.prefer_nd_tiling`` and
+    ``triton.tile_reductions``), for the batch-norm statistics of channels_last convnets: a slightly faster step
+    for a much longer first compile, so off by default (benchmarks/RESULTS.md#resnet50)."""
+    channels_last_graphs: bool = setting(False, kind=bool)
+    """With ``compile``: Inductor lays out the convolutions' tensors channels_last in every graph it compiles, the
+    backward graphs' gradients included (its ``force_layout_optimization``). Its heuristic leaves every backward graph
+    (and forward graphs with narrowing convolutions, as in SD's UNet) in the traced strides, and cuDNN then copies each
+    gradient to the weights' channels_last layout (benchmarks/RESULTS.md#sd15-layout)."""
+    precompile_workers: int = setting(0, kind=int, minimum=0)
+    """With ``compile_scope='blocks'``: compile the distinct block graphs in this many parallel processes before the
+    first step (``gallery_lib.accel.compile.precompile``), so the warm-up steps only load them. 0 compiles them in the
+    warm-up steps, one after another."""
+    precompile_overlap: bool = setting(True, kind=bool)
+    """With ``precompile_workers``: once a worker has exited (its cores are free), the training process loads the
+    block graphs compiled so far, then each as it lands (step 4 of ``gallery_lib.accel.compile.precompile``), so that
+    the first steps find them traced, loaded and run once (on by default: benchmarks/RESULTS.md#sd15-compile-time).
+    ``False`` leaves all the loading to the first steps."""
+    precompile_first_use: bool = setting(True, kind=bool)
+    """With ``precompile_workers`` on a GPU: while the workers compile, the training process runs each distinct block
+    once uncompiled, so that the libraries build their kernels for this GPU before loading needs them (cuDNN compiles
+    its attention and convolution kernels on a machine's first use; on by default:
+    benchmarks/RESULTS.md#precompile-loading)."""
+
+    def check(self) -> None:
+        if self.precompile_workers and not (self.compile and self.compile_scope == "blocks"):
+            raise ConfigError(f"precompile_workers={self.precompile_workers} needs compile=True and "
+                              f"compile_scope='blocks' (got compile={self.compile}, compile_scope="
+                              f"{self.compile_scope!r}): set both, or precompile_workers=0.")
+        for name in ("coordinate_descent_tuning", "tiled_reductions", "channels_last_graphs"):
+            if getattr(self, name) and not self.compile:
+                raise ConfigError(f"{name}=True changes the kernels torch.compile generates: set compile=True too, "
+                                  f"or drop {name}.")
+
+    @property
+    def cuda_graphs(self) -> bool:
+        """Whether the compiled model replays as CUDA graphs (a ``compile_mode`` that captures them)."""
+        return self.compile and self.compile_mode in CUDA_GRAPH_COMPILE_MODES
+
+
+@dataclass(frozen=True, kw_only=True)
+class Kernels(Section):
+    """``kernels``: the fused kernels swapped in, the attention kernels and the memory layout."""
+
+    kernels: bool = setting(False, kind=bool)
+    """Swap in the fused Triton kernels of ``gallery_lib.accel.kernels`` where they apply (``--kernel-opt``)."""
+    kernel_ops: str = setting("all", kind=str)
+    """Which kernels ``kernels=True`` swaps in: ``all`` (the Triton kernels) or a comma list of ``group_norm_silu``,
+    ``layer_norm``, ``geglu``, ``conv_bn_relu`` (recipes keep only those that measured faster than torch.compile's own
+    code). ``conv_bn_relu`` folds a ResNet bottleneck's batch norms into cuDNN's fused convolutions; on a GPU it needs
+    ``amp_dtype='float16'`` and the ``nvidia-cudnn-frontend`` package (``ci/setup_env.sh`` installs it on a GPU)."""
+    fused_attention: bool = setting(False, kind=bool)
+    """Run window/self attention through ``scaled_dot_product_attention`` instead of explicit matmuls."""
+    sdpa_math: bool = setting(False, kind=bool)
+    """Force PyTorch's ``math`` attention kernel (flash, memory-efficient and cuDNN attention switched off): attention
+    as explicit matmuls and a softmax, with its memory, as before PyTorch 2's fused kernels (the NVIDIA talk's
+    baseline; the optimization ladder's first rungs)."""
+    channels_last: bool = setting(False, kind=bool)
+    """Keep image tensors (and conv weights) in channels-last memory format."""
+
+    def check(self) -> None:
+        if not self.kernel_op_names or any(op not in KERNEL_OPS for op in self.kernel_op_names):
+            raise ConfigError(f"kernel_ops={self.kernel_ops!r} is invalid: expected 'all' or a comma list of "
+                              f"{', '.join(KERNEL_OPS)}.")
+        if self.sdpa_math and self.fused_attention:
+            raise ConfigError("sdpa_math=True and fused_attention=True contradict each other: the attention registry "
+                              "picks its own kernels. Keep one of them.")
+
+    @property
+    def kernel_op_names(self) -> tuple[str, ...]:
+        """``kernel_ops`` as names: every op for ``all``."""
+        if self.kernel_ops == "all":
+            return TRITON_KERNEL_OPS
+        return tuple(op.strip() for op in self.kernel_ops.split(",") if op.strip())
+
+
+@dataclass(frozen=True, kw_only=True)
+class Parallel(Section):
+    """``parallel``: the training processes and how they share the training (DDP or ZeRO-2)."""
+
+    nproc_per_node: int = setting(1, kind=int, minimum=1)
+    """Processes (one per GPU, or CPU processes with gloo) started by torchrun."""
+    data_parallel: str = setting("ddp", choices=DATA_PARALLEL_MODES)
+    """How the processes share the training: ``ddp`` (DistributedDataParallel: each process holds all the gradients
+    and the whole optimizer state) or ``zero2`` (ZeRO-2 through FSDP2's ``fully_shard`` with
+    ``reshard_after_forward=False``: the weights stay whole between forward and backward, the gradients and the
+    optimizer state are sharded over the processes; see ``gallery_lib.accel.distributed``)."""
+    ddp_bucket_cap_mb: int = setting(25, kind=int, minimum=1)
+    """DDP only: the size in MB of the gradient buckets DDP all-reduces while the backward still runs (PyTorch's
+    default, 25). Larger buckets mean fewer, longer all-reduces; smaller ones start overlapping sooner."""
+    ddp_static_graph: bool = setting(False, kind=bool)
+    """DDP only: promise DDP that every step uses the same parameters in the same graph, so it can skip its per-step
+    bookkeeping after the first step. Off by default: a model whose steps use different parameters (data-dependent
+    branches) breaks the promise (see ``gallery_lib.accel.distributed``)."""
+    ddp_grad_compression: str = setting("none", choices=DDP_GRAD_COMPRESSION)
+    """DDP only: ``bf16`` all-reduces the gradient buckets as bfloat16 (PyTorch's ``bf16_compress_hook``: each bucket
+    rounded to bf16, divided by the process count and summed in bf16, half the bytes) and writes the mean back to the
+    fp32 gradients; ``none`` all-reduces them in their own dtype. Lossy (bf16's 8-bit mantissa), and slower for SD-1.5
+    on two H200s (benchmarks/RESULTS.md#two-gpus)."""

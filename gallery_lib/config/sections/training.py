@@ -1,0 +1,106 @@
+"""The sections of the step's math: ``training`` (batch, steps, memory for compute), ``optimizer``, ``precision``
+and ``ema``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gallery_lib.config.settings import ConfigError, Section, setting
+
+OPTIMIZERS = ("adamw", "sgd")
+AMP_LEVELS = ("O0", "O1", "O2")
+AMP_DTYPES = ("auto", "float16", "bfloat16")
+EMA_MODES = ("off", "loop", "foreach", "fused", "stream")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Training(Section):
+    """``training``: the batch, the steps, and what each step keeps in memory."""
+
+    batch_size: int = setting(128, kind=int, minimum=1)
+    """Images per process per step (the global batch is ``batch_size * nproc_per_node``)."""
+    find_batch_size: bool = setting(False, kind=bool)
+    """Search for the largest batch that fits: ``batch_size`` is then the largest size tried (rounded down to even),
+    backed off x0.9 on out-of-memory. Each trial runs 3 real training steps of this config (compiled when the recipe
+    compiles: compilation and autotuning change peak memory). The run then trains from scratch at the chosen size,
+    which its summary (``batch_size_search``) and ``config.json`` record. With ``lr=None`` the learning rate scales
+    with the chosen batch. Single-process only (``nproc_per_node=1``), and not with ``resume``."""
+    steps: int = setting(50, kind=int, minimum=1)
+    """Optimizer steps to run."""
+    warmup_steps: int = setting(10, kind=int, minimum=0)
+    """First steps excluded from the speed figures (compilation, autotuning, allocator warm-up)."""
+    gradient_accumulation_steps: int = setting(1, kind=int, minimum=1)
+    """Batches whose gradients add up before each optimizer step: an effective batch of ``batch_size`` times this
+    per process, in the memory of one batch. Each batch's loss is divided by it, so the step follows the mean loss.
+    With DDP the gradients are all-reduced once per step, with the last batch (``no_sync`` before it); ZeRO-2
+    reduce-scatters each batch's, so that no process holds whole gradients."""
+    gradient_checkpointing: bool = setting(False, kind=bool)
+    """Recompute the activations of the model's blocks in the backward pass instead of keeping them (diffusers'
+    ``enable_gradient_checkpointing``, timm's ``set_grad_checkpointing``, transformers'
+    ``gradient_checkpointing_enable``): less memory for more compute, the same function."""
+    max_nonfinite_steps: int = setting(5, kind=int, minimum=0, hint="0 disables the check")
+    """Stop (with a checkpoint) after this many non-finite losses in a row; each such step is skipped. 0 turns
+    the check off, which also removes its per-step host sync (see ``train.py``)."""
+
+    def check(self) -> None:
+        if self.warmup_steps > self.steps - 1:
+            raise ConfigError(f"warmup_steps={self.warmup_steps} is invalid: expected an integer in [0, "
+                              f"{self.steps - 1}] (leave at least one timed step after warm-up).")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Optimizer(Section):
+    """``optimizer``: the optimizer, its learning-rate schedule, weight decay and clipping."""
+
+    optimizer: str = setting("adamw", choices=OPTIMIZERS)
+    """``adamw`` (betas 0.9 / 0.999) or ``sgd`` (momentum 0.9, Nesterov: the torchvision / NVIDIA ResNet recipe)."""
+    lr: float | None = setting(None, kind=float, above=0, optional=True)
+    """Peak learning rate; ``None`` scales a reference rule to the global batch: AdamW 5e-4 per 512 (Swin), SGD 0.1
+    per 256 (Goyal et al.)."""
+    weight_decay: float = setting(0.05, kind=float, minimum=0)
+    """Weight decay (norms, biases and position tables are excluded, as in the Swin reference)."""
+    lr_warmup_steps: int = setting(5, kind=int, minimum=0)
+    """Linear learning-rate warm-up before the cosine decay."""
+    clip_grad: float | None = setting(5.0, kind=float, above=0, optional=True)
+    """Gradient-norm clipping threshold (the Swin reference uses 5.0); ``None`` disables it."""
+    fused_optimizer: bool = setting(False, kind=bool)
+    """Use ``torch.optim.AdamW(fused=True)``: one kernel for the whole update."""
+
+
+
+@dataclass(frozen=True, kw_only=True)
+class Precision(Section):
+    """``precision``: the dtypes of the weights and the math, and deterministic algorithms."""
+
+    amp_level: str = setting("O1", choices=AMP_LEVELS)
+    """``O0`` fp32, ``O1`` autocast mixed precision, ``O2`` low-precision weights with fp32 master copies."""
+    amp_dtype: str = setting("auto", choices=AMP_DTYPES)
+    """Low-precision dtype: ``auto`` is float16 (with a GradScaler) on a GPU for O1 and bfloat16 otherwise."""
+    deterministic: bool = setting(False, kind=bool)
+    """Ask PyTorch for deterministic algorithms (slower; for exact comparisons)."""
+
+    def check(self) -> None:
+        if self.amp_level == "O2" and self.amp_dtype == "float16":
+            raise ConfigError("amp_level='O2' with amp_dtype='float16' is not supported: O2 keeps bfloat16 weights "
+                              "(no loss scaling needed). Use amp_dtype='bfloat16' or 'auto', or amp_level='O1'.")
+
+
+@dataclass(frozen=True, kw_only=True)
+class EMA(Section):
+    """``ema``: the exponential moving average of the trained weights."""
+
+    ema: str = setting("off", choices=EMA_MODES)
+    """EMA of the trained weights and how its update runs: ``off``, ``loop`` (a kernel per tensor, the diffusers
+    default), ``foreach`` (multi-tensor), ``fused`` (one Triton kernel), ``stream`` (fused, on a side CUDA stream
+    beside the next step's forward).
+    ``fused``/``stream`` fall back to ``foreach`` on a CPU. See ``gallery_lib/accel/ema.py``."""
+    ema_stream_programs: int = setting(0, kind=int, minimum=0, hint="0: half the GPU's SMs")
+    """With ``ema=stream``: the side-stream update as this many persistent programs, which share the GPU with the
+    next forward (0: half the GPU's SMs, the width that measured fastest: benchmarks/RESULTS.md#ema)."""
+    ema_decay: float = setting(0.9999, kind=float, above=0, below=1, hint="e.g. 0.9999")
+    """EMA decay, reached through diffusers' default warm-up ``min(decay, (1 + step) / (10 + step))``."""
+
+    def check(self) -> None:
+        if self.ema_stream_programs and self.ema != "stream":
+            raise ConfigError(f"ema_stream_programs={self.ema_stream_programs} sizes the side-stream EMA update, but "
+                              f"ema={self.ema!r}: set ema='stream' too, or drop ema_stream_programs.")
