@@ -125,7 +125,10 @@ def test_notebook_runs_headless_in_smoke_profile(path, tmp_path):
 
 
 def _times_the_step_alone(nb, family_dir: Path) -> None:
-    """The Swin notebook's section timing the training step alone."""
+    """The Swin notebook: the accelerated recipe's window attention shown on the model, and its section timing the
+    training step alone."""
+    text = "\n".join(o.get("text", "") for c in nb.cells for o in c.get("outputs", []) if o.output_type == "stream")
+    assert "fused attention: 4 Swin window-attention modules" in text and "Why: " in text
     step_dir = family_dir.parent / "model_step" / family_dir.name
     step_summary = json.loads((step_dir / "accelerated" / "metrics.jsonl").read_text().splitlines()[-1])
     assert step_summary["reuse_batch"] is True and (step_dir / "report.md").exists()
