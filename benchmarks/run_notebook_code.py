@@ -1,6 +1,6 @@
 """Runs a notebook's code cells in this process, its parameters cell overridden: the GPU machine has no Jupyter.
 
-    cd notebooks && python3 ../benchmarks/run_notebook_code.py your_model.ipynb '{"profile": "full", "output_dir": "out"}'
+    cd notebooks && python3 ../benchmarks/run_notebook_code.py your_model.ipynb '{"profile": "full"}'
 
 Run from the notebook's folder (its relative paths are its own); a last line `ladder` prints the ladder's table.
 """
