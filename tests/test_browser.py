@@ -48,7 +48,8 @@ def _missing() -> str | None:
 
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory):
-    """A JupyterLab server on a copy of the notebooks (their outputs land in the copy), token-protected."""
+    """A JupyterLab server on a copy of the notebooks and the examples (their outputs land in the copy),
+    token-protected."""
     missing = _missing()
     if missing:
         if os.environ.get("GALLERY_REQUIRE_BROWSER") == "1":
@@ -56,6 +57,7 @@ def lab(tmp_path_factory):
         pytest.skip(missing)
     root = tmp_path_factory.mktemp("lab")
     shutil.copytree(REPO / "notebooks", root / "notebooks")
+    shutil.copytree(REPO / "examples", root / "examples")  # the your_model notebook trains the example family
     for name, parameters in BROWSER_PARAMETERS.items():
         _inject_parameters(root / "notebooks" / f"{name}.ipynb", parameters)
     sys.path.insert(0, str(REPO / "ci"))

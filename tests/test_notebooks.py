@@ -74,10 +74,11 @@ def same_worker_as_the_runs_sharing_its_graphs(path: Path):
 @pytest.mark.slow
 def test_your_model_notebook_climbs_its_ladder_in_smoke_profile(tmp_path):
     """The your_model notebook: every rung trained the same loop, said what its calls changed, and the ladder's
-    table, figure and step times were written; on a CPU the speedups read n/a."""
+    table, figure and step times were written; on a CPU the speedups read n/a. Then the example family (a module
+    outside the library) trained its baseline and accelerated recipes through the gallery."""
     out_dir = tmp_path / "output"
     executed = _runner().run_notebook(YOUR_MODEL, out_dir / "notebooks",
-                                      {"profile": "smoke", "output_dir": str(out_dir), "data_root": "unused"},
+                                      {"profile": "smoke", "output_dir": str(out_dir), "data_root": str(tmp_path)},
                                       cell_timeout=900)
     nb = nbformat.read(executed, as_version=4)
     assert not [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []) if o.output_type == "error"]
@@ -94,6 +95,8 @@ def test_your_model_notebook_climbs_its_ladder_in_smoke_profile(tmp_path):
     shown = [o["data"]["text/markdown"] for c in nb.cells for o in c.get("outputs", [])
              if "text/markdown" in o.get("data", {})]
     assert any("n/a on CPU (smoke)" in md and "data:image/png;base64," in md for md in shown)
+    report = (out_dir / "toy_convnet" / "report.md").read_text()  # the example family, trained through the gallery
+    assert "| baseline |" in report and "| accelerated |" in report
 
 
 @pytest.mark.notebook
