@@ -12,8 +12,9 @@ The calls compose, in the order ``accelerate`` applies them (the order of ``acce
     print(compile_blocks(model))      # compiled blocks: 12 blocks compiled in place ...
     ema = add_ema(model, optimizer)   # EMA of the weights: stream update ...
 
-or the ones that measured faster, at once: ``changes = accelerate(model)``. A family's runs go through the same calls
-(``accel/accelerate.py``), so a model trained with a gallery recipe and one accelerated here get the same code.
+or the ones that measured faster, at once: ``changes = accelerate(model)``. A family's runs lay out, fuse and keep
+their EMA through the same calls (``accel/accelerate.py``, ``run/train.py``); they compile through their compile plan,
+which adds the precompile workers, and hook attention through their family's hook.
 """
 
 from __future__ import annotations
