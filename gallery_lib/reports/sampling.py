@@ -57,11 +57,7 @@ def sample_grid(pipe, prompts: Sequence[str], *, steps: int = 25, guidance_scale
     With ``run_dir`` (the run the pipeline came from) the grid also goes to its TensorBoard when it reports there."""
     if not prompts:
         raise ValueError("sample_grid needs at least one prompt")
-    size = size or pipe.unet.config.sample_size * pipe.vae_scale_factor
-    generator = torch.Generator(device="cpu").manual_seed(seed)
-    images = pipe(list(prompts), num_inference_steps=steps, guidance_scale=guidance_scale, height=size, width=size,
-                  generator=generator).images
-    grid = image_grid(images, prompts)
+    grid = image_grid(_draw(pipe, prompts, steps, guidance_scale, seed, size), prompts)
     if run_dir is not None:
         from gallery_lib.run.tensorboard import log_to_run
 
@@ -91,10 +87,7 @@ def compare_samples(runs: Mapping[str, Any] | Sequence[str | os.PathLike], promp
         except FileNotFoundError:
             missing.append(name)
             continue
-        side = size or pipe.unet.config.sample_size * pipe.vae_scale_factor
-        generator = torch.Generator(device="cpu").manual_seed(seed)  # the same starting noise in every row
-        images += pipe(list(prompts), num_inference_steps=steps, guidance_scale=guidance_scale, height=side,
-                       width=side, generator=generator).images
+        images += _draw(pipe, prompts, steps, guidance_scale, seed, size)  # the same starting noise in every row
         titles += [f"{name}: {prompt}" for prompt in prompts]
         del pipe
     if not images:
@@ -106,6 +99,14 @@ def compare_samples(runs: Mapping[str, Any] | Sequence[str | os.PathLike], promp
     if save_to is not None:
         grid.savefig(save_to, dpi=100)
     return grid
+
+
+def _draw(pipe, prompts: Sequence[str], steps: int, guidance_scale: float, seed: int, size: int | None) -> list:
+    """One image per prompt at ``size`` (default: the pipeline's own), the starting noise drawn from ``seed``."""
+    size = size or pipe.unet.config.sample_size * pipe.vae_scale_factor
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    return pipe(list(prompts), num_inference_steps=steps, guidance_scale=guidance_scale, height=size, width=size,
+                generator=generator).images
 
 
 def dataset_preview(data_dir: str | os.PathLike, count: int = 8):
