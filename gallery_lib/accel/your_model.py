@@ -20,7 +20,7 @@ which adds the precompile workers, and hook attention through their family's hoo
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
 import torch
@@ -46,6 +46,9 @@ class Change:
     """False when the model had nothing this acceleration acts on."""
     details: str = ""
     """More lines for a run's log (the modules a kernel swap left alone, and why)."""
+    handle: Any = field(default=None, compare=False, repr=False)
+    """What undoes or inspects the change, where there is one: the attention hook (its selector says which backend
+    each attention shape ran)."""
 
     @property
     def note(self) -> str:
@@ -102,13 +105,16 @@ def fuse_attention(model: nn.Module) -> Change:
 
     if _has_window_attention(model):
         hook = hook_swin_attention(model, backend="auto")
-        return Change("fused attention", f"{len(hook.modules)} Swin window-attention modules through the registry "
-                      "(the window-attention kernel on a GPU)", "plain SDPA given the bias as a mask picks a slower "
-                      "kernel; the registry runs the fastest that takes the bias", f"{RESULTS}#attention")
+        return Change("fused attention", f"{len(hook.modules)} Swin window-attention modules through "
+                      "gallery_lib.accel.attention (auto: the window-attention kernel on a GPU, else the fastest "
+                      "measured backend that takes the relative-position bias and shift mask)",
+                      "plain SDPA given the bias as a mask picks a slower kernel; the registry runs the fastest that "
+                      "takes the bias", f"{RESULTS}#attention", handle=hook)
     if hasattr(model, "attn_processors"):
         hook = hook_diffusers_attention(model, backend="auto")
         return Change("fused attention", f"{len(hook.modules)} diffusers attention layers use the fastest measured "
-                      "backend per shape", _ATTENTION_WHY, f"{RESULTS}#attention")
+                      "backend per shape (gallery_lib.accel.attention)", _ATTENTION_WHY, f"{RESULTS}#attention",
+                      handle=hook)
     return Change("fused attention", f"{type(model).__name__} has no attention layer the registry knows (timm Swin's "
                   "window attention, diffusers' attention): nothing to change", _ATTENTION_WHY, f"{RESULTS}#attention",
                   changed=False)

@@ -12,12 +12,16 @@ from gallery_lib.tasks.text_to_image import TextToImageTask
 
 
 def hook_diffusers_attention(model):
-    """Every attention layer of a diffusers model through ``gallery_lib.accel.attention``'s backend registry."""
-    from gallery_lib.accel.attention import hook_diffusers_attention as hook_all
+    """Every attention layer of a diffusers model through ``gallery_lib.accel.attention``'s backend registry, by the
+    call a model of the user's takes."""
+    from gallery_lib.accel.your_model import fuse_attention
+    from gallery_lib.config.settings import ConfigError
 
-    hook = hook_all(model, backend="auto")
-    return (f"fused attention: {len(hook.modules)} diffusers attention layers use the fastest measured backend "
-            "per shape (gallery_lib.accel.attention)"), hook
+    change = fuse_attention(model)
+    if change.handle is None:
+        raise ConfigError(f"fused_attention=True cannot apply to {type(model).__name__}: it has no diffusers "
+                          "attention layers; run without it (--set fused_attention=false)")
+    return change.note, change.handle
 
 
 def _make_dataset(path, **spec):

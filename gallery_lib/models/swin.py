@@ -31,19 +31,20 @@ def build_swin_micro(*, num_classes: int, image_size: int = 64, pretrained_file:
 
 
 def hook_window_attention(model: torch.nn.Module):
-    """Window attention through ``gallery_lib.accel.attention`` (not timm's own SDPA switch, whose bias-as-mask call makes
-    PyTorch pick a slower kernel: benchmarks/RESULTS.md#attention)."""
-    from gallery_lib.accel.attention import hook_swin_attention
+    """Window attention through ``gallery_lib.accel.attention`` (not timm's own SDPA switch, whose bias-as-mask call
+    makes PyTorch pick a slower kernel: benchmarks/RESULTS.md#attention), by the call a model of the user's takes."""
+    from gallery_lib.accel.your_model import fuse_attention
     from gallery_lib.config.settings import ConfigError
 
     try:
-        hook = hook_swin_attention(model, backend="auto")
-    except ValueError as exc:  # no timm WindowAttention, or attention dropout the kernels do not apply
+        change = fuse_attention(model)
+    except ValueError as exc:  # attention dropout the kernels do not apply
         raise ConfigError(f"fused_attention=True cannot apply to {type(model).__name__}: {exc}; "
                           "run without it (--set fused_attention=false)") from exc
-    return (f"fused attention: {len(hook.modules)} Swin window-attention modules through gallery_lib.accel.attention "
-            "(auto: the window-attention kernel on a GPU, else the fastest measured backend that takes the "
-            "relative-position bias and shift mask)"), hook
+    if change.handle is None:
+        raise ConfigError(f"fused_attention=True cannot apply to {type(model).__name__}: it has no timm "
+                          "WindowAttention; run without it (--set fused_attention=false)")
+    return change.note, change.handle
 
 
 def _make_dataset(path, **spec):
