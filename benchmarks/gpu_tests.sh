@@ -1,0 +1,21 @@
+# Every gpu-marked test on the GPU machine; results under $OUT/gpu_tests.txt. The whole set takes about 700 s on an
+# H200, more than one call's 600 s, so run it in two calls (carry .whl with diffusers, pytest and cudnn frontend):
+#   device run: bash benchmarks/gpu_tests.sh first    (every test file up to tests/test_kernels_group_norm.py)
+#   device run: bash benchmarks/gpu_tests.sh second   (the files after it)
+#   device run: bash benchmarks/gpu_tests.sh tests/test_ema.py ...   (the files named)
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl .whl/test/*.whl \
+  .whl/cudnn/*.whl 2>&1 | grep -v "already exists"
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+files=$(ls tests/test_*.py | grep -v -e test_notebooks.py -e test_browser.py)
+split=tests/test_kernels_group_norm.py
+case "${1:-all}" in
+  all) ;;
+  first) files=$(echo "$files" | awk -v s=$split '{print} $0 == s {exit}') ;;
+  second) files=$(echo "$files" | awk -v s=$split 'found {print} $0 == s {found=1}') ;;
+  *) files="$*" ;;
+esac
+nvidia-smi --query-gpu=name --format=csv,noheader
+echo "commit $(git rev-parse HEAD 2>/dev/null)"
+start=$(date +%s)
+timeout 560 python3 -m pytest -m gpu $files -q -p no:cacheprovider -rsE --durations=12 > $OUT/gpu_tests.txt 2>&1
+echo "gpu tests rc=$? in $(( $(date +%s) - start )) s"; tail -25 $OUT/gpu_tests.txt
