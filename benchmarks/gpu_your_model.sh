@@ -1,8 +1,10 @@
-# The your_model notebook's ladder in the full profile on the GPU machine (ViT-B/16, 224 px, batch 128), one call:
-#   device run: bash benchmarks/gpu_your_model.sh    (carry .whl with the diffusers wheel; results under $OUT)
+# The your_model notebook's ladder in the full profile on the GPU machine (224 px, batch 128), one call:
+#   device run: bash benchmarks/gpu_your_model.sh [TIMM_MODEL]   (default: the notebook's, vit_base_patch16_224;
+#   carry .whl with the diffusers wheel; results under $OUT)
 [ -d /tmp/site/diffusers ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+model=${1:+\"model_name\": \"$1\", }
 start=$(date +%s)
-cd notebooks && timeout 300 python3 ../benchmarks/run_notebook_code.py your_model.ipynb \
-  "{\"profile\": \"full\", \"output_dir\": \"$OUT\", \"steps\": 60, \"warmup_steps\": 25}" > $OUT/your_model_full.log 2>&1
+cd notebooks && timeout ${TIMEOUT:-300} python3 ../benchmarks/run_notebook_code.py your_model.ipynb \
+  "{$model\"profile\": \"full\", \"output_dir\": \"$OUT\", \"steps\": 60, \"warmup_steps\": 25}" > $OUT/your_model_full.log 2>&1
 echo "notebook rc=$? in $(( $(date +%s) - start )) s"; grep -v "Why:" $OUT/your_model_full.log | tail -14
