@@ -293,7 +293,7 @@ def test_a_gpu_plan_times_at_least_30_steps_after_warm_up(monkeypatch, tmp_path)
 
 def test_gallery_commit_names_the_code_where_set_even_in_a_checkout(monkeypatch, tmp_path):
     """A copy of a checkout (a GPU machine's) may carry an older .git than its files: the name given wins."""
-    from gallery_lib.app.bench import source_version
+    from gallery_lib.reports.provenance import source_version
 
     checkout = Path(__file__).resolve().parents[1]
     monkeypatch.setenv("GALLERY_COMMIT", "428463b+dirty")

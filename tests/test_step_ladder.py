@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -47,6 +49,8 @@ def test_a_cpu_ladder_shows_no_speedup_and_saves_every_step(tmp_path):
     ladder.save(tmp_path / "ladder.json", model="toy")
     record = json.loads((tmp_path / "ladder.json").read_text())
     assert record["model"] == "toy" and record["steps"][1]["times_ms"][0] == 5000.0 and len(record["rows"]) == 2
+    assert record["commit"] == subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                                              cwd=Path(__file__).parent).stdout.strip() and "dirty" in record
 
 
 def test_too_few_steps_to_time_is_a_clear_error():

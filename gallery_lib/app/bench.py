@@ -15,10 +15,8 @@ Everything is resolved and checked before the first run: a typo in a model, a re
 from __future__ import annotations
 
 import json
-import os
 import platform
 import re
-import subprocess
 import time
 from importlib import metadata
 from pathlib import Path
@@ -26,6 +24,7 @@ from typing import Any, Callable, Sequence
 
 from gallery_lib.config import ConfigError, RunConfig, machine, parse_overrides, resolve_device, validate_for_machine
 from gallery_lib.recipes.profiles import base_config, resolve_profile
+from gallery_lib.reports.provenance import source_version
 
 DEFAULT_RECIPES = ("baseline", "compiled", "peer", "accelerated")
 GPU_TIMED_STEPS = 30
@@ -192,28 +191,6 @@ def machine_record(command: str, profile: str) -> dict:
                       "precompilation + the warm-up steps up to the last one over 1.1x the median; compile_caches "
                       "= cold (the run or its precompile workers compiled) or warm (it loaded all from the caches)",
             "rows": [], "goals": []}
-
-
-def source_version(repo: Path = Path(__file__).resolve().parents[2]) -> dict[str, Any]:
-    """The ``commit`` of the code that ran and whether its tracked files had changes (``dirty``): as
-    ``GALLERY_COMMIT=<commit>[+dirty]`` names them where set (a copy of a checkout, as on a GPU machine, whose
-    ``.git`` may be older than its files), else from git; both ``None`` where neither knows."""
-    named = os.environ.get("GALLERY_COMMIT")
-    if named:
-        commit, _, dirty = named.partition("+")
-        return {"commit": commit, "dirty": dirty == "dirty"}
-
-    def git(*args: str) -> str | None:
-        try:
-            done = subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True, timeout=30)
-        except (OSError, subprocess.SubprocessError):
-            return None
-        return done.stdout.strip() if done.returncode == 0 else None
-
-    commit = git("rev-parse", "HEAD")
-    if commit is None:
-        return {"commit": None, "dirty": None}
-    return {"commit": commit, "dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
 
 
 def result_row(cfg: RunConfig, summary: dict) -> dict:

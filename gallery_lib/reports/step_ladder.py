@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from gallery_lib.reports.comparison import _png_bytes, _ReportFigure, speedup_text, with_inline_image
+from gallery_lib.reports.provenance import source_version
 from gallery_lib.run.timing import StepTimer, summarize_times
 
 __all__ = ["StepLadder", "StepTimer"]
@@ -124,10 +125,11 @@ class StepLadder:
         return fig
 
     def save(self, path: str | os.PathLike, **meta: Any) -> None:
-        """The rows (every step time and loss included) as JSON, with ``meta`` (the command, the commit, the GPU)."""
-        record = {**meta, "batch_size": self.batch_size, "warmup": self.warmup, "device": self.device,
-                  "rows": self.rows(), "steps": [{"rung": r.name, "losses": r.losses, "times_ms": r.times_ms}
-                                                 for r in self.rungs]}
+        """The rows (every step time and loss included) as JSON, with the commit of the code that ran and ``meta``
+        (what ran: the parameters or the command, the GPU)."""
+        steps = [{"rung": r.name, "losses": r.losses, "times_ms": r.times_ms} for r in self.rungs]
+        record = {**source_version(), **meta, "batch_size": self.batch_size, "warmup": self.warmup,
+                  "device": self.device, "rows": self.rows(), "steps": steps}
         with open(path, "w", encoding="utf-8") as out:
             json.dump(record, out, indent=1)
 
