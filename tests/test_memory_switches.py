@@ -59,6 +59,10 @@ def test_accumulated_batches_train_like_one_large_batch(recipe, tmp_path):
     assert accumulated.peak_lr == large.peak_lr  # the schedule follows the samples per optimizer step
     losses = []
     for cfg in (large, accumulated):
+        # Each run as a fresh process compiles it: without the reset, Dynamo would see the second run's batch of 4 as
+        # a changed size of the code it compiled at 8 and compile a graph with a symbolic batch, which no
+        # `gallery train` at batch 4 runs (and which compiles slower).
+        torch._dynamo.reset()
         summary = run(cfg)
         losses.append(torch.tensor([s["loss"] for s in read_metrics(cfg.run_dir / "metrics.jsonl")[0]]))
         assert summary["global_batch_size"] == 8
