@@ -26,7 +26,8 @@ from typing import Callable
 
 from gallery_lib.config import ConfigError, RunConfig, validate_for_machine
 from gallery_lib.run.checkpoint import CheckpointError, check_fresh_start, continues_itself
-from gallery_lib.run.failure import STOPPED_PREFIX, RunFailure, clear_failure, failure_from_text, read_failure
+from gallery_lib.run.failure import (RESTARTED_PREFIX, STOPPED_PREFIX, RunFailure, clear_failure, failure_from_text,
+                                     read_failure)
 from gallery_lib.run.metrics import read_metrics
 from gallery_lib.run.progress import StepProgress
 from gallery_lib.run.summary import DONE_PREFIX
@@ -150,6 +151,10 @@ def _child_env(cfg: RunConfig, device: str, single_process: bool = False) -> dic
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // cfg.nproc_per_node))
     if cfg.deterministic:
         env.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    if cfg.max_restarts > 0:
+        # torchrun's rendezvous store, shared with the workers by default, keeps the process group's keys of the
+        # attempt before: restarted workers could read a dead rank's address and fail to connect.
+        env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     return env
 
 
@@ -207,7 +212,7 @@ def launch(cfg: RunConfig, *, echo: Callable[[str], None] | None = print, consol
     for line in proc.stdout:
         tail.append(line.rstrip("\n"))
         bar.feed(line)
-        stopped = stopped or line.startswith(STOPPED_PREFIX)
+        stopped = (stopped or line.startswith(STOPPED_PREFIX)) and not line.startswith(RESTARTED_PREFIX)
         shown = console_line(line.rstrip("\n"), cfg.recipe, console) if echo and not stopped else None
         if shown is not None:
             echo(shown)

@@ -50,7 +50,7 @@ from gallery_lib.accel.compile.graph_choice import at_batch_size
 from gallery_lib.run.attention_probe import AttentionProbe
 from gallery_lib.run.batch_size import search_run_batch_size
 from gallery_lib.run.checkpoint import Checkpointer, check_fresh_start, is_own_checkpoint, resume_source
-from gallery_lib.run.failure import STOPPED_PREFIX, clear_failure, failure_from_exception
+from gallery_lib.run.failure import RESTARTED_PREFIX, STOPPED_PREFIX, clear_failure, failure_from_exception
 from gallery_lib.run.logs import rank_logging
 from gallery_lib.run.metrics import MetricsWriter, superseded_path, supersede_steps
 from gallery_lib.run.nonfinite import NonfiniteGuard
@@ -348,6 +348,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg = _count_every_node(cfg, dist)
     if dist.is_main:
         clear_failure(cfg.run_dir)  # a torchrun restart tries again
+        if restart_count():
+            print(f"{RESTARTED_PREFIX}{restart_count()} of {cfg.max_restarts}: the workers start again", flush=True)
     try:
         with rank_logging(Path(cfg.run_dir) / "logs", dist.rank) as log_path:
             try:
