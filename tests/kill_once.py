@@ -1,0 +1,25 @@
+"""Test-only entry point that torchrun runs in place of ``gallery_lib.run.train``: the training module, except that in
+torchrun's first attempt the worker of rank ``GALLERY_TEST_KILL_RANK`` SIGKILLs itself after the backward of step
+``GALLERY_TEST_KILL_STEP`` (from 0), as the OOM killer or a lost host ends a worker."""
+
+import os
+import runpy
+import signal
+
+import gallery_lib.run.nonfinite as nonfinite
+
+RANK, STEP = int(os.environ["GALLERY_TEST_KILL_RANK"]), int(os.environ["GALLERY_TEST_KILL_STEP"])
+finite_check = nonfinite.all_ranks_finite
+steps = 0
+
+
+def kill_once(loss, dist):  # the loop's non-finite guard calls it once per step, after the backward
+    global steps
+    if steps == STEP and dist.rank == RANK and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+        os.kill(os.getpid(), signal.SIGKILL)
+    steps += 1
+    return finite_check(loss, dist)
+
+
+nonfinite.all_ranks_finite = kill_once
+runpy.run_module("gallery_lib.run.train", run_name="__main__", alter_sys=True)
