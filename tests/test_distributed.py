@@ -1,7 +1,8 @@
 """Two CPU processes (gloo): DDP and ZeRO-2 train what one process trains on the same global batch, the sampler
 shares each epoch out once, ZeRO-2 checkpoints resume bitwise and load on another process count, two nodes on one
-host train what one node trains and resume, a worker killed mid-run is restarted by torchrun and resumes, the
-multi-node flags reach torchrun, and the combinations that cannot work are refused."""
+host train what one node trains, a worker killed mid-run is restarted by torchrun and the run resumes (on one node,
+DDP and ZeRO-2, and on two), the multi-node flags reach torchrun, and the combinations that cannot work are
+refused."""
 
 from __future__ import annotations
 
@@ -13,7 +14,6 @@ from pathlib import Path
 import launcher_testing
 import pytest
 import torch
-from resume_testing import resume_from_copy
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from gallery_lib.accel.distributed import DistInfo
@@ -262,16 +262,17 @@ def test_resharding_needs_the_same_global_batch(zero2, tmp_path):
 
 # Several nodes and restarts: each launcher runs in a process of its own, as on a node of its own, with a deadline.
 
-def two_nodes(cfg: RunConfig, folder: Path) -> list[dict]:
-    """``cfg`` as two nodes of one process each on this host (c10d rendezvous on a free port): each node's summary."""
+def two_nodes(cfg: RunConfig, folder: Path, kill: tuple[int, int] | None = None, **env: str) -> list[dict]:
+    """``cfg`` as two nodes of one process each on this host (c10d rendezvous on a free port): each node's summary.
+    ``kill``: (global rank, step) of the worker that SIGKILLs itself in the job's first attempt (``kill_once.py``)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     nodes = Nodes(nnodes=2, rdzv_endpoint=f"127.0.0.1:{port}", rdzv_backend="c10d", rdzv_id=f"job{port}")
     # the host's cores shared by its two nodes as by the two processes of one node
     threads = os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 2) // 2))
-    launchers = [launcher_testing.start(cfg.replace(nproc_per_node=1), folder, f"node{i}", nodes,
-                                        OMP_NUM_THREADS=threads) for i in range(2)]
+    launchers = [launcher_testing.start(cfg.replace(nproc_per_node=1), folder, f"node{i}", nodes, kill,
+                                        OMP_NUM_THREADS=threads, **env) for i in range(2)]
     return launcher_testing.finish(launchers, timeout=300)
 
 
@@ -296,16 +297,19 @@ def test_two_nodes_train_what_one_node_of_two_processes_trains(two_node_run, ddp
     assert sorted(p.name for p in (cfg.run_dir / "logs").iterdir()) == ["rank0.log", "rank1.log"]
 
 
-@pytest.mark.slow  # two launchers, each with its torchrun and one process, over 15 s on 2 cores
+@pytest.mark.slow  # two launchers whose workers torchrun starts twice, over 20 s on 2 cores
 @pytest.mark.xdist_group("two_process_runs")  # the module fixtures' runs, once in one worker
-def test_two_nodes_resume_from_their_checkpoint(two_node_run, tmp_path):
-    """The job stopped after its step-4 checkpoint, started again on both nodes with ``resume``: steps 4 to 9 as the
-    uninterrupted job trained them."""
+def test_two_nodes_restart_a_killed_worker_and_resume(two_node_run, tmp_path):
+    """Global rank 1 SIGKILLed in step 6 while rank 0 is busy: its node's torchrun restarts its worker, the other
+    node's restarts rank 0 as the rendezvous changes (and counts no restart), and both resume from step 4: the
+    uninterrupted job's losses."""
     cfg, _ = two_node_run
-    resumed = resume_from_copy(cfg, 4, tmp_path / "out")
-    no_summary, summary = sorted(two_nodes(resumed, tmp_path / "launchers"), key=bool)
+    killed = cfg.replace(output_dir=str(tmp_path / "out"), max_restarts=1)
+    no_summary, summary = sorted(two_nodes(killed, tmp_path / "launchers", kill=(1, 6), GALLERY_TEST_KILL_PAUSE="5"),
+                                 key=bool)
     assert no_summary == {} and summary["resumed_from_step"] == 4
-    assert losses(resumed) == losses(cfg)[4:]
+    assert [s["step"] for s in read_metrics(killed.run_dir / "metrics.jsonl")[0]] == list(range(STEPS))
+    assert losses(killed) == losses(cfg)
 
 
 @pytest.mark.slow  # a 2-process run whose workers torchrun starts twice, over 20 s on 2 cores
