@@ -1,13 +1,17 @@
 """Two CPU processes (gloo): DDP and ZeRO-2 train what one process trains on the same global batch, the sampler
-shares each epoch out once, ZeRO-2 checkpoints resume bitwise and load on another process count, the multi-node
-flags reach torchrun, and the combinations that cannot work are refused."""
+shares each epoch out once, ZeRO-2 checkpoints resume bitwise and load on another process count, two nodes on one
+host train what one node trains, a worker killed mid-run is restarted by torchrun and the run resumes (on one node,
+DDP and ZeRO-2, and on two), the multi-node flags reach torchrun, and the combinations that cannot work are
+refused."""
 
 from __future__ import annotations
 
 import os
 import shutil
+import socket
 from pathlib import Path
 
+import launcher_testing
 import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
@@ -18,6 +22,7 @@ from gallery_lib.config import ConfigError, RunConfig
 from gallery_lib.data.loader import TrainLoader, sampled_loader
 from gallery_lib.run import launch as launch_module
 from gallery_lib.run.checkpoint import LATEST, Checkpointer, CheckpointError, read_checkpoint
+from gallery_lib.run.failure import read_failure
 from gallery_lib.run.launch import Nodes, RunResult, launch, torchrun_command
 from gallery_lib.run.metrics import read_metrics
 from gallery_lib.run.train import run
@@ -59,8 +64,8 @@ def zero2(smoke_data, tmp_path_factory) -> RunResult:
 
 @pytest.fixture(scope="module")
 def ddp(smoke_data, tmp_path_factory) -> RunResult:
-    """DDP over 2 processes with its speed switches, the same EMA and a checkpoint after step 8."""
-    cfg = dist_cfg(smoke_data, tmp_path_factory.mktemp("ddp"), ema="foreach", checkpoint_every=8,
+    """DDP over 2 processes with its speed switches, the same EMA and checkpoints after steps 4 and 8."""
+    cfg = dist_cfg(smoke_data, tmp_path_factory.mktemp("ddp"), ema="foreach", checkpoint_every=4,
                    ddp_static_graph=True, ddp_bucket_cap_mb=1)
     return launch(cfg, echo=None)
 
@@ -253,6 +258,76 @@ def test_resharding_needs_the_same_global_batch(zero2, tmp_path):
     with pytest.raises(CheckpointError, match="written by a data_parallel='zero2' run and this run is "
                                               "data_parallel='ddp'.*resume with data_parallel='zero2'"):
         ddp_run._check_fits(meta, path)
+
+
+# Several nodes and restarts: each launcher runs in a process of its own, as on a node of its own, with a deadline.
+
+def two_nodes(cfg: RunConfig, folder: Path, kill: tuple[int, int] | None = None, **env: str) -> list[dict]:
+    """``cfg`` as two nodes of one process each on this host (c10d rendezvous on a free port): each node's summary.
+    ``kill``: (global rank, step) of the worker that SIGKILLs itself in the job's first attempt (``kill_once.py``)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    nodes = Nodes(nnodes=2, rdzv_endpoint=f"127.0.0.1:{port}", rdzv_backend="c10d", rdzv_id=f"job{port}")
+    # the host's cores shared by its two nodes as by the two processes of one node
+    threads = os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 2) // 2))
+    launchers = [launcher_testing.start(cfg.replace(nproc_per_node=1), folder, f"node{i}", nodes, kill,
+                                        OMP_NUM_THREADS=threads, **env) for i in range(2)]
+    return launcher_testing.finish(launchers, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def two_node_run(ddp, tmp_path_factory) -> tuple[RunConfig, list[dict]]:
+    """``ddp``'s run as two nodes of one process: its config and each node's summary."""
+    folder = tmp_path_factory.mktemp("two_nodes")
+    cfg = ddp.config.replace(output_dir=str(folder / "out"))
+    return cfg, two_nodes(cfg, folder / "launchers")
+
+
+@pytest.mark.slow  # two launchers, each with its torchrun and one process, over 15 s on 2 cores
+@pytest.mark.xdist_group("two_process_runs")  # the module fixtures' runs, once in one worker
+def test_two_nodes_train_what_one_node_of_two_processes_trains(two_node_run, ddp):
+    cfg, summaries = two_node_run
+    assert losses(cfg) == pytest.approx(losses(ddp.config), **FP32)
+    # global rank 0 alone wrote the metrics, each step once, and only its node's launcher returns the summary
+    steps, summary = read_metrics(cfg.run_dir / "metrics.jsonl")
+    assert [s["step"] for s in steps] == list(range(STEPS))
+    assert sorted(summaries, key=bool) == [{}, summary]
+    assert summary["world_size"] == 2 and summary["global_batch_size"] == 16
+    assert sorted(p.name for p in (cfg.run_dir / "logs").iterdir()) == ["rank0.log", "rank1.log"]
+
+
+@pytest.mark.slow  # two launchers whose workers torchrun starts twice, over 20 s on 2 cores
+@pytest.mark.xdist_group("two_process_runs")  # the module fixtures' runs, once in one worker
+def test_two_nodes_restart_a_killed_worker_and_resume(two_node_run, tmp_path):
+    """Global rank 1 SIGKILLed in step 6 while rank 0 is busy: its node's torchrun restarts its worker, the other
+    node's restarts rank 0 as the rendezvous changes (and counts no restart), and both resume from step 4: the
+    uninterrupted job's losses."""
+    cfg, _ = two_node_run
+    killed = cfg.replace(output_dir=str(tmp_path / "out"), max_restarts=1)
+    no_summary, summary = sorted(two_nodes(killed, tmp_path / "launchers", kill=(1, 6), GALLERY_TEST_KILL_PAUSE="5"),
+                                 key=bool)
+    assert no_summary == {} and summary["resumed_from_step"] == 4
+    assert [s["step"] for s in read_metrics(killed.run_dir / "metrics.jsonl")[0]] == list(range(STEPS))
+    assert losses(killed) == losses(cfg)
+
+
+@pytest.mark.slow  # a 2-process run whose workers torchrun starts twice, over 20 s on 2 cores
+@pytest.mark.xdist_group("two_process_runs")  # the module fixtures' runs, once in one worker
+@pytest.mark.parametrize("mode", ["ddp", "zero2"])
+def test_a_killed_worker_is_restarted_and_resumes_from_the_last_checkpoint(mode, request, tmp_path):
+    """Rank 1 SIGKILLed in step 6 (after the checkpoint of step 4): torchrun restarts both workers, they resume from
+    step 4 (ZeRO-2: from the sharded checkpoint) and train the losses of the uninterrupted run."""
+    reference = request.getfixturevalue(mode)
+    cfg = reference.config.replace(output_dir=str(tmp_path / "out"), max_restarts=1)
+    summary, = launcher_testing.finish([launcher_testing.start(cfg, tmp_path, "launcher", kill=(1, 6))], timeout=300)
+    console = (tmp_path / "launcher.log").read_text()
+    assert "[gallery] torchrun restart 1 of 1: the workers start again" in console  # echoed after rank 0's stop
+    assert "resumed from step 4 after torchrun restart 1" in console
+    assert summary["resumed_from_step"] == 4 and read_failure(cfg.run_dir) is None
+    assert [s["step"] for s in read_metrics(cfg.run_dir / "metrics.superseded.jsonl")[0]] == [4]  # the first attempt's
+    assert [s["step"] for s in read_metrics(cfg.run_dir / "metrics.jsonl")[0]] == list(range(STEPS))
+    assert losses(cfg) == losses(reference.config)
 
 
 def test_sampler_covers_each_epoch_once_across_ranks():

@@ -71,6 +71,8 @@ class DistInfo:
     world_size: int
     local_rank: int
     device: torch.device
+    restarts: int = 0
+    """How many times torchrun has restarted the job's workers (``max_restarts``); 0 on the first attempt."""
 
     @property
     def is_main(self) -> bool:
@@ -116,7 +118,19 @@ def init_distributed(device_type: str, *, zero2: bool = False, own_gpu: bool = F
             dist.init_process_group(backend=backend, **device_id)
         else:  # one process started in-process (``run(cfg)``): a group of one over an in-memory store
             dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, **device_id)
-    return DistInfo(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
+    return DistInfo(rank=rank, world_size=world_size, local_rank=local_rank, device=device,
+                    restarts=_job_restarts(world_size, device))
+
+
+def _job_restarts(world_size: int, device: torch.device) -> int:
+    """The most restarts any node's torchrun agent has counted. An agent counts the failures of its own workers: on
+    several nodes the others start theirs again as the rendezvous changes, and count nothing."""
+    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
+    if world_size == 1:
+        return restarts
+    t = torch.tensor([restarts], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
 
 
 def keep_block_graphs_whole_under_ddp() -> None:

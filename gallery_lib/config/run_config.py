@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -185,7 +186,8 @@ class RunConfig:
     def save(self, path: str | os.PathLike) -> Path:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".json.tmp")
+        # A temporary file of this writer's own: the launchers of several nodes write the same config.json at once.
+        tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
         tmp.write_text(json.dumps(self.to_sections(), indent=2) + "\n", encoding="utf-8")
         os.replace(tmp, path)
         return path

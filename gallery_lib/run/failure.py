@@ -16,6 +16,8 @@ FAILURE_FILE = "failure.json"
 STOPPED_PREFIX = "[gallery] stopped, "
 """How the training process's last console line starts when it stopped on an error it recorded: the launcher
 echoes nothing from there on (torchrun's own report of the failed process follows it)."""
+RESTARTED_PREFIX = "[gallery] torchrun restart "
+"""How the first line of workers that torchrun restarted (``max_restarts``) starts: the launcher echoes again."""
 
 
 @dataclass(frozen=True)

@@ -10,8 +10,8 @@ never plots one run's files under another run's name. One process on one node wi
 Several nodes: ``launch(cfg, nodes=Nodes(...))`` on every node passes torchrun's own flags through (``--nnodes``,
 ``--node-rank``, ``--rdzv-endpoint``, and ``--rdzv-backend``, ``--rdzv-id`` when given) instead of ``--standalone``.
 The global batch is then ``batch_size * nproc_per_node * nnodes``. Global rank 0 writes the metrics; with the static
-rendezvous it runs on node 0, and the other nodes' launchers return without a summary. Checkpoints need a filesystem
-that every node shares.
+rendezvous it runs on node 0, with c10d on any node: the launcher whose console shows its result line returns the
+summary, the others return none. Checkpoints need a filesystem that every node shares.
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ from typing import Callable
 
 from gallery_lib.config import ConfigError, RunConfig, validate_for_machine
 from gallery_lib.run.checkpoint import CheckpointError, check_fresh_start, continues_itself
-from gallery_lib.run.failure import STOPPED_PREFIX, RunFailure, clear_failure, failure_from_text, read_failure
+from gallery_lib.run.failure import (RESTARTED_PREFIX, STOPPED_PREFIX, RunFailure, clear_failure, failure_from_text,
+                                     read_failure)
 from gallery_lib.run.metrics import read_metrics
 from gallery_lib.run.progress import StepProgress
 from gallery_lib.run.summary import DONE_PREFIX
@@ -110,14 +111,6 @@ class Nodes:
                  "--rdzv-backend": self.rdzv_backend, "--rdzv-id": self.rdzv_id}
         return [f"{flag}={value}" for flag, value in given.items() if value is not None]
 
-    @property
-    def runs_rank_0(self) -> bool | None:
-        """Whether global rank 0, which writes ``metrics.jsonl``, runs on this node; ``None``: the c10d rendezvous
-        decides."""
-        if self.standalone:
-            return True
-        return None if self.node_rank is None else self.node_rank == 0
-
 
 def torchrun_command(cfg: RunConfig, config_path: Path, nodes: Nodes = Nodes()) -> list[str]:
     restarts = [f"--max-restarts={cfg.max_restarts}"] if cfg.max_restarts > 0 else []
@@ -150,6 +143,10 @@ def _child_env(cfg: RunConfig, device: str, single_process: bool = False) -> dic
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // cfg.nproc_per_node))
     if cfg.deterministic:
         env.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    if cfg.max_restarts > 0:
+        # torchrun's rendezvous store, shared with the workers by default, keeps the process group's keys of the
+        # attempt before: restarted workers could read a dead rank's address and fail to connect.
+        env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     return env
 
 
@@ -204,10 +201,12 @@ def launch(cfg: RunConfig, *, echo: Callable[[str], None] | None = print, consol
     bar = StepProgress(cfg.recipe, enabled=False if echo is None else progress)
     assert proc.stdout is not None
     stopped = False  # the run printed why it stopped: what follows is torchrun's report, kept for RunFailed
+    printed_result = False  # global rank 0 ran on this node
     for line in proc.stdout:
         tail.append(line.rstrip("\n"))
         bar.feed(line)
-        stopped = stopped or line.startswith(STOPPED_PREFIX)
+        stopped = (stopped or line.startswith(STOPPED_PREFIX)) and not line.startswith(RESTARTED_PREFIX)
+        printed_result = printed_result or line.startswith(DONE_PREFIX)
         shown = console_line(line.rstrip("\n"), cfg.recipe, console) if echo and not stopped else None
         if shown is not None:
             echo(shown)
@@ -220,19 +219,19 @@ def launch(cfg: RunConfig, *, echo: Callable[[str], None] | None = print, consol
             failure = failure_from_text(message, _failing_log(run_dir), code)
             failure.write(run_dir)
         raise RunFailed(message, failure)
-    summary = _summary(run_dir, nodes)
+    summary = _summary(run_dir, nodes, printed_result)
     # Re-read: the run rewrites its config.json when a batch-size search picked the size it trained at.
     return RunResult(config=RunConfig.load(config_path), run_dir=run_dir, summary=summary)
 
 
-def _summary(run_dir: Path, nodes: Nodes) -> dict:
-    """The run's summary record; ``{}`` on a node where global rank 0 did not run (its node holds the metrics)."""
+def _summary(run_dir: Path, nodes: Nodes, printed_result: bool) -> dict:
+    """The run's summary record; ``{}`` on a node where global rank 0, which writes ``metrics.jsonl``, did not run.
+    Rank 0 ran here if its result line came through this node's console: on a filesystem that the nodes share, the
+    metrics file does not say so, and the c10d rendezvous numbers the nodes as they arrive."""
     metrics = run_dir / "metrics.jsonl"
-    if nodes.runs_rank_0 is False:
+    if not nodes.standalone and not printed_result:
         return {}
     summary = read_metrics(metrics)[1] if metrics.is_file() or nodes.standalone else None
-    if summary is None and nodes.runs_rank_0 is None:  # c10d: rank 0 may have run on another node
-        return {}
     if summary is None:
         raise RunFailed(f"run in {run_dir} exited cleanly but wrote no summary line to metrics.jsonl")
     return summary

@@ -30,7 +30,6 @@ import argparse
 import functools
 import itertools
 import math
-import os
 import random
 import time
 import traceback
@@ -50,7 +49,7 @@ from gallery_lib.accel.compile.graph_choice import at_batch_size
 from gallery_lib.run.attention_probe import AttentionProbe
 from gallery_lib.run.batch_size import search_run_batch_size
 from gallery_lib.run.checkpoint import Checkpointer, check_fresh_start, is_own_checkpoint, resume_source
-from gallery_lib.run.failure import STOPPED_PREFIX, clear_failure, failure_from_exception
+from gallery_lib.run.failure import RESTARTED_PREFIX, STOPPED_PREFIX, clear_failure, failure_from_exception
 from gallery_lib.run.logs import rank_logging
 from gallery_lib.run.metrics import MetricsWriter, superseded_path, supersede_steps
 from gallery_lib.run.nonfinite import NonfiniteGuard
@@ -116,11 +115,6 @@ def lr_lambda(cfg: RunConfig):
         progress = (step - cfg.lr_warmup_steps) / max(1, cfg.steps - cfg.lr_warmup_steps)
         return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
     return factor
-
-
-def restart_count() -> int:
-    """How many times torchrun has restarted this job's workers (0 outside torchrun or on the first attempt)."""
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
 
 
 def run(cfg: RunConfig, dist: DistInfo | None = None) -> dict:
@@ -258,14 +252,14 @@ def _exported_module(model: torch.nn.Module, ema, template: torch.nn.Module | No
 def _resume_or_start(cfg: RunConfig, dist: DistInfo, ckpt: Checkpointer, log) -> tuple[int, dict, bool]:
     """The first step, the non-finite counters and whether the run continues itself (from its own checkpoint, after
     ``resume`` or a torchrun restart), so that it appends to its metrics."""
-    source = resume_source(cfg, restarted=restart_count() > 0)
+    source = resume_source(cfg, restarted=dist.restarts > 0)
     own = source is not None and is_own_checkpoint(cfg, source)
     if not own:  # a fresh start, or one from another run's checkpoint: this run's folder must hold none of its own
         ckpt.check_fresh_start()
     if source is None:
         return 0, {}, False
     start, counters = ckpt.restore(source)  # before iter(loader): the loader starts at the saved position
-    how = f" after torchrun restart {restart_count()}" if restart_count() and own else ""
+    how = f" after torchrun restart {dist.restarts}" if dist.restarts and own else ""
     log(f"[gallery] resumed from step {start}{how} ({source})")
     if not own:
         return start, counters, False  # metrics.jsonl starts afresh
@@ -348,6 +342,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg = _count_every_node(cfg, dist)
     if dist.is_main:
         clear_failure(cfg.run_dir)  # a torchrun restart tries again
+        if dist.restarts:
+            print(f"{RESTARTED_PREFIX}{dist.restarts} of {cfg.max_restarts}: the workers start again", flush=True)
     try:
         with rank_logging(Path(cfg.run_dir) / "logs", dist.rank) as log_path:
             try:
