@@ -126,8 +126,8 @@ def _job_restarts(world_size: int, device: torch.device) -> int:
     """The most restarts any node's torchrun agent has counted. An agent counts the failures of its own workers: on
     several nodes the others start theirs again as the rendezvous changes, and count nothing."""
     restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
-    if world_size == 1:
-        return restarts
+    if world_size == 1 or not int(os.environ.get("TORCHELASTIC_MAX_RESTARTS") or 0):
+        return restarts  # (a job torchrun never restarts needs no collective at start-up to say so)
     t = torch.tensor([restarts], device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return int(t.item())
