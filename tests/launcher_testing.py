@@ -17,6 +17,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import gallery_lib.run.launch as launch_module
 from gallery_lib.config import RunConfig
 from gallery_lib.run.launch import Nodes
 
@@ -84,18 +85,22 @@ def _end(proc: subprocess.Popen) -> bool:
     return True
 
 
+def torchrun_running(script: Path):
+    """``launch``'s ``torchrun_command`` with ``script`` run in place of the training module (``-m
+    gallery_lib.run.train``), for ``monkeypatch.setattr``."""
+    plain = launch_module.torchrun_command
+
+    def command(cfg, config_path, *rest):
+        args = plain(cfg, config_path, *rest)
+        i = args.index("gallery_lib.run.train")
+        return args[:i - 1] + [str(script)] + args[i + 1:]
+
+    return command
+
+
 def _main(config: str, nodes: str, summary: str, kill: str) -> None:
-    import gallery_lib.run.launch as launch_module
-
     if kill:
-        plain = launch_module.torchrun_command
-
-        def killing_command(cfg, config_path, *rest):
-            command = plain(cfg, config_path, *rest)
-            i = command.index("gallery_lib.run.train")
-            return command[:i - 1] + [str(KILL_ONCE)] + command[i + 1:]
-
-        launch_module.torchrun_command = killing_command
+        launch_module.torchrun_command = torchrun_running(KILL_ONCE)
     result = launch_module.launch(RunConfig.load(config), nodes=Nodes(**json.loads(nodes)))
     Path(summary).write_text(json.dumps(result.summary))
 

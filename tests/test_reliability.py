@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import textwrap
 
+import launcher_testing
 import numpy as np
 import pytest
 import torch
@@ -206,7 +207,7 @@ CRASH_ONCE = textwrap.dedent("""
     def crash_in_first_attempt(loss, dist):  # called once per step, after backward
         global calls
         calls += 1
-        if calls == {crash_step} and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+        if calls == {crash_step} and dist.restarts == 0:
             os._exit(1)
         return finite_check(loss, dist)
 
@@ -226,12 +227,7 @@ def test_torchrun_restart_resumes_from_the_last_checkpoint(smoke_data, tmp_path,
     wrapper = tmp_path / "crash_once.py"
     wrapper.write_text(CRASH_ONCE.format(crash_step=6))  # in step index 5: past the checkpoint after 4 steps
 
-    def crashing_command(cfg, config_path, *nodes):
-        command = torchrun_command(cfg, config_path, *nodes)
-        i = command.index("gallery_lib.run.train")
-        return command[:i - 1] + [str(wrapper)] + command[i + 1:]
-
-    monkeypatch.setattr(gallery_lib.run.launch, "torchrun_command", crashing_command)
+    monkeypatch.setattr(gallery_lib.run.launch, "torchrun_command", launcher_testing.torchrun_running(wrapper))
     monkeypatch.setenv("OMP_NUM_THREADS", str(torch.get_num_threads()))  # same CPU reduction order as `reference`
     lines = []
     cfg = small_cfg(smoke_data, tmp_path / "crashed", max_restarts=1, **values)
