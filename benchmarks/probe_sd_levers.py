@@ -57,7 +57,7 @@ def timed(fn, iters: int) -> dict:
 def norm_scale_bias(x, gamma, beta):
     """GroupNorm as a per-(image, channel) affine: what the fused convolution's prologue applies."""
     n, c = x.shape[:2]
-    xg = x.float().view(n, GROUPS, -1)
+    xg = x.float().reshape(n, GROUPS, -1)
     mean, var = xg.mean(-1), xg.var(-1, unbiased=False)
     rstd = torch.rsqrt(var + 1e-5)
     scale = gamma.float().view(1, GROUPS, -1) * rstd[..., None]
