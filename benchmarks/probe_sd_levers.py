@@ -65,19 +65,27 @@ def norm_scale_bias(x, gamma, beta):
     return scale.reshape(n, c, 1, 1), bias.reshape(n, c, 1, 1)
 
 
-def build_cudnn(cudnn, handle, x, scale, bias, w, io_dtype, sums: bool):
+def build_cudnn(cudnn, handle, x, scale, bias, w, io_dtype, sums: str = "none", activation: str = "swish",
+                intermediate: torch.dtype | None = None):
+    """scale -> bias -> ``activation`` -> conv_fprop, with ``sums``: ``none``, ``genstats`` (per channel, as the
+    ResNet's batch norms take them) or ``per_image`` (per image and channel, as a GroupNorm needs them)."""
     types = {torch.float16: cudnn.data_type.HALF, torch.bfloat16: cudnn.data_type.BFLOAT16,
              torch.float32: cudnn.data_type.FLOAT}
-    graph = cudnn.pygraph(io_data_type=types[io_dtype], intermediate_data_type=cudnn.data_type.FLOAT,
+    graph = cudnn.pygraph(io_data_type=types[io_dtype], intermediate_data_type=types[intermediate or io_dtype],
                           compute_data_type=cudnn.data_type.FLOAT, handle=handle)
     named = {"x": x, "scale": scale, "bias": bias, "w": w}
     t = {k: graph.tensor(name=k, dim=list(v.shape), stride=list(v.stride()), data_type=types[v.dtype])
          for k, v in named.items()}
-    a = graph.swish(input=graph.bias(input=graph.scale(input=t["x"], scale=t["scale"]), bias=t["bias"]))
+    a = getattr(graph, activation)(input=graph.bias(input=graph.scale(input=t["x"], scale=t["scale"]),
+                                                    bias=t["bias"]))
     y = graph.conv_fprop(image=a, weight=t["w"], padding=[1, 1], stride=[1, 1], dilation=[1, 1])
     y.set_output(True).set_data_type(types[io_dtype])
     outputs = [y]
-    if sums:
+    if sums == "genstats":
+        outputs += list(graph.genstats(input=y))
+        for o in outputs[1:]:
+            o.set_output(True).set_data_type(cudnn.data_type.FLOAT)
+    elif sums == "per_image":
         n, k = x.shape[0], w.shape[0]
         s = graph.reduction(input=y, mode=cudnn.reduction_mode.ADD, compute_data_type=cudnn.data_type.FLOAT)
         s.set_output(True).set_dim([n, k, 1, 1]).set_data_type(cudnn.data_type.FLOAT)
@@ -93,11 +101,41 @@ def build_cudnn(cudnn, handle, x, scale, bias, w, io_dtype, sums: bool):
     return graph, t, outputs
 
 
+def diagnose_support(cudnn, handle) -> list[dict]:
+    """Which part of the fused GroupNorm convolution cuDNN declines, at one shape: every combination of the affine's
+    shape (per channel, as batch norm has it; per image and channel, as GroupNorm needs), the activation, the sums and
+    the intermediate dtype, in float16 and bfloat16. Builds only, no timing."""
+    rows = []
+    n, c, side = 32, 320, 64
+    for dtype in (torch.float16, torch.bfloat16):
+        x = torch.randn(n, c, side, side, device="cuda", dtype=dtype).contiguous(memory_format=torch.channels_last)
+        w = torch.randn(c, c, 3, 3, device="cuda", dtype=dtype).contiguous(memory_format=torch.channels_last)
+        for affine in ("channel", "image_channel"):
+            shape = (1, c, 1, 1) if affine == "channel" else (n, c, 1, 1)
+            scale = torch.ones(shape, device="cuda", dtype=dtype).contiguous(memory_format=torch.channels_last)
+            for activation in ("relu", "swish"):
+                for sums in ("none", "genstats", "per_image"):
+                    for intermediate in (dtype, torch.float32):
+                        row = {"dtype": str(dtype).split(".")[-1], "affine": affine, "activation": activation,
+                               "sums": sums, "intermediate": str(intermediate).split(".")[-1]}
+                        try:
+                            graph, _, _ = build_cudnn(cudnn, handle, x, scale, scale.clone(), w, dtype, sums,
+                                                      activation, intermediate)
+                            row["built"] = graph.get_execution_plan_count()
+                        except Exception as exc:
+                            row["built"] = 0
+                            row["why"] = str(exc).split("Reason:")[-1][:160].strip()
+                        print(json.dumps(row), flush=True)
+                        rows.append(row)
+    return rows
+
+
 def probe_gn_conv(iters: int) -> dict:
     import cudnn
 
     handle = cudnn.create_handle()
     cudnn.set_stream(handle=handle, stream=torch.cuda.current_stream().cuda_stream)
+    support = diagnose_support(cudnn, handle)
     rows = []
     for channels, side in SHAPES:
         torch.manual_seed(0)
@@ -120,8 +158,9 @@ def probe_gn_conv(iters: int) -> dict:
             for affine in (torch.float32, dtype):
                 sc = scale.to(affine).contiguous(memory_format=torch.channels_last)
                 bi = bias.to(affine).contiguous(memory_format=torch.channels_last)
-                for sums in (False, True):
-                    name = f"cudnn_{'prologue+sums' if sums else 'prologue'}_affine_{str(affine).split('.')[-1]}"
+                for sums in ("none", "per_image"):
+                    kind = "prologue+sums" if sums != "none" else "prologue"
+                    name = f"cudnn_{kind}_affine_{str(affine).split('.')[-1]}"
                     try:
                         graph, t, outs = build_cudnn(cudnn, handle, x, sc, bi, w, dtype, sums)
                         y = torch.empty(n, channels, side, side, device="cuda", dtype=dtype,
@@ -146,7 +185,7 @@ def probe_gn_conv(iters: int) -> dict:
                             raise RuntimeError("no plan ran")
                         err = ((y.float() - expected).norm() / expected.norm()).item()
                         best["rel_err_y"] = round(err, 5)
-                        if sums:
+                        if sums != "none":
                             ref = y.float().sum((2, 3))
                             best["rel_err_sums"] = round(((bufs[1].view(n, channels) - ref).norm()
                                                           / ref.norm()).item(), 5)
@@ -155,7 +194,7 @@ def probe_gn_conv(iters: int) -> dict:
                         row[name] = {"unsupported": f"{type(exc).__name__}: {exc}"[:400]}
             print(json.dumps(row), flush=True)
             rows.append(row)
-    return {"rows": rows, "cudnn_backend": cudnn.backend_version()}
+    return {"support": support, "rows": rows, "cudnn_backend": cudnn.backend_version()}
 
 
 def probe_qkv(iters: int) -> dict:
