@@ -14,7 +14,7 @@ from gallery_lib.recipes.profiles import base_config
 from gallery_lib.recipes import apply_recipe
 from gallery_lib.run.metrics import read_metrics
 from gallery_lib.run.train import run
-from test_sd_training import SD_UNET_FP32
+from test_sd_training import SD_UNET_BF16, SD_UNET_FP32
 
 pytest.importorskip("diffusers")
 pytest.importorskip("peft")
@@ -134,7 +134,7 @@ def test_prior_preservation_adds_the_weighted_class_half(dreambooth_data, tmp_pa
     pytest.param(4, "O0", 1e-4, id="lora-fp32"),
     # bf16's kernels differ most between ISAs: the AVX2 pass runs the full UNet's. LoRA's adapters are more of the
     # same bf16 linear layers, and its wiring (peft, the frozen base) is the same on every ISA.
-    pytest.param(0, "O1", 3e-2, id="full-bf16", marks=pytest.mark.isa),
+    pytest.param(0, "O1", 3e-2, id="full-bf16", marks=[pytest.mark.isa, pytest.mark.xdist_group(SD_UNET_BF16)]),
     pytest.param(4, "O1", 3e-2, id="lora-bf16")])
 def test_recipes_give_the_same_losses_step_by_step(dreambooth_data, tmp_path, lora_rank, amp_level, rtol):
     """30 steps of baseline (online VAE and text encoder, eager, loop EMA), compiled and accelerated (cached latents
