@@ -14,7 +14,7 @@ from gallery_lib.recipes.profiles import base_config
 from gallery_lib.recipes import apply_recipe
 from gallery_lib.run.metrics import read_metrics
 from gallery_lib.run.train import run
-from test_sd_training import SD_UNET_FP32
+from test_sd_training import SD_UNET_BF16, SD_UNET_FP32
 
 pytest.importorskip("diffusers")
 pytest.importorskip("peft")
@@ -132,15 +132,20 @@ def test_prior_preservation_adds_the_weighted_class_half(dreambooth_data, tmp_pa
 @pytest.mark.parametrize("lora_rank, amp_level, rtol", [
     pytest.param(0, "O0", 1e-4, id="full-fp32", marks=pytest.mark.xdist_group(SD_UNET_FP32)),
     pytest.param(4, "O0", 1e-4, id="lora-fp32"),
-    pytest.param(0, "O1", 3e-2, id="full-bf16", marks=pytest.mark.isa),  # bf16's kernels differ most between ISAs
-    pytest.param(4, "O1", 3e-2, id="lora-bf16", marks=pytest.mark.isa)])
+    # bf16's kernels differ most between ISAs: the AVX2 pass runs the full UNet's. LoRA's adapters are more of the
+    # same bf16 linear layers, and its wiring (peft, the frozen base) is the same on every ISA.
+    pytest.param(0, "O1", 3e-2, id="full-bf16", marks=[pytest.mark.isa, pytest.mark.xdist_group(SD_UNET_BF16)]),
+    pytest.param(4, "O1", 3e-2, id="lora-bf16")])
 def test_recipes_give_the_same_losses_step_by_step(dreambooth_data, tmp_path, lora_rank, amp_level, rtol):
     """30 steps of baseline (online VAE and text encoder, eager, loop EMA), compiled and accelerated (cached latents
     and prompt embeddings, compiled blocks, fused kernels) from the same seed: the per-step losses agree to ``rtol``
-    (fp32: compiled kernels reorder sums; bf16 autocast keeps 8 mantissa bits)."""
+    (fp32: compiled kernels reorder sums; bf16 autocast keeps 8 mantissa bits). The compiled recipe (the whole UNet
+    wrapped in a plain ``torch.compile``) runs in full-fp32 only: it is the same call with or without adapters, and
+    LoRA's adapters inside compiled UNet graphs are checked by the accelerated recipe's compiled blocks."""
     base = tiny(dreambooth_data, tmp_path, steps=30, log_every=10, lora_rank=lora_rank,
                 lr=1e-2 if lora_rank else 1e-3)
-    recipes = ("baseline", "compiled", "accelerated") if amp_level == "O0" else ("baseline", "accelerated")
+    recipes = ("baseline", "compiled", "accelerated") if (amp_level, lora_rank) == ("O0", 0) else (
+        "baseline", "accelerated")
     curves = {}
     for name in recipes:
         cfg = apply_recipe(name, base).replace(amp_level=amp_level,

@@ -46,7 +46,7 @@ def test_a_model_without_checkpointing_is_refused():
         enable_gradient_checkpointing(torch.nn.Sequential(torch.nn.Linear(2, 2)))
 
 
-@pytest.mark.parametrize("recipe", ["baseline", pytest.param("compiled", marks=pytest.mark.slow)])  # compiled: 2 min
+@pytest.mark.parametrize("recipe", ["baseline", pytest.param("compiled", marks=pytest.mark.slow)])  # compiled: 1 min
 def test_accumulated_batches_train_like_one_large_batch(recipe, tmp_path):
     """swin_micro without Mixup and drop-path (nothing random per batch): 2 x 4 accumulated against 8 at once."""
     base = base_config("smoke", family="swin_transformer", data_root=str(tmp_path / "data"),
@@ -57,10 +57,14 @@ def test_accumulated_batches_train_like_one_large_batch(recipe, tmp_path):
     accumulated = large.replace(recipe=f"{recipe}+accumulated", batch_size=4, gradient_accumulation_steps=2)
     assert accumulated.global_batch_size == large.global_batch_size == 8
     assert accumulated.peak_lr == large.peak_lr  # the schedule follows the samples per optimizer step
+    # Compiled: the batch of 8 runs eager, with the recipe's fused optimizer and EMA. The micro-batches add up in the
+    # loop, outside the compiled model, so the compiled batches of 4 are held to the same losses as one eager batch
+    # of 8 (fp32: compiled kernels reorder sums less than rtol), and only one graph compiles instead of two.
+    large = large.replace(recipe=f"{recipe}+eager", compile=False) if large.compile else large
     losses = []
     for cfg in (large, accumulated):
-        # Each run as a fresh process compiles it: without the reset, Dynamo would see the second run's batch of 4 as
-        # a changed size of the code it compiled at 8 and compile a graph with a symbolic batch, which no
+        # Each run as a fresh process compiles it: without the reset, Dynamo would see a batch of 4 as a changed
+        # size of code an earlier test compiled at 8 and compile a graph with a symbolic batch, which no
         # `gallery train` at batch 4 runs (and which compiles slower).
         torch._dynamo.reset()
         summary = run(cfg)
