@@ -150,3 +150,18 @@ def test_accelerated_with_zero2_leaves_out_its_cuda_graphs_and_precompile_worker
     assert (cfg.data_parallel, cfg.compile, cfg.compile_mode, cfg.precompile_workers) == ("zero2", True, "default", 0)
     assert cfg.recipe == "accelerated+data_parallel=zero2"
     assert cfg.fused_attention == apply_recipe("accelerated", base).fused_attention  # the other switches stay
+
+
+def test_accelerated_with_the_whole_model_compiled_leaves_out_its_precompile_workers(monkeypatch):
+    """`--set compile_scope=model` on a GPU machine: the recipe's precompile workers (which compile repeated blocks)
+    are left out instead of RunConfig refusing a setting the user never named; the CUDA graphs stay."""
+    from gallery_lib.recipes import recipe_config
+
+    monkeypatch.setattr("gallery_lib.recipes.named.runs_on_gpu", lambda base: True)
+    monkeypatch.setattr("gallery_lib.recipes.named.precompile_workers_for_machine", lambda: 8)
+    base = base_config("full", family="dreambooth", data_root="/data", batch_size=1)
+    assert apply_recipe("accelerated", base).precompile_workers == 8
+    cfg = recipe_config(base, "accelerated", {"compile_scope": "model"})
+    assert (cfg.compile_scope, cfg.precompile_workers, cfg.compile_mode) == ("model", 0, "reduce-overhead")
+    with pytest.raises(ConfigError, match="precompile_workers=4 needs"):  # named by the user: still refused
+        recipe_config(base, "accelerated", {"compile_scope": "model", "precompile_workers": 4})

@@ -144,7 +144,9 @@ def recipe_config(base: RunConfig, recipe: str, overrides: dict[str, Any]) -> Ru
     if overrides:
         label = "+".join(f"{k}={v}" if not isinstance(v, bool) else (k if v else f"no-{k}")
                          for k, v in overrides.items())
-        cfg = cfg.replace(recipe=f"{recipe}+{label}", **overrides)
+        # The recipe's precompile workers compile blocks: a whole model named by the user compiles in its first step.
+        whole = overrides.get("compile_scope", "blocks") != "blocks" and "precompile_workers" not in overrides
+        cfg = cfg.replace(recipe=f"{recipe}+{label}", **({"precompile_workers": 0} if whole else {}), **overrides)
     if "compile_mode" in overrides:  # named by the user: kept at every batch size
         cfg = cfg.replace(extra={k: v for k, v in cfg.extra.items() if k != GRAPHS_BY_BATCH})
     return cfg
