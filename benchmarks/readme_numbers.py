@@ -18,14 +18,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 
-HEADLINE = (  # (what was trained, its gallery model, the bench file holding its peer and accelerated rows, batch)
-    ("Swin-T, 224 px", "swin_tiny_patch4_window7_224", "peer_graphs_h200/bench_peer_graphs_swin.json", 128),
-    ("ResNet-50, 224 px", "resnet50", "peer_graphs_h200/bench_peer_graphs_resnet.json", 256),
-    ("SD-1.5 UNet, 512 px", "sd15", "peer_graphs_h200/bench_peer_graphs_sd.json", 32),
-    ("DreamBooth, SD-1.5 full fine-tuning, 512 px", "dreambooth_sd15", "peer_graphs_h200/bench_peer_graphs_db.json", 1),
+HEADLINE = (  # (what was trained, its gallery model, the bench file holding its peer and accelerated rows, batch,
+    #            the peer's row in it: files from before `peer` replayed CUDA graphs by itself name it by that change)
+    ("Swin-T, 224 px", "swin_tiny_patch4_window7_224", "peer_graphs_h200/bench_peer_graphs_swin.json", 128,
+     "peer+compile_mode=reduce-overhead"),
+    ("ResNet-50, 224 px", "resnet50", "peer_graphs_h200/bench_peer_graphs_resnet.json", 256,
+     "peer+compile_mode=reduce-overhead"),
+    ("SD-1.5 UNet, 512 px", "sd15", "sd_levers_h200/bench_sd_b32.json", 32, "peer"),
+    ("DreamBooth, SD-1.5 full fine-tuning, 512 px", "dreambooth_sd15", "dreambooth_b1_h200/bench_db_b1.json", 1,
+     "peer"),
 )
-PEER_ROW = "peer+compile_mode=reduce-overhead"
-"""The peer's row in those files: run before ``peer`` replayed CUDA graphs by itself, so named by that change."""
 CPU_GALLERY = "cpu_gallery"
 """The folder of the CPU gallery's timings, ``gallery_<commit>.txt``; the newest file is quoted."""
 
@@ -35,15 +37,16 @@ def headline_table() -> str:
     from gallery_lib.reports.bench import find_row
 
     lines = ["| model | GPU, batch | `peer` img/s | `accelerated` img/s | speedup "
-             "| peak reserved GiB, peer → accelerated |", "|---|---|---|---|---|---|"]
-    for label, model, path, batch in HEADLINE:
+             "| peak reserved GiB, peer → accelerated | commit |", "|---|---|---|---|---|---|---|"]
+    for label, model, path, batch, peer_row in HEADLINE:
         record = json.loads((RESULTS / path).read_text())
         rows = record["rows"]
-        peer, fast = find_row(rows, model, PEER_ROW, batch, 1), find_row(rows, model, "accelerated", batch, 1)
+        peer, fast = find_row(rows, model, peer_row, batch, 1), find_row(rows, model, "accelerated", batch, 1)
         gpu = record["gpu"].replace("NVIDIA ", "").split(" ")[0]
         lines.append(f"| {label} | {gpu}, {batch} | {peer['samples_per_s']:,.1f} | {fast['samples_per_s']:,.1f} | "
                      f"{fast['samples_per_s'] / peer['samples_per_s']:.2f}x | "
-                     f"{peer['peak_reserved_gib']:.1f} → {fast['peak_reserved_gib']:.1f} |")
+                     f"{peer['peak_reserved_gib']:.1f} → {fast['peak_reserved_gib']:.1f} | "
+                     f"{record['commit'][:7]}{' (uncommitted changes)' if record.get('dirty') else ''} |")
     return "\n".join(lines)
 
 
