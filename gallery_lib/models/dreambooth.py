@@ -49,7 +49,8 @@ FAMILY = register_family(ModelFamily(
     },
     dataset="dreambooth",
     make_dataset=_make_dataset,
-    # At batch 1, 2.1-2.7x compiled for full fine-tuning and LoRA (benchmarks/RESULTS.md#dreambooth).
+    # At batch 1, 2.1-2.7x compiled for full fine-tuning and LoRA; its blocks, not the whole UNet, as CUDA graphs: a
+    # cold start 2-3x sooner outweighs a slower step over a run's few hundred steps (benchmarks/RESULTS.md#dreambooth).
     accelerated={"cache_latents": True, "ema": "fused", "kernels": True, "kernel_ops": "geglu",
                  "compile_scope": "blocks"},
     peer={"cache_latents": True},  # as for Stable Diffusion: the frozen encoders run once, in a few plain lines
