@@ -7,7 +7,9 @@
   vector ISA).
 - Under pytest-xdist each worker uses one core (``OMP_NUM_THREADS=1``, for its training subprocesses too).
 - ``tests/durations.json`` (the seconds each test took in CI) orders the run longest first, so that the workers
-  finish together; ``--record-durations PATH`` writes that file, and the summary ends with the run's total.
+  finish together; ``--record-durations PATH`` writes that file, and the summary ends with the run's total. The
+  ``--isa-only`` pass has its own, ``tests/durations.isa.json`` (``PATH.isa``): its tests compile again for the other
+  ISA, so they take other times than in the first pass.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import pytest
 import torch
 
 DURATIONS = Path(__file__).with_name("durations.json")
+ISA_DURATIONS = Path(__file__).with_name("durations.isa.json")
 # examples/ holds a family module that lives outside the library (toy_family.py): the tests import it by name.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 BUDGET_WARNING_S = 45 * 60  # CI allows 90 minutes: past 45 a slow addition still has room, and is seen
@@ -52,8 +55,9 @@ def pytest_collection_modifyitems(config, items):
         kept = [item for item in items if "isa" in item.keywords]
         config.hook.pytest_deselected(items=[item for item in items if "isa" not in item.keywords])
         items[:] = kept
-    if DURATIONS.is_file():  # a test not in the file (a new one) counts as quick
-        _longest_first(items, json.loads(DURATIONS.read_text()))
+    durations = ISA_DURATIONS if config.getoption("--isa-only") and ISA_DURATIONS.is_file() else DURATIONS
+    if durations.is_file():  # a test not in the file (a new one) counts as quick
+        _longest_first(items, json.loads(durations.read_text()))
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU (run on the GPU machine: pytest -m gpu)")

@@ -37,3 +37,23 @@ def test_an_xdist_group_runs_in_one_worker_longest_first_and_its_time_is_recorde
     assert order == ["test_long", "test_short"]  # the longest of the group first
     recorded = json.loads(record.read_text())
     assert {"test_g.py::test_long", "test_g.py::test_short"} <= set(recorded), recorded
+
+
+def test_the_isa_pass_runs_longest_first_by_its_own_durations(tmp_path):
+    """The AVX2 pass compiles its tests again, so they take other times than in the first pass: it orders them by
+    tests/durations.isa.json, the first pass by tests/durations.json."""
+    for helper in (CONFTEST, CONFTEST.with_name("compile_testing.py")):
+        (tmp_path / helper.name).write_text(helper.read_text())
+    (tmp_path / "durations.json").write_text(json.dumps({"test_i.py::test_a": 9.0, "test_i.py::test_b": 1.0}))
+    (tmp_path / "durations.isa.json").write_text(json.dumps({"test_i.py::test_a": 1.0, "test_i.py::test_b": 9.0}))
+    (tmp_path / "test_i.py").write_text("import pytest\n\n@pytest.mark.isa\ndef test_a():\n    pass\n\n"
+                                        "@pytest.mark.isa\ndef test_b():\n    pass\n")
+
+    def order(*flags):
+        done = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                               *flags, str(tmp_path)], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                              env={k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST")})
+        assert done.returncode == 0, done.stdout[-3000:]
+        return [line.split("::")[1] for line in done.stdout.splitlines() if line.startswith("test_i.py::")]
+    assert order() == ["test_a", "test_b"]
+    assert order("--isa-only") == ["test_b", "test_a"]
