@@ -44,7 +44,7 @@ def test_triton_forward_and_grads_match_the_math(interpreter, windows, n, heads,
     dout = torch.randn(windows, n, heads, d)
     tu.launch_counts.clear()
     ours = _forward_and_grads(window_attention, qkv, bias, mask, dout)
-    assert tu.launch_counts["_fwd_kernel"] == 1 and tu.launch_counts["_bwd_kernel"] == 1
+    assert tu.launch_counts["_window_attn_fwd_kernel"] == 1 and tu.launch_counts["_window_attn_bwd_kernel"] == 1
     reference = _forward_and_grads(window_attention_reference, qkv, bias, mask, dout)
     for name, o, r in zip(("out", "dqkv", "dbias"), ours, reference):
         torch.testing.assert_close(o, r, rtol=1e-5, atol=1e-5, msg=name)
@@ -68,7 +68,7 @@ def test_triton_hooked_swin_matches_timm(interpreter):
     with hook_swin_attention(model, "window"):
         out = model(x)
         out.square().mean().backward()
-    assert tu.launch_counts["_fwd_kernel"] == 4 and tu.launch_counts["_bwd_kernel"] == 4
+    assert tu.launch_counts["_window_attn_fwd_kernel"] == 4 and tu.launch_counts["_window_attn_bwd_kernel"] == 4
     torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-5)
     for n, p in model.named_parameters():
         torch.testing.assert_close(p.grad, grads[n], rtol=1e-4, atol=1e-5, msg=n)

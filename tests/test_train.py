@@ -97,6 +97,11 @@ def test_kernel_kinds_read_hopper_and_inductor_names():
     assert kind_of("void cudnn::fmha::flash_bprop") == "attention"
     assert kind_of("void at::native::fused_adamw_kernel") == "optimizer and EMA"
     assert kind_of("sm90_xmma_fprop_implicit_gemm_bf16") == "convolution"  # before "gemm" is read as a matmul
+    # the gallery's own Triton kernels (accel/kernels), by their names
+    assert kind_of("_window_attn_bwd_kernel") == "attention"
+    assert kind_of("_gn_fwd_kernel") == kind_of("_ln_bwd_kernel") == "normalization"
+    assert kind_of("_geglu_bwd_kernel") == kind_of("_ce_fwd_kernel") == "the gallery's GEGLU and cross-entropy kernels"
+    assert kind_of("_ema_lerp_kernel") == "optimizer and EMA"
 
 
 def test_training_reduces_loss_on_mock_data(smoke_data, tmp_path):

@@ -19,15 +19,17 @@ from typing import Callable
 
 import torch
 
-# First match wins: kernel names as cuDNN, cuBLAS, PyTorch's attention kernels and Inductor name them on Hopper.
+# First match wins: kernel names as cuDNN, cuBLAS, PyTorch's attention kernels and Inductor name them on Hopper, and
+# the gallery's own Triton kernels (``accel/kernels``: ``_gn_fwd_kernel``, ``_window_attn_bwd_kernel``...).
 KINDS = [
     ("attention", r"fmha|flash|attention|sdpa|_attn"),
+    ("the gallery's GEGLU and cross-entropy kernels", r"^_(geglu|ce)_"),
     ("Triton: normalization fusions", r"^triton_.*(norm|welford)"),  # Inductor names fusions after their ops,
     ("Triton: other fusions", r"^triton_"),                          # "convolution" too: these come first
     ("convolution", r"conv|implicit|dgrad|wgrad|fprop|cudnn"),
     ("matmul", r"gemm|nvjet|cutlass|cublas|sm90_|s16816|wgmma|^aten::(mm|addmm|bmm)"),
     ("optimizer and EMA", r"adam|sgd|multi_tensor|foreach|ema"),
-    ("normalization", r"norm|welford"),
+    ("normalization", r"norm|welford|^_(gn|ln)_"),
     ("copies and casts", r"copy|memcpy|memset|cast|elementwise_kernel|vectorized|^aten::to"),
 ]
 

@@ -41,8 +41,8 @@ def _qkv_offsets(window, h, H, offs, offs_d, N: tl.constexpr, D: tl.constexpr):
 
 
 @kernel
-def _fwd_kernel(QKV, BIAS, MASK, OUT, LSE, n_win, H, scale: tl.constexpr, N: tl.constexpr, BN: tl.constexpr,
-                D: tl.constexpr, HAS_MASK: tl.constexpr):
+def _window_attn_fwd_kernel(QKV, BIAS, MASK, OUT, LSE, n_win, H, scale: tl.constexpr, N: tl.constexpr,
+                            BN: tl.constexpr, D: tl.constexpr, HAS_MASK: tl.constexpr):
     window, h = tl.program_id(0), tl.program_id(1)
     offs, offs_d = tl.arange(0, BN), tl.arange(0, D)
     row = offs[:, None] < N
@@ -61,8 +61,9 @@ def _fwd_kernel(QKV, BIAS, MASK, OUT, LSE, n_win, H, scale: tl.constexpr, N: tl.
 
 
 @kernel
-def _bwd_kernel(DOUT, QKV, BIAS, MASK, OUT, LSE, DQKV, DBIAS, n_windows, n_win, H, scale: tl.constexpr,
-                N: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, HAS_MASK: tl.constexpr, WPP: tl.constexpr):
+def _window_attn_bwd_kernel(DOUT, QKV, BIAS, MASK, OUT, LSE, DQKV, DBIAS, n_windows, n_win, H,
+                            scale: tl.constexpr, N: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
+                            HAS_MASK: tl.constexpr, WPP: tl.constexpr):
     pid, h = tl.program_id(0), tl.program_id(1)
     offs, offs_d = tl.arange(0, BN), tl.arange(0, D)
     row = offs[:, None] < N
@@ -103,9 +104,9 @@ def _fwd(qkv: torch.Tensor, bias: torch.Tensor, mask: Optional[torch.Tensor], sc
     out = qkv.new_empty(windows, n, heads, d)
     lse = qkv.new_empty(windows, heads, _block(n), dtype=torch.float32)
     if windows:
-        _fwd_kernel[(windows, heads)](qkv, bias, bias if mask is None else mask, out, lse,
-                                      1 if mask is None else mask.shape[0], heads, scale=scale, N=n, BN=_block(n),
-                                      D=d, HAS_MASK=mask is not None, num_warps=4)
+        _window_attn_fwd_kernel[(windows, heads)](qkv, bias, bias if mask is None else mask, out, lse,
+                                                  1 if mask is None else mask.shape[0], heads, scale=scale, N=n,
+                                                  BN=_block(n), D=d, HAS_MASK=mask is not None, num_warps=4)
     return out, lse
 
 
@@ -115,10 +116,11 @@ def _bwd(dout, qkv, bias, mask, out, lse, scale: float):
     dqkv = torch.empty_like(qkv)
     dbias = torch.zeros(max(programs, 1), heads, n, n, device=qkv.device, dtype=torch.float32)
     if windows:
-        _bwd_kernel[(programs, heads)](dout.contiguous(), qkv, bias, bias if mask is None else mask, out, lse, dqkv,
-                                       dbias, windows, 1 if mask is None else mask.shape[0], heads, scale=scale, N=n,
-                                       BN=_block(n), D=d, HAS_MASK=mask is not None, WPP=WINDOWS_PER_PROGRAM,
-                                       num_warps=4)
+        _window_attn_bwd_kernel[(programs, heads)](dout.contiguous(), qkv, bias, bias if mask is None else mask,
+                                                   out, lse, dqkv, dbias, windows,
+                                                   1 if mask is None else mask.shape[0], heads, scale=scale, N=n,
+                                                   BN=_block(n), D=d, HAS_MASK=mask is not None,
+                                                   WPP=WINDOWS_PER_PROGRAM, num_warps=4)
     return dqkv, dbias.sum(0).to(bias.dtype)
 
 
