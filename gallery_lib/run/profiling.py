@@ -23,7 +23,7 @@ import torch
 # the gallery's own Triton kernels (``accel/kernels``: ``_gn_fwd_kernel``, ``_window_attn_bwd_kernel``...).
 KINDS = [
     ("attention", r"fmha|flash|attention|sdpa|_attn"),
-    ("the gallery's GEGLU and cross-entropy kernels", r"^_(geglu|ce)_"),
+    ("GEGLU, cross-entropy kernels", r"^_(geglu|ce)_"),
     ("Triton: normalization fusions", r"^triton_.*(norm|welford)"),  # Inductor names fusions after their ops,
     ("Triton: other fusions", r"^triton_"),                          # "convolution" too: these come first
     ("convolution", r"conv|implicit|dgrad|wgrad|fprop|cudnn"),
