@@ -159,7 +159,7 @@ def test_accelerated_with_the_whole_model_compiled_leaves_out_its_precompile_wor
 
     monkeypatch.setattr("gallery_lib.recipes.named.runs_on_gpu", lambda base: True)
     monkeypatch.setattr("gallery_lib.recipes.named.precompile_workers_for_machine", lambda: 8)
-    base = base_config("full", family="dreambooth", data_root="/data", batch_size=1)
+    base = base_config("full", family="stable_diffusion", data_root="/data", batch_size=32)
     assert apply_recipe("accelerated", base).precompile_workers == 8
     cfg = recipe_config(base, "accelerated", {"compile_scope": "model"})
     assert (cfg.compile_scope, cfg.precompile_workers, cfg.compile_mode) == ("model", 0, "reduce-overhead")

@@ -49,10 +49,12 @@ FAMILY = register_family(ModelFamily(
     },
     dataset="dreambooth",
     make_dataset=_make_dataset,
-    # At batch 1, 2.1-2.7x compiled for full fine-tuning and LoRA; its blocks, not the whole UNet, as CUDA graphs: a
-    # cold start 2-3x sooner outweighs a slower step over a run's few hundred steps (benchmarks/RESULTS.md#dreambooth).
+    # On a GPU at batch 1: the whole UNet as CUDA graphs, channels_last through every graph (1.25x the peer, and a
+    # shorter cold start than the peer's); its blocks as graphs leave the host setting the step (0.7x the peer), and
+    # start sooner only on a cold machine (benchmarks/RESULTS.md#dreambooth). On a CPU the blocks, as for SD.
     accelerated={"cache_latents": True, "ema": "fused", "kernels": True, "kernel_ops": "geglu",
                  "compile_scope": "blocks"},
+    accelerated_on_gpu={"compile_scope": "model", "channels_last": True, "channels_last_graphs": True},
     peer={"cache_latents": True},  # as for Stable Diffusion: the frozen encoders run once, in a few plain lines
     block_graphs_below_pixels=STABLE_DIFFUSION.block_graphs_below_pixels,  # the same UNet
     block_types=STABLE_DIFFUSION.block_types,

@@ -65,16 +65,18 @@ def accelerated(base: RunConfig) -> RunConfig:
     on_gpu = runs_on_gpu(base)
     if on_gpu:
         switches.update(base.model_family.accelerated_on_gpu)
+    if base.compile_scope != "model":  # named by the user (``recipe_config`` reads it first): wins over the family's
+        switches["compile_scope"] = base.compile_scope
     if "ema" in switches:
         switches["ema"] = _ema_mode(base, switches["ema"])
-    zero2 = base.data_parallel == "zero2"
-    blocks_on_gpu = switches.get("compile_scope") == "blocks" and on_gpu
-    if blocks_on_gpu:  # precompiled, replayed as CUDA graphs where they pay
-        switches.update(compile_mode=graph_mode_for_batch(base), precompile_workers=precompile_workers_for_machine())
-    if zero2:  # its sharded blocks cannot be copied to precompile workers
-        switches.pop("precompile_workers", None)
+    graphs_by_batch = on_gpu and "compile_mode" not in switches
+    if graphs_by_batch:  # the blocks or the whole model replayed as CUDA graphs where they pay
+        switches["compile_mode"] = graph_mode_for_batch(base)
+    if on_gpu and switches.get("compile_scope") == "blocks" and base.data_parallel != "zero2":
+        # precompiled in parallel; ZeRO-2's sharded blocks cannot be copied to the workers
+        switches["precompile_workers"] = precompile_workers_for_machine()
     cfg = compiled(base).replace(recipe="accelerated", **without_graphs_where_they_cannot_replay(base, switches))
-    if blocks_on_gpu and graphs_can_replay(base):
+    if graphs_by_batch and graphs_can_replay(base):
         return cfg.replace(extra={**cfg.extra, GRAPHS_BY_BATCH: True})
     return cfg
 
@@ -152,9 +154,9 @@ def recipe_config(base: RunConfig, recipe: str, overrides: dict[str, Any]) -> Ru
     return cfg
 
 
-# Overrides a recipe reads before it resolves: ``accelerated`` leaves out what they cannot run with, and sizes its
-# CUDA graphs by the step's images.
-_RECIPE_INPUTS = ("gradient_checkpointing", "data_parallel", "batch_size", "image_size")
+# Overrides a recipe reads before it resolves: ``accelerated`` leaves out what they cannot run with, sizes its
+# CUDA graphs by the step's images, and precompiles the blocks of a ``compile_scope='blocks'`` the user names.
+_RECIPE_INPUTS = ("gradient_checkpointing", "data_parallel", "batch_size", "image_size", "compile_scope")
 
 # Settings that only act when a switch is on: asking for one in a recipe that leaves the switch off is a mistake.
 _NEEDS_SWITCH = {"compile_mode": "compile", "compile_scope": "compile", "precompile_workers": "compile",
