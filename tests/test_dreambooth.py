@@ -216,6 +216,9 @@ def test_on_a_gpu_accelerated_compiles_the_whole_unet_and_blocks_when_named(monk
     assert (whole.compile_scope, whole.compile_mode, whole.precompile_workers) == ("model", "reduce-overhead", 0)
     assert whole.channels_last and whole.channels_last_graphs and whole.ema == "fused"
     assert whole.kernel_op_names == ("geglu",)
+    # README's DreamBooth row was measured under the switches' names, before the recipe took them up
+    named = {"channels_last": True, "channels_last_graphs": True, "compile_scope": "model"}
+    assert recipe_config(base, "accelerated", named).replace(recipe="accelerated") == whole
     blocks = recipe_config(base, "accelerated", {"compile_scope": "blocks"})
     assert (blocks.compile_scope, blocks.compile_mode, blocks.precompile_workers) == ("blocks", "reduce-overhead", 8)
     assert blocks.recipe == "accelerated+compile_scope=blocks"
