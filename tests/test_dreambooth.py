@@ -140,16 +140,19 @@ def test_recipes_give_the_same_losses_step_by_step(dreambooth_data, tmp_path, lo
     """30 steps of baseline (online VAE and text encoder, eager, loop EMA), compiled and accelerated (cached latents
     and prompt embeddings, compiled blocks, fused kernels) from the same seed: the per-step losses agree to ``rtol``
     (fp32: compiled kernels reorder sums; bf16 autocast keeps 8 mantissa bits). The compiled recipe (the whole UNet
-    wrapped in a plain ``torch.compile``) runs in full-fp32 only: it is the same call with or without adapters, and
-    LoRA's adapters inside compiled UNet graphs are checked by the accelerated recipe's compiled blocks."""
+    wrapped in a plain ``torch.compile``) runs in full-fp32 only. With LoRA, accelerated runs as on a GPU: the whole
+    UNet, adapters included, in one graph with channels_last through it."""
+    from gallery_lib.recipes import recipe_config
+
     base = tiny(dreambooth_data, tmp_path, steps=30, log_every=10, lora_rank=lora_rank,
                 lr=1e-2 if lora_rank else 1e-3)
     recipes = ("baseline", "compiled", "accelerated") if (amp_level, lora_rank) == ("O0", 0) else (
         "baseline", "accelerated")
+    as_on_a_gpu = {"compile_scope": "model", "channels_last": True, "channels_last_graphs": True} if lora_rank else {}
     curves = {}
     for name in recipes:
-        cfg = apply_recipe(name, base).replace(amp_level=amp_level,
-                                               amp_dtype="bfloat16" if amp_level != "O0" else "auto")
+        cfg = recipe_config(base, name, as_on_a_gpu if name == "accelerated" else {})
+        cfg = cfg.replace(amp_level=amp_level, amp_dtype="bfloat16" if amp_level != "O0" else "auto")
         summary = run(cfg)
         assert summary["trainable_parameters"] < 20_000 if lora_rank else summary["trainable_parameters"] > 500_000
         curves[name] = torch.tensor(losses_of(cfg))
