@@ -148,7 +148,7 @@ def test_recipes_give_the_same_losses_step_by_step(dreambooth_data, tmp_path, lo
                 lr=1e-2 if lora_rank else 1e-3)
     recipes = ("baseline", "compiled", "accelerated") if (amp_level, lora_rank) == ("O0", 0) else (
         "baseline", "accelerated")
-    as_on_a_gpu = {"compile_scope": "model", "channels_last": True, "channels_last_graphs": True} if lora_rank else {}
+    as_on_a_gpu = dict(base.model_family.accelerated_on_gpu) if lora_rank else {}
     curves = {}
     for name in recipes:
         cfg = recipe_config(base, name, as_on_a_gpu if name == "accelerated" else {})
