@@ -349,6 +349,25 @@ def test_fused_loss_trains_the_same_function(smoke_data, tmp_path):
     assert b == pytest.approx(a, rel=1e-5) and len(a) == 4
 
 
+def test_clipping_in_the_optimizer_trains_the_same_function(smoke_data, tmp_path, monkeypatch):
+    """``clip_in_optimizer`` with fused AdamW, fp32, a threshold every step's norm exceeds: the same per-step losses
+    as clipping in its own pass, and the run took the folded path."""
+    import gallery_lib.accel.clipping as clipping
+
+    folded_steps = []
+    real_can_fold = clipping.can_fold
+    monkeypatch.setattr(clipping, "can_fold", lambda *a: folded_steps.append(real_can_fold(*a)) or folded_steps[-1])
+    common = dict(steps=6, warmup_steps=1, log_every=6, amp_level="O0", fused_optimizer=True, clip_grad=0.05)
+    plain = micro_cfg(smoke_data, tmp_path / "a", **common)
+    folded = micro_cfg(smoke_data, tmp_path / "b", clip_in_optimizer=True, **common)
+    run(plain)
+    assert folded_steps == []  # the switch off: clip_grad_norm_ alone
+    run(folded)
+    assert folded_steps == [True] * 6
+    a, b = ([s["loss"] for s in read_metrics(c.run_dir / "metrics.jsonl")[0]] for c in (plain, folded))
+    assert b == pytest.approx(a, rel=1e-5) and len(a) == 6 and a[-1] != pytest.approx(a[0], rel=1e-3)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the GPU machine: pytest -m gpu)")
 def test_gpu_kernel_time_by_launching_op_adds_up_to_the_kinds():

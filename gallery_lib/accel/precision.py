@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from gallery_lib.accel.clipping import clip_then_step
 from gallery_lib.config import RunConfig
 
 
@@ -83,8 +84,10 @@ class Precision:
     def backward(self, loss: torch.Tensor) -> None:
         (self.scaler.scale(loss) if self.scaler else loss).backward()
 
-    def step(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, clip_grad: float | None) -> None:
-        """Unscales/copies gradients, clips, steps the optimizer and (O2) writes the masters back."""
+    def step(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, clip_grad: float | None,
+             fold_clipping: bool = False) -> None:
+        """Unscales/copies gradients, clips, steps the optimizer and (O2) writes the masters back. ``fold_clipping``:
+        the fused optimizer applies the clip factor as it reads the gradients (``gallery_lib.accel.clipping``)."""
         if self.master_params:
             params = [p for p in self.master_params if p.grad is not None]
             masters = [self.master_params[p] for p in params]
@@ -94,21 +97,18 @@ class Precision:
             torch._foreach_copy_([m.grad for m in masters], [p.grad for p in params])
             for p in params:  # the optimizer only clears the masters' grads; the model's must not accumulate
                 p.grad = None
-            if clip_grad:
-                torch.nn.utils.clip_grad_norm_(masters, clip_grad, foreach=True)
-            optimizer.step()
+            _clip_and_step(optimizer, masters, clip_grad, fold_clipping)
             torch._foreach_copy_([p.data for p in params], masters)
             return
         if self.scaler:
             self.scaler.unscale_(optimizer)
-        if clip_grad:
-            torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], clip_grad,
-                                           foreach=True)
-        if self.scaler:
+            if clip_grad:
+                torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], clip_grad,
+                                               foreach=True)
             self.scaler.step(optimizer)
             self.scaler.update()
-        else:
-            optimizer.step()
+            return
+        _clip_and_step(optimizer, [p for p in model.parameters() if p.grad is not None], clip_grad, fold_clipping)
 
     def describe(self) -> str:
         if self.dtype is None:
@@ -119,3 +119,11 @@ class Precision:
         if self.level == "O2":
             return f"O2: {name} weights, fp32 master copies in the optimizer, autocast math"
         return f"O1: fp32 weights, {name} autocast" + (" with GradScaler" if self.scaler else "")
+
+
+def _clip_and_step(optimizer: torch.optim.Optimizer, params: list[torch.Tensor], clip_grad: float | None,
+                   fold: bool) -> None:
+    if clip_grad:
+        clip_then_step(optimizer, params, clip_grad, fold=fold)
+    else:
+        optimizer.step()

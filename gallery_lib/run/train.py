@@ -192,7 +192,8 @@ def _train_from(setup_start: float, cfg: RunConfig, dist: DistInfo, plan: Compil
         probe()  # with precompile workers it runs while they compile
     if accelerated.template is not None:
         reshard(model)  # the probe's forward left the whole weights registered
-    update = functools.partial(_update, model, optimizer, scheduler, ema, precision, cfg.clip_grad)
+    update = functools.partial(_update, model, optimizer, scheduler, ema, precision, cfg.clip_grad,
+                               cfg.clip_in_optimizer)
     cuda_graphs = cfg.sections.compile.cuda_graphs
     step_log = StepLog(cfg, dist, writer, loader, start=start, warmup_steps=warmup_steps, log=log)
     profiled = min(cfg.profile_steps, cfg.steps - start - warmup_steps) if dist.is_main else 0
@@ -308,10 +309,11 @@ def _forward_backward(task, module, batches, precision: Precision, micro_batches
     return total / micro_batches
 
 
-def _update(model, optimizer, scheduler, ema, precision: Precision, clip_grad: float | None) -> None:
+def _update(model, optimizer, scheduler, ema, precision: Precision, clip_grad: float | None,
+            clip_in_optimizer: bool) -> None:
     """One step of the optimizer, the learning-rate schedule and the EMA."""
     scale_before = precision.scaler.get_scale() if ema is not None and precision.scaler else None
-    precision.step(model, optimizer, clip_grad)
+    precision.step(model, optimizer, clip_grad, fold_clipping=clip_in_optimizer)
     scheduler.step()
     if ema is None:
         return

@@ -65,6 +65,10 @@ class Optimizer(Section):
     """Gradient-norm clipping threshold (the Swin reference uses 5.0); ``None`` disables it."""
     fused_optimizer: bool = setting(False, kind=bool)
     """Use ``torch.optim.AdamW(fused=True)``: one kernel for the whole update."""
+    clip_in_optimizer: bool = setting(False, kind=bool)
+    """Fold gradient clipping into the fused optimizer's pass: it divides each gradient by the clip factor as it reads
+    it, instead of a pass that scales every gradient in place first. The same update, one pass over the gradients
+    fewer. Without a fused optimizer, with a GradScaler or with sharded gradients, clipping runs as its own pass."""
 
 
 
