@@ -8,17 +8,19 @@ import torch
 from gallery_lib.accel.clipping import can_fold, clip_then_step
 
 SHAPES = [(37, 13), (13,), (5, 3, 3, 7), (1,)]
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the GPU machine: pytest -m gpu)")])]
 
 
-def _params(seed: int) -> list[torch.nn.Parameter]:
+def _params(seed: int, device: str = "cpu") -> list[torch.nn.Parameter]:
     generator = torch.Generator().manual_seed(seed)
-    return [torch.nn.Parameter(torch.randn(shape, generator=generator)) for shape in SHAPES]
+    return [torch.nn.Parameter(torch.randn(shape, generator=generator).to(device)) for shape in SHAPES]
 
 
 def _set_grads(params, step: int, scale: float) -> None:
     generator = torch.Generator().manual_seed(100 + step)
     for p in params:
-        p.grad = torch.randn(p.shape, generator=generator) * scale
+        p.grad = (torch.randn(p.shape, generator=generator) * scale).to(p.device)
 
 
 def _make(kind: str, params, fused: bool) -> torch.optim.Optimizer:
@@ -27,12 +29,13 @@ def _make(kind: str, params, fused: bool) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=1e-2, weight_decay=1e-2, fused=fused)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("kind", ["adamw", "sgd"])
-def test_folded_clipping_steps_like_clip_grad_norm_then_step(kind):
+def test_folded_clipping_steps_like_clip_grad_norm_then_step(kind, device):
     """Steps whose total norm lies above the threshold (clipped) and below it (untouched): the same weights, optimizer
     state, returned norm and left-behind gradients as the two passes, to float32 round-off."""
     max_norm = 1.0
-    ref_params, folded_params = _params(0), _params(0)
+    ref_params, folded_params = _params(0, device), _params(0, device)
     ref_opt, folded_opt = _make(kind, ref_params, fused=True), _make(kind, folded_params, fused=True)
     assert can_fold(folded_opt, [torch.zeros(1)])
     for step, scale in enumerate([3.0, 0.05, 10.0, 0.2, 1.0]):
