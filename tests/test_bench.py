@@ -145,7 +145,7 @@ def test_goals_not_measured_name_what_is_missing():
 
 
 def test_compile_caches_cold_when_the_run_or_its_workers_compiled():
-    from gallery_lib.app.bench import compile_caches
+    from gallery_lib.run.summary import compile_caches
 
     hits = {"aot_autograd_misses": 0, "fx_graph_misses": 0}
     assert compile_caches({"compile_cache": {**hits, "fx_graph_misses": 2}}) == "cold"

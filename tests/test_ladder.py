@@ -126,6 +126,23 @@ def test_report_speedups_gains_and_findings(tmp_path):
     assert "data:image/png;base64," in report._repr_markdown_()
 
 
+def test_findings_say_what_the_top_speedup_is_made_of_and_which_rungs_compiled_cold():
+    """The gains on the top rung's path multiply to its speedup: the report lists them largest first, lumps those
+    that bought nothing, and says for each compiled rung whether its caches were cold or warm."""
+    results = [_result("tf32", 10.0), _result("amp", 10.2), _result("loader", 12.5), _result("fused", 13.0),
+               _result("attention", 20.0)]
+    results[3].summary["compile_cache"] = {"aot_autograd_misses": 2, "fx_graph_misses": 2}
+    results[4].summary["compile_cache"] = {"aot_autograd_misses": 0, "fx_graph_misses": 0}
+    said = "\n".join(findings(ladder_rows(results)))
+    assert ("What the 2.00x of fused attention is made of (each rung's gain over the one it builds on; they multiply "
+            "to it): fused attention 1.54x, tuned data loader 1.23x, fused layers + fused AdamW 1.04x, the other 1 "
+            "rung together 1.02x.") in said
+    assert ("Compile caches at each compiled rung's start: fused layers + fused AdamW cold, fused attention warm"
+            in said)
+    gapped = [_result("tf32", 10.0), _result("loader", 12.5), _result("fused", 13.0)]  # amp missing: no breakdown
+    assert "made of" not in "\n".join(findings(ladder_rows(gapped)))
+
+
 def test_cpu_rungs_show_no_speedup(tmp_path):
     """On a CPU the smoke rungs check code paths: the table, the findings and the figure say "n/a on CPU (smoke)"
     where a GPU run has its speedups and gains, and claim no rung "bought nothing"."""

@@ -196,6 +196,7 @@ def machine_record(command: str, profile: str) -> dict:
 def result_row(cfg: RunConfig, summary: dict) -> dict:
     """One finished run's row: speed, spread, memory, MFU, compile time, FLOPs, and what ran."""
     from gallery_lib.reports.comparison import mfu
+    from gallery_lib.run.summary import compile_caches
 
     speed = summary["samples_per_s"]
     return {
@@ -214,16 +215,6 @@ def result_row(cfg: RunConfig, summary: dict) -> dict:
         "ema": summary["ema"], "setup_s": summary["setup_time_s"], "cache_s": summary.get("cache_time_s"),
         "device": summary["device_name"], "run_dir": summary["output_dir"],
     }
-
-
-def compile_caches(summary: dict) -> str | None:
-    """``cold`` when the run compiled its graphs (itself: a cache miss; or in precompile workers, whose misses its
-    counters do not see), ``warm`` when it loaded every one from an earlier run's caches; None for an eager run."""
-    stats = summary.get("compile_cache")
-    if not stats:
-        return None
-    compiled = stats["aot_autograd_misses"] + stats["fx_graph_misses"] or summary.get("precompile")
-    return "cold" if compiled else "warm"
 
 
 def error_row(cfg: RunConfig, message: str) -> dict:

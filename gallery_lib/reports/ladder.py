@@ -18,6 +18,7 @@ from matplotlib.figure import Figure
 
 from gallery_lib.recipes.ladder import RungResult, recipe_name
 from gallery_lib.reports.comparison import _png_bytes, _ReportFigure, speedup_text, with_inline_image
+from gallery_lib.run.summary import compile_caches
 
 LADDER_MD, LADDER_PNG, LADDER_JSON = "ladder.md", "ladder.png", "ladder.json"
 BOUGHT_NOTHING = 1.03
@@ -40,6 +41,7 @@ def ladder_rows(results: list[RungResult]) -> list[dict[str, Any]]:
             "talk_peak_mem_gb": rung.talk[1] if rung.talk else None, "failure": result.failure,
             "failure_line": result.line() if result.failure else None,
             "device": summary["device_name"] if summary else None,
+            "compile_caches": compile_caches(summary) if summary else None,
         }
         if summary:
             row.update(img_per_s=summary["samples_per_s"], median_step_ms=summary["median_step_time_ms"],
@@ -66,12 +68,45 @@ def findings(rows: list[dict[str, Any]]) -> list[str]:
             if row["gain"] is not None and row["gain"] < BOUGHT_NOTHING and row["device"] != "CPU"]
     if flat:
         lines.append("Bought no speed here (under 3% over the rung each builds on): " + ", ".join(flat) + ".")
+    if ran and ran[0]["device"] != "CPU":
+        lines += _made_of(rows, max(ran, key=lambda row: row["img_per_s"]))
+    compiled = [row for row in ran if row["compile_caches"]]
+    if compiled:
+        lines.append("Compile caches at each compiled rung's start: " + ", ".join(
+            f"{row['title']} {row['compile_caches']}" for row in compiled)
+            + " (cold: the rung compiled its graphs; warm: it loaded them all from an earlier rung's).")
     for row in rows:
         if row["failure"]:
             lines.append(f"{_failure_line(row)}.")
     if any(row["device"] == "CPU" for row in ran):
         lines.append("These are CPU smoke numbers: they check every rung's code path, not its speed.")
     return lines
+
+
+def _made_of(rows: list[dict[str, Any]], top: dict[str, Any]) -> list[str]:
+    """What ``top``'s speedup over the first rung is made of: the gains of the rungs on its path (each over the rung
+    it builds on multiply to the speedup), largest first, those that bought nothing lumped together."""
+    by_name = {row["name"]: row for row in rows}
+    path, row = [], top
+    while row["builds_on"] is not None:
+        if row["gain"] is None:
+            return []  # a rung on the path did not run: its share is unknown
+        path.append(row)
+        row = by_name.get(row["builds_on"])
+        if row is None:
+            return []
+    if row is not rows[0] or not path:
+        return []
+    bought = sorted((r for r in path if r["gain"] >= BOUGHT_NOTHING), key=lambda r: -r["gain"])
+    rest = [r for r in path if r["gain"] < BOUGHT_NOTHING]
+    parts = [f"{r['title']} {r['gain']:.2f}x" for r in bought]
+    if rest:
+        product = 1.0
+        for r in rest:
+            product *= r["gain"]
+        parts.append(f"the other {len(rest)} rung{'s' if len(rest) > 1 else ''} together {product:.2f}x")
+    return [f"What the {top['speedup']:.2f}x of {top['title']} is made of (each rung's gain over the one it builds on; "
+            "they multiply to it): " + ", ".join(parts) + "."]
 
 
 def to_markdown(rows: list[dict[str, Any]]) -> str:

@@ -56,3 +56,13 @@ def describe_summary(summary: dict[str, Any]) -> str:
     return (f"{DONE_PREFIX}{summary['samples_per_s']:.1f} img/s (median of {steady} steps after warm-up), "
             f"warm-up {summary['warmup_time_s']:.1f} s{after}, peak {summary['peak_mem_mb'] / 1024:.2f} GiB, "
             f"final loss {summary['final_loss']:.4f}")
+
+
+def compile_caches(summary: dict) -> str | None:
+    """``cold`` when the run compiled its graphs (itself: a cache miss; or in precompile workers, whose misses its
+    counters do not see), ``warm`` when it loaded every one from an earlier run's caches; None for an eager run."""
+    stats = summary.get("compile_cache")
+    if not stats:
+        return None
+    compiled = stats["aot_autograd_misses"] + stats["fx_graph_misses"] or summary.get("precompile")
+    return "cold" if compiled else "warm"
