@@ -1,5 +1,5 @@
-# `gallery bench` with each run's steps after warm-up under torch.profiler, on the GPU machine: the bench files as
-# gpu_bench.sh writes them, and each run's kernel table copied to $OUT/profile_NAME_<model>_<recipe>.json.
+# `gallery bench` with each run's last 5 steps under torch.profiler (left out of its timing), on the GPU machine: the
+# bench files as gpu_bench.sh writes them, and each run's kernel table copied to $OUT/profile_NAME_<model>_<recipe>.json.
 #   bash benchmarks/gpu_profile.sh NAME [gallery bench flags...]  e.g.  ... sd_b32 --models sd --recipes accelerated
 name=$1; shift
 bash "$(dirname "$0")/gpu_bench.sh" "$name" --set profile_steps=5 "$@"

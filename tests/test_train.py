@@ -42,17 +42,20 @@ def test_run_writes_step_records_and_summary(smoke_data, tmp_path):
 
 
 def test_profile_steps_writes_the_op_time_by_kind(smoke_data, tmp_path, capsys):
-    cfg = micro_cfg(smoke_data, tmp_path, steps=5, warmup_steps=2, profile_steps=9)  # more than the run has left
-    run(cfg)
+    cfg = micro_cfg(smoke_data, tmp_path, steps=6, warmup_steps=2, profile_steps=9)  # more than the run has left
+    summary = run(cfg)
     table = json.loads((cfg.run_dir / "profile.json").read_text())
+    # the last steps, all but one after warm-up: the speed figures come from that one, before the profiler
     assert table["profiled_steps"] == 3 and table["device"] == "cpu"
+    assert summary["profiled_steps"] == 3 and summary["p20_step_time_ms"] == summary["p80_step_time_ms"]
     assert table["kernel_ms_per_step"] > 0
     assert table["kernel_ms_per_step"] == pytest.approx(sum(table["by_kind_ms"].values()))
     kinds = {row["kind"] for row in table["top_kernels_ms"]}
     assert "matmul" in kinds and "optimizer and EMA" in kinds  # the Swin's linear layers and AdamW were seen
     launchers = {(row["kind"], row["op"]) for row in table["top_launchers_ms"]}
     assert ("matmul", "aten::linear") in launchers  # addmm's time counted to the layer call around it
-    assert "profile of steps 2-4" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "profile of steps 3-5" in out and "(median of 1 steps after warm-up)" in out
 
 
 def test_gpu_kernels_count_under_the_op_that_launched_them_not_a_runtime_call_sharing_its_id():

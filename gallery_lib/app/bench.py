@@ -211,7 +211,8 @@ def result_row(cfg: RunConfig, summary: dict) -> dict:
         "to_steady_s": summary.get("to_steady_speed_s"), "compile_caches": compile_caches(summary),
         "warmup_step_ms": [round(ms, 1) for ms in summary["warmup_step_times_ms"]],
         "flops_per_sample": summary["train_flops_per_sample"], "matmul_tflops": summary["matmul_tflops"],
-        "timed_steps": summary["steps"] - summary["warmup_steps"], "warmup_steps": summary["warmup_steps"],
+        "timed_steps": summary["steps"] - summary["warmup_steps"] - summary.get("profiled_steps", 0),
+        "warmup_steps": summary["warmup_steps"],
         "ema": summary["ema"], "setup_s": summary["setup_time_s"], "cache_s": summary.get("cache_time_s"),
         "device": summary["device_name"], "run_dir": summary["output_dir"],
     }

@@ -1,12 +1,14 @@
 """Where a training step's time goes: ``profile_steps`` steps under ``torch.profiler``, kernel time summed by kind.
 
-With ``profile_steps=N`` the loop runs the N steps after warm-up under the profiler and writes
+With ``profile_steps=N`` the loop runs its last N steps under the profiler and writes
 ``<run_dir>/profile.json``: each device kernel's time per step (CUDA kernels, replayed CUDA graphs included; on a CPU,
 the CPU ops), summed by kind (convolution, matmul, attention, Inductor's fusions, optimizer, copies...), with the
 costliest kernels by name and the ops that launched the most time (``aten::convolution_backward``, or a compiled
 graph's call for the kernels its CUDA graph replays), and prints the by-kind table. The profiled steps run slower
-than the others and count in the run's step times: profile in a run of its own (``gallery bench --recipes
-accelerated+profile_steps=5``).
+than the others, so the speed figures leave them out and come from the steps before them. They come last because
+with CUDA graphs the profiler keeps slowing every step after it: PyTorch then leaves CUPTI running when the profiler
+stops (a workaround for CUDA-graph crashes), and on one H200 the steps after five profiled DreamBooth steps ran
+45-50 ms instead of 37 (benchmarks/RESULTS.md#dreambooth).
 """
 
 from __future__ import annotations

@@ -17,16 +17,19 @@ from gallery_lib.run.timing import peak_memory_mb, peak_reserved_mb, seconds_to_
 
 def build_summary(cfg, dist: DistInfo, step_log: StepLog, *, warmup_steps: int, setup_time: float,
                   precompile_seconds: float, probe_seconds: float, skipped_samples: int, nonfinite_steps: int,
-                  notes: list[str], flops_per_sample: float | None, **records: Any) -> dict[str, Any]:
+                  notes: list[str], flops_per_sample: float | None, profiled_steps: int = 0,
+                  **records: Any) -> dict[str, Any]:
     """The summary record; ``records`` (task figures, compile and attention reports, ...) are merged in last.
-    Every rank calls it: the skipped samples are summed over ranks."""
+    Every rank calls it: the skipped samples are summed over ranks. The speed figures are over the steps after
+    warm-up and before the last ``profiled_steps`` (run under the profiler)."""
     times, losses = step_log.step_times, step_log.losses
-    timing = summarize_times(times[warmup_steps:])
+    timing = summarize_times(times[warmup_steps:len(times) - profiled_steps])
     return {
         "type": "summary", "model": cfg.model, "recipe": cfg.recipe, "profile": cfg.profile,
         "device_name": torch.cuda.get_device_name(dist.device) if dist.device.type == "cuda" else "CPU",
         "world_size": dist.world_size, "global_batch_size": cfg.global_batch_size, "image_size": cfg.image_size,
-        "steps": cfg.steps, "warmup_steps": warmup_steps, "resumed_from_step": step_log.start,
+        "steps": cfg.steps, "warmup_steps": warmup_steps, "profiled_steps": profiled_steps,
+        "resumed_from_step": step_log.start,
         "setup_time_s": setup_time, "precompile_time_s": precompile_seconds,
         "warmup_time_s": sum(times[:warmup_steps]) / 1e3, **timing, "warmup_step_times_ms": times[:warmup_steps],
         # what compilation costs before the run trains at speed: precompilation, then the slow warm-up steps
@@ -52,7 +55,8 @@ DONE_PREFIX = "[gallery] done: "
 def describe_summary(summary: dict[str, Any]) -> str:
     """The run's last log line."""
     after = f" after {summary['precompile_time_s']:.1f} s of precompilation" if summary["precompile_time_s"] else ""
-    steady = summary["steps"] - summary["resumed_from_step"] - summary["warmup_steps"]
+    steady = (summary["steps"] - summary["resumed_from_step"] - summary["warmup_steps"]
+              - summary.get("profiled_steps", 0))
     return (f"{DONE_PREFIX}{summary['samples_per_s']:.1f} img/s (median of {steady} steps after warm-up), "
             f"warm-up {summary['warmup_time_s']:.1f} s{after}, peak {summary['peak_mem_mb'] / 1024:.2f} GiB, "
             f"final loss {summary['final_loss']:.4f}")

@@ -196,8 +196,9 @@ def _train_from(setup_start: float, cfg: RunConfig, dist: DistInfo, plan: Compil
                                cfg.clip_in_optimizer)
     cuda_graphs = cfg.sections.compile.cuda_graphs
     step_log = StepLog(cfg, dist, writer, loader, start=start, warmup_steps=warmup_steps, log=log)
-    profiled = min(cfg.profile_steps, cfg.steps - start - warmup_steps) if dist.is_main else 0
-    profiler = StepProfiler(profiled, start + warmup_steps, dist.device, cfg.run_dir, log)
+    # the last steps, left out of the speed figures: with CUDA graphs the profiler slows the steps after it too
+    profiled = max(0, min(cfg.profile_steps, cfg.steps - start - warmup_steps - 1))
+    profiler = StepProfiler(profiled if dist.is_main else 0, cfg.steps - profiled, dist.device, cfg.run_dir, log)
     for step in range(start, cfg.steps):
         profiler.before_step(step)
         loss = _forward_backward(task, train_module, batches, precision, cfg.gradient_accumulation_steps,
@@ -220,7 +221,8 @@ def _train_from(setup_start: float, cfg: RunConfig, dist: DistInfo, plan: Compil
             if stop:
                 raise guard.error(step, saved_to or ckpt.directory, start)
 
-    summary = build_summary(cfg, dist, step_log, warmup_steps=warmup_steps, setup_time=setup_time,
+    summary = build_summary(cfg, dist, step_log, warmup_steps=warmup_steps, profiled_steps=profiled,
+                            setup_time=setup_time,
                             precompile_seconds=plan.precompile_seconds, probe_seconds=probe.seconds,
                             skipped_samples=loader.skipped, nonfinite_steps=guard.total, notes=accelerated.notes,
                             flops_per_sample=flops_per_sample, **task.summary(), **extra_summary,
