@@ -196,7 +196,7 @@ def _train_from(setup_start: float, cfg: RunConfig, dist: DistInfo, plan: Compil
                                cfg.clip_in_optimizer)
     cuda_graphs = cfg.sections.compile.cuda_graphs
     step_log = StepLog(cfg, dist, writer, loader, start=start, warmup_steps=warmup_steps, log=log)
-    # the last steps, left out of the speed figures: with CUDA graphs the profiler slows the steps after it too
+    # the last steps, left out of the speed figures: the profiler can slow the steps after it too
     profiled = max(0, min(cfg.profile_steps, cfg.steps - start - warmup_steps - 1))
     profiler = StepProfiler(profiled if dist.is_main else 0, cfg.steps - profiled, dist.device, cfg.run_dir, log)
     for step in range(start, cfg.steps):

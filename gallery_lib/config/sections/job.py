@@ -94,8 +94,8 @@ class Metrics(Section):
     profile_steps: int = setting(0, kind=int, minimum=0)
     """Run the last this many steps under ``torch.profiler`` and write the kernel time per step by kind to
     ``<run_dir>/profile.json`` (0: off). They are left out of the speed figures, which come from the steps between
-    warm-up and them (at least one): profiled steps run slower, and with CUDA graphs the profiler keeps slowing the
-    steps after it (``gallery_lib/run/profiling.py``)."""
+    warm-up and them (at least one): profiled steps run slower, and the profiler can keep slowing the steps after it
+    (``gallery_lib/run/profiling.py``)."""
     report_to: str = setting("none", choices=REPORT_TO)
     """Where the metrics go besides ``metrics.jsonl`` (which stays the record): ``none``, or ``tensorboard`` (step
     scalars and the summary in ``<run_dir>/tensorboard/``, the reports' figure beside the runs; needs the
