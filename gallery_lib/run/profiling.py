@@ -7,7 +7,7 @@ costliest kernels by name and the ops that launched the most time (``aten::convo
 graph's call for the kernels its CUDA graph replays), and prints the by-kind table. The profiled steps run slower
 than the others, so the speed figures leave them out and come from the steps before them. They come last because
 the profiler can keep slowing the steps after it: with CUDA graphs PyTorch may leave CUPTI running when the profiler
-stops (a workaround for CUDA-graph crashes, pytorch/pytorch#144455), and on one H200 the steps after five profiled
+stops (``TEARDOWN_CUPTI=0``, a workaround for CUDA-graph crashes), and on one H200 the steps after five profiled
 DreamBooth steps ran 45-50 ms instead of 37 (benchmarks/RESULTS.md#dreambooth).
 """
 
