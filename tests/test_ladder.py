@@ -102,7 +102,7 @@ def _result(name: str, img_per_s: float | None, mem_gib: float = 10.0, failure: 
     summary = None if img_per_s is None else {
         "samples_per_s": img_per_s, "median_step_time_ms": 1000 * cfg.batch_size / img_per_s,
         "p20_step_time_ms": 990 * cfg.batch_size / img_per_s, "p80_step_time_ms": 1010 * cfg.batch_size / img_per_s,
-        "peak_mem_mb": mem_gib * 1024, "device_name": "NVIDIA H100 80GB HBM3"}
+        "peak_mem_mb": mem_gib * 1024, "peak_reserved_mb": (mem_gib + 2) * 1024, "device_name": "NVIDIA H100 80GB HBM3"}
     return RungResult(rung_named(name), cfg, summary=summary, failure=failure, builds_on=rung_parents(True)[name])
 
 
@@ -121,6 +121,8 @@ def test_report_speedups_gains_and_findings(tmp_path):
     assert "ladder-09-compile (torch.compile): stopped, out of memory." in said
     report = ladder_report(results, tmp_path)
     assert "| ladder-01-amp (fp16 AMP) | 8 | 12.0 |" in report.markdown
+    assert "| 64.0 (62.0) | 1.20x | 1.20x |" in report.markdown  # memory as reserved (allocated)
+    assert report.figure.axes[1].get_title() == "(b) peak memory reserved"
     assert json.loads((tmp_path / "ladder.json").read_text())[1]["speedup"] == pytest.approx(1.2)
     assert (tmp_path / "ladder.png").stat().st_size > 10_000
     assert "data:image/png;base64," in report._repr_markdown_()
@@ -148,7 +150,7 @@ def test_cpu_rungs_show_no_speedup(tmp_path):
     where a GPU run has its speedups and gains, and claim no rung "bought nothing"."""
     results = [_result("tf32", 10.0), _result("amp", 9.0), _result("ema", 30.0)]
     for result in results:
-        result.summary["device_name"] = "CPU"
+        result.summary.update(device_name="CPU", peak_reserved_mb=None)
     rows = ladder_rows(results)
     said = "\n".join(findings(rows))
     assert "speedup n/a on CPU (smoke)" in said and "Bought no speed" not in said and "3.00x" not in said
@@ -233,6 +235,6 @@ def test_the_talks_a100_marks_are_drawn_beside_gpu_rungs_only():
     on_gpu = ladder_figure(ladder_rows(results))
     assert all(any(line.get_label().startswith("the talk") for line in ax.get_lines()) for ax in on_gpu.axes)
     for result in results:
-        result.summary["device_name"] = "CPU"
+        result.summary.update(device_name="CPU", peak_reserved_mb=None)
     on_cpu = ladder_figure(ladder_rows(results))
     assert not any(ax.get_lines() for ax in on_cpu.axes) and "not its speed" in on_cpu.texts[0].get_text()

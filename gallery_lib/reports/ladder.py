@@ -37,6 +37,7 @@ def ladder_rows(results: list[RungResult]) -> list[dict[str, Any]]:
             "rung": recipe_name(rung), "name": rung.name, "title": rung.title, "builds_on": parent,
             "batch_size": result.config.batch_size if result.config else None,
             "img_per_s": None, "median_step_ms": None, "p20_step_ms": None, "p80_step_ms": None, "peak_mem_gib": None,
+            "peak_reserved_gib": None,
             "speedup": None, "gain": None, "talk_speedup": rung.talk[0] if rung.talk else None,
             "talk_peak_mem_gb": rung.talk[1] if rung.talk else None, "failure": result.failure,
             "failure_line": result.line() if result.failure else None,
@@ -47,6 +48,8 @@ def ladder_rows(results: list[RungResult]) -> list[dict[str, Any]]:
             row.update(img_per_s=summary["samples_per_s"], median_step_ms=summary["median_step_time_ms"],
                        p20_step_ms=summary["p20_step_time_ms"], p80_step_ms=summary["p80_step_time_ms"],
                        peak_mem_gib=summary["peak_mem_mb"] / 1024)
+            if summary.get("peak_reserved_mb"):  # what must fit on a GPU (CUDA graphs' pools included)
+                row["peak_reserved_gib"] = summary["peak_reserved_mb"] / 1024
             row["speedup"] = row["img_per_s"] / first if first else None
             row["gain"] = row["img_per_s"] / speed[parent] if parent in speed else None
         rows.append(row)
@@ -111,18 +114,28 @@ def _made_of(rows: list[dict[str, Any]], top: dict[str, Any]) -> list[str]:
 
 def to_markdown(rows: list[dict[str, Any]]) -> str:
     """The rungs that ran as a table; each rung that did not, one line under it."""
-    head = ("| rung | batch | img/s | step ms [p20-p80] | peak GiB | speedup | gain over the rung below | "
-            "talk: speedup | talk: GB |")
+    head = ("| rung | batch | img/s | step ms [p20-p80] | peak GiB: reserved (allocated) | speedup | "
+            "gain over the rung below | talk: speedup | talk: GB |")
     lines = [head, "|" + "---|" * head.count(" | ") + "---|"]
     for row in _ran(rows):
         step = f"{row['median_step_ms']:.1f} [{row['p20_step_ms']:.1f}-{row['p80_step_ms']:.1f}]"
         lines.append(f"| {row['rung']} ({row['title']}) | {_fmt(row['batch_size'], '{}')} | "
-                     f"{_fmt(row['img_per_s'], '{:.1f}')} | {step} | {_fmt(row['peak_mem_gib'], '{:.1f}')} | "
+                     f"{_fmt(row['img_per_s'], '{:.1f}')} | {step} | {_memory(row)} | "
                      f"{speedup_text(row['speedup'], row['device'])} | "
                      f"{speedup_text(row['gain'], row['device'])} | "
                      f"{_fmt(row['talk_speedup'], '{:.2f}x')} | {_fmt(row['talk_peak_mem_gb'], '{:.1f}')} |")
     not_run = [f"- {_failure_line(row)}" for row in rows if row["failure"]]
     return "\n".join(lines + ([""] + not_run if not_run else []))
+
+
+def _memory(row: dict[str, Any]) -> str:
+    """Reserved (allocated) GiB on a GPU; the one figure a CPU run has (its resident memory)."""
+    allocated = _fmt(row["peak_mem_gib"], "{:.1f}")
+    return allocated if row["peak_reserved_gib"] is None else f"{row['peak_reserved_gib']:.1f} ({allocated})"
+
+
+def _peak_memory(row: dict[str, Any]) -> float | None:
+    return row["peak_reserved_gib"] if row["peak_reserved_gib"] is not None else row["peak_mem_gib"]
 
 
 def _ran(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -136,7 +149,7 @@ def _failure_line(row: dict[str, Any]) -> str:
 def ladder_figure(rows: list[dict[str, Any]]) -> Figure:
     """(a) cumulative speedup per rung (throughput on a CPU, where a speedup is n/a), (b) peak memory per rung, for the
     rungs that ran; the talk's A100 figures as black markers where the rungs ran on a GPU."""
-    rows = _ran(rows)
+    rows = [{**row, "peak_memory": _peak_memory(row)} for row in _ran(rows)]
     on_cpu = any(row["device"] == "CPU" for row in rows)
     fig = _ReportFigure(figsize=(12, 8), layout="constrained")
     ax_speed, ax_mem = fig.subplots(2, 1, sharex=True)
@@ -146,7 +159,8 @@ def ladder_figure(rows: list[dict[str, Any]]) -> Figure:
                    else ("speedup", "talk_speedup", "{:.2f}x", "(a) throughput over the first rung", "speedup"))
     for ax, key, talk_key, fmt, title, unit in (
             (ax_speed, *speed_panel),
-            (ax_mem, "peak_mem_gib", "talk_peak_mem_gb", "{:.1f}", "(b) peak memory", "GiB (the talk: GB)")):
+            (ax_mem, "peak_memory", "talk_peak_mem_gb", "{:.1f}",
+             "(b) peak memory" + ("" if on_cpu else " reserved"), "GiB (the talk: GB)")):
         values = [row[key] if row[key] is not None else 0.0 for row in rows]
         bars = ax.bar(x, values, color=["C0" if row["talk_speedup"] is not None else "C1" for row in rows])
         ax.bar([0], [0], color="C0", label="the talk's rungs, this machine")  # legend entries for the two colours
