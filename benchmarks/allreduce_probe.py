@@ -58,7 +58,10 @@ def main() -> None:
             print(f"[allreduce] {key}: {row}")
         if args.out:
             with open(args.out, "w") as f:
-                json.dump({"world_size": dist.get_world_size(), "params": n, "bucket_mb": args.bucket_mb,
+                from gallery_lib.reports.provenance import result_header
+
+                json.dump({**result_header(), "world_size": dist.get_world_size(), "params": n,
+                           "bucket_mb": args.bucket_mb,
                            "nccl": ".".join(map(str, torch.cuda.nccl.version())), "rows": rows}, f, indent=1)
     dist.destroy_process_group()
 

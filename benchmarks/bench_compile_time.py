@@ -162,6 +162,9 @@ def diagnose(torch, step, model) -> dict:
 def orchestrate(args: argparse.Namespace) -> None:
     import torch
 
+    from gallery_lib.reports.provenance import result_header
+
+    header = result_header()
     root = tempfile.mkdtemp(prefix="compile_bench_")
     results = []
     for variant in args.variants.split(","):
@@ -181,7 +184,7 @@ def orchestrate(args: argparse.Namespace) -> None:
         results.append(row)
         print(json.dumps(row), flush=True)
         with open(args.out, "w") as f:  # after every variant: a timeout keeps what was measured
-            json.dump({"command": " ".join([sys.executable, *sys.argv]), "gpu": torch.cuda.get_device_name(),
+            json.dump({**header, "gpu": torch.cuda.get_device_name(),
                        "torch": torch.__version__, "cpus": os.cpu_count(), "results": results}, f, indent=1)
 
 

@@ -253,7 +253,10 @@ def main() -> None:
     batch = args.batch or (8 if args.quick else 32)
     out_dir = os.path.dirname(os.path.abspath(args.out))
     os.makedirs(out_dir, exist_ok=True)
-    result = {"device": torch.cuda.get_device_name(device), "torch": torch.__version__, "quick": args.quick,
+    from gallery_lib.reports.provenance import result_header
+
+    result = {**result_header(), "device": torch.cuda.get_device_name(device), "torch": torch.__version__,
+              "quick": args.quick,
               "cold_inductor_cache": not args.warm_cache}
     try:
         import triton

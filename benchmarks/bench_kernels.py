@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from gallery_lib.accel.kernels import geglu, group_norm, layer_norm, soft_cross_entropy
+from gallery_lib.reports.provenance import result_header
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 PROVIDERS = ("eager", "compiled", "ours")
@@ -327,7 +328,7 @@ def main(argv: list[str] | None = None) -> None:
         results += rows
         print("\n".join(format_rows(rows, providers)), flush=True)
     with open(args.out, "w") as f:
-        json.dump(dict(command=" ".join([sys.executable, *sys.argv]), note=args.note, gpu=torch.cuda.get_device_name(),
+        json.dump(dict(**result_header(), note=args.note, gpu=torch.cuda.get_device_name(),
                        torch=torch.__version__, triton=triton.__version__, dtype=args.dtype,
                        copy_bandwidth_gb_per_s=copy_gbs, l2_cache_bytes=l2_bytes,
                        timing=dict(gpu_ms=f"CUDA graph replays, {args.graph_ms} ms each, median of {args.replays}",

@@ -15,7 +15,6 @@ import argparse
 import json
 import platform
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -28,6 +27,7 @@ from gallery_lib.app.bench import gpu_name
 from gallery_lib.reports.ladder import ladder_report
 from gallery_lib.run.launch import RunFailed, launch
 from gallery_lib.app.workflow import prepare
+from gallery_lib.reports.provenance import result_header
 
 _KEYS = ("recipe", "samples_per_s", "median_step_time_ms", "p20_step_time_ms", "p80_step_time_ms", "warmup_time_s",
          "setup_time_s", "precompile_time_s", "peak_mem_mb", "final_loss", "global_batch_size", "world_size",
@@ -40,8 +40,7 @@ def run_rungs(args: argparse.Namespace) -> dict:
                        output_dir=args.output_dir, **parse_overrides(args.set))
     configs = ladder_configs(base, args.rungs.split(",") if args.rungs else None)
     prepare(base, progress=False)
-    record = {"command": "python " + " ".join(sys.argv), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-              "gpu": gpu_name(),  # from nvidia-smi: CUDA stays uninitialized in this process
+    record = {**result_header(), "gpu": gpu_name(),  # from nvidia-smi: CUDA stays uninitialized in this process
               "torch": torch.__version__, "python": platform.python_version(), "model": base.model,
               "timing": "CUDA events per step after warm-up; median with p20/p80; data loading included",
               "rungs": []}
@@ -77,8 +76,9 @@ def merge(paths: list[str], out: str, report_dir: str | None) -> dict:
             failure = failure_reason(entry["failure"]) if entry.get("failure") else None
             results.append(RungResult(rung_named(name), config, summary=entry.get("summary"), failure=failure,
                                       builds_on=parents[name]))
-    record = {"command": "python " + " ".join(sys.argv), "parts": [{"file": p, "command": part["command"],
-              "date": part["date"], "gpu": part["gpu"], "torch": part["torch"]} for p, part in zip(paths, parts)]}
+    record = {**result_header(), "parts": [{"file": p, "command": part["command"], "commit": part.get("commit"),
+              "dirty": part.get("dirty"), "date": part["date"], "gpu": part["gpu"], "torch": part["torch"]}
+                                           for p, part in zip(paths, parts)]}
     if report_dir:
         report = ladder_report(results, report_dir)
         record["rows"] = report.rows

@@ -32,6 +32,7 @@ from gallery_lib.config import parse_overrides
 from gallery_lib.run.launch import launch
 from gallery_lib.recipes.profiles import base_config
 from gallery_lib.app.bench import gpu_name
+from gallery_lib.reports.provenance import result_header
 from gallery_lib.recipes import apply_recipe, recipe_config
 from gallery_lib.reports.comparison import mfu
 from gallery_lib.app.workflow import prepare
@@ -77,8 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[bench] data ready in {time.perf_counter() - start:.1f} s", flush=True)
 
     record = {
-        "command": "python " + " ".join(sys.argv),
-        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        **result_header(),
         "gpu": gpu_name(),  # from nvidia-smi: CUDA stays uninitialized in this process
         "torch": torch.__version__, "python": platform.python_version(),
         "model": base.model, "image_size": base.image_size, "batch_size_per_process": base.batch_size,

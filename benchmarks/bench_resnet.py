@@ -239,8 +239,10 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     torch.backends.cudnn.benchmark = True
-    result = {"command": "python " + " ".join(sys.argv), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-              "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "python": platform.python_version(),
+    from gallery_lib.reports.provenance import result_header
+
+    result = {**result_header(), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "python": platform.python_version(),
               "batch": args.batch, "image_size": 224, "timing": "CUDA events per step after warm-up; median, p20/p80",
               "inductor_defaults": inductor_defaults(), "results": {}}
 

@@ -14,7 +14,6 @@ import argparse
 import json
 import platform
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -22,6 +21,7 @@ import torch
 from gallery_lib.recipes.profiles import base_config
 from gallery_lib.run.launch import launch
 from gallery_lib.app.workflow import prepare
+from gallery_lib.reports.provenance import result_header
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -38,8 +38,7 @@ def main(argv: list[str] | None = None) -> int:
                        batch_size=args.batch_size, steps=args.steps, warmup_steps=1, log_every=args.steps,
                        amp_level="O0", num_workers=0, export_model=False, image_size=224)
     prepare(base, progress=False)
-    record = {"command": "python " + " ".join(sys.argv), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-              "torch": torch.__version__, "python": platform.python_version(), "model": args.model,
+    record = {**result_header(), "torch": torch.__version__, "python": platform.python_version(), "model": args.model,
               "batch_size_per_process": args.batch_size, "peak_mem_kind": None, "rows": []}
     for nproc in (int(n) for n in args.processes.split(",")):
         for mode in ("ddp", "zero2"):

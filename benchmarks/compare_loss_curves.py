@@ -61,8 +61,9 @@ def main(argv: list[str] | None = None) -> int:
               f"{p['first_step_over_1pct']} | mean after {p['mean_rel_diff_after']:.3f} | last 10 "
               f"{p['mean_loss_last_10'][0]:.4f} / {p['mean_loss_last_10'][1]:.4f}")
     if args.out:
-        Path(args.out).write_text(json.dumps({"command": "python " + " ".join(sys.argv), "early": args.early,
-                                              "pairs": pairs}, indent=2) + "\n")
+        from gallery_lib.reports.provenance import result_header
+
+        Path(args.out).write_text(json.dumps({**result_header(), "early": args.early, "pairs": pairs}, indent=2) + "\n")
     return 0
 
 

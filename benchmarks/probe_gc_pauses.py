@@ -14,8 +14,6 @@ import argparse
 import gc
 import json
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 
@@ -30,6 +28,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from gallery_lib.app.workflow import prepare
+    from gallery_lib.reports.provenance import result_header
     from gallery_lib.config.overrides import parse_overrides
     from gallery_lib.recipes import recipe_config
     from gallery_lib.recipes.profiles import base_config
@@ -63,9 +62,7 @@ def main() -> None:
     gc.callbacks.remove(timer)
     hook.remove()
     record = {
-        "command": " ".join(["python"] + sys.argv),
-        "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                 text=True).stdout.strip(),
+        **result_header(),
         "steps": cfg.steps, "warmup_steps": cfg.warmup_steps, "optimizer_steps_seen": steps[0],
         "median_step_ms": summary.get("median_step_time_ms"),
         "tracked_objects_at_end": len(gc.get_objects()), "gc_thresholds": gc.get_threshold(),

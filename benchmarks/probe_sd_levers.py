@@ -24,8 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
-import sys
 import time
 import traceback
 
@@ -234,13 +232,14 @@ def probe_qkv(iters: int) -> dict:
 
 
 def main() -> None:
+    from gallery_lib.reports.provenance import result_header
+
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--only", choices=("gn_conv", "qkv"))
     parser.add_argument("--iters", type=int, default=30)
     args = parser.parse_args()
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    record = {"command": " ".join(["python"] + sys.argv), "commit": commit, "gpu": torch.cuda.get_device_name(),
+    record = {**result_header(), "gpu": torch.cuda.get_device_name(),
               "torch": torch.__version__}
     for name, probe in (("gn_conv", probe_gn_conv), ("qkv", probe_qkv)):
         if args.only in (None, name):

@@ -25,6 +25,7 @@ from typing import Iterator
 import torch
 
 import bench_kernels as bk
+from gallery_lib.reports.provenance import result_header
 # The modules, not the functions of the same name that gallery_lib.accel.kernels re-exports.
 ln_mod = importlib.import_module("gallery_lib.accel.kernels.layer_norm")
 geglu_mod = importlib.import_module("gallery_lib.accel.kernels.geglu")
@@ -127,7 +128,7 @@ def main(argv: list[str] | None = None) -> None:
     for case in bk.build_cases(dtype, set(args.ops.split(","))):
         rows += sweep_case(case, dtype, timer, l2_bytes, copy_gbs)
         with open(args.out, "w") as f:  # after every case, so a run stopped by a time limit keeps what it measured
-            json.dump(dict(command=" ".join([sys.executable, *sys.argv]), gpu=torch.cuda.get_device_name(),
+            json.dump(dict(**result_header(), gpu=torch.cuda.get_device_name(),
                            torch=torch.__version__, dtype=args.dtype, copy_bandwidth_gb_per_s=copy_gbs,
                            timing=f"CUDA graph replays, {args.graph_ms} ms each, median of {args.replays}",
                            seconds=time.perf_counter() - t0, results=rows), f, indent=1)

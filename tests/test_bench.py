@@ -304,6 +304,25 @@ def test_gallery_commit_names_the_code_where_set_even_in_a_checkout(monkeypatch,
     assert source_version(tmp_path) == {"commit": None, "dirty": None}  # not a git checkout: unknown, not guessed
 
 
+def test_every_benchmark_result_file_opens_with_its_command_and_commit(monkeypatch):
+    """``result_header``: the exact command, the date and the code's commit; every script under benchmarks/ that writes
+    a result file writes it."""
+    import re
+
+    from gallery_lib.reports.provenance import result_header
+
+    monkeypatch.setenv("GALLERY_COMMIT", "1931023+dirty")
+    monkeypatch.setattr("sys.argv", ["benchmarks/bench_ladder.py", "--rungs", "tf32"])
+    header = result_header()
+    assert header["command"] == "python benchmarks/bench_ladder.py --rungs tf32"
+    assert (header["commit"], header["dirty"]) == ("1931023", True)
+    assert re.fullmatch(r"\d{4}-\d\d-\d\d .*", header["date"])
+    scripts = sorted((Path(__file__).resolve().parents[1] / "benchmarks").glob("*.py"))
+    writers = [p for p in scripts if re.search(r"json\.dump\(|write_text\(json\.dumps", p.read_text())]
+    assert len(writers) >= 10
+    assert [p.name for p in writers if "result_header()" not in p.read_text()] == []
+
+
 def test_default_result_file_names_the_gpu_and_date_and_never_overwrites(monkeypatch, tmp_path):
     from gallery_lib.app.bench import default_out_path, out_path
 

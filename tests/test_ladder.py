@@ -209,7 +209,7 @@ def test_bench_ladder_joins_parts_in_ladder_order_with_short_failures(tmp_path):
     assert [row["name"] for row in record["rows"]] == ["tf32", "amp", "checkpointing"]
     assert record["rows"][1]["speedup"] == pytest.approx(1.3)  # the later part's amp
     assert record["rows"][2]["failure"] == "AttributeError: Can't pickle local object"
-    assert (tmp_path / "report" / "ladder.md").exists()
+    assert (tmp_path / "report" / "ladder.md").exists() and "commit" in record and "commit" in record["parts"][0]
 
 
 def test_the_smoke_ladder_reaches_the_sd_notebooks_batch_at_its_batch_rung():

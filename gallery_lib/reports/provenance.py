@@ -4,8 +4,16 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
+import time
 from pathlib import Path
 from typing import Any
+
+
+def result_header() -> dict[str, Any]:
+    """What a benchmark's result file opens with: the exact command, when it ran, and ``source_version``."""
+    return {"command": " ".join(["python", *sys.argv]), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+            **source_version()}
 
 
 def source_version(repo: Path = Path(__file__).resolve().parents[2]) -> dict[str, Any]:
