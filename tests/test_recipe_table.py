@@ -28,6 +28,13 @@ def test_gpu_only_switches_read_as_what_a_cpu_run_does():
     assert rows[0]["optimizer"] == "fused sgd" and rows[0]["EMA"] == "none"
 
 
+def test_clipping_in_the_optimizer_shows_where_it_runs():
+    base = base_config("smoke", family="dreambooth", device="cpu")
+    rows = recipe_table(base, ["accelerated", ("accelerated", {"clip_in_optimizer": True}),
+                               ("baseline", {"clip_in_optimizer": True})]).rows
+    assert [row["optimizer"] for row in rows] == ["fused adamw", "fused adamw, clipping in its pass", "adamw"]
+
+
 def test_resnet_accelerated_on_a_gpu_reads_the_fused_convolutions_in_float16(monkeypatch):
     monkeypatch.setattr("gallery_lib.reports.recipe_table.visible_cuda_devices", lambda: 1)
     monkeypatch.setattr("gallery_lib.recipes.named.runs_on_gpu", lambda base: True)

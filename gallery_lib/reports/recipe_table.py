@@ -39,9 +39,21 @@ def recipe_table(base: RunConfig, recipes: Sequence[Any]) -> RecipeTable:
         name, overrides = (spec, {}) if isinstance(spec, str) else spec
         cfg = recipe_config(base, name, overrides)
         rows.append({"recipe": cfg.recipe, "precision": _precision(cfg, device), "compiled": _compiled(cfg),
-                     "optimizer": ("fused " if cfg.fused_optimizer else "") + cfg.optimizer,
+                     "optimizer": _optimizer(cfg, device),
                      "EMA": _ema(cfg, device), "family switches": _family_switches(cfg, device)})
     return RecipeTable(rows, "a GPU" if device == "cuda" else "a CPU")
+
+
+def _optimizer(cfg: RunConfig, device: str) -> str:
+    import torch
+
+    from gallery_lib.accel.precision import resolve_amp_dtype
+
+    name = ("fused " if cfg.fused_optimizer else "") + cfg.optimizer
+    folds = cfg.clip_in_optimizer and cfg.fused_optimizer and cfg.clip_grad
+    if folds and resolve_amp_dtype(cfg, device) != torch.float16:  # a GradScaler owns the optimizer's grad_scale
+        name += ", clipping in its pass"
+    return name
 
 
 def _precision(cfg: RunConfig, device: str) -> str:
