@@ -1,6 +1,10 @@
 # The optimization ladder on one GPU, in parts that fit a time-limited call (each part's JSON lands in $OUT).
 #   bash benchmarks/gpu_ladder.sh PART RUNGS   e.g.  bash benchmarks/gpu_ladder.sh part1 tf32,amp,loader
 # (on the GPU machine; the diffusers wheels in .whl/). Join the parts with bench_ladder.py --merge.
+# On one machine, calls chained while it stays warm (its /tmp data and compile caches carry over; the last H100 run's
+# rung times, each call under 600 s): part1 tf32,amp,loader,fused,attention,batch,ema (~470 s), part2
+# zero2,bf16,compile (~480 s), part3 regional,cuda_graphs,cached_latents,channels_last (~470 s), part4
+# kernels,checkpointing (~380 s): about 30 minutes of device time in all. Pass GALLERY_COMMIT=<commit> to name the code.
 set -x
 part=$1
 rungs=$2
