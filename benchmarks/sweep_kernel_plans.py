@@ -124,11 +124,12 @@ def main(argv: list[str] | None = None) -> None:
     timer = functools.partial(bk.cuda_graph_ms, target_ms=args.graph_ms, replays=args.replays)
     print(f"{torch.cuda.get_device_name()}: copy {copy_gbs:.0f} GB/s, L2 {l2_bytes >> 20} MiB", flush=True)
     t0 = time.perf_counter()
+    header = result_header()  # once: the file is rewritten after every case
     rows = []
     for case in bk.build_cases(dtype, set(args.ops.split(","))):
         rows += sweep_case(case, dtype, timer, l2_bytes, copy_gbs)
         with open(args.out, "w") as f:  # after every case, so a run stopped by a time limit keeps what it measured
-            json.dump(dict(**result_header(), gpu=torch.cuda.get_device_name(),
+            json.dump(dict(**header, gpu=torch.cuda.get_device_name(),
                            torch=torch.__version__, dtype=args.dtype, copy_bandwidth_gb_per_s=copy_gbs,
                            timing=f"CUDA graph replays, {args.graph_ms} ms each, median of {args.replays}",
                            seconds=time.perf_counter() - t0, results=rows), f, indent=1)

@@ -33,6 +33,9 @@ def test_clipping_in_the_optimizer_shows_where_it_runs():
     rows = recipe_table(base, ["accelerated", ("accelerated", {"clip_in_optimizer": True}),
                                ("baseline", {"clip_in_optimizer": True})]).rows
     assert [row["optimizer"] for row in rows] == ["fused adamw", "fused adamw, clipping in its pass", "adamw"]
+    sharded, = recipe_table(base, [("accelerated", {"clip_in_optimizer": True, "data_parallel": "zero2",
+                                                    "nproc_per_node": 2})]).rows
+    assert sharded["optimizer"] == "fused adamw"  # ZeRO-2's sharded gradients: clipping runs as its own pass
 
 
 def test_resnet_accelerated_on_a_gpu_reads_the_fused_convolutions_in_float16(monkeypatch):

@@ -7,7 +7,8 @@ fp16 gradients. Handing it the clip factor's inverse computes the same update wi
 it leaves behind are the clipped ones, as after ``clip_grad_norm_``.
 
 Where the pass cannot take the factor (no fused optimizer, a ``GradScaler`` that owns ``grad_scale``, sharded DTensor
-gradients whose norm needs a reduction over the processes), ``clip_then_step`` clips as its own pass.
+gradients whose norm needs a reduction over the processes), ``clip_then_step`` clips as its own pass. ``can_fold``
+decides that at each step; ``run_folds`` reads the same rule from a run's config, for what a notebook shows first.
 """
 
 from __future__ import annotations
@@ -24,10 +25,21 @@ def can_fold(optimizer: torch.optim.Optimizer, grads: list[torch.Tensor]) -> boo
             and not any(hasattr(g, "to_local") for g in grads))
 
 
-def clip_then_step(optimizer: torch.optim.Optimizer, params: list[torch.Tensor], max_norm: float,
-                   fold: bool = True) -> torch.Tensor:
-    """Clips the gradients of ``params`` to a total 2-norm of ``max_norm`` and steps ``optimizer``, in the optimizer's
-    pass when ``fold`` and it ``can_fold``; returns the total norm before clipping, as ``clip_grad_norm_`` does."""
+def run_folds(cfg, amp_dtype: torch.dtype | None) -> bool:
+    """Whether a run of ``cfg`` (its autocast dtype ``amp_dtype``) clips in its optimizer's pass: ``can_fold``'s rule
+    read from the config (float16 brings a GradScaler; ZeRO-2 shards the gradients)."""
+    return bool(cfg.clip_in_optimizer and cfg.clip_grad and cfg.fused_optimizer and amp_dtype != torch.float16
+                and cfg.data_parallel != "zero2")
+
+
+def clip_then_step(optimizer: torch.optim.Optimizer, params: list[torch.Tensor], max_norm: float | None,
+                   fold: bool = True) -> torch.Tensor | None:
+    """Clips the gradients of ``params`` to a total 2-norm of ``max_norm`` (``None``: no clipping) and steps
+    ``optimizer``, in the optimizer's pass when ``fold`` and it ``can_fold``; returns the total norm before clipping,
+    as ``clip_grad_norm_`` does."""
+    if not max_norm:
+        optimizer.step()
+        return None
     grads = [p.grad for p in params if p.grad is not None]
     if not (fold and can_fold(optimizer, grads)):
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)

@@ -97,7 +97,7 @@ class Precision:
             torch._foreach_copy_([m.grad for m in masters], [p.grad for p in params])
             for p in params:  # the optimizer only clears the masters' grads; the model's must not accumulate
                 p.grad = None
-            _clip_and_step(optimizer, masters, clip_grad, fold_clipping)
+            clip_then_step(optimizer, masters, clip_grad, fold=fold_clipping)
             torch._foreach_copy_([p.data for p in params], masters)
             return
         if self.scaler:
@@ -108,7 +108,7 @@ class Precision:
             self.scaler.step(optimizer)
             self.scaler.update()
             return
-        _clip_and_step(optimizer, [p for p in model.parameters() if p.grad is not None], clip_grad, fold_clipping)
+        clip_then_step(optimizer, [p for p in model.parameters() if p.grad is not None], clip_grad, fold=fold_clipping)
 
     def describe(self) -> str:
         if self.dtype is None:
@@ -119,11 +119,3 @@ class Precision:
         if self.level == "O2":
             return f"O2: {name} weights, fp32 master copies in the optimizer, autocast math"
         return f"O1: fp32 weights, {name} autocast" + (" with GradScaler" if self.scaler else "")
-
-
-def _clip_and_step(optimizer: torch.optim.Optimizer, params: list[torch.Tensor], clip_grad: float | None,
-                   fold: bool) -> None:
-    if clip_grad:
-        clip_then_step(optimizer, params, clip_grad, fold=fold)
-    else:
-        optimizer.step()

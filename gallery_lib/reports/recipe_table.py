@@ -45,15 +45,11 @@ def recipe_table(base: RunConfig, recipes: Sequence[Any]) -> RecipeTable:
 
 
 def _optimizer(cfg: RunConfig, device: str) -> str:
-    import torch
-
+    from gallery_lib.accel.clipping import run_folds
     from gallery_lib.accel.precision import resolve_amp_dtype
 
     name = ("fused " if cfg.fused_optimizer else "") + cfg.optimizer
-    folds = cfg.clip_in_optimizer and cfg.fused_optimizer and cfg.clip_grad
-    if folds and resolve_amp_dtype(cfg, device) != torch.float16:  # a GradScaler owns the optimizer's grad_scale
-        name += ", clipping in its pass"
-    return name
+    return name + (", clipping in its pass" if run_folds(cfg, resolve_amp_dtype(cfg, device)) else "")
 
 
 def _precision(cfg: RunConfig, device: str) -> str:
