@@ -49,6 +49,7 @@ class TrainLoader:
         self.batches_in_epoch = 0
         self._resume_offset = 0
         self.finish = finish
+        self._batches: Iterator[Any] | None = None  # the DataLoader iteration running now, for ``close``
 
     @property
     def skipped(self) -> int:
@@ -61,11 +62,20 @@ class TrainLoader:
         self.batches_in_epoch, self._resume_offset = self._resume_offset, 0
         self._loader.sampler.begin(self.epoch, self.batches_in_epoch * self.batch_size,
                                    per_epoch=self.steps_per_epoch * self.batch_size)
-        for batch in self._loader:
+        self._batches = iter(self._loader)
+        for batch in self._batches:
             if self.batches_in_epoch == self.steps_per_epoch:
                 self.epoch, self.batches_in_epoch = self.epoch + 1, 0
             self.batches_in_epoch += 1
             yield self.finish(batch)
+
+    def close(self) -> None:
+        """Stops the worker processes now; the loader is not iterated again. Left to interpreter exit, persistent
+        workers with pinned memory take 5 s each to stop (pytorch/pytorch#81794): 70 s with 14 workers."""
+        batches, self._batches = self._batches, None
+        shutdown = getattr(batches, "_shutdown_workers", None)  # none in the one-process iteration (no workers)
+        if shutdown is not None:
+            shutdown()
 
     def state_dict(self) -> dict[str, int]:
         """The data position: the next batch is batch ``batches_in_epoch`` of ``epoch``."""

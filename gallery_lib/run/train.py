@@ -27,6 +27,7 @@ than ``max_bad_fraction`` of the loads failed (a shared counter read, no device 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import itertools
 import math
@@ -147,12 +148,15 @@ def run(cfg: RunConfig, dist: DistInfo | None = None) -> dict:
 def _train(cfg: RunConfig, dist: DistInfo, extra_summary: dict | None = None) -> dict:
     """One training run of ``cfg`` at its batch size; ``extra_summary`` is merged into the summary record."""
     setup_start = time.perf_counter()
-    with CompilePlan(cfg, dist) as plan:  # its precompile workers warm up while the model and the data are set up
-        return _train_from(setup_start, cfg, dist, plan, extra_summary or {})
+    # its precompile workers warm up while the model and the data are set up
+    with CompilePlan(cfg, dist) as plan, contextlib.ExitStack() as on_exit:
+        return _train_from(setup_start, cfg, dist, plan, on_exit, extra_summary or {})
 
 
-def _train_from(setup_start: float, cfg: RunConfig, dist: DistInfo, plan: CompilePlan, extra_summary: dict) -> dict:
-    """``_train`` once the compile plan is open: set up, resume or start, precompile, train, summarize."""
+def _train_from(setup_start: float, cfg: RunConfig, dist: DistInfo, plan: CompilePlan,
+                on_exit: contextlib.ExitStack, extra_summary: dict) -> dict:
+    """``_train`` once the compile plan is open: set up, resume or start, precompile, train, summarize. ``on_exit``
+    closes what it opens, when it returns or fails."""
     reset_peak_memory(dist.device)
     quiet_known_noise(cfg.verbose)
     configure_backends(cfg)
@@ -160,6 +164,7 @@ def _train_from(setup_start: float, cfg: RunConfig, dist: DistInfo, plan: Compil
     precision = Precision.from_config(cfg, dist.device.type)
     task = build_task(cfg, dist, precision)
     model, loader = task.model, task.loader
+    on_exit.callback(loader.close)  # its workers stop as the run ends, not at interpreter exit
     flops_per_sample = task.train_flops_per_sample()
     accelerated = apply_accelerations(model, cfg, precision, dist, plan)
     optimizer = build_optimizer(model, cfg, precision)
