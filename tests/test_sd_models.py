@@ -66,6 +66,15 @@ def test_tiny_parts_layout(tiny):
     assert sd.build_stable_diffusion("sd_tiny", image_size=48).unet.config.sample_size == 24
 
 
+def test_random_weights_are_drawn_on_the_init_device():
+    """On a GPU the trainer draws them there (sd15's take about 15 s on a CPU); ``meta`` shows every weight and
+    buffer is made on the device given, none on the CPU and moved."""
+    parts = sd.build_stable_diffusion("sd_tiny", init_device="meta")
+    for module in (parts.unet, parts.vae, parts.text_encoder):
+        assert {t.device.type for t in [*module.parameters(), *module.buffers()]} == {"meta"}
+    assert {p.device.type for p in sd.build_stable_diffusion("sd_tiny").unet.parameters()} == {"cpu"}
+
+
 def _training_step(parts: sd.StableDiffusionParts, pixels: torch.Tensor, captions: list[str]) -> torch.Tensor:
     with torch.no_grad():
         latents = parts.vae.encode(pixels).latent_dist.sample() * parts.vae_scale_factor

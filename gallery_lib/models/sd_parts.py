@@ -217,8 +217,10 @@ def _load_hub(repo_id: str, prediction_type: str) -> dict[str, Any]:
 
 
 def build_stable_diffusion(variant: str, *, pretrained: str | os.PathLike | None = None,
-                           prediction_type: str = "epsilon", image_size: int | None = None) -> StableDiffusionParts:
-    """Builds the parts of a Stable Diffusion 1.x training run on the CPU, in fp32.
+                           prediction_type: str = "epsilon", image_size: int | None = None,
+                           init_device: torch.device | str = "cpu") -> StableDiffusionParts:
+    """Builds the parts of a Stable Diffusion 1.x training run in fp32, on the CPU or, with random weights, on
+    ``init_device``.
 
     Args:
         variant: ``sd15`` or ``sd_tiny``: the architecture built with random weights when ``pretrained`` is None.
@@ -227,6 +229,8 @@ def build_stable_diffusion(variant: str, *, pretrained: str | os.PathLike | None
         prediction_type: What the UNet learns to predict: ``epsilon`` (the noise) or ``v_prediction``.
         image_size: Training resolution in pixels; becomes the UNet's ``sample_size`` (the pipeline's default size).
             Must be a multiple of the total downsampling (64 for SD-1.x) so UNet skip connections line up.
+        init_device: Where random weights are drawn: sd15's take about 15 s on a CPU, a few kernels on a GPU (the
+            same seed draws other numbers there).
     """
     _check_variant(variant)
     if prediction_type not in PREDICTION_TYPES:
@@ -234,7 +238,8 @@ def build_stable_diffusion(variant: str, *, pretrained: str | os.PathLike | None
     if pretrained is None:
         if image_size is not None:  # before the build: sd15 takes a while to initialise on a CPU
             _check_image_size(image_size, *_CONFIGS[variant][:2])
-        fields = _random_parts(variant, prediction_type)
+        with torch.device(init_device):
+            fields = _random_parts(variant, prediction_type)
     elif Path(pretrained).expanduser().exists():
         fields = _load_folder(Path(pretrained).expanduser().resolve(), prediction_type)
     elif not isinstance(pretrained, str):

@@ -65,7 +65,8 @@ class TextToImageTask:
         """The SD parts of ``cfg.model``, the frozen VAE on the device, the noise schedule."""
         self.cfg, self.device = cfg, dist.device
         self.parts = cfg.model_family.build(cfg.model, pretrained=cfg.pretrained,
-                                            prediction_type=cfg.prediction_type, image_size=cfg.image_size)
+                                            prediction_type=cfg.prediction_type, image_size=cfg.image_size,
+                                            init_device=self.device)
         # diffusers casts the frozen models to the mixed-precision dtype; the trained UNet keeps fp32 weights.
         self.frozen_dtype = precision.dtype or torch.float32
         # nn.Module.to: diffusers' own .to(dtype) warns of fp32-only modules even when the VAE lists none
