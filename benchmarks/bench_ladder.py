@@ -15,6 +15,7 @@ import argparse
 import json
 import platform
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -50,13 +51,17 @@ def run_rungs(args: argparse.Namespace) -> dict:
             entry["failure"] = "needs a GPU"
         else:
             print(f"\n[ladder] === {cfg.recipe} ===", flush=True)
+            started = time.perf_counter()
             try:
                 summary = launch(cfg).summary
                 entry["summary"] = {k: summary.get(k) for k in _KEYS}
             except RunFailed as exc:
                 entry["failure"] = str(exc)[-2000:]
+            # the rung's process from start to exit: what a time-limited call has to fit, beyond set-up and steps
+            entry["wall_s"] = round(time.perf_counter() - started, 1)
             print(f"[ladder] {name}: " + (f"{entry['summary']['samples_per_s']:.1f} img/s, peak "
-                  f"{entry['summary']['peak_mem_mb'] / 1024:.1f} GiB" if "summary" in entry else "failed"), flush=True)
+                  f"{entry['summary']['peak_mem_mb'] / 1024:.1f} GiB" if "summary" in entry else "failed")
+                  + f", {entry['wall_s']:.0f} s in all", flush=True)
         record["rungs"].append(entry)
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(record, indent=2) + "\n")

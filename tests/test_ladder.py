@@ -212,6 +212,25 @@ def test_bench_ladder_joins_parts_in_ladder_order_with_short_failures(tmp_path):
     assert (tmp_path / "report" / "ladder.md").exists() and "commit" in record and "commit" in record["parts"][0]
 
 
+def test_bench_ladder_records_each_rungs_wall_time_from_start_to_exit(tmp_path, monkeypatch):
+    """Beyond set-up, warm-up and steps, a rung's process starts and exits: its whole time is what a time-limited call
+    has to fit."""
+    import time
+    from types import SimpleNamespace
+
+    from script_testing import load_script
+
+    bench = load_script("benchmarks/bench_ladder.py")
+    monkeypatch.setattr(bench, "prepare", lambda *a, **k: None)
+    monkeypatch.setattr(bench, "launch", lambda cfg: (time.sleep(0.2), SimpleNamespace(summary={
+        "samples_per_s": 1.0, "peak_mem_mb": 1024.0}))[1])
+    out = tmp_path / "part.json"
+    bench.main(["--profile", "smoke", "--rungs", "tf32,amp", "--data-root", str(tmp_path), "--out", str(out)])
+    entries = json.loads(out.read_text())["rungs"]
+    assert [e["rung"] for e in entries] == ["tf32", "amp"]
+    assert all(0.2 <= e["wall_s"] < 5 for e in entries)
+
+
 def test_the_smoke_ladder_reaches_the_sd_notebooks_batch_at_its_batch_rung():
     """On a CPU the ladder starts at batch 2, so that the accelerated rung compiles the SD and DreamBooth notebooks'
     graphs (batch 4) once for the gallery, and the checkpointing rung stays at that batch to load most of them; a given
