@@ -72,6 +72,7 @@ def test_random_weights_are_drawn_on_the_init_device():
     parts = sd.build_stable_diffusion("sd_tiny", init_device="meta")
     for module in (parts.unet, parts.vae, parts.text_encoder):
         assert {t.device.type for t in [*module.parameters(), *module.buffers()]} == {"meta"}
+    assert parts.noise_scheduler.alphas_cumprod.device.type == "cpu"  # not a weight: as a loaded schedule
     assert {p.device.type for p in sd.build_stable_diffusion("sd_tiny").unet.parameters()} == {"cpu"}
 
 

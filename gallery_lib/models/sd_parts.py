@@ -156,13 +156,14 @@ def build_text_encoder(variant: str) -> CLIPTextModel:
     return CLIPTextModel(CLIPTextConfig(**_CONFIGS[variant][2]))
 
 
-def _random_parts(variant: str, prediction_type: str) -> dict[str, Any]:
+def _random_parts(variant: str, prediction_type: str, init_device: torch.device | str) -> dict[str, Any]:
     from diffusers import DDPMScheduler
 
     from gallery_lib.models.offline_tokenizer import build_offline_clip_tokenizer
 
-    return dict(unet=build_unet(variant), vae=build_vae(variant), text_encoder=build_text_encoder(variant),
-                tokenizer=build_offline_clip_tokenizer(),
+    with torch.device(init_device):  # the weights only: the noise schedule stays on the CPU, as loaded ones are
+        models = dict(unet=build_unet(variant), vae=build_vae(variant), text_encoder=build_text_encoder(variant))
+    return dict(models, tokenizer=build_offline_clip_tokenizer(),
                 noise_scheduler=DDPMScheduler.from_config(SD_SCHEDULER_CONFIG, prediction_type=prediction_type),
                 offline_tokenizer=True, source=f"random init ({variant} config)")
 
@@ -238,8 +239,7 @@ def build_stable_diffusion(variant: str, *, pretrained: str | os.PathLike | None
     if pretrained is None:
         if image_size is not None:  # before the build: sd15 takes a while to initialise on a CPU
             _check_image_size(image_size, *_CONFIGS[variant][:2])
-        with torch.device(init_device):
-            fields = _random_parts(variant, prediction_type)
+        fields = _random_parts(variant, prediction_type, init_device)
     elif Path(pretrained).expanduser().exists():
         fields = _load_folder(Path(pretrained).expanduser().resolve(), prediction_type)
     elif not isinstance(pretrained, str):
