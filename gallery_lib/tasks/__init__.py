@@ -3,7 +3,8 @@
 The loop in ``train.py`` is the same for every model; a task supplies the four things that differ:
 
 - ``model``: the module that is trained (accelerations, the optimizer and the EMA apply to it);
-- ``loader``: an endless, resumable iterator of device batches (``gallery_lib.data.loader.TrainLoader``);
+- ``loader``: an endless, resumable iterator of device batches (``gallery_lib.data.loader.TrainLoader``), whose
+  ``close()`` the loop calls as the run ends;
 - ``dataset``: the data source, which counts and judges unreadable samples (``skipped``, ``check_bad_fraction``);
 - ``loss(module, batch, precision)``: one forward pass and the scalar loss, run by the loop before ``backward``.
 
