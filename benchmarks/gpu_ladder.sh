@@ -3,11 +3,9 @@
 # (on the GPU machine; the diffusers wheels in .whl/). Join the parts with bench_ladder.py --merge.
 # On one machine, calls chained while it stays warm (its /tmp data and compile caches carry over), each under 600 s:
 # part1 tf32,amp,loader,fused,attention,batch,ema; part2 zero2,bf16,compile; part3
-# regional,cuda_graphs,cached_latents,channels_last; part4 kernels,checkpointing. On an H200 at 0ca203a a rung with
-# 14 data workers took about 120 s in all (results/ladder_h200_0ca203a): 70 s of it their exit wait, and every rung
-# about 12 s of CPU weight init, both since removed. Without them the four parts come to about 440, 400, 410 and
-# 230 s (an estimate from that run and the last H100 run's compile times; each rung's `wall_s` in the JSON says what
-# it took). Pass GALLERY_COMMIT=<commit> to name the code.
+# regional,cuda_graphs,cached_latents,channels_last; part4 kernels,checkpointing. On an H200 at 2c5160a, the first on a
+# fresh machine, they took 342, 320, 373 and 244 s (results/ladder_h200_2c5160a; each rung's `wall_s` in the JSON
+# says what it took). Pass GALLERY_COMMIT=<commit> to name the code.
 set -x
 part=$1
 rungs=$2

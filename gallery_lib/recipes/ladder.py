@@ -142,8 +142,9 @@ RUNGS: tuple[Rung, ...] = (
              "converting to it and back around each one; Inductor keeps that layout inside every compiled graph, "
              "the gradients of the backward included (measured on GPUs only)."),
     Rung("kernels", "kernels that beat the compiler", lambda cfg, s: {"kernel_ops": "geglu"},
-         "only the fused kernels that measured faster than Inductor's own code stay (GEGLU); the compiler fuses "
-         "GroupNorm+SiLU and LayerNorm as well. This is the accelerated recipe."),
+         "the accelerated recipe: only GEGLU stays, the fused kernel that measured faster than Inductor's own code "
+         "in a compiled SD step; the compiler fuses GroupNorm+SiLU and LayerNorm itself. The gain over the rung "
+         "below says whether that choice holds on this GPU at this batch."),
     Rung("checkpointing", "activation checkpointing, larger batch",
          lambda cfg, s: {"gradient_checkpointing": True, "batch_size": s.checkpointing_batch,
                          "compile_mode": "default"},
