@@ -60,6 +60,8 @@ if [ -f "$stamp" ] && [ "$stamp" -nt "$repo/pyproject.toml" ] && "$py" -c "impor
   echo "[setup] $venv is up to date ($extras)"
   exit 0
 fi
+# which torch build this machine wants (gallery_lib/config/gpu_check.py: main says why through -c, not -m)
+wheel_index_cmd="from gallery_lib.config.gpu_check import main; raise SystemExit(main())"
 tested_range="torch>=2.11,<2.15 torchvision>=0.26,<0.30"  # pyproject.toml says the same
 cpu_pin="torch==2.14.1 torchvision==0.29.1"                 # what CPU CI runs
 if ! "$py" -c "import torch, torchvision" 2>/dev/null; then
@@ -68,7 +70,7 @@ if ! "$py" -c "import torch, torchvision" 2>/dev/null; then
     # shellcheck disable=SC2086
     install $GALLERY_TORCH_SPEC
   else
-    tag=${GALLERY_TORCH_INDEX:-$(cd "$repo" && "$python" -m gallery_lib.config.gpu_check)} || exit 1
+    tag=${GALLERY_TORCH_INDEX:-$(cd "$repo" && "$python" -c "$wheel_index_cmd")} || exit 1
     index="https://download.pytorch.org/whl/$tag"
     if [ "$tag" = cpu ]; then
       echo "[setup] no GPU: trying PyTorch's CPU build ($index)"

@@ -4,6 +4,7 @@ a quiet CPU run), and on a CPU machine the CPU build is tried first with a quick
 from __future__ import annotations
 
 import os
+import re
 import stat
 import subprocess
 import sys
@@ -130,3 +131,16 @@ def test_setup_picks_the_drivers_cuda_and_fails_loudly_when_torch_cannot_see_the
     assert "--index-url https://download.pytorch.org/whl/cu128 torch>=2.11,<2.15 torchvision>=0.26,<0.30" in calls[0]
     assert done.returncode == 1 and "cannot use the GPU that nvidia-smi lists" in done.stderr
     assert len(calls) == 1  # nothing else installed on top of a torch that cannot use the GPU
+
+
+def test_setup_asks_for_the_torch_build_without_torch_and_without_warnings():
+    """The exact command ``ci/setup_env.sh`` runs before torch is installed: one line naming the build, nothing on
+    stderr (``python -m`` printed runpy's "found in sys.modules" warning on every fresh set-up)."""
+    setup = (REPO / "ci" / "setup_env.sh").read_text()
+    command = re.search(r'^wheel_index_cmd="(.+)"$', setup, re.M).group(1)
+    no_torch = "import sys; sys.modules['torch'] = None; "  # an import of torch now fails, as before set-up
+    done = subprocess.run([sys.executable, "-c", no_torch + command], cwd=REPO, capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert re.fullmatch(r"(cpu|cu\d+)\n", done.stdout), done.stdout
+    assert done.stderr == ""

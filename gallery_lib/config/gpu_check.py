@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import shutil
 import subprocess
+import sys
 
 from gallery_lib.config.settings import ConfigError
 
@@ -72,11 +73,18 @@ def wheel_index() -> str:
     return tag
 
 
-if __name__ == "__main__":  # ci/setup_env.sh: which torch build to install (before torch is installed)
-    import sys
+def main() -> int:
+    """``ci/setup_env.sh``: prints which torch build to install (before torch is installed); 2 on a driver too old.
 
+    Set-up calls it through ``python -c`` rather than ``-m``: the package imports this module first, and ``-m`` would
+    then print runpy's warning about a module found in ``sys.modules`` on every fresh set-up."""
     try:
         print(wheel_index())
     except ConfigError as exc:
         print(f"[setup] {exc}", file=sys.stderr)
-        sys.exit(2)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
