@@ -268,6 +268,7 @@ def test_two_lanes_run_notebooks_side_by_side_and_report_each(tmp_path):
     lines = done.stdout.splitlines()
     assert done.returncode == 1 and lines[-1] == "[notebooks] 2 passed, 1 failed: c_fails.ipynb", done.stdout[-2000:]
     assert "[a_slow] a done" in lines and "[b_slow] b done" in lines
+    assert not [line for line in lines if "[IPKernelApp]" in line]  # the kernel's machinery log stays out
     assert any(line.startswith("[c_fails] [notebooks] c_fails.ipynb FAILED") for line in lines)
     # Side by side: the whole run took less than the two sleeping notebooks' own times added up.
     ends = {name: float(next(line for line in lines if line.startswith(f"[{name}] [notebooks] {name}.ipynb ok in")
