@@ -90,6 +90,7 @@ def test_your_model_notebook_climbs_its_ladder_in_smoke_profile(tmp_path):
         assert row["loss_difference"] < 1e-3, row  # fp32 on a CPU: the same function, step by step
     text = "\n".join(o.get("text", "") for c in nb.cells for o in c.get("outputs", []) if o.output_type == "stream")
     assert "fused kernels: swapped" in text and "compiled blocks: 12 blocks compiled in place (12 Block)" in text
+    assert "No CUDA runtime is found" not in _stderr_text(nb)
     assert "Why: " in text and "benchmarks/RESULTS.md#" in text
     assert (out_dir / "your_model" / "ladder.png").stat().st_size > 10_000
     shown = [o["data"]["text/markdown"] for c in nb.cells for o in c.get("outputs", [])
@@ -121,10 +122,16 @@ def test_notebook_runs_headless_in_smoke_profile(path, tmp_path):
         assert recipe in report.read_text()
     text = "\n".join(o.get("text", "") for c in nb.cells for o in c.get("outputs", []) if o.output_type == "stream")
     assert "accelerated:" in text and "img/s" in text  # the summary cell printed this run's own numbers
+    assert "No CUDA runtime is found" not in _stderr_text(nb)  # torch's CPU-machine noise, dropped in the kernel too
     shown = [o["data"]["text/markdown"] for c in nb.cells for o in c.get("outputs", [])
              if "text/markdown" in o.get("data", {})]
     assert any("What each recipe runs on this machine (a CPU)" in md for md in shown)  # from the resolved configs
     NOTEBOOK_CHECKS[family](nb, out_dir / family)  # a new notebook adds its entry below
+
+
+def _stderr_text(nb) -> str:
+    return "\n".join(o.get("text", "") for c in nb.cells for o in c.get("outputs", [])
+                     if o.output_type == "stream" and o.get("name") == "stderr")
 
 
 def _times_the_step_alone(nb, family_dir: Path) -> None:

@@ -43,3 +43,24 @@ def test_no_cuda_runtime_log_is_dropped_on_a_cpu_machine(caplog):
     finally:
         for f in [f for f in logger.filters if isinstance(f, _DropNoCudaRuntime)]:
             logger.removeFilter(f)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CUDA-runtime message is only dropped without a GPU")
+@pytest.mark.parametrize("caller", ["compile_blocks", "StepLadder"])
+def test_what_compiles_in_a_notebook_kernel_is_as_quiet_as_a_run(caller):
+    """``compile_blocks`` (and ``accelerate`` through it) and ``StepLadder``'s rungs compile in the user's own
+    process: the message printed a red stderr box into the SD, DreamBooth and your_model notebooks."""
+    from gallery_lib import StepLadder, compile_blocks
+
+    logger = logging.getLogger("torch.utils.cpp_extension")
+    for f in [f for f in logger.filters if isinstance(f, _DropNoCudaRuntime)]:
+        logger.removeFilter(f)
+    try:
+        if caller == "compile_blocks":
+            compile_blocks(torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(3)]), [torch.nn.Linear])
+        else:
+            StepLadder(batch_size=2, warmup=1, device="cpu")
+        assert any(isinstance(f, _DropNoCudaRuntime) for f in logger.filters)
+    finally:
+        for f in [f for f in logger.filters if isinstance(f, _DropNoCudaRuntime)]:
+            logger.removeFilter(f)

@@ -26,6 +26,8 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import nn
 
+from gallery_lib.config.quiet import quiet_known_noise
+
 RESULTS = "benchmarks/RESULTS.md"
 _CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
 
@@ -139,6 +141,7 @@ def compile_blocks(model: nn.Module, block_types: Iterable[type | str] | None = 
     """
     from gallery_lib.accel.compile.regional import block_names, regional_compile, registered_block_types
 
+    quiet_known_noise()  # it compiles in this process (a notebook's kernel): the same quiet as a gallery run
     types = tuple(block_types) if block_types is not None else None
     if types is None:
         try:

@@ -17,6 +17,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+from gallery_lib.config.quiet import quiet_known_noise
 from gallery_lib.reports.comparison import _png_bytes, _ReportFigure, speedup_text, with_inline_image
 from gallery_lib.reports.provenance import source_version
 from gallery_lib.run.timing import StepTimer, summarize_times
@@ -47,6 +48,7 @@ class StepLadder:
             raise ValueError(f"StepLadder: warmup={warmup} must be >= 0")
         self.batch_size, self.warmup, self.device = batch_size, warmup, device
         self.rungs: list[StepRung] = []
+        quiet_known_noise()  # its rungs train and compile in this process: the same quiet as a gallery run
 
     def add(self, name: str, losses: Sequence[float], times_ms: Sequence[float], changes: Sequence[Any] = (), *,
             builds_on: str | None = None, peer: bool = False) -> dict[str, Any]:
