@@ -32,6 +32,9 @@ NOTEBOOKS = REPO / "notebooks"
 # compiled graph with it, then the SD UNet's other two, which by then load the graphs its rungs compiled instead of
 # compiling the same ones beside it. Notebooks not named here come after these.
 LANE_ORDER = ("optimization_ladder", "resnet50", "swin_transformer", "your_model", "dreambooth", "stable_diffusion")
+# What the runner passes to every notebook that declares it; a notebook without one (your_model has no data set and
+# no widgets) simply does not get it. Only a parameter the user asked for with -p is worth a line when dropped.
+INJECTED = ("profile", "output_dir", "data_root", "interactive")
 
 
 def ensure_kernel() -> str:
@@ -56,7 +59,7 @@ def run_notebook(path: Path, out_dir: Path, parameters: dict, cell_timeout: int)
     out_dir.mkdir(parents=True, exist_ok=True)
     out_path = out_dir / path.name
     declared = pm.inspect_notebook(str(path))  # a notebook without a data set declares no data_root: not passed
-    dropped = sorted(set(parameters) - set(declared))
+    dropped = sorted(set(parameters) - set(declared) - set(INJECTED))
     if dropped:
         print(f"[notebooks] {path.name} takes no parameter {', '.join(dropped)}: not passed", flush=True)
     parameters = {name: value for name, value in parameters.items() if name in declared}

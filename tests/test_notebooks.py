@@ -261,21 +261,26 @@ def test_two_lanes_run_notebooks_side_by_side_and_report_each(tmp_path):
     for name, body in {"a_slow": "import time\ntime.sleep(6)\nprint('a done')",
                        "b_slow": "import time\ntime.sleep(6)\nprint('b done')",
                        "c_fails": "raise ValueError('c broke')"}.items():
+        declared = "profile = 'x'\noutput_dir = ''\ndata_root = ''"
+        declared += "" if name == "b_slow" else "\ninteractive = True"
         nb = nbformat.v4.new_notebook(cells=[
-            nbformat.v4.new_code_cell("profile = 'x'\noutput_dir = ''\ndata_root = ''\ninteractive = True",
-                                      metadata={"tags": ["parameters"]}),
+            nbformat.v4.new_code_cell(declared, metadata={"tags": ["parameters"]}),
             nbformat.v4.new_code_cell(body)], metadata={"kernelspec": {"name": "python3", "display_name": "Python 3",
                                                                      "language": "python"}})
         nbformat.write(nb, folder / f"{name}.ipynb")
     start = time.monotonic()
     done = subprocess.run([sys.executable, str(REPO / "ci" / "run_notebooks.py"), "--notebooks", str(folder),
-                           "--output", str(tmp_path / "out"), "--profile", "smoke", "--jobs", "2"],
+                           "--output", str(tmp_path / "out"), "--profile", "smoke", "--jobs", "2", "-p", "steps=3"],
                           capture_output=True, text=True, timeout=300)
     elapsed = time.monotonic() - start
     lines = done.stdout.splitlines()
     assert done.returncode == 1 and lines[-1] == "[notebooks] 2 passed, 1 failed: c_fails.ipynb", done.stdout[-2000:]
     assert "[a_slow] a done" in lines and "[b_slow] b done" in lines
     assert not [line for line in lines if "[IPKernelApp]" in line]  # the kernel's machinery log stays out
+    # A parameter the user asked for is reported where a notebook lacks it; one the runner injects (b_slow declares
+    # no `interactive`) is not.
+    assert "[a_slow] [notebooks] a_slow.ipynb takes no parameter steps: not passed" in lines
+    assert not [line for line in lines if "takes no parameter interactive" in line]
     assert any(line.startswith("[c_fails] [notebooks] c_fails.ipynb FAILED") for line in lines)
     # Side by side: the whole run took less than the two sleeping notebooks' own times added up.
     ends = {name: float(next(line for line in lines if line.startswith(f"[{name}] [notebooks] {name}.ipynb ok in")
