@@ -15,11 +15,13 @@ NOTEBOOKS = sorted((REPO / "notebooks").glob("*.ipynb"))
 LADDER = REPO / "notebooks" / "optimization_ladder.ipynb"
 YOUR_MODEL = REPO / "notebooks" / "your_model.ipynb"
 RECIPE_NOTEBOOKS = [path for path in NOTEBOOKS if path not in (LADDER, YOUR_MODEL)]  # one per family: its recipes
-INJECTED = ("profile", "output_dir", "data_root", "interactive")  # what ci/run_notebooks.py passes (those declared)
 
 
 def _runner():
     return load_script("ci/run_notebooks.py")
+
+
+INJECTED = _runner().INJECTED  # what ci/run_notebooks.py passes (those declared)
 
 
 def test_there_are_notebooks():
