@@ -25,7 +25,8 @@ class _DropNoCudaRuntime(logging.Filter):
 
 
 def quiet_known_noise(verbose: bool = False) -> None:
-    """Installs the filters in this process (the training processes call it first); nothing when ``verbose``."""
+    """Installs the filters in this process; nothing when ``verbose``. The training processes call it first, and so
+    does what compiles in a notebook's own kernel (``compile_blocks``, ``StepLadder``, ``optimize``)."""
     if verbose:
         return
     warnings.filterwarnings("ignore", message=_DIFFUSERS_LRU_CACHE, category=UserWarning)
