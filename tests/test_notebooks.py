@@ -90,9 +90,9 @@ def test_your_model_notebook_climbs_its_ladder_in_smoke_profile(tmp_path):
                      "accelerate(model)"]
     for row in record["rows"][1:]:
         assert row["loss_difference"] < 1e-3, row  # fp32 on a CPU: the same function, step by step
-    text = "\n".join(o.get("text", "") for c in nb.cells for o in c.get("outputs", []) if o.output_type == "stream")
+    text = _stream_text(nb)
     assert "fused kernels: swapped" in text and "compiled blocks: 12 blocks compiled in place (12 Block)" in text
-    assert "No CUDA runtime is found" not in _stderr_text(nb)
+    assert "No CUDA runtime is found" not in _stream_text(nb, "stderr")
     assert "Why: " in text and "benchmarks/RESULTS.md#" in text
     assert (out_dir / "your_model" / "ladder.png").stat().st_size > 10_000
     shown = [o["data"]["text/markdown"] for c in nb.cells for o in c.get("outputs", [])
@@ -122,24 +122,25 @@ def test_notebook_runs_headless_in_smoke_profile(path, tmp_path):
         assert summary["type"] == "summary" and summary["recipe"] == recipe
         assert summary["output_dir"] == str(out_dir / family / recipe)  # each run carries its own path
         assert recipe in report.read_text()
-    text = "\n".join(o.get("text", "") for c in nb.cells for o in c.get("outputs", []) if o.output_type == "stream")
+    text = _stream_text(nb)
     assert "accelerated:" in text and "img/s" in text  # the summary cell printed this run's own numbers
-    assert "No CUDA runtime is found" not in _stderr_text(nb)  # torch's CPU-machine noise, dropped in the kernel too
+    assert "No CUDA runtime is found" not in _stream_text(nb, "stderr")
     shown = [o["data"]["text/markdown"] for c in nb.cells for o in c.get("outputs", [])
              if "text/markdown" in o.get("data", {})]
     assert any("What each recipe runs on this machine (a CPU)" in md for md in shown)  # from the resolved configs
     NOTEBOOK_CHECKS[family](nb, out_dir / family)  # a new notebook adds its entry below
 
 
-def _stderr_text(nb) -> str:
+def _stream_text(nb, name: str | None = None) -> str:
+    """What the executed notebook's cells printed (``name``: only ``stdout`` or only ``stderr``)."""
     return "\n".join(o.get("text", "") for c in nb.cells for o in c.get("outputs", [])
-                     if o.output_type == "stream" and o.get("name") == "stderr")
+                     if o.output_type == "stream" and name in (None, o.get("name")))
 
 
 def _times_the_step_alone(nb, family_dir: Path) -> None:
     """The Swin notebook: the accelerated recipe's window attention shown on the model, and its section timing the
     training step alone."""
-    text = "\n".join(o.get("text", "") for c in nb.cells for o in c.get("outputs", []) if o.output_type == "stream")
+    text = _stream_text(nb)
     assert "fused attention: 4 Swin window-attention modules" in text and "Why: " in text
     step_dir = family_dir.parent / "model_step" / family_dir.name
     step_summary = json.loads((step_dir / "accelerated" / "metrics.jsonl").read_text().splitlines()[-1])
@@ -156,7 +157,7 @@ def _shown_images(nb) -> list:
 def _exports_and_samples_a_pipeline(nb, family_dir: Path) -> None:
     """The SD notebook: the accelerated calls shown on the UNet with their reasons; trained parts exported as a
     diffusers pipeline and sampled from, one row per recipe."""
-    text = "\n".join(o.get("text", "") for c in nb.cells for o in c.get("outputs", []) if o.output_type == "stream")
+    text = _stream_text(nb)
     assert "fused kernels: swapped 4: geglu=4. Why: " in text and "compiled blocks: 12 blocks compiled" in text
     assert (family_dir / "accelerated" / "pipeline" / "model_index.json").is_file()
     assert len(_shown_images(nb)) >= 3  # data preview, report figure, sampled grid
@@ -165,7 +166,7 @@ def _exports_and_samples_a_pipeline(nb, family_dir: Path) -> None:
 
 def _shows_the_one_line_optimize_and_the_pipelines(nb, family_dir: Path) -> None:
     """The ResNet notebook: each image pipeline timed alone, the plain loop with and without optimize(model)."""
-    text = "\n".join(o.get("text", "") for c in nb.cells for o in c.get("outputs", []) if o.output_type == "stream")
+    text = _stream_text(nb)
     for pipeline in ("cpu", "gpu_augment", "gpu_decode"):
         assert f"{pipeline} on cpu:" in text and "img/s" in text
     assert "optimize: chose" in text and "with optimize(model):" in text and "plain loop:" in text
@@ -174,7 +175,7 @@ def _shows_the_one_line_optimize_and_the_pipelines(nb, family_dir: Path) -> None
 def _samples_the_subject_in_a_bucket(nb, family_dir: Path) -> None:
     """The DreamBooth notebook: the subject and class pictures shown, the grid sampled from the trained weights and
     saved as a PNG, one row per recipe; the accelerated calls shown on the UNet."""
-    text = "\n".join(o.get("text", "") for c in nb.cells for o in c.get("outputs", []) if o.output_type == "stream")
+    text = _stream_text(nb)
     assert "fused kernels: swapped" in text and "compiled blocks: " in text and "Why: " in text
     assert len(_shown_images(nb)) >= 3  # data preview, report figure, sampled grid
     assert (family_dir / "samples.png").stat().st_size > 10_000
@@ -215,7 +216,7 @@ def test_ladder_notebook_climbs_every_rung_in_smoke_profile(tmp_path):
         summary = json.loads(summary_line.read_text().splitlines()[-1])
         assert summary["type"] == "summary" and rows[rung.name]["img_per_s"] == summary["samples_per_s"]
     assert [rows[name]["batch_size"] for name in ("tf32", "batch", "checkpointing")] == [2, 4, 4]
-    text = "\n".join(o.get("text", "") for c in nb.cells for o in c.get("outputs", []) if o.output_type == "stream")
+    text = _stream_text(nb)
     assert "Fastest rung:" in text and "ladder-11-cuda_graphs (CUDA graphs): left out, needs a GPU" in text
     shown = [o["data"]["text/markdown"] for c in nb.cells for o in c.get("outputs", [])
              if "text/markdown" in o.get("data", {})]
@@ -246,7 +247,7 @@ def test_a_stopped_recipe_leaves_every_other_result_and_one_line(tmp_path):
     assert errors[0][1].ename == "RunsFailed" and errors[0][1].traceback == [f"RunsFailed: {line}"]
     report = (out_dir / "swin_transformer" / "report.md").read_text()
     assert "| baseline | CPU |" in report and f"- {line}\n" in report and f"| {name}" not in report
-    text = "\n".join(o.get("text", "") for c in code for o in c.outputs if o.output_type == "stream")
+    text = _stream_text(nb)
     assert f"[gallery] {line}" in text and f"- {line}." in text  # as it stopped, and in the summary
     assert "- baseline: " in text and "img/s" in text and "Traceback" not in text
 

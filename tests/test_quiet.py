@@ -29,6 +29,11 @@ def test_only_the_diffusers_lru_cache_warning_is_dropped():
     assert _shown(verbose=True) == [DIFFUSERS, OTHER, "something else"]
 
 
+def _remove_no_cuda_filters(logger: logging.Logger) -> None:
+    for f in [f for f in logger.filters if isinstance(f, _DropNoCudaRuntime)]:
+        logger.removeFilter(f)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CUDA-runtime message is only dropped without a GPU")
 def test_no_cuda_runtime_log_is_dropped_on_a_cpu_machine(caplog):
     logger = logging.getLogger("torch.utils.cpp_extension")
@@ -41,8 +46,7 @@ def test_no_cuda_runtime_log_is_dropped_on_a_cpu_machine(caplog):
             logger.warning("Error checking compiler version")
         assert [r.getMessage() for r in caplog.records] == ["Error checking compiler version"]
     finally:
-        for f in [f for f in logger.filters if isinstance(f, _DropNoCudaRuntime)]:
-            logger.removeFilter(f)
+        _remove_no_cuda_filters(logger)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CUDA-runtime message is only dropped without a GPU")
@@ -53,8 +57,7 @@ def test_what_compiles_in_a_notebook_kernel_is_as_quiet_as_a_run(caller):
     from gallery_lib import StepLadder, compile_blocks
 
     logger = logging.getLogger("torch.utils.cpp_extension")
-    for f in [f for f in logger.filters if isinstance(f, _DropNoCudaRuntime)]:
-        logger.removeFilter(f)
+    _remove_no_cuda_filters(logger)
     try:
         if caller == "compile_blocks":
             compile_blocks(torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(3)]), [torch.nn.Linear])
@@ -62,5 +65,4 @@ def test_what_compiles_in_a_notebook_kernel_is_as_quiet_as_a_run(caller):
             StepLadder(batch_size=2, warmup=1, device="cpu")
         assert any(isinstance(f, _DropNoCudaRuntime) for f in logger.filters)
     finally:
-        for f in [f for f in logger.filters if isinstance(f, _DropNoCudaRuntime)]:
-            logger.removeFilter(f)
+        _remove_no_cuda_filters(logger)
