@@ -38,9 +38,10 @@ from gallery_lib.reports.comparison import mfu
 from gallery_lib.app.workflow import prepare
 
 _KEYS = ("recipe", "samples_per_s", "median_step_time_ms", "p20_step_time_ms", "p80_step_time_ms", "warmup_time_s",
-         "setup_time_s", "precompile_time_s", "peak_mem_mb", "final_loss", "mean_loss_last_10", "global_batch_size",
-         "world_size", "device_name", "notes", "skipped_samples", "train_flops_per_sample", "matmul_tflops", "cache_time_s",
-         "ema", "warmup_step_times_ms", "precompile", "attention_probe_time_s", "compile_cache")
+         "setup_time_s", "precompile_time_s", "peak_reserved_mb", "peak_mem_mb", "final_loss", "mean_loss_last_10",
+         "global_batch_size", "world_size", "device_name", "notes", "skipped_samples", "train_flops_per_sample",
+         "matmul_tflops", "cache_time_s", "ema", "warmup_step_times_ms", "precompile", "attention_probe_time_s",
+         "compile_cache")
 
 
 def parse_variant(text: str) -> tuple[str, dict]:

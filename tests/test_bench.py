@@ -352,3 +352,22 @@ def test_every_family_goal_names_a_check_and_a_model_of_its_family():
     rows = [row("swin_tiny_patch4_window7_224", "peer", 128, 3800.0),
             row("swin_tiny_patch4_window7_224", "accelerated", 128, 5000.0, p20=25.5, p80=26.0)]
     assert [g.status for g in check_goals(rows, only_swin)] == [MET]
+
+
+def test_bench_recipes_records_peak_reserved_memory_and_each_runs_switches(tmp_path, monkeypatch):
+    """What must fit on a GPU is the reserved peak (CUDA graphs' pools included); allocated stays beside it."""
+    from types import SimpleNamespace
+
+    from script_testing import load_script
+
+    bench = load_script("benchmarks/bench_recipes.py")
+    monkeypatch.setattr(bench, "prepare", lambda *a, **k: None)
+    monkeypatch.setattr(bench, "launch", lambda cfg: SimpleNamespace(summary={
+        "recipe": cfg.recipe, "samples_per_s": 2.0, "peak_mem_mb": 1024.0, "peak_reserved_mb": 1536.0}))
+    out = tmp_path / "bench.json"
+    bench.main(["--profile", "smoke", "--model", "sd_tiny", "--recipes", "peer", "--variant",
+                "accelerated:kernel_ops=geglu,group_norm_silu", "--data-root", str(tmp_path), "--out", str(out)])
+    rows = json.loads(out.read_text())["results"]
+    assert [(r["recipe"], r["peak_mem_mb"], r["peak_reserved_mb"]) for r in rows] == [
+        ("peer", 1024.0, 1536.0), ("accelerated+kernel_ops=geglu,group_norm_silu", 1024.0, 1536.0)]
+    assert rows[1]["config"]["kernel_ops"] == "geglu,group_norm_silu"
