@@ -56,6 +56,15 @@ def test_accelerated_replays_cuda_graphs_on_a_gpu_and_compiles_plainly_on_a_cpu(
     assert apply_recipe("peer", base).compile_mode == "reduce-overhead"  # the one word a skilled user adds too
 
 
+def test_large_step_switches_need_the_size_they_start_at(toy):
+    import dataclasses
+
+    with pytest.raises(ValueError, match="accelerated_on_large_steps and large_step_pixels go together"):
+        dataclasses.replace(toy, accelerated_on_large_steps={"kernel_ops": "geglu"})
+    with pytest.raises(ValueError, match="accelerated_on_large_steps and large_step_pixels go together"):
+        dataclasses.replace(toy, large_step_pixels=1024)
+
+
 def test_an_option_the_family_cannot_take_fails_before_any_data(toy, tmp_path):
     with pytest.raises(ConfigError, match="fused_attention=True is invalid for 'toy_convnet'.*no attention hook"):
         base_config("smoke", family="toy_convnet", data_root=str(tmp_path), fused_attention=True)

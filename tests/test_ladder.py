@@ -12,7 +12,7 @@ from gallery_lib.config import ConfigError, RunConfig
 from gallery_lib.recipes.ladder import (RUNG_NAMES, RUNGS, LadderSizes, RungResult, default_sizes, ladder_base,
                                         ladder_configs, recipe_name, rung_named, rung_parents, run_ladder)
 from gallery_lib.recipes.profiles import base_config
-from gallery_lib.accel.compile.graph_choice import GRAPHS_BY_BATCH
+from gallery_lib.accel.step_size import GRAPHS_BY_BATCH, SMALL_STEP_SWITCHES
 from gallery_lib.recipes import accelerated, apply_recipe, describe
 from gallery_lib.reports.ladder import findings, ladder_plan, ladder_report, ladder_rows
 from gallery_lib.run.train import configure_backends
@@ -55,10 +55,14 @@ def test_the_kernels_rung_is_the_accelerated_recipe_at_the_large_batch(monkeypat
     base = _full_base()
     rung = ladder_configs(base, sizes=SIZES, on_gpu=True)["kernels"]
     reference = accelerated(base.replace(batch_size=SIZES.large_batch))
-    # The recipe notes that it chose the CUDA graphs by batch size; the rung names them, like every rung its switch.
+    # The recipe notes that it chose the CUDA graphs and the kernels by the step's size; the rung names them, like
+    # every rung its switch.
     assert reference.extra[GRAPHS_BY_BATCH] is True
-    reference = reference.replace(extra={k: v for k, v in reference.extra.items() if k != GRAPHS_BY_BATCH})
+    assert reference.extra[SMALL_STEP_SWITCHES] == {"kernel_ops": "geglu"}
+    notes = (GRAPHS_BY_BATCH, SMALL_STEP_SWITCHES)
+    reference = reference.replace(extra={k: v for k, v in reference.extra.items() if k not in notes})
     assert rung.replace(recipe="accelerated", num_workers=reference.num_workers) == reference
+    assert rung.kernel_op_names == ("geglu", "group_norm_silu")  # 48 images of 512 px: a large step
 
 
 def test_on_a_cpu_the_cuda_graph_rung_is_left_out_and_the_next_builds_below_it():

@@ -8,7 +8,7 @@ import torch
 from gallery_lib.config import ConfigError, RunConfig
 from gallery_lib.run.metrics import read_metrics
 from gallery_lib.recipes.profiles import base_config
-from gallery_lib.accel.compile.graph_choice import at_batch_size
+from gallery_lib.accel.step_size import at_batch_size
 from gallery_lib.recipes import apply_recipe, recipe_config
 from gallery_lib.run.batch_size import trial_config
 from gallery_lib.run.train import run
@@ -79,6 +79,18 @@ def test_recipes_resolve_the_sd_switches(caption_data, tmp_path, monkeypatch):
         large = apply_recipe("accelerated", at_512.replace(batch_size=batch))
         assert (large.compile_mode, large.compile_scope, large.precompile_workers) == ("default", "blocks", 0)
     assert apply_recipe("accelerated", at_512.replace(batch_size=96, image_size=256)).compile_mode == "reduce-overhead"
+    # From 32 images of 512 px a step, the GroupNorm+SiLU kernel too; on a CPU never (measured on GPUs only).
+    for batch, ops in ((1, ("geglu",)), (16, ("geglu",)), (31, ("geglu",)), (32, ("geglu", "group_norm_silu")),
+                       (96, ("geglu", "group_norm_silu"))):
+        assert apply_recipe("accelerated", at_512.replace(batch_size=batch)).kernel_op_names == ops, batch
+    assert apply_recipe("accelerated", at_512.replace(batch_size=32, device="cpu")).kernel_op_names == ("geglu",)
+    assert at_batch_size(apply_recipe("accelerated", at_512.replace(batch_size=8)), 64).kernel_op_names == (
+        "geglu", "group_norm_silu")
+    assert at_batch_size(apply_recipe("accelerated", at_512.replace(batch_size=64)), 8).kernel_op_names == ("geglu",)
+    # kernels named by the user stay at every batch size, and so do the CUDA graphs the recipe chose
+    named_ops = recipe_config(at_512.replace(batch_size=64), "accelerated", {"kernel_ops": "geglu"})
+    assert at_batch_size(named_ops, 64).kernel_op_names == ("geglu",)
+    assert at_batch_size(named_ops, 8).compile_mode == "reduce-overhead"
     # Overrides: a batch size is read before the recipe resolves; CUDA graphs asked for by name stay.
     assert recipe_config(at_512, "accelerated", {"batch_size": 64}).compile_mode == "default"
     assert recipe_config(at_512.replace(batch_size=64), "accelerated",

@@ -78,6 +78,12 @@ class ModelFamily:
     images per process hold fewer pixels than this (``batch_size * image_size**2``), where the host launching kernels
     sets the step time. Set where the graphs stop measuring faster: beyond it the GPU sets the step time, and recording
     them only costs a start-up step and memory, so the blocks run without them. ``None``: CUDA graphs at every size."""
+    accelerated_on_large_steps: Mapping[str, Any] = field(default_factory=dict)
+    """Switches the ``accelerated`` recipe adds on a GPU once a step's images per process hold at least
+    ``large_step_pixels``: a fused kernel that beats the compiler's code only where the step gives it work enough
+    (below that its grid leaves the GPU part idle, or it keeps the compiler from fusing its neighbours)."""
+    large_step_pixels: int | None = None
+    """Where ``accelerated_on_large_steps`` starts (``batch_size * image_size**2``)."""
     peer: Mapping[str, Any] = field(default_factory=dict)
     """What the ``peer`` recipe switches on top of ``compiled``: what a skilled user adds to ``torch.compile`` in a few
     lines of plain PyTorch for this family (cached latents for diffusion, channels_last for convnets), so that
@@ -99,6 +105,8 @@ class ModelFamily:
             raise ValueError(f"family {self.name!r} needs 'smoke' and 'full' profiles (missing {sorted(missing)})")
         if not dataclasses.is_dataclass(getattr(self.task, "options", None)):
             raise ValueError(f"family {self.name!r}: its task {self.task.__name__} has no `options` dataclass")
+        if bool(self.accelerated_on_large_steps) != (self.large_step_pixels is not None):
+            raise ValueError(f"family {self.name!r}: accelerated_on_large_steps and large_step_pixels go together")
 
     @property
     def options(self) -> type:

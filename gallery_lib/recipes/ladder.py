@@ -26,8 +26,8 @@ from dataclasses import dataclass, fields
 from typing import Any, Callable
 
 from gallery_lib.config import ConfigError, RunConfig, validate_for_machine
-from gallery_lib.recipes.named import (baseline, describe, precompile_workers_for_machine, register_recipes,
-                                       runs_on_gpu)
+from gallery_lib.recipes.named import (accelerated, baseline, describe, precompile_workers_for_machine,
+                                       register_recipes, runs_on_gpu)
 from gallery_lib.recipes.profiles import base_config, resolve_profile
 from gallery_lib.run.failure import RunsFailed
 from gallery_lib.run.launch import RunFailed, launch
@@ -141,10 +141,11 @@ RUNGS: tuple[Rung, ...] = (
          why="the UNet's convolutions read and write NHWC, the layout cuDNN's fastest kernels use, instead of "
              "converting to it and back around each one; Inductor keeps that layout inside every compiled graph, "
              "the gradients of the backward included (measured on GPUs only)."),
-    Rung("kernels", "kernels that beat the compiler", lambda cfg, s: {"kernel_ops": "geglu"},
-         "the accelerated recipe: only GEGLU stays, the fused kernel that measured faster than Inductor's own code "
-         "in a compiled SD step; the compiler fuses GroupNorm+SiLU and LayerNorm itself. The gain over the rung "
-         "below says whether that choice holds on this GPU at this batch."),
+    Rung("kernels", "kernels that beat the compiler", lambda cfg, s: {"kernel_ops": accelerated(cfg).kernel_ops},
+         "the accelerated recipe's kernels, those that measured faster than Inductor's own code in a compiled SD "
+         "step: GEGLU, and on a GPU from 32 images of 512 px a step GroupNorm+SiLU too; the compiler fuses "
+         "LayerNorm (and GroupNorm+SiLU at smaller steps) itself. The gain over the rung below says whether that "
+         "choice holds on this GPU at this batch."),
     Rung("checkpointing", "activation checkpointing, larger batch",
          lambda cfg, s: {"gradient_checkpointing": True, "batch_size": s.checkpointing_batch,
                          "compile_mode": "default"},

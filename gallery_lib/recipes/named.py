@@ -21,8 +21,8 @@ from __future__ import annotations
 import os
 from typing import Any, Callable
 
-from gallery_lib.accel.compile.graph_choice import (GRAPHS_BY_BATCH, graph_mode_for_batch, graphs_can_replay,
-                                           without_graphs_where_they_cannot_replay)
+from gallery_lib.accel.step_size import (GRAPHS_BY_BATCH, graph_mode_for_batch, graphs_can_replay, kept_as_named,
+                                         with_large_step_switches, without_graphs_where_they_cannot_replay)
 from gallery_lib.config import ConfigError, RunConfig, resolve_device, visible_cuda_devices
 
 
@@ -76,6 +76,8 @@ def accelerated(base: RunConfig) -> RunConfig:
         # precompiled in parallel; ZeRO-2's sharded blocks cannot be copied to the workers
         switches["precompile_workers"] = precompile_workers_for_machine()
     cfg = compiled(base).replace(recipe="accelerated", **without_graphs_where_they_cannot_replay(base, switches))
+    if on_gpu:  # the kernels that pay only once a step gives them work enough
+        cfg = with_large_step_switches(cfg)
     if graphs_by_batch and graphs_can_replay(base):
         return cfg.replace(extra={**cfg.extra, GRAPHS_BY_BATCH: True})
     return cfg
@@ -149,9 +151,7 @@ def recipe_config(base: RunConfig, recipe: str, overrides: dict[str, Any]) -> Ru
         # The recipe's precompile workers compile blocks: a whole model named by the user compiles in its first step.
         whole = overrides.get("compile_scope", "blocks") != "blocks" and "precompile_workers" not in overrides
         cfg = cfg.replace(recipe=f"{recipe}+{label}", **({"precompile_workers": 0} if whole else {}), **overrides)
-    if "compile_mode" in overrides:  # named by the user: kept at every batch size
-        cfg = cfg.replace(extra={k: v for k, v in cfg.extra.items() if k != GRAPHS_BY_BATCH})
-    return cfg
+    return kept_as_named(cfg, overrides)  # what the user named stays at every batch size
 
 
 # Overrides a recipe reads before it resolves: ``accelerated`` leaves out what they cannot run with, sizes its

@@ -20,7 +20,7 @@ from typing import Any, Callable
 import torch
 
 from gallery_lib.config import RunConfig
-from gallery_lib.accel.compile.graph_choice import at_batch_size
+from gallery_lib.accel.step_size import at_batch_size
 
 TRIAL_STEPS = 3
 """Training steps per trial: the first steps compile and autotune, which changes peak memory."""
@@ -102,7 +102,7 @@ def find_batch_size(
 
 
 def trial_config(cfg: RunConfig, batch: int) -> RunConfig:
-    """``cfg`` cut down to one trial at ``batch`` (``graph_choice.at_batch_size``): ``TRIAL_STEPS`` steps, no
+    """``cfg`` cut down to one trial at ``batch`` (``step_size.at_batch_size``): ``TRIAL_STEPS`` steps, no
     checkpoint, no export, its own folder."""
     return at_batch_size(cfg, batch).replace(
         steps=TRIAL_STEPS, warmup_steps=min(cfg.warmup_steps, TRIAL_STEPS - 1), find_batch_size=False,

@@ -46,7 +46,7 @@ from gallery_lib.accel.distributed import (DistInfo, exit_process, gather_full_m
 from gallery_lib.accel.precision import Precision
 from gallery_lib.accel.torch_switches import set_deterministic_algorithms, set_float32_matmul_precision
 from gallery_lib.config import RunConfig, validate_for_machine
-from gallery_lib.accel.compile.graph_choice import at_batch_size
+from gallery_lib.accel.step_size import at_batch_size
 from gallery_lib.run.attention_probe import AttentionProbe
 from gallery_lib.run.batch_size import search_run_batch_size
 from gallery_lib.run.checkpoint import Checkpointer, check_fresh_start, is_own_checkpoint, resume_source

@@ -5,7 +5,6 @@
 - ``plan``: the compile plan of one run, owned in one place: what is compiled, whether it was precompiled;
 - ``precompile/``: worker processes that compile the distinct block graphs before the first step;
 - ``backend``: the ``gallery`` backend for ``torch.compile(model, backend="gallery")``;
-- ``graph_choice``: when a run replays CUDA graphs, by the step's size;
 - ``attention_layout``: the attention's tensors kept in the layout the compiled graphs expect;
 - ``cpu_codegen``: Inductor's CPU code width where the AVX-512 path computes wrong values.
 """
