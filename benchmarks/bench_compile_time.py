@@ -113,6 +113,7 @@ def run_variant(args: argparse.Namespace) -> dict:
     torch.cuda.synchronize()
     ms = sorted(s.elapsed_time(e) for s, e in events)
     result.update(steady_ms=statistics.median(ms), p20_ms=ms[len(ms) // 5], p80_ms=ms[4 * len(ms) // 5],
+                  peak_reserved_gib=torch.cuda.max_memory_reserved() / 2**30,
                   peak_gib=torch.cuda.max_memory_allocated() / 2**30,
                   cache={k: dict(v) for k, v in counters.items() if k in ("aot_autograd", "inductor") and v})
     if args.diagnose:
