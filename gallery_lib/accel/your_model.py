@@ -226,10 +226,10 @@ def accelerate(model: nn.Module, *, device_type: str | None = None, compile: boo
                echo: Callable[[str], Any] | None = print) -> list[Change]:
     """Applies the accelerations that suit the device ``model`` is on, in the gallery's order, and returns (and by
     default prints) what each changed: on a GPU channels_last (for a model with convolutions), the fused kernels
-    (GEGLU alone when compiling: Inductor's own code beats the other fused kernels) and the blocks compiled and
-    replayed as CUDA graphs, and the attention registry for Swin's window attention; on a CPU the blocks compiled
-    (the fused kernels are GPU code). Not the registry for other attention: on SD's shapes PyTorch's own SDPA choice
-    measured as fast (``fuse_attention`` is there to try).
+    (GEGLU alone when compiling: the one kernel that beats Inductor's code at every step size) and the blocks
+    compiled and replayed as CUDA graphs, and the attention registry for Swin's window attention; on a CPU the
+    blocks compiled (the fused kernels are GPU code). Not the registry for other attention: on SD's shapes PyTorch's
+    own SDPA choice measured as fast (``fuse_attention`` is there to try).
 
         changes = accelerate(model)    # then train as before: the same parameters, the same optimizer
     """
@@ -239,7 +239,8 @@ def accelerate(model: nn.Module, *, device_type: str | None = None, compile: boo
     if on_gpu:
         if sum(1 for p in model.parameters() if p.dim() == 4) > 2:  # convolutions beyond a stem (a ViT's patch one)
             steps.append(lambda: use_channels_last(model))
-        # Under Inductor only GEGLU's kernel beats what Inductor generates itself (benchmarks/RESULTS.md#kernels).
+        # Under Inductor GEGLU's kernel beats Inductor's code at every step size; GroupNorm+SiLU's only on large steps,
+        # which a call without the data cannot see (benchmarks/RESULTS.md#sd15-gn-by-batch).
         steps.append(lambda: fuse_kernels(model, ops=("geglu",) if compile else None))
         if _has_window_attention(model):  # Swin's biased windows; on SD's shapes PyTorch's own choice is as fast
             steps.append(lambda: fuse_attention(model))
