@@ -56,6 +56,20 @@ def test_accelerated_replays_cuda_graphs_on_a_gpu_and_compiles_plainly_on_a_cpu(
     assert apply_recipe("peer", base).compile_mode == "reduce-overhead"  # the one word a skilled user adds too
 
 
+def test_swin_reads_channels_last_images_on_a_gpu_only(monkeypatch):
+    """channels_last images measured +3.8-3.9% for Swin's accelerated step on a GPU (benchmarks/RESULTS.md
+    #swin-channels-last); README's Swin-T row ran with the switch named, the same run as the recipe now."""
+    from gallery_lib.recipes import recipe_config
+
+    base = base_config("full", family="swin_transformer", data_root="/data")
+    assert not apply_recipe("accelerated", base.replace(device="cpu")).channels_last
+    monkeypatch.setattr("gallery_lib.recipes.named.runs_on_gpu", lambda base: True)
+    fast = apply_recipe("accelerated", base)
+    assert fast.channels_last and not fast.channels_last_graphs and fast.fused_attention
+    assert not apply_recipe("peer", base).channels_last
+    assert recipe_config(base, "accelerated", {"channels_last": True}).replace(recipe="accelerated") == fast
+
+
 def test_large_step_switches_need_the_size_they_start_at(toy):
     import dataclasses
 

@@ -75,9 +75,10 @@ FAMILY = register_family(ModelFamily(
     dataset="imagenet_like",
     make_dataset=_make_dataset,
     # kept: window attention through the registry, 1.18x compiled on an H100 (benchmarks/RESULTS.md#swin); CUDA
-    # graphs, which end the bimodal step times (benchmarks/RESULTS.md#bench-h100)
+    # graphs, which end the bimodal step times (benchmarks/RESULTS.md#bench-h100); channels_last images, which the
+    # patch-embedding convolution reads without cuDNN's conversion (benchmarks/RESULTS.md#swin-channels-last)
     accelerated={"fused_attention": True},
-    accelerated_on_gpu={"compile_mode": "reduce-overhead"},
+    accelerated_on_gpu={"compile_mode": "reduce-overhead", "channels_last": True},
     block_types=("SwinTransformerBlock",),
     block_modules=("gallery_lib.models.swin",),
     attention_hook=hook_window_attention,
