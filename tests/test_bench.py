@@ -153,6 +153,15 @@ def test_compile_caches_cold_when_the_run_or_its_workers_compiled():
     assert compile_caches({"compile_cache": hits}) == "warm" and compile_caches({}) is None
 
 
+def test_a_ratio_just_under_its_goal_is_not_rounded_onto_it():
+    rows = [row("swin_tiny_patch4_window7_224", "peer", 128, 4371.3, p20=29.3, p80=29.3),
+            row("swin_tiny_patch4_window7_224", "accelerated", 128, 5661.4, p20=22.6, p80=22.7)]
+    swin, swin_text = verdicts(rows)[0]
+    assert swin == NOT_MET and "= 1.295x;" in swin_text  # 1.2951: "1.30x" would read as met
+    rows[1] = row("swin_tiny_patch4_window7_224", "accelerated", 128, 5900.0, p20=21.7, p80=21.8)
+    assert verdicts(rows)[0][0] == MET and "= 1.35x;" in verdicts(rows)[0][1]
+
+
 def test_table_and_figure_show_ratios_and_failures(tmp_path):
     rows = [row("sd15", "peer", 32, 120.0),
             row("sd15", "accelerated", 32, 150.0, to_steady_s=14.25, compile_caches="warm"),
