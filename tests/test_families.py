@@ -57,8 +57,9 @@ def test_accelerated_replays_cuda_graphs_on_a_gpu_and_compiles_plainly_on_a_cpu(
 
 
 def test_swin_reads_channels_last_images_on_a_gpu_only(monkeypatch):
-    """channels_last images measured +3.8-3.9% for Swin's accelerated step on a GPU (benchmarks/RESULTS.md
-    #swin-channels-last); README's Swin-T row ran with the switch named, the same run as the recipe now."""
+    """channels_last images measured faster for Swin's accelerated step on a GPU
+    (benchmarks/RESULTS.md#swin-channels-last); README's Swin-T row ran with the switch named, the same run as the
+    recipe now."""
     from gallery_lib.recipes import recipe_config
 
     base = base_config("full", family="swin_transformer", data_root="/data")
