@@ -67,7 +67,7 @@ def test_swin_reads_channels_last_images_on_a_gpu_only(monkeypatch):
     monkeypatch.setattr("gallery_lib.recipes.named.runs_on_gpu", lambda base: True)
     fast = apply_recipe("accelerated", base)
     assert fast.channels_last and not fast.channels_last_graphs and fast.fused_attention
-    assert not apply_recipe("peer", base).channels_last
+    assert apply_recipe("peer", base).channels_last  # timm's --channels-last, which the peer takes too
     assert recipe_config(base, "accelerated", {"channels_last": True}).replace(recipe="accelerated") == fast
 
 

@@ -5,8 +5,8 @@
                 optimizer unfused, a per-tensor EMA loop when the profile trains an EMA, DDP when several processes.
 ``compiled``    plain ``torch.compile``: compile + bfloat16 autocast + fused optimizer + foreach EMA.
 ``peer``        the strongest plain-PyTorch setup a skilled user writes in a few lines: ``compiled`` plus the switches
-                the family declares (``ModelFamily.peer``: cached latents for diffusion, channels_last for convnets),
-                replayed as CUDA graphs on a GPU (``mode="reduce-overhead"``).
+                the family declares (``ModelFamily.peer``: cached latents for diffusion, channels_last for convnets
+                and Swin), replayed as CUDA graphs on a GPU (``mode="reduce-overhead"``).
                 ``accelerated`` has to beat it; ``gallery bench`` measures both.
 ``accelerated`` ``compiled`` plus the switches that measured faster for the model's family, which the family
                 declares (``ModelFamily.accelerated`` in ``gallery_lib/models/<family>.py``, each with a pointer
@@ -46,7 +46,7 @@ def peer(base: RunConfig) -> RunConfig:
     On a GPU that user adds one word, ``mode="reduce-overhead"``: the compiled model replays as CUDA graphs, at the
     batch sizes where ``accelerated`` replays its own (``ModelFamily.block_graphs_below_pixels``). What such a user
     adds for the family (``ModelFamily.peer``, which may also turn the graphs off): the frozen encoders run once over
-    the data for Stable Diffusion and DreamBooth (cached latents), channels_last for convnets, nothing more for Swin.
+    the data for Stable Diffusion and DreamBooth (cached latents), channels_last images for convnets and Swin.
     It is the bar ``accelerated`` is measured against (``gallery bench``), so that its gains are over the best a user
     gets without this library, not over the easy setup.
     """
