@@ -8,8 +8,6 @@ Linear's ``(windows, N, 3, heads, D)`` output and writes ``(windows, N, heads, D
 The backward recomputes the probabilities from the saved log-sum-exp, writes dq, dk, dv into one qkv-shaped gradient
 and sums the bias gradient over ``WINDOWS_PER_PROGRAM`` windows in registers before writing it
 (benchmarks/RESULTS.md#bench-h100: 2.15x SDPA's efficient kernel fed as the hook fed it, Swin-T forward + backward).
-The op returns those per-program partial sums and the autograd formula adds them up, outside the op, where
-torch.compile fuses the sum with the bias table's gradient.
 
 ``window_attention`` runs the kernels on CUDA (and on CPU under ``TRITON_INTERPRET=1``), and otherwise the same math in
 PyTorch, differentiable by autograd.
@@ -112,25 +110,18 @@ def _fwd(qkv: torch.Tensor, bias: torch.Tensor, mask: Optional[torch.Tensor], sc
     return out, lse
 
 
-def _bias_partials_shape(qkv: torch.Tensor) -> tuple[int, int, int, int]:
-    """The backward's bias gradient before its last sum: one ``(heads, N, N)`` partial sum per program."""
-    windows, n, _, heads, _ = qkv.shape
-    return max(triton.cdiv(windows, WINDOWS_PER_PROGRAM), 1), heads, n, n
-
-
 def _bwd(dout, qkv, bias, mask, out, lse, scale: float):
-    """dqkv and the bias gradient's partial sums (``_bias_partials_shape``), to be summed over dim 0."""
     windows, n, _, heads, d = qkv.shape
+    programs = triton.cdiv(windows, WINDOWS_PER_PROGRAM)
     dqkv = torch.empty_like(qkv)
-    dbias = torch.zeros(_bias_partials_shape(qkv), device=qkv.device, dtype=torch.float32)
-    programs = dbias.shape[0]
+    dbias = torch.zeros(max(programs, 1), heads, n, n, device=qkv.device, dtype=torch.float32)
     if windows:
         _window_attn_bwd_kernel[(programs, heads)](dout.contiguous(), qkv, bias, bias if mask is None else mask,
                                                    out, lse, dqkv, dbias, windows,
                                                    1 if mask is None else mask.shape[0], heads, scale=scale, N=n,
                                                    BN=_block(n), D=d, HAS_MASK=mask is not None,
                                                    WPP=WINDOWS_PER_PROGRAM, num_warps=4)
-    return dqkv, dbias
+    return dqkv, dbias.sum(0).to(bias.dtype)
 
 
 @library_op("gallery::window_attention_fwd")
@@ -153,7 +144,7 @@ def window_attention_bwd(dout: torch.Tensor, qkv: torch.Tensor, bias: torch.Tens
 
 @window_attention_bwd.register_fake
 def _(dout, qkv, bias, mask, out, lse, scale):
-    return torch.empty_like(qkv), qkv.new_empty(_bias_partials_shape(qkv), dtype=torch.float32)
+    return torch.empty_like(qkv), torch.empty_like(bias)
 
 
 def _setup_context(ctx, inputs, output):
@@ -164,10 +155,8 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, dout, _dlse):
     qkv, bias, mask, out, lse = ctx.saved_tensors
-    dqkv, dbias_partials = window_attention_bwd(dout, qkv, bias, mask, out, lse, ctx.scale)
-    # summed here rather than in the op: compiled, the sum fuses with the bias table's gradient
-    # (benchmarks/RESULTS.md#swin-peer-channels-last)
-    return dqkv, dbias_partials.sum(0).to(bias.dtype), None, None
+    dqkv, dbias = window_attention_bwd(dout, qkv, bias, mask, out, lse, ctx.scale)
+    return dqkv, dbias, None, None
 
 
 window_attention_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -186,8 +175,8 @@ class _WindowAttentionFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         qkv, bias, mask, out, lse = ctx.saved_tensors
-        dqkv, dbias_partials = _bwd(dout, qkv, bias, mask, out, lse, ctx.scale)
-        return dqkv, dbias_partials.sum(0).to(bias.dtype), None, None
+        dqkv, dbias = _bwd(dout, qkv, bias, mask, out, lse, ctx.scale)
+        return dqkv, dbias, None, None
 
 
 def window_attention_reference(qkv: torch.Tensor, bias: torch.Tensor, mask: Optional[torch.Tensor],
