@@ -57,9 +57,9 @@ def test_accelerated_replays_cuda_graphs_on_a_gpu_and_compiles_plainly_on_a_cpu(
 
 
 def test_swin_reads_channels_last_images_on_a_gpu_only(monkeypatch):
-    """channels_last images measured faster for Swin's accelerated step on a GPU
-    (benchmarks/RESULTS.md#swin-channels-last); README's Swin-T row ran with the switch named, the same run as the
-    recipe now."""
+    """channels_last images measured faster for Swin's accelerated step on a GPU, and for its peer
+    (benchmarks/RESULTS.md#swin-channels-last, #swin-peer-channels-last); README's Swin-T peer row ran with the switch
+    named, the same run as the recipe now."""
     from gallery_lib.recipes import recipe_config
 
     base = base_config("full", family="swin_transformer", data_root="/data")
@@ -67,8 +67,10 @@ def test_swin_reads_channels_last_images_on_a_gpu_only(monkeypatch):
     monkeypatch.setattr("gallery_lib.recipes.named.runs_on_gpu", lambda base: True)
     fast = apply_recipe("accelerated", base)
     assert fast.channels_last and not fast.channels_last_graphs and fast.fused_attention
-    assert apply_recipe("peer", base).channels_last  # timm's --channels-last, which the peer takes too
+    peer = apply_recipe("peer", base)
+    assert peer.channels_last and not peer.fused_attention  # timm's --channels-last, which the peer takes too
     assert recipe_config(base, "accelerated", {"channels_last": True}).replace(recipe="accelerated") == fast
+    assert recipe_config(base, "peer", {"channels_last": True}).replace(recipe="peer") == peer
 
 
 def test_large_step_switches_need_the_size_they_start_at(toy):
