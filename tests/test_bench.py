@@ -38,7 +38,7 @@ def toy():
     ("stable_diffusion", {"cache_latents": True}),
     ("dreambooth", {"cache_latents": True}),
     ("resnet50", {"channels_last": True}),
-    ("swin_transformer", {}),
+    ("swin_transformer", {"channels_last": True}),
 ])
 def test_peer_is_compiled_plus_the_family_switches(family, switches):
     base = base_config("smoke", family=family)
