@@ -56,14 +56,15 @@ def test_accelerated_replays_cuda_graphs_on_a_gpu_and_compiles_plainly_on_a_cpu(
     assert apply_recipe("peer", base).compile_mode == "reduce-overhead"  # the one word a skilled user adds too
 
 
-def test_swin_reads_channels_last_images_on_a_gpu_only(monkeypatch):
-    """channels_last images measured faster for Swin's accelerated step on a GPU, and for its peer
-    (benchmarks/RESULTS.md#swin-channels-last, #swin-peer-channels-last); README's Swin-T peer row ran with the switch
-    named, the same run as the recipe now."""
+def test_swin_reads_channels_last_images_accelerated_on_a_gpu_and_the_peer_everywhere(monkeypatch):
+    """channels_last images measured faster for Swin's accelerated step on a GPU, and for its peer, which takes them
+    as timm's --channels-last does (benchmarks/RESULTS.md#swin-channels-last, #swin-peer-channels-last); README's
+    Swin-T peer row ran with the switch named, the same run as the recipe now."""
     from gallery_lib.recipes import recipe_config
 
     base = base_config("full", family="swin_transformer", data_root="/data")
     assert not apply_recipe("accelerated", base.replace(device="cpu")).channels_last
+    assert apply_recipe("peer", base.replace(device="cpu")).channels_last
     monkeypatch.setattr("gallery_lib.recipes.named.runs_on_gpu", lambda base: True)
     fast = apply_recipe("accelerated", base)
     assert fast.channels_last and not fast.channels_last_graphs and fast.fused_attention

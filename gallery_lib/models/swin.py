@@ -79,7 +79,7 @@ FAMILY = register_family(ModelFamily(
     # patch-embedding convolution reads without cuDNN's conversion (benchmarks/RESULTS.md#swin-channels-last)
     accelerated={"fused_attention": True},
     accelerated_on_gpu={"compile_mode": "reduce-overhead", "channels_last": True},
-    # timm's train.py offers --channels-last: the peer's step is 4% faster with it (#swin-channels-last)
+    # timm's train.py offers --channels-last: the peer's step is 4% faster with it (#swin-peer-channels-last)
     peer={"channels_last": True},
     block_types=("SwinTransformerBlock",),
     block_modules=("gallery_lib.models.swin",),
