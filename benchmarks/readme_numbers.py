@@ -36,6 +36,7 @@ CPU_GALLERY = "cpu_gallery"
 def headline_table() -> str:
     """Peer against accelerated on one GPU, as ``gallery bench`` reads its rows (``gallery_lib.reports.bench``)."""
     from gallery_lib.reports.bench import find_row
+    from gallery_lib.reports.bench_goals import ratio_text
 
     lines = ["| model | GPU, batch | `peer` img/s | `accelerated` img/s | speedup "
              "| peak reserved GiB, peer → accelerated | commit |", "|---|---|---|---|---|---|---|"]
@@ -45,10 +46,19 @@ def headline_table() -> str:
         peer, fast = find_row(rows, model, peer_row, batch, 1), find_row(rows, model, fast_row, batch, 1)
         gpu = record["gpu"].replace("NVIDIA ", "").split(" ")[0]
         lines.append(f"| {label} | {gpu}, {batch} | {peer['samples_per_s']:,.1f} | {fast['samples_per_s']:,.1f} | "
-                     f"{fast['samples_per_s'] / peer['samples_per_s']:.2f}x | "
+                     f"{ratio_text(fast['samples_per_s'] / peer['samples_per_s'], _speedup_goal(model, batch))} | "
                      f"{peer['peak_reserved_gib']:.1f} → {fast['peak_reserved_gib']:.1f} | "
                      f"{record['commit'][:7]}{' (uncommitted changes)' if record.get('dirty') else ''} |")
     return "\n".join(lines)
+
+
+def _speedup_goal(model: str, batch: int) -> float | None:
+    """The ratio over the peer that ``model``'s family sets as its goal at ``batch`` (``ModelFamily.speed_goals``): a
+    ratio just under it keeps the digits that say so."""
+    from gallery_lib.config.families import family_of
+
+    return next((goal.limits["min_ratio"] for goal in family_of(model).speed_goals
+                 if goal.check == "speedup" and goal.model == model and goal.limits.get("batch_size") == batch), None)
 
 
 def cpu_gallery_time() -> str:

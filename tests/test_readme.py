@@ -29,6 +29,28 @@ def test_a_number_edited_by_hand_is_caught():
         numbers.render(readme.replace("<!-- numbers:headline -->", ""))
 
 
+def test_a_speedup_keeps_the_side_of_its_goal_it_is_on():
+    """A headline speedup is read against its family's goal: one just under it is not rounded onto it."""
+    import json
+
+    from gallery_lib.reports.bench import find_row
+
+    numbers = _numbers()
+    table = numbers.headline_table().splitlines()[2:]
+    judged = 0
+    for (label, model, path, batch, peer_row, fast_row), line in zip(numbers.HEADLINE, table):
+        goal = numbers._speedup_goal(model, batch)
+        if goal is None:
+            continue
+        rows = json.loads((numbers.RESULTS / path).read_text())["rows"]
+        exact = (find_row(rows, model, fast_row, batch, 1)["samples_per_s"]
+                 / find_row(rows, model, peer_row, batch, 1)["samples_per_s"])
+        shown = float(line.split(" | ")[4].rstrip("x"))
+        assert (shown >= goal) == (exact >= goal), f"{label}: {shown}x shown for {exact:.4f} against {goal}"
+        judged += 1
+    assert judged >= 3  # Swin-T, ResNet-50 and SD-1.5 have goals at their headline batch
+
+
 def test_readme_keeps_the_two_commands_on_its_first_screen():
     lines = (ROOT / "README.md").read_text().splitlines()
     first_screen = "\n".join(lines[:60])

@@ -58,18 +58,18 @@ def speedup_goal(rows: Sequence[Row], model: str, batch_size: int, *, min_ratio:
     ratio = ratio_over_peer(rows, fast)
     spread = fast["p80_step_ms"] / fast["p20_step_ms"]
     numbers = (f"{fast['samples_per_s']:,.1f} against {peer['samples_per_s']:,.1f} samples/s = "
-               f"{_ratio_text(ratio, min_ratio)}; "
+               f"{ratio_text(ratio, min_ratio)}; "
                f"accelerated p20-p80 {fast['p20_step_ms']:.1f}-{fast['p80_step_ms']:.1f} ms (p80/p20 {spread:.3f})")
     met = (ratio >= min_ratio and (max_spread is None or spread <= max_spread)
            and (min_samples_per_s is None or fast["samples_per_s"] >= min_samples_per_s))
     return GoalResult(goal, MET if met else NOT_MET, numbers)
 
 
-def _ratio_text(ratio: float, goal: float) -> str:
-    """``ratio`` to two decimals, or to as many more (up to four) as keep it on its side of ``goal``: 1.295 against
-    1.3 reads 1.295x, not 1.30x beside "not met"."""
+def ratio_text(ratio: float, goal: float | None) -> str:
+    """``ratio`` to two decimals, or to as many more (up to four) as keep it on its side of ``goal`` (if any): 1.295
+    against 1.3 reads 1.295x, not 1.30x beside "not met"."""
     digits = 2
-    while digits < 4 and (round(ratio, digits) >= goal) != (ratio >= goal):
+    while goal is not None and digits < 4 and (round(ratio, digits) >= goal) != (ratio >= goal):
         digits += 1
     return f"{ratio:.{digits}f}x"
 
