@@ -6,7 +6,7 @@ the relative-position bias as a dense ``(windows, heads, N, N)`` tensor: the Swi
 ``(heads, N, N)`` bias and the ``(windows per image, N, N)`` shift mask itself, reads q, k, v straight from the qkv
 Linear's ``(windows, N, 3, heads, D)`` output and writes ``(windows, N, heads, D)``, the layout the projection reads.
 The backward recomputes the probabilities from the saved log-sum-exp, writes dq, dk, dv into one qkv-shaped gradient
-and sums the bias gradient over ``WINDOWS_PER_PROGRAM`` windows in registers before writing it
+and sums the bias gradient over ``BWD_WINDOWS_PER_PROGRAM`` windows in registers before writing it
 (benchmarks/RESULTS.md#bench-h100: 2.15x SDPA's efficient kernel fed as the hook fed it, Swin-T forward + backward).
 
 ``window_attention`` runs the kernels on CUDA (and on CPU under ``TRITON_INTERPRET=1``), and otherwise the same math in
@@ -20,19 +20,27 @@ import torch
 from gallery_lib.accel.kernels import _triton_utils as tu
 from gallery_lib.accel.kernels._triton_utils import device_function, kernel, library_op, tl, triton, use_triton
 
-WINDOWS_PER_PROGRAM = 16  # the backward's bias-gradient sums: 1/16 of the windows' partial sums reach memory
+# Windows one program loops over (its bias loaded once, the next window's loads overlapping this one's math), and the
+# loop's pipeline depth: set by a sweep on an H200 (benchmarks/RESULTS.md#window-attention-sweep).
+FWD_WINDOWS_PER_PROGRAM, FWD_STAGES, FWD_WARPS = 4, 2, 4
+# The backward also sums the bias gradient over its windows in registers: 1/16 of the partial sums reach memory.
+BWD_WINDOWS_PER_PROGRAM, BWD_STAGES, BWD_WARPS = 16, 2, 4
 # ``scale`` is a compile-time constant of the kernels: a model has one, and a launch traced by torch.compile would
 # otherwise pass the Python float as fp64 and round differently from an eager launch.
 
 
 @device_function
-def _scores(q, k, bias_ptr, mask_ptr, window, h, n_win, scale, offs, N: tl.constexpr, HAS_MASK: tl.constexpr):
+def _scores(q, k, bias, mask_ptr, window, n_win, scale, offs, valid, N: tl.constexpr, HAS_MASK: tl.constexpr):
     s = tl.dot(q, tl.trans(k)) * scale
-    valid = (offs[:, None] < N) & (offs[None, :] < N)
-    s += tl.load(bias_ptr + h * N * N + offs[:, None] * N + offs[None, :], mask=valid, other=0.0)
+    s += bias
     if HAS_MASK:
         s += tl.load(mask_ptr + (window % n_win) * N * N + offs[:, None] * N + offs[None, :], mask=valid, other=0.0)
     return tl.where(offs[None, :] < N, s, float("-inf"))
+
+
+@device_function
+def _bias_tile(bias_ptr, h, offs, valid, N: tl.constexpr):
+    return tl.load(bias_ptr + h * N * N + offs[:, None] * N + offs[None, :], mask=valid, other=0.0)
 
 
 @device_function
@@ -40,58 +48,67 @@ def _qkv_offsets(window, h, H, offs, offs_d, N: tl.constexpr, D: tl.constexpr):
     return window.to(tl.int64) * N * 3 * H * D + h * D + offs[:, None] * 3 * H * D + offs_d[None, :]
 
 
+@device_function
+def _out_offsets(window, h, H, offs, offs_d, N: tl.constexpr, D: tl.constexpr):
+    return window.to(tl.int64) * N * H * D + h * D + offs[:, None] * H * D + offs_d[None, :]
+
+
 @kernel
-def _window_attn_fwd_kernel(QKV, BIAS, MASK, OUT, LSE, n_win, H, scale: tl.constexpr, N: tl.constexpr,
-                            BN: tl.constexpr, D: tl.constexpr, HAS_MASK: tl.constexpr):
-    window, h = tl.program_id(0), tl.program_id(1)
+def _window_attn_fwd_kernel(QKV, BIAS, MASK, OUT, LSE, n_windows, n_win, H, scale: tl.constexpr, N: tl.constexpr,
+                            BN: tl.constexpr, D: tl.constexpr, HAS_MASK: tl.constexpr, WPP: tl.constexpr,
+                            STAGES: tl.constexpr):
+    pid, h = tl.program_id(0), tl.program_id(1)
     offs, offs_d = tl.arange(0, BN), tl.arange(0, D)
-    row = offs[:, None] < N
-    qkv = _qkv_offsets(window, h, H, offs, offs_d, N, D)
-    q = tl.load(QKV + qkv, mask=row, other=0.0)
-    k = tl.load(QKV + qkv + H * D, mask=row, other=0.0)
-    v = tl.load(QKV + qkv + 2 * H * D, mask=row, other=0.0)
-    s = _scores(q, k, BIAS, MASK, window, h, n_win, scale, offs, N, HAS_MASK)
-    m = tl.max(s, 1)
-    p = tl.exp(s - m[:, None])
-    denom = tl.sum(p, 1)
-    out = tl.dot((p / denom[:, None]).to(v.dtype), v)
-    out_offs = window.to(tl.int64) * N * H * D + h * D + offs[:, None] * H * D + offs_d[None, :]
-    tl.store(OUT + out_offs, out.to(OUT.dtype.element_ty), mask=row)
-    tl.store(LSE + (window.to(tl.int64) * H + h) * BN + offs, m + tl.log(denom))
+    valid = (offs[:, None] < N) & (offs[None, :] < N)
+    bias = _bias_tile(BIAS, h, offs, valid, N)
+    for j in tl.range(WPP, num_stages=STAGES):
+        window = pid * WPP + j
+        row = (offs[:, None] < N) & (window < n_windows)  # a window past the end loads zeros and stores nothing
+        qkv = _qkv_offsets(window, h, H, offs, offs_d, N, D)
+        q = tl.load(QKV + qkv, mask=row, other=0.0)
+        k = tl.load(QKV + qkv + H * D, mask=row, other=0.0)
+        v = tl.load(QKV + qkv + 2 * H * D, mask=row, other=0.0)
+        s = _scores(q, k, bias, MASK, window, n_win, scale, offs, valid, N, HAS_MASK)
+        m = tl.max(s, 1)
+        p = tl.exp(s - m[:, None])
+        denom = tl.sum(p, 1)
+        out = tl.dot((p / denom[:, None]).to(v.dtype), v)
+        tl.store(OUT + _out_offsets(window, h, H, offs, offs_d, N, D), out.to(OUT.dtype.element_ty), mask=row)
+        tl.store(LSE + (window.to(tl.int64) * H + h) * BN + offs, m + tl.log(denom), mask=window < n_windows)
 
 
 @kernel
 def _window_attn_bwd_kernel(DOUT, QKV, BIAS, MASK, OUT, LSE, DQKV, DBIAS, n_windows, n_win, H,
                             scale: tl.constexpr, N: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
-                            HAS_MASK: tl.constexpr, WPP: tl.constexpr):
+                            HAS_MASK: tl.constexpr, WPP: tl.constexpr, STAGES: tl.constexpr):
     pid, h = tl.program_id(0), tl.program_id(1)
     offs, offs_d = tl.arange(0, BN), tl.arange(0, D)
-    row = offs[:, None] < N
-    dbias = tl.zeros((BN, BN), dtype=tl.float32)
-    for j in range(WPP):
-        window = pid * WPP + j
-        if window < n_windows:
-            qkv = _qkv_offsets(window, h, H, offs, offs_d, N, D)
-            q = tl.load(QKV + qkv, mask=row, other=0.0)
-            k = tl.load(QKV + qkv + H * D, mask=row, other=0.0)
-            v = tl.load(QKV + qkv + 2 * H * D, mask=row, other=0.0)
-            out_offs = window.to(tl.int64) * N * H * D + h * D + offs[:, None] * H * D + offs_d[None, :]
-            out = tl.load(OUT + out_offs, mask=row, other=0.0).to(tl.float32)
-            dout = tl.load(DOUT + out_offs, mask=row, other=0.0)
-            lse = tl.load(LSE + (window.to(tl.int64) * H + h) * BN + offs)
-            s = _scores(q, k, BIAS, MASK, window, h, n_win, scale, offs, N, HAS_MASK)
-            p = tl.where(row, tl.exp(s - lse[:, None]), 0.0)
-            dv = tl.dot(tl.trans(p.to(dout.dtype)), dout)
-            dp = tl.dot(dout, tl.trans(v))
-            ds = p * (dp - tl.sum(out * dout.to(tl.float32), 1)[:, None])
-            dbias += ds
-            ds_low = ds.to(q.dtype)
-            dq = tl.dot(ds_low, k) * scale
-            dk = tl.dot(tl.trans(ds_low), q) * scale
-            tl.store(DQKV + qkv, dq.to(DQKV.dtype.element_ty), mask=row)
-            tl.store(DQKV + qkv + H * D, dk.to(DQKV.dtype.element_ty), mask=row)
-            tl.store(DQKV + qkv + 2 * H * D, dv.to(DQKV.dtype.element_ty), mask=row)
     valid = (offs[:, None] < N) & (offs[None, :] < N)
+    bias = _bias_tile(BIAS, h, offs, valid, N)
+    dbias = tl.zeros((BN, BN), dtype=tl.float32)
+    for j in tl.range(WPP, num_stages=STAGES):
+        window = pid * WPP + j
+        row = (offs[:, None] < N) & (window < n_windows)  # a window past the end adds p = 0, so ds = 0
+        qkv = _qkv_offsets(window, h, H, offs, offs_d, N, D)
+        q = tl.load(QKV + qkv, mask=row, other=0.0)
+        k = tl.load(QKV + qkv + H * D, mask=row, other=0.0)
+        v = tl.load(QKV + qkv + 2 * H * D, mask=row, other=0.0)
+        out_offs = _out_offsets(window, h, H, offs, offs_d, N, D)
+        out = tl.load(OUT + out_offs, mask=row, other=0.0).to(tl.float32)
+        dout = tl.load(DOUT + out_offs, mask=row, other=0.0)
+        lse = tl.load(LSE + (window.to(tl.int64) * H + h) * BN + offs, mask=window < n_windows, other=0.0)
+        s = _scores(q, k, bias, MASK, window, n_win, scale, offs, valid, N, HAS_MASK)
+        p = tl.where(row, tl.exp(s - lse[:, None]), 0.0)
+        dv = tl.dot(tl.trans(p.to(dout.dtype)), dout)
+        dp = tl.dot(dout, tl.trans(v))
+        ds = p * (dp - tl.sum(out * dout.to(tl.float32), 1)[:, None])
+        dbias += ds
+        ds_low = ds.to(q.dtype)
+        dq = tl.dot(ds_low, k) * scale
+        dk = tl.dot(tl.trans(ds_low), q) * scale
+        tl.store(DQKV + qkv, dq.to(DQKV.dtype.element_ty), mask=row)
+        tl.store(DQKV + qkv + H * D, dk.to(DQKV.dtype.element_ty), mask=row)
+        tl.store(DQKV + qkv + 2 * H * D, dv.to(DQKV.dtype.element_ty), mask=row)
     tl.store(DBIAS + (pid.to(tl.int64) * H + h) * N * N + offs[:, None] * N + offs[None, :], dbias, mask=valid)
 
 
@@ -104,15 +121,16 @@ def _fwd(qkv: torch.Tensor, bias: torch.Tensor, mask: Optional[torch.Tensor], sc
     out = qkv.new_empty(windows, n, heads, d)
     lse = qkv.new_empty(windows, heads, _block(n), dtype=torch.float32)
     if windows:
-        _window_attn_fwd_kernel[(windows, heads)](qkv, bias, bias if mask is None else mask, out, lse,
-                                                  1 if mask is None else mask.shape[0], heads, scale=scale, N=n,
-                                                  BN=_block(n), D=d, HAS_MASK=mask is not None, num_warps=4)
+        _window_attn_fwd_kernel[(triton.cdiv(windows, FWD_WINDOWS_PER_PROGRAM), heads)](
+            qkv, bias, bias if mask is None else mask, out, lse, windows, 1 if mask is None else mask.shape[0], heads,
+            scale=scale, N=n, BN=_block(n), D=d, HAS_MASK=mask is not None, WPP=FWD_WINDOWS_PER_PROGRAM,
+            STAGES=FWD_STAGES, num_warps=FWD_WARPS)
     return out, lse
 
 
 def _bwd(dout, qkv, bias, mask, out, lse, scale: float):
     windows, n, _, heads, d = qkv.shape
-    programs = triton.cdiv(windows, WINDOWS_PER_PROGRAM)
+    programs = triton.cdiv(windows, BWD_WINDOWS_PER_PROGRAM)
     dqkv = torch.empty_like(qkv)
     dbias = torch.zeros(max(programs, 1), heads, n, n, device=qkv.device, dtype=torch.float32)
     if windows:
@@ -120,7 +138,8 @@ def _bwd(dout, qkv, bias, mask, out, lse, scale: float):
                                                    out, lse, dqkv, dbias, windows,
                                                    1 if mask is None else mask.shape[0], heads, scale=scale, N=n,
                                                    BN=_block(n), D=d, HAS_MASK=mask is not None,
-                                                   WPP=WINDOWS_PER_PROGRAM, num_warps=4)
+                                                   WPP=BWD_WINDOWS_PER_PROGRAM, STAGES=BWD_STAGES,
+                                                   num_warps=BWD_WARPS)
     return dqkv, dbias.sum(0).to(bias.dtype)
 
 

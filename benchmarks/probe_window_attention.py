@@ -1,0 +1,140 @@
+"""Sweep the window-attention kernels' launch settings on Swin-T's shapes (one CUDA GPU), against a base tree's kernels.
+
+For each setting of ``FWD_*`` / ``BWD_*`` in ``gallery_lib/accel/kernels/window_attention.py`` (windows per program,
+loop pipeline stages, warps) it times the forward launcher and the backward launcher (kernel, zeroed partials and
+their sum) on the four Swin-T stages at the given batch, each shape with and without the shift mask as Swin-T runs
+it, CUDA graph replays after warm-up, median of 20 replays of 10 calls with p20/p80. A step's time is the sum over
+Swin-T's 12 blocks. The ``--base`` tree's module (e.g. a ``git archive`` of the commit before) runs the same shapes
+first; every setting's outputs are checked against it.
+
+    python benchmarks/probe_window_attention.py --base .scratch/base --out $OUT/probe_window_attention.json
+"""
+
+import argparse
+import itertools
+import json
+import statistics
+import os
+import sys
+import types
+
+import torch
+
+from gallery_lib.accel.kernels import window_attention as wa
+
+# Swin-T at 224 px: (windows per image, heads, blocks without shift, blocks with shift) per stage.
+SWIN_T_STAGES = ((64, 3, 1, 1), (16, 6, 1, 1), (4, 12, 3, 3), (1, 24, 2, 0))
+N, D = 49, 32
+FWD_SETTINGS = [(w, s, n) for w, s, n in itertools.product((1, 2, 4, 8), (1, 2, 3), (4,))] + [
+    (4, 2, 8), (2, 2, 2), (4, 2, 2), (8, 3, 8)]
+BWD_SETTINGS = [(w, s, n) for w, s, n in itertools.product((8, 16, 32), (1, 2), (4, 8))]
+
+
+def _load_base(path: str) -> types.ModuleType:
+    """The base tree's kernels and launchers: its module up to the ``torch.library`` ops, which are registered once."""
+    with open(f"{path}/gallery_lib/accel/kernels/window_attention.py") as f:
+        source = f.read()
+    module = types.ModuleType("base_window_attention")
+    exec(compile(source[:source.index("@library_op(")], f.name, "exec"), module.__dict__)
+    return module
+
+
+def _inputs(batch: int):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    cases = []
+    for per_image, heads, plain, shifted in SWIN_T_STAGES:
+        windows = batch * per_image
+        qkv = torch.randn(windows, N, 3, heads, D, device="cuda", generator=g, dtype=torch.bfloat16)
+        bias = torch.randn(heads, N, N, device="cuda", generator=g) * 0.5
+        dout = torch.randn(windows, N, heads, D, device="cuda", generator=g, dtype=torch.bfloat16)
+        mask = torch.where(torch.rand(per_image, N, N, device="cuda", generator=g) < 0.3, -100.0, 0.0)
+        for m, count in ((None, plain), (mask, shifted)):
+            if count:
+                cases.append(dict(qkv=qkv, bias=bias, mask=m, dout=dout, count=count))
+    return cases
+
+
+def _graph_ms(fn, calls: int = 10, replays: int = 20) -> tuple[float, float, float]:
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    for _ in range(3):
+        graph.replay()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / calls)
+    q = statistics.quantiles(times, n=10)
+    return statistics.median(times), q[1], q[7]
+
+
+def _time(module, cases, scale):
+    """Forward and backward ms per Swin-T step (median, p20, p80 summed over blocks), and each case's outputs."""
+    fwd, bwd, outputs = [0.0, 0.0, 0.0], [0.0, 0.0, 0.0], []
+    for c in cases:
+        qkv, bias, mask, dout = c["qkv"], c["bias"], c["mask"], c["dout"]
+        out, lse = module._fwd(qkv, bias, mask, scale)
+        outputs.append((out, *module._bwd(dout, qkv, bias, mask, out, lse, scale)))
+        for total, fn in ((fwd, lambda: module._fwd(qkv, bias, mask, scale)),
+                          (bwd, lambda: module._bwd(dout, qkv, bias, mask, out, lse, scale))):
+            for i, t in enumerate(_graph_ms(fn)):
+                total[i] += c["count"] * t
+    return fwd, bwd, outputs
+
+
+def _max_diff(ours, base):
+    return max((a.float() - b.float()).abs().max().item() for o, b_ in zip(ours, base) for a, b in zip(o, b_))
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--base", required=True, help="a tree holding the base gallery_lib (e.g. from git archive)")
+    parser.add_argument("--batch", type=int, default=128)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args(argv)
+    cases, scale = _inputs(args.batch), D ** -0.5
+    base_fwd, base_bwd, base_outputs = _time(_load_base(args.base), cases, scale)
+    report = {"commit": os.environ.get("GALLERY_COMMIT", ""), "command": " ".join(sys.argv),
+              "device": torch.cuda.get_device_name(), "batch": args.batch,
+              "base": {"fwd_ms": base_fwd, "bwd_ms": base_bwd}, "fwd": [], "bwd": []}
+    print(f"base: fwd {base_fwd[0]:.3f} ms, bwd {base_bwd[0]:.3f} ms", flush=True)
+    defaults = {k: getattr(wa, k) for k in dir(wa) if k.startswith(("FWD_", "BWD_"))}
+    for kind, settings in (("fwd", FWD_SETTINGS), ("bwd", BWD_SETTINGS)):
+        for wpp, stages, warps in settings:
+            for k, v in defaults.items():
+                setattr(wa, k, v)
+            prefix = kind.upper()
+            setattr(wa, f"{prefix}_WINDOWS_PER_PROGRAM", wpp)
+            setattr(wa, f"{prefix}_STAGES", stages)
+            setattr(wa, f"{prefix}_WARPS", warps)
+            fwd, bwd, outputs = _time(wa, cases, scale)
+            ms = fwd if kind == "fwd" else bwd
+            row = {"windows_per_program": wpp, "stages": stages, "warps": warps, "ms": ms,
+                   "max_abs_diff_vs_base": _max_diff(outputs, base_outputs)}
+            report[kind].append(row)
+            print(f"{kind} wpp={wpp} stages={stages} warps={warps}: {ms[0]:.3f} [{ms[1]:.3f}-{ms[2]:.3f}] ms, "
+                  f"max diff {row['max_abs_diff_vs_base']:.2e}", flush=True)
+    for k, v in defaults.items():
+        setattr(wa, k, v)
+    for kind in ("fwd", "bwd"):
+        best = min(report[kind], key=lambda r: r["ms"][0])
+        report[f"best_{kind}"] = best
+        print(f"best {kind}: {best}")
+    with open(args.out, "w") as f:
+        json.dump(report, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
