@@ -36,7 +36,7 @@ def _forward_and_grads(fn, qkv, bias, mask, dout):
 @pytest.mark.parametrize("windows, n, heads, d, n_win", [
     (6, 10, 2, 16, 3),   # a padded window (10 of 16 rows), the shift mask cycling over 3 windows per image
     (5, 16, 3, 32, None),
-    (17, 7, 1, 16, 1),   # more windows than one backward program sums (16), one mask for all
+    (17, 7, 1, 16, 1),   # more windows than one backward program sums (8), one mask for all
 ])
 @pytest.mark.isa
 def test_triton_forward_and_grads_match_the_math(interpreter, windows, n, heads, d, n_win):

@@ -23,8 +23,8 @@ from gallery_lib.accel.kernels._triton_utils import device_function, kernel, lib
 # Windows one program loops over (its bias loaded once, the next window's loads overlapping this one's math), and the
 # loop's pipeline depth: set by a sweep on an H200 (benchmarks/RESULTS.md#window-attention-sweep).
 FWD_WINDOWS_PER_PROGRAM, FWD_STAGES, FWD_WARPS = 4, 2, 4
-# The backward also sums the bias gradient over its windows in registers: 1/16 of the partial sums reach memory.
-BWD_WINDOWS_PER_PROGRAM, BWD_STAGES, BWD_WARPS = 16, 2, 4
+# The backward also sums the bias gradient over its windows in registers: 1/8 of the partial sums reach memory.
+BWD_WINDOWS_PER_PROGRAM, BWD_STAGES, BWD_WARPS = 8, 2, 4
 # ``scale`` is a compile-time constant of the kernels: a model has one, and a launch traced by torch.compile would
 # otherwise pass the Python float as fp64 and round differently from an eager launch.
 
