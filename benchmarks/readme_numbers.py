@@ -20,9 +20,8 @@ RESULTS = ROOT / "benchmarks" / "results"
 
 HEADLINE = (  # (what was trained, its gallery model, the bench file holding its peer and accelerated rows, batch,
     #            the rows' names in it: files from before a recipe took up a change name it by that change)
-    # channels_last for the peer too, which `peer` has since the commit after 5fcfbd2 (tests/test_families.py checks it)
-    ("Swin-T, 224 px", "swin_tiny_patch4_window7_224", "swin_peer_cl_h200/bench_swin_peer_cl.json", 128,
-     "peer+channels_last", "accelerated"),
+    ("Swin-T, 224 px", "swin_tiny_patch4_window7_224", "swin_window_sweep_h200/bench_swin_wa.json", 128, "peer",
+     "accelerated"),
     ("ResNet-50, 224 px", "resnet50", "head_1931023_h200/bench_resnet_head.json", 256, "peer", "accelerated"),
     ("SD-1.5 UNet, 512 px", "sd15", "head_2709657_h200/bench_sd_head.json", 32, "peer", "accelerated"),
     # the GPU switches `accelerated` has since 792d250 (tests/test_dreambooth.py checks that they are the same run)
