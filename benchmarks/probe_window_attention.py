@@ -14,13 +14,12 @@ import argparse
 import itertools
 import json
 import statistics
-import os
-import sys
 import types
 
 import torch
 
 from gallery_lib.accel.kernels import window_attention as wa
+from gallery_lib.reports.provenance import result_header
 
 # Swin-T at 224 px: (windows per image, heads, blocks without shift, blocks with shift) per stage.
 SWIN_T_STAGES = ((64, 3, 1, 1), (16, 6, 1, 1), (4, 12, 3, 3), (1, 24, 2, 0))
@@ -105,8 +104,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     cases, scale = _inputs(args.batch), D ** -0.5
     base_fwd, base_bwd, base_outputs = _time(_load_base(args.base), cases, scale)
-    report = {"commit": os.environ.get("GALLERY_COMMIT", ""), "command": " ".join(sys.argv),
-              "device": torch.cuda.get_device_name(), "batch": args.batch,
+    report = {**result_header(), "device": torch.cuda.get_device_name(), "batch": args.batch,
               "base": {"fwd_ms": base_fwd, "bwd_ms": base_bwd}, "fwd": [], "bwd": []}
     print(f"base: fwd {base_fwd[0]:.3f} ms, bwd {base_bwd[0]:.3f} ms", flush=True)
     defaults = {k: getattr(wa, k) for k in dir(wa) if k.startswith(("FWD_", "BWD_"))}
