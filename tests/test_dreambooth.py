@@ -206,22 +206,23 @@ def test_refuses_an_identifier_missing_from_the_prompt_in_the_config():
 
 
 def test_on_a_gpu_accelerated_compiles_the_whole_unet_and_blocks_when_named(monkeypatch):
-    """At batch 1 on a GPU the whole UNet replays as CUDA graphs, channels_last through every graph (its blocks as
-    graphs left the host setting the step: benchmarks/RESULTS.md#dreambooth); ``--set compile_scope=blocks`` gets
-    the blocks as the recipe runs them, precompiled in parallel. On a CPU the recipe compiles the blocks."""
+    """At batch 1 on a GPU the whole UNet replays as CUDA graphs, channels_last through every graph, the clipping in
+    the optimizer's pass (its blocks as graphs left the host setting the step: benchmarks/RESULTS.md#dreambooth);
+    ``--set compile_scope=blocks`` gets the blocks as the recipe runs them, precompiled in parallel. On a CPU the
+    recipe compiles the blocks and clips as its own pass."""
     from gallery_lib.recipes import recipe_config
 
     base = base_config("full", family="dreambooth", data_root="/data", batch_size=1)
-    assert apply_recipe("accelerated", base.replace(device="cpu")).compile_scope == "blocks"
+    on_cpu = apply_recipe("accelerated", base.replace(device="cpu"))
+    assert on_cpu.compile_scope == "blocks" and not on_cpu.clip_in_optimizer
     monkeypatch.setattr("gallery_lib.recipes.named.runs_on_gpu", lambda base: True)
     monkeypatch.setattr("gallery_lib.recipes.named.precompile_workers_for_machine", lambda: 8)
     whole = apply_recipe("accelerated", base)
     assert (whole.compile_scope, whole.compile_mode, whole.precompile_workers) == ("model", "reduce-overhead", 0)
-    assert whole.channels_last and whole.channels_last_graphs and whole.ema == "fused"
+    assert whole.channels_last and whole.channels_last_graphs and whole.ema == "fused" and whole.clip_in_optimizer
     assert whole.kernel_op_names == ("geglu",)
-    # README's DreamBooth row was measured under the switches' names, before the recipe took them up
-    named = {"channels_last": True, "channels_last_graphs": True, "compile_scope": "model"}
-    assert recipe_config(base, "accelerated", named).replace(recipe="accelerated") == whole
+    # README's DreamBooth row was measured under the switch's name, before the recipe took it up
+    assert recipe_config(base, "accelerated", {"clip_in_optimizer": True}).replace(recipe="accelerated") == whole
     blocks = recipe_config(base, "accelerated", {"compile_scope": "blocks"})
     assert (blocks.compile_scope, blocks.compile_mode, blocks.precompile_workers) == ("blocks", "reduce-overhead", 8)
     assert blocks.recipe == "accelerated+compile_scope=blocks"
