@@ -23,10 +23,10 @@ HEADLINE = (  # (what was trained, its gallery model, the bench file holding its
     ("Swin-T, 224 px", "swin_tiny_patch4_window7_224", "swin_window_sweep_h200/bench_swin_wa.json", 128, "peer",
      "accelerated"),
     ("ResNet-50, 224 px", "resnet50", "head_1931023_h200/bench_resnet_head.json", 256, "peer", "accelerated"),
-    ("SD-1.5 UNet, 512 px", "sd15", "head_2709657_h200/bench_sd_head.json", 32, "peer", "accelerated"),
-    # the GPU switches `accelerated` has since 792d250 (tests/test_dreambooth.py checks that they are the same run)
-    ("DreamBooth, SD-1.5 full fine-tuning, 512 px", "dreambooth_sd15", "dreambooth_b1_h200/bench_db_cl.json", 1,
-     "peer", "accelerated+channels_last+channels_last_graphs+compile_scope=model"),
+    ("SD-1.5 UNet, 512 px", "sd15", "head_d8ff2a9_h200/bench_sd_head.json", 32, "peer", "accelerated"),
+    # the GPU switch `accelerated` has since the commit after d8ff2a9 (tests/test_dreambooth.py checks the same run)
+    ("DreamBooth, SD-1.5 full fine-tuning, 512 px", "dreambooth_sd15", "head_d8ff2a9_h200/bench_db_head.json", 1,
+     "peer", "accelerated+clip_in_optimizer"),
 )
 CPU_GALLERY = "cpu_gallery"
 """The folder of the CPU gallery's timings, ``gallery_<commit>.txt``; the newest file is quoted."""
