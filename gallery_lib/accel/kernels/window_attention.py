@@ -1,6 +1,8 @@
-"""Swin's window attention in one Triton program per (window, head): ``softmax(q k^T * scale + bias + mask) v``.
+"""Swin's window attention in Triton, a program per head and a few windows: ``softmax(q k^T * scale + bias + mask) v``.
 
-A Swin window holds few tokens (49 in Swin-T), so the whole score tile lives in registers. The general kernels take
+A Swin window holds few tokens (49 in Swin-T), so the whole score tile lives in registers. Each program loops over a
+few windows of one head, loading the head's bias tile once, and pipelines the loop so that the next window's tiles
+load while this one's math runs: a program per window left the loads' latency exposed. The general kernels take
 the relative-position bias as a dense ``(windows, heads, N, N)`` tensor: the Swin hook had to expand it over the batch
 (plus the shift mask), and the backward wrote a gradient of that size to be summed again. Here the program adds the
 ``(heads, N, N)`` bias and the ``(windows per image, N, N)`` shift mask itself, reads q, k, v straight from the qkv
