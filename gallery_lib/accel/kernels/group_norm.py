@@ -49,6 +49,10 @@ _CL_CHANNELS = 64
 # The fused plan also runs when a window spans at most this many tiles of positions: its second read then hits L1/L2
 # and one launch less saves more than the missing split would give.
 _FUSED_MAX_HW_BLOCKS = 4
+# Programs per SM the split plan aims for, and the pipeline depth of the loops over positions (None: Triton's
+# default, the loops as plain ``range``): benchmarks/probe_group_norm.py sweeps both.
+PROGRAMS_PER_SM = 4
+LOOP_STAGES = None
 
 
 @device_function
@@ -149,7 +153,8 @@ def _to_channels(v, c, g_lo, Cg, BLOCK_GW: tl.constexpr):
 
 
 @device_function
-def _channel_moments(X, base, c, c_ok, hw_lo, hw_hi, C, HW, CL: tl.constexpr, BLOCK_HW: tl.constexpr):
+def _channel_moments(X, base, c, c_ok, hw_lo, hw_hi, C, HW, CL: tl.constexpr, BLOCK_HW: tl.constexpr,
+                     STAGES: tl.constexpr):
     """Mean and M2 of each channel ``c`` over positions ``hw_lo..hw_hi`` (see the module docstring)."""
     offs, mask = _tile(c, c_ok, hw_lo, hw_hi, C, HW, CL, BLOCK_HW)
     x = tl.load(X + base + offs, mask=mask, other=0.0).to(tl.float32)
@@ -159,7 +164,7 @@ def _channel_moments(X, base, c, c_ok, hw_lo, hw_hi, C, HW, CL: tl.constexpr, BL
     d = tl.where(mask, x - shift_t, 0.0)
     s1 = d
     s2 = d * d
-    for h0 in range(hw_lo + BLOCK_HW, hw_hi, BLOCK_HW):
+    for h0 in tl.range(hw_lo + BLOCK_HW, hw_hi, BLOCK_HW, num_stages=STAGES):
         offs, mask = _tile(c, c_ok, h0, hw_hi, C, HW, CL, BLOCK_HW)
         x = tl.load(X + base + offs, mask=mask, other=0.0).to(tl.float32)
         d = tl.where(mask, x - shift_t, 0.0)
@@ -255,11 +260,11 @@ def _sum_rows(Part, P, DWB, c, c_ok, R, C, BLOCK_C: tl.constexpr, BLOCK_R: tl.co
 def _gn_fwd_kernel(X, Y, W, B, Part, Mean, Rstd, C, HW, G, Cg, SPLIT, HW_PER, P, eps,
                    STATS: tl.constexpr, APPLY: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
                    SILU: tl.constexpr, CL: tl.constexpr, WIN: tl.constexpr, BLOCK_C: tl.constexpr,
-                   BLOCK_HW: tl.constexpr, BLOCK_GW: tl.constexpr, BLOCK_CG: tl.constexpr):
+                   BLOCK_HW: tl.constexpr, BLOCK_GW: tl.constexpr, BLOCK_CG: tl.constexpr, STAGES: tl.constexpr):
     # Part is (2, N * SPLIT, C): plane 0 the per-channel means, plane 1 (offset P) the M2s.
     n, s, c_lo, c, c_ok, base, hw_lo, hw_hi = _gn_program(C, HW, SPLIT, HW_PER, WIN, BLOCK_C)
     if STATS:
-        mean_c, m2_c = _channel_moments(X, base, c, c_ok, hw_lo, hw_hi, C, HW, CL, BLOCK_HW)
+        mean_c, m2_c = _channel_moments(X, base, c, c_ok, hw_lo, hw_hi, C, HW, CL, BLOCK_HW, STAGES)
         row = (n * SPLIT + s) * C
         tl.store(Part + row + c, mean_c, mask=c_ok)
         tl.store(Part + P + row + c, m2_c, mask=c_ok)
@@ -277,7 +282,7 @@ def _gn_fwd_kernel(X, Y, W, B, Part, Mean, Rstd, C, HW, G, Cg, SPLIT, HW_PER, P,
         scale = w * _to_channels(rstd_g, c, g_lo, Cg, BLOCK_GW)
         shift = _chan(b - _to_channels(mean_g, c, g_lo, Cg, BLOCK_GW) * scale, CL)
         scale = _chan(scale, CL)
-        for h0 in range(hw_lo, hw_hi, BLOCK_HW):
+        for h0 in tl.range(hw_lo, hw_hi, BLOCK_HW, num_stages=STAGES):
             offs, mask = _tile(c, c_ok, h0, hw_hi, C, HW, CL, BLOCK_HW)
             z = tl.load(X + base + offs, mask=mask, other=0.0).to(tl.float32) * scale + shift
             if SILU:
@@ -289,7 +294,8 @@ def _gn_fwd_kernel(X, Y, W, B, Part, Mean, Rstd, C, HW, G, Cg, SPLIT, HW_PER, P,
 def _gn_bwd_kernel(DY, X, W, B, Mean, Rstd, DX, Part, DWB, C, HW, G, Cg, SPLIT, HW_PER, P, R,
                    STATS: tl.constexpr, APPLY: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
                    SILU: tl.constexpr, CL: tl.constexpr, WIN: tl.constexpr, BLOCK_C: tl.constexpr,
-                   BLOCK_HW: tl.constexpr, BLOCK_GW: tl.constexpr, BLOCK_CG: tl.constexpr, BLOCK_R: tl.constexpr):
+                   BLOCK_HW: tl.constexpr, BLOCK_GW: tl.constexpr, BLOCK_CG: tl.constexpr, BLOCK_R: tl.constexpr,
+                   STAGES: tl.constexpr):
     # Part is (2, R = N * SPLIT, C): plane 0 the per-channel sums of dz*xhat (dweight), plane 1 those of dz (dbias).
     n, s, c_lo, c, c_ok, base, hw_lo, hw_hi = _gn_program(C, HW, SPLIT, HW_PER, WIN, BLOCK_C)
     mean = _chan(tl.load(Mean + n * G + c // Cg, mask=c_ok, other=0.0), CL)
@@ -299,7 +305,7 @@ def _gn_bwd_kernel(DY, X, W, B, Mean, Rstd, DX, Part, DWB, C, HW, G, Cg, SPLIT, 
     if STATS:
         acc_dzx = _tile_zeros(CL, BLOCK_C, BLOCK_HW)
         acc_dz = _tile_zeros(CL, BLOCK_C, BLOCK_HW)
-        for h0 in range(hw_lo, hw_hi, BLOCK_HW):
+        for h0 in tl.range(hw_lo, hw_hi, BLOCK_HW, num_stages=STAGES):
             offs, mask = _tile(c, c_ok, h0, hw_hi, C, HW, CL, BLOCK_HW)
             xhat, dz = _xhat_dz(X, DY, base, offs, mask, mean, rstd, w, b, SILU)
             acc_dzx += dz * xhat
@@ -315,7 +321,7 @@ def _gn_bwd_kernel(DY, X, W, B, Mean, Rstd, DX, Part, DWB, C, HW, G, Cg, SPLIT, 
         inv_m = 1.0 / (Cg * 1.0 * HW)  # Cg or HW may arrive as a constexpr 1
         c_xmean = _chan(_to_channels(sum_wdzx, c, g_lo, Cg, BLOCK_GW) * inv_m, CL)
         c_mean = _chan(_to_channels(sum_wdz, c, g_lo, Cg, BLOCK_GW) * inv_m, CL)
-        for h0 in range(hw_lo, hw_hi, BLOCK_HW):
+        for h0 in tl.range(hw_lo, hw_hi, BLOCK_HW, num_stages=STAGES):
             offs, mask = _tile(c, c_ok, h0, hw_hi, C, HW, CL, BLOCK_HW)
             xhat, dz = _xhat_dz(X, DY, base, offs, mask, mean, rstd, w, b, SILU)
             dx = rstd * (dz * w - c_mean - xhat * c_xmean)
@@ -404,7 +410,7 @@ def _plan(x: torch.Tensor, groups: int, channels_last: bool) -> _Plan:
     """The plan of ``x``, cached: at the 8x8 UNet levels a call's host time is comparable to its GPU time."""
     n, c = x.shape[0], x.shape[1]
     return _cached_plan(n, c, x.numel() // max(1, n * c), groups, channels_last,
-                        tu.num_programs_target(x, per_sm=4), tu.MAX_BLOCK)
+                        tu.num_programs_target(x, per_sm=PROGRAMS_PER_SM), tu.MAX_BLOCK)
 
 
 def _fwd(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor], num_groups: int, eps: float,
@@ -420,7 +426,7 @@ def _fwd(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.T
         part = torch.empty((2, n * plan.split, c), device=x.device, dtype=torch.float32)
         args = (x, y, _ptr(weight, x), _ptr(bias, x), part, mean, rstd, c, plan.hw, num_groups, c // num_groups,
                 plan.split, plan.hw_per, part[0].numel(), eps)
-        flags = dict(HAS_W=weight is not None, HAS_B=bias is not None, SILU=silu, **plan.meta)
+        flags = dict(HAS_W=weight is not None, HAS_B=bias is not None, SILU=silu, STAGES=LOOP_STAGES, **plan.meta)
         if plan.fused:
             _gn_fwd_kernel[plan.grid](*args, STATS=True, APPLY=True, **flags)
         else:
@@ -450,7 +456,8 @@ def _bwd(dy: torch.Tensor, x: torch.Tensor, weight: Optional[torch.Tensor], bias
         dwb = part if plan.fused else torch.empty((2, c), device=x.device, dtype=torch.float32)
         args = (dy, x, _ptr(weight, x), _ptr(bias, x), mean, rstd, dx, part, dwb, c, plan.hw, num_groups,
                 c // num_groups, plan.split, plan.hw_per, rows * c, rows)
-        flags = dict(HAS_W=weight is not None, HAS_B=bias is not None, SILU=silu, BLOCK_R=plan.block_r, **plan.meta)
+        flags = dict(HAS_W=weight is not None, HAS_B=bias is not None, SILU=silu, BLOCK_R=plan.block_r,
+                     STAGES=LOOP_STAGES, **plan.meta)
         if plan.fused:
             _gn_bwd_kernel[plan.grid](*args, STATS=True, APPLY=True, **flags)
             return dx, part.sum(1)
