@@ -219,11 +219,9 @@ def _time(fn, reset=None, reps=20):
 
 
 def _max_rel_diff(a_lists, b_lists):
-    worst = 0.0
-    for a_list, b_list in zip(a_lists, b_lists):
-        for a, b in zip(a_list, b_list):
-            worst = max(worst, ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item())
-    return worst
+    ratios = [(a - b).abs().max() / b.abs().max().clamp_min(1e-30)
+              for a_list, b_list in zip(a_lists, b_lists) for a, b in zip(a_list, b_list)]
+    return torch.stack(ratios).max().item()  # one synchronization
 
 
 def main(argv=None) -> int:
@@ -241,8 +239,8 @@ def main(argv=None) -> int:
     reference = _clone(initial)
     _two_passes(*reference, step_count, scale, fused_ema=not args.check_only)()
     settings = ([(256, 1, 1, 4, True), (256, 3, 2, 4, False)] if args.check_only else
-                [(block, programs, stages, warps, wg) for block, programs, stages, warps, wg in itertools.product(
-                    (2048, 4096), (2, 4, 8), (1, 2, 3), (4, 8), (True, False))])
+                [(block, programs, stages, warps, False) for block, programs, stages, warps in itertools.product(
+                    (2048, 4096), (2, 4, 8), (1, 2, 3), (4, 8))] + [(2048, 4, 2, 8, True)])
     sm = 1 if args.check_only else torch.cuda.get_device_properties(0).multi_processor_count
     report = {**result_header(), "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
               "parameters": sum(math.prod(s) for s in shapes), "tensors": len(shapes), "settings": []}
@@ -284,9 +282,13 @@ def main(argv=None) -> int:
         report["settings"].append(row)
         print(f"one pass, block {block}, {per_sm}/SM, {stages} stages, {warps} warps, grads written {write_grad}: "
               f"{ms[0]:.3f} [{ms[1]:.3f}-{ms[2]:.3f}] ms, {row['tb_per_s']:.2f} TB/s", flush=True)
-    best = min(report["settings"], key=lambda r: r["ms"][0])
-    report["best"], report["all_agree"] = best, agree
-    print(f"best: {best}; every setting agrees with the two passes: {agree}")
+    best = min((r for r in report["settings"] if not r["writes_grads"]), key=lambda r: r["ms"][0])
+    table = table_cache[best["block"]]
+    with_grads = _time(lambda: table.step(step_tensor, scale, programs=best["programs_per_sm"] * sm,
+                                          stages=best["stages"], warps=best["warps"], write_grad=True))
+    report["best"], report["best_writing_grads_ms"], report["all_agree"] = best, with_grads, agree
+    print(f"best: {best}; writing the clipped gradients back too: {with_grads[0]:.3f} ms; every setting agrees "
+          f"with the two passes: {agree}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=1)
