@@ -24,9 +24,9 @@ import argparse
 import itertools
 import json
 import math
-import statistics
 
 import torch
+from gpu_timing import event_ms
 
 from gallery_lib.accel.kernels._triton_utils import tl, triton
 from gallery_lib.accel.kernels.ema_lerp import build_tables, foreach_lerp_, launch_fused
@@ -201,23 +201,6 @@ def _two_passes(params, grads, exp_avg, exp_avg_sq, ema, step_count, scale, fuse
     return run
 
 
-def _time(fn, reset=None, reps=20):
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(reps):
-        if reset is not None:
-            reset()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    q = statistics.quantiles(times, n=10)
-    return [statistics.median(times), q[1], q[7]]
-
-
 def _max_rel_diff(a_lists, b_lists):
     ratios = [(a - b).abs().max() / b.abs().max().clamp_min(1e-30)
               for a_list, b_list in zip(a_lists, b_lists) for a, b in zip(a_list, b_list)]
@@ -265,15 +248,15 @@ def main(argv=None) -> int:
     step_tensor = torch.tensor(float(step_count), device=device)
     gib = sum(math.prod(s) for s in shapes) * 4 / 2**30
     two = _two_passes(*state, step_count, scale, fused_ema=True)
-    report["two_passes_ms"] = _time(two)
-    report["two_passes_no_scale_ms"] = _time(_two_passes(*state, step_count, None, fused_ema=True))
+    report["two_passes_ms"] = event_ms(two)
+    report["two_passes_no_scale_ms"] = event_ms(_two_passes(*state, step_count, None, fused_ema=True))
     print(f"two passes (fused AdamW with grad_scale, fused EMA): {report['two_passes_ms'][0]:.3f} ms; "
           f"without grad_scale {report['two_passes_no_scale_ms'][0]:.3f} ms; {gib:.2f} GiB of fp32 weights",
           flush=True)
     table_cache = {}
     for block, per_sm, stages, warps, write_grad in settings:
         table = table_cache.setdefault(block, OnePass(list(zip(*state)), block))
-        ms = _time(lambda: table.step(step_tensor, scale, programs=per_sm * sm, stages=stages, warps=warps,
+        ms = event_ms(lambda: table.step(step_tensor, scale, programs=per_sm * sm, stages=stages, warps=warps,
                                       write_grad=write_grad))
         moved = gib * (10 if write_grad else 9)
         row = {"block": block, "programs_per_sm": per_sm, "stages": stages, "warps": warps,
@@ -284,7 +267,7 @@ def main(argv=None) -> int:
               f"{ms[0]:.3f} [{ms[1]:.3f}-{ms[2]:.3f}] ms, {row['tb_per_s']:.2f} TB/s", flush=True)
     best = min((r for r in report["settings"] if not r["writes_grads"]), key=lambda r: r["ms"][0])
     table = table_cache[best["block"]]
-    with_grads = _time(lambda: table.step(step_tensor, scale, programs=best["programs_per_sm"] * sm,
+    with_grads = event_ms(lambda: table.step(step_tensor, scale, programs=best["programs_per_sm"] * sm,
                                           stages=best["stages"], warps=best["warps"], write_grad=True))
     report["best"], report["best_writing_grads_ms"], report["all_agree"] = best, with_grads, agree
     print(f"best: {best}; writing the clipped gradients back too: {with_grads[0]:.3f} ms; every setting agrees "

@@ -16,9 +16,9 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import statistics
 
 import torch
+from gpu_timing import graph_ms
 
 from gallery_lib.accel.kernels import group_norm as gn
 from gallery_lib.reports.provenance import result_header
@@ -53,30 +53,6 @@ def _cases(batch: int):
     return cases
 
 
-def _graph_ms(fn, replays: int = 20) -> list[float]:
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    for _ in range(3):
-        graph.replay()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    q = statistics.quantiles(times, n=10)
-    return [statistics.median(times), q[1], q[7]]
-
-
 def _run(cases):
     """Every call's forward outputs and backward outputs."""
     outs = []
@@ -101,8 +77,8 @@ def main(argv=None) -> int:
         outs = _run(cases)
         diff = max((a.float() - r.float()).abs().max().item()
                    for o, ref in zip(outs, reference) for a, r in zip(o, ref))
-        fwd = _graph_ms(lambda: [gn._fwd(x, w, b, GROUPS, EPS, True) for x, dy, w, b in cases])
-        bwd = _graph_ms(lambda: [gn._bwd(dy, x, w, b, mean, rstd, GROUPS, True)
+        fwd = graph_ms(lambda: [gn._fwd(x, w, b, GROUPS, EPS, True) for x, dy, w, b in cases])
+        bwd = graph_ms(lambda: [gn._bwd(dy, x, w, b, mean, rstd, GROUPS, True)
                                  for (x, dy, w, b), (_, mean, rstd) in zip(cases, fwd_saved)])
         row = {"loop_stages": stages, "programs_per_sm": per_sm, "fwd_ms": fwd, "bwd_ms": bwd,
                "max_abs_diff_vs_unset": diff}

@@ -23,12 +23,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 import traceback
 
 import torch
 import torch.nn.functional as F
+from gpu_timing import event_ms
 
 # (channels, latent side) of the UNet's 3x3 convolutions inside ResnetBlock2D at 512 px (latent 64): conv2 of every
 # block, and conv1 where the channel count stays (SD-1.5: 320 at 64, 640 at 32, 1280 at 16 and 8).
@@ -37,19 +37,8 @@ GROUPS = 32
 
 
 def timed(fn, iters: int) -> dict:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    q = statistics.quantiles(times, n=10)
-    return {"ms": round(statistics.median(times), 4), "p20": round(q[1], 4), "p80": round(q[7], 4)}
+    ms, p20, p80 = event_ms(fn, iters)
+    return {"ms": round(ms, 4), "p20": round(p20, 4), "p80": round(p80, 4)}
 
 
 def norm_scale_bias(x, gamma, beta):

@@ -13,10 +13,10 @@ first; every setting's outputs are checked against it.
 import argparse
 import itertools
 import json
-import statistics
 import types
 
 import torch
+from gpu_timing import graph_ms
 
 from gallery_lib.accel.kernels import window_attention as wa
 from gallery_lib.reports.provenance import result_header
@@ -53,31 +53,6 @@ def _inputs(batch: int):
     return cases
 
 
-def _graph_ms(fn, calls: int = 10, replays: int = 20) -> tuple[float, float, float]:
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    for _ in range(3):
-        graph.replay()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / calls)
-    q = statistics.quantiles(times, n=10)
-    return statistics.median(times), q[1], q[7]
-
-
 def _time(module, cases, scale):
     """Forward and backward ms per Swin-T step (median, p20, p80 summed over blocks), and each case's outputs."""
     fwd, bwd, outputs = [0.0, 0.0, 0.0], [0.0, 0.0, 0.0], []
@@ -87,7 +62,7 @@ def _time(module, cases, scale):
         outputs.append((out, *module._bwd(dout, qkv, bias, mask, out, lse, scale)))
         for total, fn in ((fwd, lambda: module._fwd(qkv, bias, mask, scale)),
                           (bwd, lambda: module._bwd(dout, qkv, bias, mask, out, lse, scale))):
-            for i, t in enumerate(_graph_ms(fn)):
+            for i, t in enumerate(graph_ms(fn, calls=10)):
                 total[i] += c["count"] * t
     return fwd, bwd, outputs
 
