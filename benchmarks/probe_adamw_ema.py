@@ -255,7 +255,9 @@ def main(argv=None) -> int:
           flush=True)
     table_cache = {}
     for block, per_sm, stages, warps, write_grad in settings:
-        table = table_cache.setdefault(block, OnePass(list(zip(*state)), block))
+        if block not in table_cache:
+            table_cache[block] = OnePass(list(zip(*state)), block)
+        table = table_cache[block]
         ms = event_ms(lambda: table.step(step_tensor, scale, programs=per_sm * sm, stages=stages, warps=warps,
                                       write_grad=write_grad))
         moved = gib * (10 if write_grad else 9)

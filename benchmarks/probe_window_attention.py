@@ -13,10 +13,10 @@ first; every setting's outputs are checked against it.
 import argparse
 import itertools
 import json
-import types
 
 import torch
 from gpu_timing import graph_ms
+from kernel_source import kernels_of
 
 from gallery_lib.accel.kernels import window_attention as wa
 from gallery_lib.reports.provenance import result_header
@@ -27,15 +27,6 @@ N, D = 49, 32
 FWD_SETTINGS = [(w, s, n) for w, s, n in itertools.product((1, 2, 4, 8), (1, 2, 3), (4,))] + [
     (4, 2, 8), (2, 2, 2), (4, 2, 2), (8, 3, 8)]
 BWD_SETTINGS = [(w, s, n) for w, s, n in itertools.product((8, 16, 32), (1, 2), (4, 8))]
-
-
-def _load_base(path: str) -> types.ModuleType:
-    """The base tree's kernels and launchers: its module up to the ``torch.library`` ops, which are registered once."""
-    with open(f"{path}/gallery_lib/accel/kernels/window_attention.py") as f:
-        source = f.read()
-    module = types.ModuleType("base_window_attention")
-    exec(compile(source[:source.index("@library_op(")], f.name, "exec"), module.__dict__)
-    return module
 
 
 def _inputs(batch: int):
@@ -78,7 +69,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     cases, scale = _inputs(args.batch), D ** -0.5
-    base_fwd, base_bwd, base_outputs = _time(_load_base(args.base), cases, scale)
+    base_fwd, base_bwd, base_outputs = _time(kernels_of(args.base, "window_attention"), cases, scale)
     report = {**result_header(), "device": torch.cuda.get_device_name(), "batch": args.batch,
               "base": {"fwd_ms": base_fwd, "bwd_ms": base_bwd}, "fwd": [], "bwd": []}
     print(f"base: fwd {base_fwd[0]:.3f} ms, bwd {base_bwd[0]:.3f} ms", flush=True)

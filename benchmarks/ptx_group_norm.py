@@ -13,9 +13,9 @@ pipelines.
 from __future__ import annotations
 
 import argparse
-import types
 
 import triton
+from kernel_source import kernels_of
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
@@ -28,17 +28,7 @@ VARIANTS = (("_gn_fwd_kernel", dict(STATS=True, APPLY=False)), ("_gn_fwd_kernel"
             ("_gn_bwd_kernel", dict(STATS=False, APPLY=True, BLOCK_R=8)))
 
 
-def load(root: str, name: str) -> types.ModuleType:
-    """The tree's kernels and plans: its module up to the ``torch.library`` ops, which are registered once."""
-    path = f"{root}/gallery_lib/accel/kernels/group_norm.py"
-    with open(path) as f:
-        source = f.read()
-    module = types.ModuleType(name)
-    exec(compile(source[:source.index("@library_op(")], path, "exec"), module.__dict__)
-    return module
-
-
-def ptx(module: types.ModuleType, kernel: str, shape: tuple, flags: dict) -> str:
+def ptx(module, kernel: str, shape: tuple, flags: dict) -> str:
     fn = getattr(module, kernel)._jit
     n, c, hw, groups, cl = shape
     plan = module._Plan(n, c, hw, groups, cl, 4 * 132, 4096)
@@ -74,7 +64,7 @@ def main(argv=None) -> int:
     header = result_header()
     print(f"# {header['command']} | commit {header['commit']} (dirty: {header['dirty']}) | {header['date']} | "
           f"triton {triton.__version__}")
-    base, this = load(args.base, "group_norm_base"), load(".", "group_norm_this")
+    base, this = kernels_of(args.base, "group_norm"), kernels_of(".", "group_norm")
     same = True
     for shape in PLANS:
         for kernel, flags in VARIANTS:
