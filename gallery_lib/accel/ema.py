@@ -15,8 +15,8 @@ differ only in how the update ``ema = lerp(ema, param, 1 - decay)`` is launched:
   sips bandwidth beside the next forward instead of taking every SM at once: a full-width update on a side stream
   competes with the forward for the same bandwidth, and measured slower (benchmarks/RESULTS.md#ema).
 
-Why not fold the EMA into the optimizer pass: it saves only the parameter read, and our one-pass AdamW + EMA kernel
-measured no faster than PyTorch's fused AdamW followed by ``fused`` (benchmarks/RESULTS.md#bench-h100).
+The update can also run inside the optimizer's pass: ``gallery_lib.accel.adamw_ema.AdamWWithEma`` (``attach_ema``)
+applies AdamW and the EMA in one kernel, and ``update`` then counts the update and copies the buffers only.
 
 What is averaged: floating-point parameters with ``requires_grad`` at construction, whether or not they
 got a gradient this step (their EMA keeps moving towards the current value). Frozen parameters and all
@@ -153,6 +153,7 @@ class ModelEma:
         self._stream = self._event = None
         self._pending = False
         self._optimizer_attached = False
+        self._averaging_optimizer: Any = None
         if self.effective_mode == "stream":
             self._stream = torch.cuda.Stream(device=self.device)
             self._event = torch.cuda.Event()
@@ -194,7 +195,10 @@ class ModelEma:
         except KeyError as e:
             raise ValueError(f"ModelEma.update: the model has no tensor {e}; pass the model the EMA was built from")
 
-        if self.effective_mode == "stream":
+        if self._averaging_optimizer is not None and self._averaging_optimizer.averaged_update == self.step:
+            if self._copy_names:  # its step averaged; what is left is copying the rest
+                foreach_copy_(self._ema_copy, model_copy)
+        elif self.effective_mode == "stream":
             self._stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self._stream):
                 self._apply(model_avg, model_copy, weight, self.stream_programs)
@@ -236,6 +240,21 @@ class ModelEma:
             for group in groups:
                 launch_fused(group, weight, programs)
             foreach_lerp_(rest_e, rest_m, weight)
+
+    # ----------------------------------------------------------------- the optimizer's pass
+    def averaged_pairs(self, model: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each averaged tensor of ``model`` with its average (this process's shards of sharded ones)."""
+        model_state = _named_state(unwrap_model(model))
+        missing = [n for n in self._avg_names if n not in model_state]
+        if missing:
+            raise ValueError(f"ModelEma.averaged_pairs: the model has no tensor {missing[0]!r}; pass the model the EMA "
+                             "was built from")
+        return list(zip(_local([model_state[n] for n in self._avg_names]), self._ema_avg))
+
+    def averaged_by(self, optimizer: Any) -> None:
+        """Leaves the averaging of each update whose number ``optimizer.averaged_update`` names to the optimizer's
+        step (``AdamWWithEma``); updates it did not average still average here."""
+        self._averaging_optimizer = optimizer
 
     # ----------------------------------------------------------------- stream ordering
     def wait(self) -> None:

@@ -198,7 +198,8 @@ def add_ema(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
     optimizer step, ``ema.module`` for the averaged model). ``mode="auto"`` updates on a side CUDA stream with one
     fused kernel on a GPU (``stream``; the next optimizer step waits for it, so pass ``optimizer``), and with
     PyTorch's multi-tensor ops on a CPU (``foreach``); ``ratio_warmup`` is diffusers' ``(1 + step) / (10 + step)``
-    decay ramp. ``echo`` gets the change (``ema.change``).
+    decay ramp. An ``AdamWWithEma`` optimizer takes the update into its pass. ``echo`` gets the change
+    (``ema.change``).
 
         ema = add_ema(unet, optimizer)
         ...
@@ -212,11 +213,19 @@ def add_ema(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
     ema = ModelEma(model, decay=decay, ratio_warmup=ratio_warmup, mode=effective, **options)
     if ema.effective_mode == "stream" and optimizer is not None:
         ema.attach_optimizer(optimizer)  # the next optimizer step waits for the side-stream update
+    in_pass = hasattr(optimizer, "attach_ema")  # an AdamWWithEma (gallery_lib.accel.adamw_ema)
+    if in_pass:
+        optimizer.attach_ema(ema, model)
     because = f" ({asked} asked, but {fallback})" if fallback else ""
+    how = f"{ema.effective_mode} update{because}"
+    if in_pass:
+        how = f"in the fused AdamW's pass (a {how} where its kernel cannot run)"
     warmup = " after diffusers' (1 + step) / (10 + step) warm-up" if ratio_warmup else ""
-    ema.change = Change("EMA of the weights", f"{ema.effective_mode} update{because}, decay {decay}{warmup}",
-                        "one fused update kernel on a side stream, beside the next forward, instead of a kernel per "
-                        "tensor on the main stream", f"{RESULTS}#ema")
+    why, measured = ("one kernel for AdamW and the EMA, which reads each weight once instead of twice",
+                     f"{RESULTS}#adamw-ema") if in_pass else (
+        "one fused update kernel on a side stream, beside the next forward, instead of a kernel per tensor on the "
+        "main stream", f"{RESULTS}#ema")
+    ema.change = Change("EMA of the weights", f"{how}, decay {decay}{warmup}", why, measured)
     if echo is not None:
         echo(str(ema.change))
     return ema

@@ -40,6 +40,7 @@ import numpy as np
 import torch
 
 from gallery_lib.accel.accelerate import apply_accelerations
+from gallery_lib.accel.adamw_ema import AdamWWithEma, ema_in_pass
 from gallery_lib.accel.compile.plan import CompilePlan
 from gallery_lib.accel.distributed import (DistInfo, exit_process, gather_full_module, gradient_sync,
                                            init_distributed, reshard, see_only_own_gpu, shutdown)
@@ -91,7 +92,8 @@ def build_optimizer(model: torch.nn.Module, cfg: RunConfig, precision: Precision
     kwargs = {"fused": True} if cfg.fused_optimizer else {}
     if cfg.optimizer == "sgd":
         return torch.optim.SGD(groups, lr=cfg.peak_lr, momentum=0.9, nesterov=True, **kwargs)
-    return torch.optim.AdamW(groups, lr=cfg.peak_lr, betas=(0.9, 0.999), eps=1e-8, **kwargs)
+    adamw = AdamWWithEma if ema_in_pass(cfg, precision.dtype) else torch.optim.AdamW
+    return adamw(groups, lr=cfg.peak_lr, betas=(0.9, 0.999), eps=1e-8, **kwargs)
 
 
 def build_ema(model: torch.nn.Module, cfg: RunConfig, optimizer: torch.optim.Optimizer,

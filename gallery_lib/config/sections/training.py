@@ -103,6 +103,10 @@ class EMA(Section):
     next forward (0: half the GPU's SMs, the width that measured fastest: benchmarks/RESULTS.md#ema)."""
     ema_decay: float = setting(0.9999, kind=float, above=0, below=1, hint="e.g. 0.9999")
     """EMA decay, reached through diffusers' default warm-up ``min(decay, (1 + step) / (10 + step))``."""
+    ema_in_optimizer: bool = setting(False, kind=bool)
+    """Average in the fused AdamW's pass: one kernel applies AdamW and the EMA's update, reading each weight once
+    instead of twice (``gallery_lib/accel/adamw_ema.py``). With SGD, without a fused optimizer, with O2, float16 or
+    ZeRO-2, and on a CPU without Triton, the EMA updates in its own pass, as ``ema`` says."""
 
     def check(self) -> None:
         if self.ema_stream_programs and self.ema != "stream":
