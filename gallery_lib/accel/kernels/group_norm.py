@@ -49,10 +49,10 @@ _CL_CHANNELS = 64
 # The fused plan also runs when a window spans at most this many tiles of positions: its second read then hits L1/L2
 # and one launch less saves more than the missing split would give.
 _FUSED_MAX_HW_BLOCKS = 4
-# Programs per SM the split plan aims for, and the pipeline depth of the loops over positions (None: Triton's
-# default, the loops as plain ``range``): benchmarks/probe_group_norm.py sweeps both.
+# Programs per SM the split plan aims for, and the pipeline depth of the loops over positions (None: plain loops):
+# 3 stages at 4 per SM measured fastest on SD-1.5's norms at batch 32 (benchmarks/RESULTS.md#group-norm-pipelining).
 PROGRAMS_PER_SM = 4
-LOOP_STAGES = None
+LOOP_STAGES = 3
 
 
 @device_function
