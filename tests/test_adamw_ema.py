@@ -80,8 +80,8 @@ def _train(one_pass: bool, steps: int = 4, max_norm: float | None = 0.5, flagged
 
 
 def _assert_near(ours, reference, relative: float, name: str) -> None:
-    """Agreement to rounding, measured against the tensor's largest value: torch's kernel computes in double what
-    the one-pass kernel computes in fp32, and the small differences feed the next step's gradients."""
+    """Agreement to rounding, measured against the tensor's largest value: torch's kernel computes some terms in
+    double that the one-pass kernel computes in fp32, and the last-bit differences feed the next step's gradients."""
     difference = (ours - reference).abs().max().item()
     assert difference <= relative * reference.abs().max().item() + 1e-12, f"{name}: differs by {difference:.3g}"
 
@@ -89,16 +89,16 @@ def _assert_near(ours, reference, relative: float, name: str) -> None:
 def _assert_same_training(a, b):
     (model_a, opt_a, ema_a, _), (model_b, opt_b, ema_b, _) = a, b
     for (name, p), q in zip(model_a.named_parameters(), model_b.parameters()):
-        _assert_near(p, q, 1e-5, name)
+        _assert_near(p, q, 1e-6, name)
         state_a, state_b = opt_a.state.get(p, {}), opt_b.state.get(q, {})
         assert state_a.keys() == state_b.keys(), name
         if state_a:
             assert state_a["step"].item() == state_b["step"].item(), name
-            _assert_near(state_a["exp_avg"], state_b["exp_avg"], 1e-4, f"{name}.exp_avg")
-            _assert_near(state_a["exp_avg_sq"], state_b["exp_avg_sq"], 1e-4, f"{name}.exp_avg_sq")
+            _assert_near(state_a["exp_avg"], state_b["exp_avg"], 2e-6, f"{name}.exp_avg")
+            _assert_near(state_a["exp_avg_sq"], state_b["exp_avg_sq"], 2e-6, f"{name}.exp_avg_sq")
     assert ema_a.step == ema_b.step
     for (name, e), f in zip(ema_a.module.state_dict().items(), ema_b.module.state_dict().values()):
-        _assert_near(e, f, 1e-5, f"ema {name}")
+        _assert_near(e, f, 1e-6, f"ema {name}")
 
 
 def test_triton_one_pass_trains_as_fused_adamw_then_the_ema(path):
@@ -133,6 +133,39 @@ def test_triton_a_parameter_the_ema_does_not_average_takes_torchs_step():
     ema.update(model)
     assert optimizer.averaged_update is None and ema.step == 1
     torch.testing.assert_close(ema.module.big, model.big, rtol=0, atol=0)  # the first update copies
+
+
+def test_triton_the_tables_let_each_steps_gradients_go_and_follow_the_next(path):
+    """The cached tables hold no gradient (the loop frees them after each step; holding them kept 3 GiB and made
+    every step rebuild its tables) and follow gradients that come back at new addresses."""
+    import gc
+    import weakref
+
+    torch.manual_seed(0)
+    models = [_Net(), _Net()]
+    models[1].load_state_dict(models[0].state_dict())
+    ours = AdamWWithEma(models[0].parameters(), lr=1e-2, weight_decay=0.05)
+    ema = ModelEma(models[0], decay=0.9, mode="foreach")
+    ours.attach_ema(ema, models[0])
+    plain = torch.optim.AdamW(models[1].parameters(), lr=1e-2, weight_decay=0.05, fused=True)
+    held = []
+    for step in range(3):
+        grads = [torch.randn_like(p) for p in models[0].parameters() if p.requires_grad]
+        held.append([torch.empty_like(g) for g in grads])  # the next step's gradients land elsewhere
+        for model in models:
+            for p, g in zip((p for p in model.parameters() if p.requires_grad), grads):
+                p.grad = g.clone()
+        gone = weakref.ref(models[0].big.grad)
+        ours.step()
+        plain.step()
+        ema.update(models[0])
+        for optimizer in (ours, plain):
+            optimizer.zero_grad(set_to_none=True)
+        gc.collect()
+        assert gone() is None, "the optimizer kept a gradient alive"
+    assert ours.averaged_update == (3 if path == "triton" else None)
+    for (name, a), b in zip(models[0].named_parameters(), models[1].parameters()):
+        _assert_near(a, b, 1e-6, name)
 
 
 def test_state_dict_loads_into_torch_adamw_and_training_goes_on_the_same(tmp_path):

@@ -50,7 +50,7 @@ class AdamWWithEma(torch.optim.AdamW):
         super().__init__(params, fused=True, **kwargs)
         self._ema = None
         self._average_of: dict[torch.Tensor, torch.Tensor] = {}
-        self._tables: dict[int, tuple[tuple, one_pass.Tables]] = {}
+        self._tables: dict[int, dict] = {}  # group index -> its tables and what they were built for
         self.averaged_update: int | None = None
         """The EMA update count whose averaging the last ``step`` did (``ModelEma.update`` reads it)."""
 
@@ -83,24 +83,35 @@ class AdamWWithEma(torch.optim.AdamW):
         return None
 
     def _launches(self) -> list[tuple[dict, one_pass.Tables]] | None:
-        """Each group's tables for this step, or ``None`` when the kernel cannot take the whole step."""
+        """Each group's tables for this step, or ``None`` when the kernel cannot take the whole step. The tables are
+        built when a group's parameters with gradients change; a step whose gradients moved only re-points them."""
         launches = []
         for index, group in enumerate(self.param_groups):
             params = [p for p in group["params"] if p.grad is not None]
             if not params:
                 continue
             if (any(group.get(option) for option in _UNSUPPORTED) or torch.is_tensor(group["lr"])
-                    or not use_triton(params[0]) or any(p not in self._average_of for p in params)):
+                    or not use_triton(params[0])):
                 return None
-            rows = [(p, p.grad, *self._moments(p), self._average_of[p]) for p in params]
-            key = (tuple(r[1].data_ptr() for r in rows), tuple(group["betas"]), tuple(map(id, params)))
+            grads = [p.grad for p in params]
+            grad_addresses = tuple(g.data_ptr() for g in grads)
+            members = (tuple(map(id, params)), tuple(group["betas"]))
             cached = self._tables.get(index)
-            if cached is None or cached[0] != key:
+            if cached is None or cached["members"] != members:
+                if any(p not in self._average_of for p in params):
+                    return None
+                rows = [(p, g, *self._moments(p), self._average_of[p]) for p, g in zip(params, grads)]
                 if not all(one_pass.fusable(*row) for row in rows):
                     return None
                 steps = [self.state[p]["step"] for p in params]
-                cached = self._tables[index] = (key, one_pass.build_tables(rows, steps, group["betas"]))
-            launches.append((group, cached[1]))
+                cached = self._tables[index] = dict(members=members, grads=grad_addresses,
+                                                    tables=one_pass.build_tables(rows, steps, group["betas"]))
+            elif cached["grads"] != grad_addresses:
+                if not all(one_pass.fusable(p, g) for p, g in zip(params, grads)):
+                    return None
+                one_pass.point_to_grads(cached["tables"], grads)
+                cached["grads"] = grad_addresses
+            launches.append((group, cached["tables"]))
         return launches
 
     def _moments(self, param: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

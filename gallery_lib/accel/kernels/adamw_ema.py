@@ -73,13 +73,18 @@ def _adamw_ema(p_ptr, g_ptr, m_ptr, v_ptr, e_ptr, step_ptr, offs, mask, betas, l
         v = tl.load(v_ptr + offs, cache_modifier=".cg")
         e = tl.load(e_ptr + offs, cache_modifier=".cg")
     step_size, bias_correction2_sqrt = _corrections(step_ptr, betas, lr)
-    beta1 = tl.load(betas).to(tl.float32)
-    beta2 = tl.load(betas + 1).to(tl.float32)
+    beta1 = tl.load(betas)
+    beta2 = tl.load(betas + 1)
+    # 1 - beta in double, as torch's: from an fp32 0.999 it would be 5e-5 off
+    one_minus_beta1 = (1.0 - beta1).to(tl.float32)
+    one_minus_beta2 = (1.0 - beta2).to(tl.float32)
+    beta1 = beta1.to(tl.float32)
+    beta2 = beta2.to(tl.float32)
     if HAS_SCALE:  # the folded clip factor (gallery_lib/accel/clipping.py), as torch's grad_scale
         g = g / tl.load(scale_ptr)
     p_new = p - lr_decay * p
-    m_new = beta1 * m + (1.0 - beta1) * g
-    v_new = beta2 * v + (1.0 - beta2) * g * g
+    m_new = beta1 * m + one_minus_beta1 * g
+    v_new = beta2 * v + one_minus_beta2 * g * g
     p_new = p_new - step_size * m_new / (tl.sqrt(v_new) / bias_correction2_sqrt + eps)
     if HAS_FOUND_INF:  # a flagged step leaves the weights and moments (GradScaler's and the non-finite guard's flag)
         skip = tl.load(found_inf_ptr) == 1.0
@@ -143,14 +148,13 @@ def _adamw_ema_tails_kernel(P, G, M, V, E, steps, tail_tensor, tail_start, numel
                MASKED=True, HAS_SCALE=HAS_SCALE, HAS_FOUND_INF=HAS_FOUND_INF, SMALL_WEIGHT=SMALL_WEIGHT)
 
 
-def fusable(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-            ema: torch.Tensor) -> bool:
-    """Whether the kernel can take the row: fp32 tensors on one device, dense in one layout, 16-byte aligned."""
-    row = (param, grad, exp_avg, exp_avg_sq, ema)
-    return (all(type(t) in (torch.Tensor, torch.nn.Parameter) and t.dtype == torch.float32 for t in row)
-            and all(t.device == param.device and t.stride() == param.stride() and t.shape == param.shape
-                    and t.data_ptr() % _ALIGN == 0 for t in row)
-            and param.numel() > 0 and _dense(param))
+def fusable(param: torch.Tensor, *others: torch.Tensor) -> bool:
+    """Whether the kernel can take ``param`` with its gradient, moments or average: fp32 tensors on one device, dense
+    in one layout, 16-byte aligned."""
+    return (param.numel() > 0 and _dense(param)
+            and all(type(t) in (torch.Tensor, torch.nn.Parameter) and t.dtype == torch.float32
+                    and t.device == param.device and t.stride() == param.stride() and t.shape == param.shape
+                    and t.data_ptr() % _ALIGN == 0 for t in (param, *others)))
 
 
 def _dense(t: torch.Tensor) -> bool:
@@ -161,7 +165,8 @@ def _dense(t: torch.Tensor) -> bool:
 @dataclass
 class Tables:
     """Pointer tables of one parameter group's rows (param, grad, exp_avg, exp_avg_sq, ema) with their step counts:
-    the whole blocks, the tails, and the group's betas."""
+    the whole blocks, the tails, and the group's betas. They keep every tensor they point to alive but the gradients,
+    which the training loop frees after each step: ``point_to_grads`` gives them the next step's."""
 
     addresses: list[torch.Tensor]  # five int64 tables, one per tensor kind, addresses divided by 16
     steps: torch.Tensor  # int64 addresses of torch's 0-d fp32 step counts
@@ -171,8 +176,19 @@ class Tables:
     tail_start: torch.Tensor
     numels: torch.Tensor
     betas: torch.Tensor  # fp64 (beta1, beta2)
-    rows: list[tuple[torch.Tensor, ...]]  # these and the step counts stay alive while their addresses are in tables
+    kept: list[torch.Tensor]  # the params, moments, averages and step counts
     step_counts: list[torch.Tensor]
+
+    @property
+    def device(self) -> torch.device:
+        return self.kept[0].device
+
+
+def _addresses(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Their addresses divided by 16, on ``device``, without waiting for it: a copy from pageable memory would make
+    the host wait for every kernel queued before it."""
+    table = torch.tensor([t.data_ptr() // _ALIGN for t in tensors], dtype=torch.int64)
+    return table.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else table
 
 
 def build_tables(rows: list[tuple[torch.Tensor, ...]], steps: list[torch.Tensor], betas: tuple[float, float]) -> Tables:
@@ -185,7 +201,7 @@ def build_tables(rows: list[tuple[torch.Tensor, ...]], steps: list[torch.Tensor]
         return torch.tensor(values, dtype=torch.int64, device=device)
 
     return Tables(
-        addresses=[int64([r[k].data_ptr() // _ALIGN for r in rows]) for k in range(5)],
+        addresses=[_addresses([r[k] for r in rows], device) for k in range(5)],
         steps=int64([s.data_ptr() for s in steps]),
         block_tensor=torch.repeat_interleave(torch.arange(len(rows), dtype=torch.int32),
                                              torch.tensor(whole)).to(device),
@@ -194,15 +210,20 @@ def build_tables(rows: list[tuple[torch.Tensor, ...]], steps: list[torch.Tensor]
         tail_start=int64([s for _, s in tails]),
         numels=int64([r[0].numel() for r in rows]),
         betas=torch.tensor(betas, dtype=torch.float64, device=device),
-        rows=list(rows),
+        kept=[t for r in rows for k, t in enumerate(r) if k != 1] + list(steps),
         step_counts=list(steps),
     )
+
+
+def point_to_grads(tables: Tables, grads: list[torch.Tensor]) -> None:
+    """Points the tables at this step's gradients (the same rows, each ``fusable`` with its param)."""
+    tables.addresses[1] = _addresses(grads, tables.device)
 
 
 def launch(tables: Tables, hyper: Hyper, grad_scale: torch.Tensor | None, found_inf: torch.Tensor | None) -> None:
     """One AdamW step and EMA update of every row of ``tables``. As in torch's AdamW, the caller advances the step
     counts before (and takes a flagged step back after)."""
-    first = tables.rows[0][0]
+    first = tables.kept[0]
     flags = dict(HAS_SCALE=grad_scale is not None, HAS_FOUND_INF=found_inf is not None,
                  SMALL_WEIGHT=abs(hyper.ema_weight) < 0.5, BLOCK=BLOCK, num_warps=NUM_WARPS)
     scalars = (tables.betas, hyper.lr, hyper.eps, hyper.lr * hyper.weight_decay, hyper.ema_weight,
