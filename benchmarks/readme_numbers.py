@@ -19,14 +19,15 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 
 HEADLINE = (  # (what was trained, its gallery model, the bench file holding its peer and accelerated rows, batch,
-    #            the rows' names in it: files from before a recipe took up a change name it by that change)
-    ("Swin-T, 224 px", "swin_tiny_patch4_window7_224", "swin_window_sweep_h200/bench_swin_wa.json", 128, "peer",
+    #            the rows' names in it: a file from a commit whose recipe differed names the row by its switch)
+    ("Swin-T, 224 px", "swin_tiny_patch4_window7_224", "swin_repeat_h200/bench_swin_rep.json", 128, "peer",
      "accelerated"),
     ("ResNet-50, 224 px", "resnet50", "head_1931023_h200/bench_resnet_head.json", 256, "peer", "accelerated"),
-    ("SD-1.5 UNet, 512 px", "sd15", "head_d8ff2a9_h200/bench_sd_head.json", 32, "peer", "accelerated"),
-    # the GPU switch `accelerated` has since the commit after d8ff2a9 (tests/test_dreambooth.py checks the same run)
-    ("DreamBooth, SD-1.5 full fine-tuning, 512 px", "dreambooth_sd15", "head_d8ff2a9_h200/bench_db_head.json", 1,
-     "peer", "accelerated+clip_in_optimizer"),
+    # at 5b054a9 the recipes briefly took ema_in_optimizer; without it they are the recipes since (tests check them)
+    ("SD-1.5 UNet, 512 px", "sd15", "one_pass_h200/bench_sd_one_pass.json", 32, "peer",
+     "accelerated+no-ema_in_optimizer"),
+    ("DreamBooth, SD-1.5 full fine-tuning, 512 px", "dreambooth_sd15", "one_pass_h200/bench_db_one_pass.json", 1,
+     "peer", "accelerated+no-ema_in_optimizer"),
 )
 CPU_GALLERY = "cpu_gallery"
 """The folder of the CPU gallery's timings, ``gallery_<commit>.txt``; the newest file is quoted."""
