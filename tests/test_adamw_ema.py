@@ -20,6 +20,7 @@ from gallery_lib.config import RunConfig
 from gallery_lib.run.metrics import read_metrics
 
 
+@pytest.mark.isa  # the reference, torch's CPU fused AdamW, takes other kernels on each instruction set
 def test_interpreter_subprocess():
     run_file_in_interpreter(__file__)
 
@@ -101,6 +102,7 @@ def _assert_same_training(a, b):
         _assert_near(e, f, 1e-6, f"ema {name}")
 
 
+@pytest.mark.isa
 def test_triton_one_pass_trains_as_fused_adamw_then_the_ema(path):
     """Weights, both moments, step counts (a flagged step not counted), the EMA and its copied buffer, over 4 steps
     with the clip factor folded in, two groups and a changing learning rate."""
