@@ -173,7 +173,8 @@ def test_flat_config_json_written_before_the_sections_still_loads(name, tmp_path
     assert RunConfig.load(path) == cfg == RunConfig.from_dict(old)
 
 
-ADDED_SINCE_THE_FIXTURES = {"clip_in_optimizer", "ema_in_optimizer"}  # a flat file of 552a0d8 loads them at their defaults
+# a flat file of 552a0d8 loads them at their defaults
+ADDED_SINCE_THE_FIXTURES = {"clip_in_optimizer", "ema_in_optimizer"}
 
 
 def test_every_field_has_one_section_and_keeps_its_flat_name():
