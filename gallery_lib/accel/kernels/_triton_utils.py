@@ -198,6 +198,13 @@ def next_power_of_2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
+def dense(t: torch.Tensor) -> bool:
+    """Whether ``t``'s elements fill ``numel`` consecutive slots from its address: contiguous, or channels_last. The
+    kernels over pointer tables read such tensors as flat memory."""
+    return (t.is_contiguous() or (t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last))
+            or (t.dim() == 5 and t.is_contiguous(memory_format=torch.channels_last_3d)))
+
+
 def reduction_block(n: int, max_block: int | None = None) -> int:
     """Block size along a reduced dimension of length ``n``: the whole row when it fits, else the cap."""
     return min(next_power_of_2(n), max_block or MAX_BLOCK)

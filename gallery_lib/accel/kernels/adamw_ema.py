@@ -151,15 +151,10 @@ def _adamw_ema_tails_kernel(P, G, M, V, E, steps, tail_tensor, tail_start, numel
 def fusable(param: torch.Tensor, *others: torch.Tensor) -> bool:
     """Whether the kernel can take ``param`` with its gradient, moments or average: fp32 tensors on one device, dense
     in one layout, 16-byte aligned."""
-    return (param.numel() > 0 and _dense(param)
+    return (param.numel() > 0 and tu.dense(param)
             and all(type(t) in (torch.Tensor, torch.nn.Parameter) and t.dtype == torch.float32
                     and t.device == param.device and t.stride() == param.stride() and t.shape == param.shape
                     and t.data_ptr() % _ALIGN == 0 for t in (param, *others)))
-
-
-def _dense(t: torch.Tensor) -> bool:
-    return (t.is_contiguous() or (t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last))
-            or (t.dim() == 5 and t.is_contiguous(memory_format=torch.channels_last_3d)))
 
 
 @dataclass

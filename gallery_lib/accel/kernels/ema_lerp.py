@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from gallery_lib.accel.kernels._triton_utils import has_triton, tl, triton
+from gallery_lib.accel.kernels._triton_utils import dense, has_triton, tl, triton
 
 _ALIGN = 16  # bytes; addresses are stored divided by this so Triton knows they allow 16-byte vector access
 _BLOCK = 4096  # elements per program (benchmarks/RESULTS.md#ema)
@@ -77,16 +77,10 @@ if has_triton:
     _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
-def _dense(t: torch.Tensor) -> bool:
-    """Whether ``t``'s elements fill ``numel`` consecutive slots from its address: contiguous, or channels_last."""
-    return (t.is_contiguous() or (t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last))
-            or (t.dim() == 5 and t.is_contiguous(memory_format=torch.channels_last_3d)))
-
-
 def _fusable(e: torch.Tensor, m: torch.Tensor) -> bool:
     """Whether the kernel, which reads both tensors as flat memory, can take the pair: dense, in the same layout
     (a channels_last conv weight and its EMA copy), aligned and of a dtype it knows."""
-    return (e.dtype in _TL_DTYPES and m.dtype in _TL_DTYPES and e.device == m.device and _dense(e)
+    return (e.dtype in _TL_DTYPES and m.dtype in _TL_DTYPES and e.device == m.device and dense(e)
             and e.stride() == m.stride() and e.data_ptr() % _ALIGN == 0 and m.data_ptr() % _ALIGN == 0)
 
 
