@@ -213,18 +213,17 @@ def add_ema(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
     ema = ModelEma(model, decay=decay, ratio_warmup=ratio_warmup, mode=effective, **options)
     if ema.effective_mode == "stream" and optimizer is not None:
         ema.attach_optimizer(optimizer)  # the next optimizer step waits for the side-stream update
-    in_pass = hasattr(optimizer, "attach_ema")  # an AdamWWithEma (gallery_lib.accel.adamw_ema)
-    if in_pass:
-        optimizer.attach_ema(ema, model)
     because = f" ({asked} asked, but {fallback})" if fallback else ""
     how = f"{ema.effective_mode} update{because}"
-    if in_pass:
+    if hasattr(optimizer, "attach_ema"):  # an AdamWWithEma (gallery_lib.accel.adamw_ema)
+        optimizer.attach_ema(ema, model)
         how = f"in the fused AdamW's pass (a {how} where its kernel cannot run)"
+        why, measured = ("one kernel for AdamW and the EMA, which reads each weight once instead of twice",
+                         f"{RESULTS}#adamw-ema")
+    else:
+        why, measured = ("one fused update kernel on a side stream, beside the next forward, instead of a kernel per "
+                         "tensor on the main stream", f"{RESULTS}#ema")
     warmup = " after diffusers' (1 + step) / (10 + step) warm-up" if ratio_warmup else ""
-    why, measured = ("one kernel for AdamW and the EMA, which reads each weight once instead of twice",
-                     f"{RESULTS}#adamw-ema") if in_pass else (
-        "one fused update kernel on a side stream, beside the next forward, instead of a kernel per tensor on the "
-        "main stream", f"{RESULTS}#ema")
     ema.change = Change("EMA of the weights", f"{how}, decay {decay}{warmup}", why, measured)
     if echo is not None:
         echo(str(ema.change))
