@@ -29,7 +29,6 @@ from gallery_lib.accel.adamw_ema import AdamWWithEma
 from gallery_lib.accel.clipping import clip_then_step
 from gallery_lib.accel.ema import ModelEma
 from gallery_lib.accel.kernels import adamw_ema as one_pass
-from gallery_lib.accel.kernels.ema_lerp import build_tables, foreach_lerp_, launch_fused
 from gallery_lib.reports.provenance import result_header
 
 
@@ -64,22 +63,21 @@ def _setup(unet, one: bool, ema_mode: str = "fused"):
 
 def _kernels_alone(unet, report: dict) -> None:
     """The device time of each way, its launches captured in one CUDA graph: no host work between them."""
-    optimizer, ema, step = _setup(unet, True)
-    step()  # the moments, the step counts and the one-pass tables; the gradients stay
-    params = list(unet.parameters())
-    state = [optimizer.state[p] for p in params]
     scale, flag = torch.tensor(2.0, device="cuda"), torch.zeros((), device="cuda")
-    ema_tables, rest_e, rest_m = build_tables([e for _, e in ema.averaged_pairs(unet)], params)
+    two_optimizer, two_ema, two_step = _setup(unet, False)
+    two_step()  # the moments, the step counts and the EMA's tables
+    params = list(unet.parameters())
+    state = [two_optimizer.state[p] for p in params]
 
-    def two_passes():
+    def two_passes():  # torch's fused AdamW kernel (its step() cannot be captured unless capturable), then the EMA's
         torch._fused_adamw_(params, [p.grad for p in params], [s["exp_avg"] for s in state],
                             [s["exp_avg_sq"] for s in state], [], [s["step"] for s in state], lr=1e-4, beta1=0.9,
                             beta2=0.999, weight_decay=1e-2, eps=1e-8, amsgrad=False, maximize=False, grad_scale=scale,
                             found_inf=flag)
-        for table in ema_tables:
-            launch_fused(table, 1e-4, None)
-        foreach_lerp_(rest_e, rest_m, 1e-4)
+        two_ema.update(unet)
 
+    optimizer, _, step = _setup(unet, True)
+    step()  # the one-pass tables; the gradients stay
     hyper = one_pass.Hyper(lr=1e-4, eps=1e-8, weight_decay=1e-2, ema_weight=1e-4)
     tables = [entry["tables"] for entry in optimizer._tables.values()]
 
