@@ -225,6 +225,7 @@ def launch(tables: Tables, hyper: Hyper, grad_scale: torch.Tensor | None, found_
                first if grad_scale is None else grad_scale, first if found_inf is None else found_inf)  # unread
     n_blocks = tables.block_index.numel()
     if n_blocks:
+        # on the interpreter 3 programs, so that each loops over several blocks as on a GPU
         programs = tu.sm_count(first.device) * PROGRAMS_PER_SM if first.is_cuda else 3
         _adamw_ema_blocks_kernel[(min(n_blocks, programs),)](
             *tables.addresses, tables.steps, tables.block_tensor, tables.block_index, n_blocks, *scalars,
