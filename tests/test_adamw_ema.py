@@ -16,6 +16,7 @@ from gallery_lib.accel.adamw_ema import AdamWWithEma, ema_in_pass
 from gallery_lib.accel.clipping import clip_then_step
 from gallery_lib.accel.ema import ModelEma
 from gallery_lib.accel.kernels import _triton_utils as tu
+from gallery_lib.accel.kernels.adamw_ema import torch_betas
 from gallery_lib.config import RunConfig
 from gallery_lib.run.metrics import read_metrics
 
@@ -182,6 +183,15 @@ def test_state_dict_loads_into_torch_adamw_and_training_goes_on_the_same(tmp_pat
     assert again.state_dict()["state"].keys() == optimizer.state_dict()["state"].keys()
     for key in ("step", "exp_avg", "exp_avg_sq"):
         torch.testing.assert_close(plain.state[model.big][key], optimizer.state[model.big][key])
+
+
+def test_the_betas_are_rounded_as_torchs_kernel_on_the_device_rounds_them():
+    """On a GPU torch's fused AdamW takes 1 - beta from an fp32 beta: 1 - 0.999 is 1.287e-5 smaller there, and every
+    second moment with it (the GPU test below fails at 1.3e-5 without this)."""
+    assert torch_betas((0.9, 0.999), torch.device("cpu")) == (0.9, 0.999)
+    on_gpu = torch_betas((0.9, 0.999), torch.device("cuda"))
+    assert on_gpu[1] == torch.tensor(0.999, dtype=torch.float32).item() != 0.999
+    assert (1 - on_gpu[1]) / (1 - 0.999) == pytest.approx(1 - 1.287e-5, abs=1e-8)
 
 
 def test_fused_false_is_a_clear_error():

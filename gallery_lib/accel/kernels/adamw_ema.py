@@ -9,7 +9,8 @@ second launch. The gradients are read, not written: torch's kernel writes them b
 a loop that clears them after the step does not need.
 
 The arithmetic is torch's fused AdamW's, term by term (``aten/src/ATen/native/cuda/fused_adam_utils.cuh``, ADAMW
-mode), with the bias corrections in double precision from each tensor's own step count, and a step flagged in
+mode), with the betas rounded as torch's kernel for the device rounds them (``torch_betas``), the bias corrections
+in double precision from each tensor's own step count, and a step flagged in
 ``found_inf`` leaving the weights and moments as they were; the EMA lerp is ``torch.lerp``'s two-sided formula, towards
 the new weights. The PyTorch path is torch's fused AdamW followed by ``ModelEma``'s own update
 (``gallery_lib/accel/adamw_ema.py`` falls back to it).
@@ -75,7 +76,7 @@ def _adamw_ema(p_ptr, g_ptr, m_ptr, v_ptr, e_ptr, step_ptr, offs, mask, betas, l
     step_size, bias_correction2_sqrt = _corrections(step_ptr, betas, lr)
     beta1 = tl.load(betas)
     beta2 = tl.load(betas + 1)
-    # 1 - beta in double, as torch's: from an fp32 0.999 it would be 5e-5 off
+    # 1 - beta in double from the table's betas (torch_betas)
     one_minus_beta1 = (1.0 - beta1).to(tl.float32)
     one_minus_beta2 = (1.0 - beta2).to(tl.float32)
     beta1 = beta1.to(tl.float32)
@@ -186,6 +187,14 @@ def _addresses(tensors: list[torch.Tensor], device: torch.device) -> torch.Tenso
     return table.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else table
 
 
+def torch_betas(betas: tuple[float, float], device: torch.device) -> tuple[float, float]:
+    """The betas as torch's fused AdamW on ``device`` uses them: its CUDA kernel rounds them to fp32 before it
+    computes ``1 - beta`` (``1 - 0.999`` comes out 1.3e-5 smaller), its CPU kernel keeps them in double."""
+    if device.type != "cuda":
+        return tuple(betas)
+    return tuple(torch.tensor(betas, dtype=torch.float32).tolist())
+
+
 def build_tables(rows: list[tuple[torch.Tensor, ...]], steps: list[torch.Tensor], betas: tuple[float, float]) -> Tables:
     """The tables of ``rows`` (each ``fusable``) and their step-count tensors."""
     device = rows[0][0].device
@@ -204,7 +213,7 @@ def build_tables(rows: list[tuple[torch.Tensor, ...]], steps: list[torch.Tensor]
         tail_tensor=torch.tensor([i for i, _ in tails], dtype=torch.int32, device=device),
         tail_start=int64([s for _, s in tails]),
         numels=int64([r[0].numel() for r in rows]),
-        betas=torch.tensor(betas, dtype=torch.float64, device=device),
+        betas=torch.tensor(torch_betas(betas, device), dtype=torch.float64, device=device),
         kept=[t for r in rows for k, t in enumerate(r) if k != 1] + list(steps),
         step_counts=list(steps),
     )
