@@ -207,19 +207,20 @@ def test_refuses_an_identifier_missing_from_the_prompt_in_the_config():
 
 def test_on_a_gpu_accelerated_compiles_the_whole_unet_and_blocks_when_named(monkeypatch):
     """At batch 1 on a GPU the whole UNet replays as CUDA graphs, channels_last through every graph, the clipping in
-    the optimizer's pass (its blocks as graphs left the host setting the step: benchmarks/RESULTS.md#dreambooth);
-    ``--set compile_scope=blocks`` gets the blocks as the recipe runs them, precompiled in parallel. On a CPU the
-    recipe compiles the blocks and clips as its own pass."""
+    the optimizer's pass and the EMA too (its blocks as graphs left the host setting the step:
+    benchmarks/RESULTS.md#dreambooth); ``--set compile_scope=blocks`` gets the blocks as the recipe runs them,
+    precompiled in parallel. On a CPU the recipe compiles the blocks, and clips and averages in their own passes."""
     from gallery_lib.recipes import recipe_config
 
     base = base_config("full", family="dreambooth", data_root="/data", batch_size=1)
     on_cpu = apply_recipe("accelerated", base.replace(device="cpu"))
-    assert on_cpu.compile_scope == "blocks" and not on_cpu.clip_in_optimizer
+    assert on_cpu.compile_scope == "blocks" and not on_cpu.clip_in_optimizer and not on_cpu.ema_in_optimizer
     monkeypatch.setattr("gallery_lib.recipes.named.runs_on_gpu", lambda base: True)
     monkeypatch.setattr("gallery_lib.recipes.named.precompile_workers_for_machine", lambda: 8)
     whole = apply_recipe("accelerated", base)
     assert (whole.compile_scope, whole.compile_mode, whole.precompile_workers) == ("model", "reduce-overhead", 0)
     assert whole.channels_last and whole.channels_last_graphs and whole.ema == "fused" and whole.clip_in_optimizer
+    assert whole.ema_in_optimizer
     assert whole.kernel_op_names == ("geglu",)
     blocks = recipe_config(base, "accelerated", {"compile_scope": "blocks"})
     assert (blocks.compile_scope, blocks.compile_mode, blocks.precompile_workers) == ("blocks", "reduce-overhead", 8)

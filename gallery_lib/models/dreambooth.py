@@ -52,12 +52,12 @@ FAMILY = register_family(ModelFamily(
     # On a GPU at batch 1: the whole UNet as CUDA graphs, channels_last through every graph (1.25x the peer, and a
     # shorter cold start than the peer's); its blocks as graphs leave the host setting the step (0.7x the peer), and
     # start sooner only on a cold machine; the gradient clipping in the fused AdamW's pass (0.8% and 2.4% faster in
-    # two calls) (benchmarks/RESULTS.md#dreambooth). On a CPU the blocks, as for SD. Not kept: the EMA in AdamW's pass
-    # (#adamw-ema).
+    # two calls) (benchmarks/RESULTS.md#dreambooth), and the EMA in that pass too (1.12x and 1.25x in two calls,
+    # #adamw-ema). On a CPU the blocks, as for SD.
     accelerated={"cache_latents": True, "ema": "fused", "kernels": True, "kernel_ops": "geglu",
                  "compile_scope": "blocks"},
     accelerated_on_gpu={"compile_scope": "model", "channels_last": True, "channels_last_graphs": True,
-                        "clip_in_optimizer": True},
+                        "clip_in_optimizer": True, "ema_in_optimizer": True},
     peer={"cache_latents": True},  # as for Stable Diffusion: the frozen encoders run once, in a few plain lines
     block_graphs_below_pixels=STABLE_DIFFUSION.block_graphs_below_pixels,  # the same UNet
     block_types=STABLE_DIFFUSION.block_types,

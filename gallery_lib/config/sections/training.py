@@ -106,8 +106,8 @@ class EMA(Section):
     ema_in_optimizer: bool = setting(False, kind=bool)
     """Average in the fused AdamW's pass: one kernel applies AdamW and the EMA's update, reading each weight once
     instead of twice (``gallery_lib/accel/adamw_ema.py``). With SGD, without a fused optimizer, with O2, float16 or
-    ZeRO-2, and on a CPU without Triton, the EMA updates in its own pass, as ``ema`` says. No recipe takes it yet
-    (benchmarks/RESULTS.md#adamw-ema)."""
+    ZeRO-2, and on a CPU without Triton, the EMA updates in its own pass, as ``ema`` says. DreamBooth's GPU recipe
+    takes it; SD-1.5's, with the EMA on a side stream, gains nothing from it (benchmarks/RESULTS.md#adamw-ema)."""
 
     def check(self) -> None:
         if self.ema_stream_programs and self.ema != "stream":
