@@ -231,15 +231,19 @@ def test_on_a_gpu_accelerated_compiles_the_whole_unet_and_blocks_when_named(monk
 @pytest.mark.parametrize("lora_rank", [0, 4], ids=["full", "lora"])
 def test_gpu_accelerated_recipe_trains_like_the_baseline(dreambooth_data, tmp_path, lora_rank):
     """On a GPU the accelerated recipe runs the whole UNet as CUDA graphs, channels_last through every graph (LoRA
-    layers inside them too), with the fused EMA kernel; in fp32 its losses follow the baseline's (eager, online
-    encoders)."""
+    layers inside them too), with the EMA averaged in the fused AdamW's pass (its Triton kernel); in fp32 its losses
+    follow the baseline's (eager, online encoders)."""
+    from gallery_lib.accel.kernels import _triton_utils as tu
+
     base = tiny(dreambooth_data, tmp_path, steps=12, amp_level="O0", device="cuda", lora_rank=lora_rank,
                 lr=1e-2 if lora_rank else 1e-3)
     accelerated = apply_recipe("accelerated", base).replace(amp_level="O0")
     assert (accelerated.compile_scope, accelerated.compile_mode) == ("model", "reduce-overhead")
-    assert accelerated.channels_last_graphs and accelerated.ema == "fused"
+    assert accelerated.channels_last_graphs and accelerated.ema == "fused" and accelerated.ema_in_optimizer
     baseline = apply_recipe("baseline", base).replace(amp_level="O0")
-    for cfg in (baseline, accelerated):
-        run(cfg)
+    run(baseline)
+    tu.launch_counts.clear()
+    run(accelerated)
+    assert tu.launch_counts["_adamw_ema_tails_kernel"] + tu.launch_counts["_adamw_ema_blocks_kernel"] > 0
     torch.testing.assert_close(torch.tensor(losses_of(accelerated)), torch.tensor(losses_of(baseline)),
                                rtol=1e-3, atol=1e-5)
