@@ -47,8 +47,8 @@ class Hyper:
 
 @device_function
 def _corrections(step_ptr, betas, lr):
-    """The step size and the square root of the second bias correction at the row's step count: torch computes the
-    powers of the betas in double precision; in fp32, ``1 - 0.999 ** step`` would lose four digits at early steps."""
+    """The step size and the square root of the second bias correction at the row's step count, from powers of the
+    betas in double precision: in fp32, ``1 - 0.999 ** step`` would lose four digits at early steps."""
     step = tl.load(step_ptr).to(tl.float64)
     beta1 = tl.load(betas)
     beta2 = tl.load(betas + 1)
