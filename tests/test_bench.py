@@ -100,10 +100,12 @@ def test_goals_met_with_their_numbers():
             row("sd15", "accelerated+ema=off", 32, 141.0, ema="off", to_steady_s=99.0, compile_caches="cold"),
             row("swin_tiny_patch4_window7_224", "peer", 128, 3800.0, p20=33.0, p80=34.0),
             row("swin_tiny_patch4_window7_224", "accelerated", 128, 5000.0, p20=25.5, p80=26.0),
-            row("resnet50", "peer", 256, 5600.0), row("resnet50", "accelerated", 256, 6100.0)]
+            row("resnet50", "peer", 256, 5600.0), row("resnet50", "accelerated", 256, 6100.0),
+            row("dreambooth_sd15", "peer", 1, 21.4), row("dreambooth_sd15", "accelerated", 1, 29.6)]
     (swin, swin_text), (sd, sd_text), (best, best_text), (ema, ema_text), (cold, cold_text), (warm, warm_text), (
-        resnet, resnet_text) = verdicts(rows)  # each family's goals, in the registry's order
-    assert (sd, best, swin, ema, cold, warm, resnet) == (MET,) * 7
+        resnet, resnet_text), (dreambooth, dreambooth_text) = verdicts(rows)  # each family's goals, in registry order
+    assert (sd, best, swin, ema, cold, warm, resnet, dreambooth) == (MET,) * 8
+    assert "29.6 against 21.4 samples/s = 1.38x" in dreambooth_text
     assert cold_text == "batch 32: 41.0 s" and warm_text == "batch 48: 12.5 s"  # another recipe's 99 s is not judged
     assert "6,100.0 against 5,600.0 samples/s = 1.09x" in resnet_text
     assert "140.0 against 120.0 samples/s = 1.17x" in sd_text
@@ -119,10 +121,12 @@ def test_goals_not_met_say_why():
             row("sd15", "accelerated+ema=off", 32, 123.0, ema="off"),
             row("swin_tiny_patch4_window7_224", "peer", 128, 3800.0),
             row("swin_tiny_patch4_window7_224", "accelerated", 128, 5100.0, p20=28.6, p80=38.0),
-            row("resnet50", "peer", 256, 5000.0), row("resnet50", "accelerated", 256, 5900.0)]
+            row("resnet50", "peer", 256, 5000.0), row("resnet50", "accelerated", 256, 5900.0),
+            row("dreambooth_sd15", "peer", 1, 21.3), row("dreambooth_sd15", "accelerated", 1, 26.0)]
     (swin, swin_text), (sd, sd_text), (best, best_text), (ema, ema_text), (cold, cold_text), (warm, warm_text), (
-        resnet, resnet_text) = verdicts(rows)  # each family's goals, in the registry's order
-    assert (sd, best, swin, ema, cold, resnet) == (NOT_MET,) * 6
+        resnet, resnet_text), (dreambooth, dreambooth_text) = verdicts(rows)  # each family's goals, in registry order
+    assert (sd, best, swin, ema, cold, resnet, dreambooth) == (NOT_MET,) * 7
+    assert "= 1.22x" in dreambooth_text
     assert cold_text == "batch 32: 71.2 s"
     assert warm == NOT_MEASURED and warm_text == ("no accelerated row with warm caches (a second run of the recipe in "
                                                   "the same call measures it)")
@@ -136,7 +140,7 @@ def test_goals_not_met_say_why():
 
 def test_goals_not_measured_name_what_is_missing():
     tiny = [row("sd_tiny", "peer", 4, 9.0), row("sd_tiny", "accelerated", 4, 12.0)]
-    assert [status for status, _ in verdicts(tiny)] == [NOT_MEASURED] * 7
+    assert [status for status, _ in verdicts(tiny)] == [NOT_MEASURED] * 8
     other_batch = [row("sd15", "peer", 8, 70.0), row("sd15", "accelerated", 8, 85.0)]
     status, numbers = verdicts(other_batch)[1]
     assert status == NOT_MEASURED and numbers == "no accelerated and no peer row at batch 32"
@@ -278,8 +282,8 @@ def test_cpu_bench_writes_rows_a_figure_and_the_goals(toy, tmp_path, capsys, mon
         assert (r["compile_caches"] is None) == (r["recipe"] == "baseline")  # the peer compiles: cold or warm
     assert out.with_suffix(".png").stat().st_size > 10_000
     printed = capsys.readouterr().out
-    assert "| toy_convnet | peer | 8 |" in printed and printed.count("[not measured]") == 7
-    assert [g["status"] for g in record["goals"]] == [NOT_MEASURED] * 7
+    assert "| toy_convnet | peer | 8 |" in printed and printed.count("[not measured]") == 8
+    assert [g["status"] for g in record["goals"]] == [NOT_MEASURED] * 8
 
 
 def test_a_gpu_plan_times_at_least_30_steps_after_warm_up(monkeypatch, tmp_path):

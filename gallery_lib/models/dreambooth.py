@@ -11,7 +11,7 @@ from __future__ import annotations
 from functools import partial
 
 from gallery_lib.models import register_family
-from gallery_lib.config.family import ModelFamily, ModelSpec
+from gallery_lib.config.family import ModelFamily, ModelSpec, SpeedGoal
 from gallery_lib.models.sd_parts import build_stable_diffusion
 from gallery_lib.models.stable_diffusion import FAMILY as STABLE_DIFFUSION
 from gallery_lib.tasks.dreambooth import DreamBoothTask
@@ -63,4 +63,6 @@ FAMILY = register_family(ModelFamily(
     block_types=STABLE_DIFFUSION.block_types,
     block_modules=STABLE_DIFFUSION.block_modules,
     attention_hook=STABLE_DIFFUSION.attention_hook,
+    # set for one H100 at batch 1, against a peer with cached latents and CUDA graphs (benchmarks/RESULTS.md#peer)
+    speed_goals=(SpeedGoal("speedup", "dreambooth_sd15", dict(batch_size=1, min_ratio=1.3)),),
 ))
