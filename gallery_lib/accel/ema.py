@@ -67,6 +67,14 @@ def _named_state(model: nn.Module) -> dict[str, torch.Tensor]:
     return state
 
 
+def _named_tensors(model_state: dict[str, torch.Tensor], names: list[str], caller: str) -> list[torch.Tensor]:
+    """The local tensors of ``names`` in ``model_state``, or a clear error naming the first one missing."""
+    try:
+        return _local([model_state[n] for n in names])
+    except KeyError as e:
+        raise ValueError(f"ModelEma.{caller}: the model has no tensor {e}; pass the model the EMA was built from")
+
+
 def _local(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """This process's shards of sharded (DTensor) tensors, views that updates write through; others as they are."""
     if not torch.distributed.is_available():
@@ -189,11 +197,8 @@ class ModelEma:
         self.step += 1
         weight = 1.0 - self.get_decay(self.step)
         model_state = _named_state(unwrap_model(model))
-        try:
-            model_avg = _local([model_state[n] for n in self._avg_names])
-            model_copy = _local([model_state[n] for n in self._copy_names])
-        except KeyError as e:
-            raise ValueError(f"ModelEma.update: the model has no tensor {e}; pass the model the EMA was built from")
+        model_avg = _named_tensors(model_state, self._avg_names, "update")
+        model_copy = _named_tensors(model_state, self._copy_names, "update")
 
         if self._averaging_optimizer is not None and self._averaging_optimizer.averaged_update == self.step:
             if self._copy_names:  # its step averaged; what is left is copying the rest
@@ -245,11 +250,7 @@ class ModelEma:
     def averaged_pairs(self, model: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Each averaged tensor of ``model`` with its average (this process's shards of sharded ones)."""
         model_state = _named_state(unwrap_model(model))
-        missing = [n for n in self._avg_names if n not in model_state]
-        if missing:
-            raise ValueError(f"ModelEma.averaged_pairs: the model has no tensor {missing[0]!r}; pass the model the EMA "
-                             "was built from")
-        return list(zip(_local([model_state[n] for n in self._avg_names]), self._ema_avg))
+        return list(zip(_named_tensors(model_state, self._avg_names, "averaged_pairs"), self._ema_avg))
 
     def averaged_by(self, optimizer: Any) -> None:
         """Leaves the averaging of each update whose number ``optimizer.averaged_update`` names to the optimizer's
