@@ -229,6 +229,16 @@ def test_models_by_name_or_family_shortcut():
         resolve_models(["s"], "smoke")
 
 
+def test_a_comma_inside_an_overrides_value_stays_in_it():
+    from gallery_lib.app.cli import _recipe_list
+
+    assert _recipe_list("peer, accelerated+compile_whole=CrossAttnUpBlock2D,UpBlock2D,accelerated") == [
+        "peer", "accelerated+compile_whole=CrossAttnUpBlock2D,UpBlock2D", "accelerated"]
+    assert _recipe_list("accelerated+kernel_ops=geglu,group_norm_silu+ema=off,ladder-01-amp,compiled") == [
+        "accelerated+kernel_ops=geglu,group_norm_silu+ema=off", "ladder-01-amp", "compiled"]
+    assert _recipe_list("baseline,turbo") == ["baseline", "turbo"]  # refused by name later, not joined
+
+
 @pytest.fixture
 def no_launch(monkeypatch):
     def refuse(*args, **kwargs):

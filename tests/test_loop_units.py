@@ -144,6 +144,26 @@ def test_compile_plan_compiles_the_family_blocks_and_reports_the_caches():
         assert eager.summary(lines.append) == {}
 
 
+def test_compile_whole_compiles_the_named_containers_in_place_of_their_blocks():
+    from gallery_lib.config import ConfigError
+
+    c = cfg(compile=True, compile_scope="blocks", compile_whole="SwinTransformerStage")
+    model = c.model_family.build(c.model, num_classes=4).eval()
+    x = torch.randn(2, 3, *model.patch_embed.img_size)
+    expected = model(x)
+    with CompilePlan(c, CPU) as plan:
+        names = plan.compile_blocks(model, backend="eager")
+    stages = [n for n, m in model.named_modules() if type(m).__name__ == "SwinTransformerStage"]
+    assert names == stages and len(stages) > 1  # the stages whole, none of the blocks inside them again
+    torch.testing.assert_close(model(x), expected, rtol=0, atol=0)
+    with CompilePlan(c.replace(compile_whole="SwinTransformerStage,SwinStage"), CPU) as plan:
+        with pytest.raises(ConfigError, match=r"compile_whole names SwinStage, not a class of SwinTransformer's "
+                                              r"modules: name classes that hold its blocks \(SwinTransformerStage\)"):
+            plan.compile_blocks(c.model_family.build(c.model, num_classes=4), backend="eager")
+    with pytest.raises(ConfigError, match="compile_whole=.* needs compile=True and compile_scope='blocks'"):
+        cfg(compile=True, compile_whole="SwinTransformerStage")
+
+
 def test_compile_plan_counts_only_what_its_run_compiled():
     """Dynamo's counters outlive a run in the same process (a notebook, a test session): the plan reports its part."""
     from torch._dynamo.utils import counters
@@ -299,3 +319,13 @@ def test_a_run_after_a_deterministic_one_in_the_same_process_is_set_up_as_in_a_f
         torch.use_deterministic_algorithms(saved[0], warn_only=saved[1])
         torch.set_float32_matmul_precision(saved[2])
         torch.backends.cudnn.benchmark = saved[3]
+
+
+def test_a_config_error_stops_the_run_with_its_whole_message_other_errors_cut_to_one_line():
+    from gallery_lib.config import ConfigError
+    from gallery_lib.run.failure import failure_from_exception
+
+    fix = "name classes that hold its blocks (" + ", ".join(f"Block{i}" for i in range(30)) + "), or drop it"
+    assert failure_from_exception(ConfigError(fix), "r.log").line("accelerated") == (
+        f"accelerated: stopped, ConfigError: {fix}, see r.log")
+    assert len(failure_from_exception(RuntimeError(fix), None).reason) == 160

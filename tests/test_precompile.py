@@ -224,7 +224,8 @@ def test_a_second_run_of_the_same_graphs_starts_no_workers(tmp_path, monkeypatch
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     family = SimpleNamespace(block_types=(Block,), block_modules=(Block.__module__,))
     cfg = SimpleNamespace(model="toy", recipe="accelerated", batch_size=2, image_size=8, precompile_workers=2,
-                          precompile_overlap=True, precompile_first_use=True, compile=True, model_family=family)
+                          precompile_overlap=True, precompile_first_use=True, compile=True, model_family=family,
+                          compile_whole_types=())
     cpu = DistInfo(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
     model = Model()
     x = torch.randn(2, 6, 8)
@@ -268,7 +269,8 @@ def test_without_workers_a_run_waits_for_another_compiling_the_same_graphs(tmp_p
     monkeypatch.setattr(warm, "marker_dir", lambda: tmp_path / "markers")  # beside the session's compile cache
     family = SimpleNamespace(block_types=(Block,), block_modules=(Block.__module__,))
     cfg = SimpleNamespace(model="toy", recipe="accelerated", batch_size=2, image_size=8, precompile_workers=0,
-                          precompile_overlap=True, precompile_first_use=True, compile=True, model_family=family)
+                          precompile_overlap=True, precompile_first_use=True, compile=True, model_family=family,
+                          compile_whole_types=())
     cpu = DistInfo(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
     batch, other_batch = torch.randn(2, 6, 8), torch.randn(1, 6, 8)
 

@@ -89,7 +89,8 @@ def apply_accelerations(model: torch.nn.Module, cfg: RunConfig, precision: Preci
             keep_block_graphs_whole_under_ddp()
         # Static shapes, as whole-model compilation has: each block shape gets its own graph.
         names = plan.compile_blocks(model, backend="inductor", dynamic=False, **compile_kwargs(cfg))
-        notes.append(f"torch.compile(mode={cfg.compile_mode!r}{tuning}) of {len(names)} repeated blocks in place"
+        whole = "".join(f", {name} whole" for name in cfg.compile_whole_types)
+        notes.append(f"torch.compile(mode={cfg.compile_mode!r}{tuning}) of {len(names)} repeated blocks in place{whole}"
                      + (f", precompiled by {cfg.precompile_workers} processes before the first step"
                         if cfg.precompile_workers else "; compilation happens in the first warm-up steps"))
     elif cfg.compile:

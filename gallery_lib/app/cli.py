@@ -119,7 +119,19 @@ def optimization_overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _recipe_list(text: str) -> list[str]:
-    return [r.strip() for r in text.split(",") if r.strip()]
+    """Comma-separated entries. A comma inside an override's value stays in it
+    (``accelerated+kernel_ops=geglu,group_norm_silu,peer``: two recipes): a piece that names no recipe continues an
+    entry ending in ``field=value``."""
+    from gallery_lib.recipes import all_recipes
+
+    recipes = all_recipes()
+    entries: list[str] = []
+    for piece in filter(None, (part.strip() for part in text.split(","))):
+        if entries and "=" in entries[-1].rsplit("+", 1)[-1] and piece.split("+")[0] not in recipes:
+            entries[-1] += f",{piece}"
+        else:
+            entries.append(piece)
+    return entries
 
 
 def cmd_list(args: argparse.Namespace) -> int:

@@ -162,6 +162,11 @@ class RunConfig:
         return self.sections.kernels.kernel_op_names
 
     @property
+    def compile_whole_types(self) -> tuple[str, ...]:
+        """``compile_whole`` as class names."""
+        return self.sections.compile.compile_whole_types
+
+    @property
     def global_batch_size(self) -> int:
         """Samples per optimizer step, over every process and accumulated batch."""
         return self.batch_size * self.nproc_per_node * self.gradient_accumulation_steps

@@ -159,8 +159,8 @@ def recipe_config(base: RunConfig, recipe: str, overrides: dict[str, Any]) -> Ru
 _RECIPE_INPUTS = ("gradient_checkpointing", "data_parallel", "batch_size", "image_size", "compile_scope")
 
 # Settings that only act when a switch is on: asking for one in a recipe that leaves the switch off is a mistake.
-_NEEDS_SWITCH = {"compile_mode": "compile", "compile_scope": "compile", "precompile_workers": "compile",
-                 "coordinate_descent_tuning": "compile", "tiled_reductions": "compile",
+_NEEDS_SWITCH = {"compile_mode": "compile", "compile_scope": "compile", "compile_whole": "compile",
+                 "precompile_workers": "compile", "coordinate_descent_tuning": "compile", "tiled_reductions": "compile",
                  "channels_last_graphs": "compile", "kernel_ops": "kernels"}
 
 

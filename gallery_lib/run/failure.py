@@ -12,6 +12,8 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from gallery_lib.config.settings import ConfigError
+
 FAILURE_FILE = "failure.json"
 STOPPED_PREFIX = "[gallery] stopped, "
 """How the training process's last console line starts when it stopped on an error it recorded: the launcher
@@ -63,6 +65,8 @@ def failure_from_exception(exc: BaseException, log: str | Path | None) -> RunFai
     first_step = getattr(exc, "first_step", None)
     if first_step is not None:  # NonfiniteLossError
         return RunFailure("nonfinite", f"loss not finite from step {first_step}", _str(log), first_step)
+    if isinstance(exc, ConfigError):  # written for the user, with its fix: kept whole
+        return RunFailure("error", f"{type(exc).__name__}: {exc}", _str(log))
     return failure_from_text(f"{type(exc).__name__}: {exc}", log)
 
 

@@ -73,7 +73,11 @@ class CompilePlan(contextlib.AbstractContextManager):
         """Compiles each of the model family's repeated blocks in place (``regional_compile``); returns their names."""
         from gallery_lib.accel.compile.regional import regional_compile, with_block_defaults
 
-        self.blocks = regional_compile(model, self.cfg.model_family.block_types, **compile_kwargs)
+        whole = self.cfg.compile_whole_types
+        blocks = tuple(self.cfg.model_family.block_types)
+        _refuse_absent_classes(model, whole, blocks)
+        # Outermost match wins: a class compiled whole takes the family's blocks inside it into its graph.
+        self.blocks = regional_compile(model, whole + blocks, **compile_kwargs)
         self.compile_kwargs = with_block_defaults(compile_kwargs)  # what was compiled: the workers compile the same
         return self.blocks
 
@@ -177,3 +181,25 @@ class CompilePlan(contextlib.AbstractContextManager):
                     log("[gallery]   the compile caches no longer held every graph an earlier run precompiled, so "
                         "this run compiled some itself; the next run precompiles them again")
         return record
+
+
+def _refuse_absent_classes(model: nn.Module, class_names: tuple[str, ...], block_types: tuple[str, ...]) -> None:
+    """``compile_whole`` names only classes ``model`` has: a misspelt one would otherwise compile nothing whole."""
+    present = {cls.__name__ for module in model.modules() for cls in type(module).__mro__}
+    absent = [name for name in class_names if name not in present]
+    if absent:
+        from gallery_lib.accel.compile.regional import block_names
+        from gallery_lib.config import ConfigError
+
+        blocks = block_names(model, block_types)
+        holders = dict.fromkeys(type(model.get_submodule(name.rsplit(".", 1)[0])).__name__
+                                for block in blocks for name in _ancestors(block))
+        holders = [name for name in holders if name not in ("ModuleList", "Sequential", type(model).__name__)]
+        raise ConfigError(f"compile_whole names {', '.join(absent)}, not a class of {type(model).__name__}'s modules: "
+                          f"name classes that hold its blocks ({', '.join(holders)}), or drop compile_whole")
+
+
+def _ancestors(name: str) -> list[str]:
+    """``a.b.c`` -> ``["a.b.c", "a.b"]``: the names whose parent module holds ``name``."""
+    parts = name.split(".")
+    return [".".join(parts[:i]) for i in range(len(parts), 1, -1)]

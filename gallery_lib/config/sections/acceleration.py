@@ -29,6 +29,11 @@ class Compile(Section):
     """What ``compile`` compiles: ``model`` (the whole model, one graph) or ``blocks`` (each repeated block in place,
     ``accel/compile/regional.py``: blocks of one shape share a graph, so there is less to compile; with a CUDA-graph
     ``compile_mode`` each block replays as CUDA graphs)."""
+    compile_whole: str = setting("", kind=str)
+    """With ``compile_scope='blocks'``: a comma list of class names compiled whole in place of the blocks inside them
+    (e.g. ``CrossAttnUpBlock2D,UpBlock2D``, SD's up blocks), so that the code between those blocks (a skip
+    connection's ``torch.cat``, an upsampler) runs in the graph too, not eagerly with its outputs copied into the next
+    block's CUDA graph. Fewer, larger graphs: each takes longer to compile (benchmarks/RESULTS.md#sd15-up-blocks)."""
     coordinate_descent_tuning: bool = setting(False, kind=bool)
     """With ``compile``: Inductor tunes the block sizes of the Triton kernels it generates, one parameter at a time
     (its ``coordinate_descent_tuning``). Slightly faster steps for a much longer first compile, so no recipe turns it
@@ -62,10 +67,19 @@ class Compile(Section):
             raise ConfigError(f"precompile_workers={self.precompile_workers} needs compile=True and "
                               f"compile_scope='blocks' (got compile={self.compile}, compile_scope="
                               f"{self.compile_scope!r}): set both, or precompile_workers=0.")
+        if self.compile_whole and not (self.compile and self.compile_scope == "blocks"):
+            raise ConfigError(f"compile_whole={self.compile_whole!r} names classes compiled in place of their blocks: "
+                              f"it needs compile=True and compile_scope='blocks' (got compile={self.compile}, "
+                              f"compile_scope={self.compile_scope!r}). Set both, or drop compile_whole.")
         for name in ("coordinate_descent_tuning", "tiled_reductions", "channels_last_graphs"):
             if getattr(self, name) and not self.compile:
                 raise ConfigError(f"{name}=True changes the kernels torch.compile generates: set compile=True too, "
                                   f"or drop {name}.")
+
+    @property
+    def compile_whole_types(self) -> tuple[str, ...]:
+        """``compile_whole`` as class names."""
+        return tuple(name.strip() for name in self.compile_whole.split(",") if name.strip())
 
     @property
     def cuda_graphs(self) -> bool:
