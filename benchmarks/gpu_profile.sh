@@ -5,7 +5,7 @@ name=$1; shift
 bash "$(dirname "$0")/gpu_bench.sh" "$name" --set profile_steps=5 "$@"
 out=${OUT:-benchmarks/results}
 find "/tmp/bench_$name" -name profile.json | while read -r table; do
-  run=$(dirname "$table"); recipe=$(basename "$run" | tr '+=' '__'); model=$(basename "$(dirname "$run")")
+  run=$(dirname "$table"); recipe=$(basename "$run" | tr '+=,' '___'); model=$(basename "$(dirname "$run")")
   cp "$table" "$out/profile_${name}_${model}_${recipe}.json"
 done
 grep -A14 "\] profile of steps" "$out/bench_$name.log"

@@ -58,11 +58,12 @@ FAMILY = register_family(ModelFamily(
     # cached latents and the fused EMA kernel; the GEGLU kernel (#kernels); the blocks compiled in place, as CUDA
     # graphs precompiled in parallel on a GPU (#sd15-compile-time); channels_last, through every compiled graph but
     # the attention's tensors, and the EMA beside the next forward on a side stream, on a GPU (#bench-h100,
-    # #sd15-layout, #sd15-attention-layout, #ema). Not kept: the LayerNorm kernel, the EMA in AdamW's pass
-    # (#adamw-ema).
+    # #sd15-layout, #sd15-attention-layout, #ema); the up blocks compiled whole, skip connections inside, on a GPU
+    # (#sd15-up-blocks). Not kept: the LayerNorm kernel, the EMA in AdamW's pass (#adamw-ema).
     accelerated={"cache_latents": True, "ema": "fused", "kernels": True, "kernel_ops": "geglu",
                  "compile_scope": "blocks"},
-    accelerated_on_gpu={"channels_last": True, "channels_last_graphs": True, "ema": "stream"},
+    accelerated_on_gpu={"channels_last": True, "channels_last_graphs": True, "ema": "stream",
+                        "compile_whole": "CrossAttnUpBlock2D,UpBlock2D"},
     # From 32 images of 512 px a step, the GroupNorm+SiLU kernel too: faster at 32 and 48, slower at 1 and 8
     # (#sd15-gn-by-batch).
     accelerated_on_large_steps={"kernel_ops": "geglu,group_norm_silu"},
