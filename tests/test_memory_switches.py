@@ -133,6 +133,7 @@ def test_accelerated_with_checkpointing_leaves_out_its_cuda_graphs(monkeypatch):
     cfg = recipe_config(base, "accelerated", {"gradient_checkpointing": True})
     assert (cfg.gradient_checkpointing, cfg.compile, cfg.compile_mode, cfg.recipe) == (
         True, True, "default", "accelerated+gradient_checkpointing")
+    assert cfg.compile_whole == ""  # only the measured path compiles containers whole
     assert apply_recipe("accelerated", base.replace(gradient_checkpointing=True)).compile_mode == "default"
 
 
@@ -148,7 +149,7 @@ def test_accelerated_with_zero2_leaves_out_its_cuda_graphs_and_precompile_worker
     assert apply_recipe("accelerated", base).compile_mode == "reduce-overhead"
     cfg = recipe_config(base, "accelerated", {"data_parallel": "zero2"})
     assert (cfg.data_parallel, cfg.compile, cfg.compile_mode, cfg.precompile_workers) == ("zero2", True, "default", 0)
-    assert cfg.recipe == "accelerated+data_parallel=zero2"
+    assert cfg.recipe == "accelerated+data_parallel=zero2" and cfg.compile_whole == ""
     assert cfg.fused_attention == apply_recipe("accelerated", base).fused_attention  # the other switches stay
 
 
@@ -161,7 +162,9 @@ def test_accelerated_with_the_whole_model_compiled_leaves_out_its_precompile_wor
     monkeypatch.setattr("gallery_lib.recipes.named.precompile_workers_for_machine", lambda: 8)
     base = base_config("full", family="stable_diffusion", data_root="/data", batch_size=32)
     assert apply_recipe("accelerated", base).precompile_workers == 8
+    assert apply_recipe("accelerated", base).compile_whole == "CrossAttnUpBlock2D,UpBlock2D"
     cfg = recipe_config(base, "accelerated", {"compile_scope": "model"})
     assert (cfg.compile_scope, cfg.precompile_workers, cfg.compile_mode) == ("model", 0, "reduce-overhead")
+    assert cfg.compile_whole == ""  # the up blocks are in the one graph anyway
     with pytest.raises(ConfigError, match="precompile_workers=4 needs"):  # named by the user: still refused
         recipe_config(base, "accelerated", {"compile_scope": "model", "precompile_workers": 4})

@@ -11,12 +11,14 @@ def test_the_table_reads_each_recipe_as_resolved_on_this_machine(monkeypatch):
     assert rows["accelerated"]["EMA"] == "foreach (fused needs a GPU)"
     assert "cache_latents=True" in rows["accelerated"]["family switches"]
     assert "kernel_ops" not in rows["baseline"]["family switches"]  # kernels off: their ops say nothing
+    assert rows["accelerated"]["compiled"] == "repeated blocks, mode default"  # the up blocks whole: on a GPU only
     monkeypatch.setattr("gallery_lib.reports.recipe_table.visible_cuda_devices", lambda: 1)
     monkeypatch.setattr("gallery_lib.recipes.named.runs_on_gpu", lambda base: True)
     gpu = recipe_table(base.replace(device="auto"), ["baseline", ("accelerated", {"batch_size": 6})])
     rows = {row["recipe"]: row for row in gpu.rows}
     assert rows["baseline"]["precision"] == "float16 autocast + GradScaler"
-    assert rows["accelerated+batch_size=6"]["compiled"] == "repeated blocks, mode reduce-overhead, CUDA graphs"
+    assert rows["accelerated+batch_size=6"]["compiled"] == (
+        "repeated blocks, CrossAttnUpBlock2D whole, UpBlock2D whole, mode reduce-overhead, CUDA graphs")
     assert rows["accelerated+batch_size=6"]["EMA"] == "stream"  # on a GPU the update runs on a side stream
     assert "(a GPU)" in gpu._repr_markdown_() and "| accelerated+batch_size=6 |" in gpu._repr_markdown_()
 

@@ -71,6 +71,7 @@ def test_recipes_resolve_the_sd_switches(caption_data, tmp_path, monkeypatch):
         gpu = apply_recipe("accelerated", base.replace(device="cuda"))
         assert (gpu.compile_mode, gpu.precompile_workers) == ("reduce-overhead", workers), cores
         assert gpu.channels_last  # +1.1 to +1.6% on an H100 (benchmarks/RESULTS.md#bench-h100)
+        assert gpu.compile_whole_types == ("CrossAttnUpBlock2D", "UpBlock2D") and not accelerated.compile_whole
     # From 64 images of 512 px a step, the GPU sets the step time: the blocks run without CUDA graphs.
     at_512 = base.replace(device="cuda", image_size=512)
     for batch in (16, 32, 48):

@@ -67,6 +67,9 @@ def accelerated(base: RunConfig) -> RunConfig:
         switches.update(base.model_family.accelerated_on_gpu)
     if base.compile_scope != "model":  # named by the user (``recipe_config`` reads it first): wins over the family's
         switches["compile_scope"] = base.compile_scope
+    if base.data_parallel == "zero2" or base.gradient_checkpointing:
+        # compiled whole, their blocks sharded or checkpointed inside them: a path never measured
+        switches.pop("compile_whole", None)
     if "ema" in switches:
         switches["ema"] = _ema_mode(base, switches["ema"])
     graphs_by_batch = on_gpu and "compile_mode" not in switches
@@ -148,9 +151,12 @@ def recipe_config(base: RunConfig, recipe: str, overrides: dict[str, Any]) -> Ru
     if overrides:
         label = "+".join(f"{k}={v}" if not isinstance(v, bool) else (k if v else f"no-{k}")
                          for k, v in overrides.items())
-        # The recipe's precompile workers compile blocks: a whole model named by the user compiles in its first step.
-        whole = overrides.get("compile_scope", "blocks") != "blocks" and "precompile_workers" not in overrides
-        cfg = cfg.replace(recipe=f"{recipe}+{label}", **({"precompile_workers": 0} if whole else {}), **overrides)
+        # The recipe's precompile workers and its classes compiled whole act on blocks: a whole model named by the
+        # user compiles in its first step, as one graph.
+        whole = overrides.get("compile_scope", "blocks") != "blocks"
+        left_out = {name: off for name, off in (("precompile_workers", 0), ("compile_whole", "")) if whole
+                    and name not in overrides}
+        cfg = cfg.replace(recipe=f"{recipe}+{label}", **left_out, **overrides)
     return kept_as_named(cfg, overrides)  # what the user named stays at every batch size
 
 

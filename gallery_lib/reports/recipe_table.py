@@ -68,6 +68,7 @@ def _compiled(cfg: RunConfig) -> str:
     if not cfg.compile:
         return "no (eager)"
     scope = "repeated blocks" if cfg.compile_scope == "blocks" else "whole model"
+    scope += "".join(f", {name} whole" for name in cfg.compile_whole_types)
     graphs = ", CUDA graphs" if cfg.compile_mode in ("reduce-overhead", "max-autotune") else ""
     return f"{scope}, mode {cfg.compile_mode}{graphs}"
 
@@ -89,7 +90,7 @@ def _family_switches(cfg: RunConfig, device: str) -> str:
     options = for_device(device) if for_device is not None else cfg.options
     values = []
     for name in {**family.accelerated, **family.accelerated_on_gpu}:
-        if name in ("compile_scope", "compile_mode", "ema", "amp_dtype") or (
+        if name in ("compile_scope", "compile_whole", "compile_mode", "ema", "amp_dtype") or (
                 name in ("kernels", "kernel_ops") and not cfg.kernels):
             continue  # in their own columns; kernels off (a CPU run of a GPU-only switch) say nothing
         value = getattr(options, name) if hasattr(options, name) else getattr(cfg, name)
