@@ -53,7 +53,9 @@ def test_each_rung_changes_only_its_own_switches():
 def test_the_kernels_rung_is_the_accelerated_recipe_at_the_large_batch(monkeypatch):
     monkeypatch.setattr("gallery_lib.recipes.named.runs_on_gpu", lambda base: True)
     base = _full_base()
-    rung = ladder_configs(base, sizes=SIZES, on_gpu=True)["kernels"]
+    configs = ladder_configs(base, sizes=SIZES, on_gpu=True)
+    rung = configs["kernels"]
+    assert configs["cuda_graphs"].compile_whole and not configs["checkpointing"].compile_whole  # as the recipe does
     reference = accelerated(base.replace(batch_size=SIZES.large_batch))
     # The recipe notes that it chose the CUDA graphs and the kernels by the step's size; the rung names them, like
     # every rung its switch.

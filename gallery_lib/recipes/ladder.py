@@ -131,8 +131,12 @@ RUNGS: tuple[Rung, ...] = (
          lambda cfg, s: {"compile_scope": "blocks", "precompile_workers": precompile_workers_for_machine()},
          "each repeated block compiled once and shared by its copies, the distinct ones compiled in parallel "
          "processes before the first step: the same speed for a fraction of the compile time."),
-    Rung("cuda_graphs", "CUDA graphs", lambda cfg, s: {"compile_mode": "reduce-overhead"}, needs_gpu=True,
-         why="each block's kernels replay as one CUDA graph: no Python or launch overhead between them."),
+    Rung("cuda_graphs", "CUDA graphs",
+         lambda cfg, s: {"compile_mode": "reduce-overhead", "compile_whole": accelerated(cfg).compile_whole},
+         needs_gpu=True,
+         why="each block's kernels replay as one CUDA graph: no Python or launch overhead between them. The up "
+             "blocks compile whole, so that their skip connections are joined inside a graph, not between graphs "
+             "with each output copied into the next one."),
     Rung("cached_latents", "cached latents", lambda cfg, s: {"cache_latents": True},
          "every image encoded by the VAE and every caption by CLIP once, before training; each step samples a fresh "
          "latent from the cached distribution (the same function), so the frozen encoders leave the loop."),
@@ -148,10 +152,11 @@ RUNGS: tuple[Rung, ...] = (
          "choice holds on this GPU at this batch."),
     Rung("checkpointing", "activation checkpointing, larger batch",
          lambda cfg, s: {"gradient_checkpointing": True, "batch_size": s.checkpointing_batch,
-                         "compile_mode": "default"},
+                         "compile_mode": "default", "compile_whole": ""},
          "blocks recompute their activations in the backward instead of storing them: about a third more compute "
          "for room for a batch twice as large. It pays only if the larger batch runs that much faster per image. "
-         "Without CUDA graphs: a block recomputed in the backward cannot replay inside its graph."),
+         "Without CUDA graphs: a block recomputed in the backward cannot replay inside its graph (and the up blocks "
+         "compiled as their blocks again, as the accelerated recipe does with checkpointing)."),
 )
 RUNG_NAMES = tuple(rung.name for rung in RUNGS)
 
