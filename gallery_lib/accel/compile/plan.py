@@ -191,15 +191,10 @@ def _refuse_absent_classes(model: nn.Module, class_names: tuple[str, ...], block
         from gallery_lib.accel.compile.regional import block_names
         from gallery_lib.config import ConfigError
 
-        blocks = block_names(model, block_types)
-        holders = dict.fromkeys(type(model.get_submodule(name.rsplit(".", 1)[0])).__name__
-                                for block in blocks for name in _ancestors(block))
-        holders = [name for name in holders if name not in ("ModuleList", "Sequential", type(model).__name__)]
+        # The classes of the modules above each block, the model's own containers (lists, the root) left out.
+        holders = dict.fromkeys(type(model.get_submodule(".".join(parts[:depth]))).__name__
+                                for parts in (name.split(".") for name in block_names(model, block_types))
+                                for depth in range(1, len(parts)))
+        holders = [name for name in holders if name not in ("ModuleList", "Sequential")]
         raise ConfigError(f"compile_whole names {', '.join(absent)}, not a class of {type(model).__name__}'s modules: "
                           f"name classes that hold its blocks ({', '.join(holders)}), or drop compile_whole")
-
-
-def _ancestors(name: str) -> list[str]:
-    """``a.b.c`` -> ``["a.b.c", "a.b"]``: the names whose parent module holds ``name``."""
-    parts = name.split(".")
-    return [".".join(parts[:i]) for i in range(len(parts), 1, -1)]

@@ -17,6 +17,11 @@ DATA_PARALLEL_MODES = ("ddp", "zero2")
 DDP_GRAD_COMPRESSION = ("none", "bf16")
 
 
+def _comma_list(text: str) -> tuple[str, ...]:
+    """``"a, b,"`` -> ``("a", "b")``."""
+    return tuple(part.strip() for part in text.split(",") if part.strip())
+
+
 @dataclass(frozen=True, kw_only=True)
 class Compile(Section):
     """``compile``: whether and how ``torch.compile`` compiles the model, and the Inductor switches beside it."""
@@ -79,7 +84,7 @@ class Compile(Section):
     @property
     def compile_whole_types(self) -> tuple[str, ...]:
         """``compile_whole`` as class names."""
-        return tuple(name.strip() for name in self.compile_whole.split(",") if name.strip())
+        return _comma_list(self.compile_whole)
 
     @property
     def cuda_graphs(self) -> bool:
@@ -120,7 +125,7 @@ class Kernels(Section):
         """``kernel_ops`` as names: every op for ``all``."""
         if self.kernel_ops == "all":
             return TRITON_KERNEL_OPS
-        return tuple(op.strip() for op in self.kernel_ops.split(",") if op.strip())
+        return _comma_list(self.kernel_ops)
 
 
 @dataclass(frozen=True, kw_only=True)
