@@ -6,7 +6,12 @@ setting from ``"none"`` to a value, and every graph would then miss what a fresh
 
 from __future__ import annotations
 
+import os
+
 import torch
+
+WORKER_CAP_ENV = "GALLERY_WORKER_GPU_MEMORY_GIB"
+"""What each precompile worker may reserve, in GiB: the training process sets it for the workers it starts."""
 
 
 def set_deterministic_algorithms(enabled: bool) -> None:
@@ -26,3 +31,17 @@ def set_tf32(matmul: bool, cudnn: bool) -> None:
         torch.backends.cuda.matmul.allow_tf32 = matmul
     if torch.backends.cudnn.allow_tf32 != cudnn:
         torch.backends.cudnn.allow_tf32 = cudnn
+
+
+def cap_gpu_memory(gib: float | None, device: torch.device) -> None:
+    """Caps what this process's CUDA allocator may reserve on ``device`` at ``gib`` (no cap: ``None``, or a CPU)."""
+    if gib is None or device.type != "cuda":
+        return
+    total = torch.cuda.get_device_properties(device).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, gib * 2**30 / total), device)
+
+
+def cap_worker_gpu_memory(device: torch.device) -> None:
+    """A precompile worker's cap, from ``WORKER_CAP_ENV`` where its training process set one."""
+    text = os.environ.get(WORKER_CAP_ENV)
+    cap_gpu_memory(float(text) if text else None, device)

@@ -49,6 +49,10 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
     _flag(g, "find_batch_size", action="store_true", default=None,
           help="search for the largest batch that fits, from --batch_size down (x0.9 per out-of-memory), then train "
                "at it (single process only)")
+    _flag(g, "gpu_memory_gib", type=float, metavar="GIB",
+          help="the GPU memory the run may use: its processes are capped to it and the memory plan fits the step "
+               "into it, e.g. 22 for a 24 GB card (default: $GALLERY_GPU_MEMORY_GIB, else the GPU's free memory; "
+               "--set memory_plan=off runs as configured)")
     _flag(g, "steps", type=int, help="optimizer steps")
     _flag(g, "warmup_steps", type=int, help="steps excluded from speed figures")
     _flag(g, "image_size", type=int, help="training crop size")
@@ -89,9 +93,9 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
                    help="= --compiler-opt (timm's spelling; the backend is inductor)")
 
 
-_SIZE_FIELDS = ("model", "data_dir", "output_dir", "batch_size", "find_batch_size", "steps", "warmup_steps",
-                "image_size", "nproc_per_node", "num_workers", "device", "lr", "seed", "verbose", "pretrained",
-                "report_to")
+_SIZE_FIELDS = ("model", "data_dir", "output_dir", "batch_size", "find_batch_size", "gpu_memory_gib", "steps",
+                "warmup_steps", "image_size", "nproc_per_node", "num_workers", "device", "lr", "seed", "verbose",
+                "pretrained", "report_to")
 _OPT_FLAGS = {"amp_level": "amp_level", "amp_dtype": "amp_dtype", "compiler_opt": "compile",
               "compile_mode": "compile_mode", "kernel_opt": "kernels"}
 

@@ -30,6 +30,34 @@ class ModelSpec:
     """Filled in by ``register_family``."""
 
 
+@dataclass(frozen=True)
+class Footprint:
+    """The GPU memory one recipe of one model reserved at its peak, measured at some batch sizes per process (one
+    process, the family's full image size, the whole run: compilation and CUDA-graph capture included). The memory
+    plan reads it (``gallery_lib/run/memory_plan.py``)."""
+
+    model: str
+    recipe: str
+    """The recipe as named (``accelerated``); with the user's overrides it is another recipe, with no footprint."""
+    reserved_gib: Mapping[int, float]
+    """Batch size per process -> peak ``torch.cuda.max_memory_reserved``, in GiB."""
+    gradient_checkpointing: bool = False
+    samples_per_s: Mapping[int, float] = field(default_factory=dict)
+    """Speed at those batch sizes, where it was measured in the same runs."""
+    source: str = ""
+    """The result file the numbers come from (``benchmarks/results/...``)."""
+
+
+@dataclass(frozen=True)
+class WorkerMemory:
+    """The GPU memory of parallel precompilation, measured per process with ``nvidia-smi`` (CUDA contexts included):
+    the training process's peak while its workers compile, and one worker's peak."""
+
+    trainer_gib: float
+    per_worker_gib: float
+    source: str = ""
+
+
 SPEED_GOAL_CHECKS = ("speedup", "throughput", "ema_cost", "compile_time")
 
 
@@ -98,6 +126,12 @@ class ModelFamily:
     (``fused_attention=True``); ``None`` when the family has no hook, and then that switch is a config error."""
     speed_goals: tuple[SpeedGoal, ...] = ()
     """What ``accelerated`` should reach on one GPU, judged by ``gallery bench`` from the rows it measured."""
+    memory_footprints: tuple[Footprint, ...] = ()
+    """Measured peak memory of the family's recipes by batch size: the memory plan fits a run from them, and probes
+    a few steps where none is measured."""
+    worker_memory: WorkerMemory | None = None
+    """What precompile workers take beside the training process; ``None``: not measured (the plan then leaves
+    their number as the recipe set it)."""
 
     def __post_init__(self) -> None:
         missing = {"smoke", "full"} - set(self.run_profiles) | {"smoke", "full"} - set(self.data_profiles)

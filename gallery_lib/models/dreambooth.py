@@ -11,7 +11,7 @@ from __future__ import annotations
 from functools import partial
 
 from gallery_lib.models import register_family
-from gallery_lib.config.family import ModelFamily, ModelSpec, SpeedGoal
+from gallery_lib.config.family import Footprint, ModelFamily, ModelSpec, SpeedGoal
 from gallery_lib.models.sd_parts import build_stable_diffusion
 from gallery_lib.models.stable_diffusion import FAMILY as STABLE_DIFFUSION
 from gallery_lib.tasks.dreambooth import DreamBoothTask
@@ -65,4 +65,9 @@ FAMILY = register_family(ModelFamily(
     attention_hook=STABLE_DIFFUSION.attention_hook,
     # set for one H100 at batch 1, against a peer with cached latents and CUDA graphs (benchmarks/RESULTS.md#peer)
     speed_goals=(SpeedGoal("speedup", "dreambooth_sd15", dict(batch_size=1, min_ratio=1.3)),),
+    # Peak reserved GiB at batch 1, one H200, torch 2.11: the most of repeated calls (benchmarks/RESULTS.md#memory-plan)
+    memory_footprints=(
+        Footprint("dreambooth_sd15", "accelerated", {1: 19.71}, source="dreambooth_b1_h200/bench_db_rep2.json"),
+        Footprint("dreambooth_sd15", "peer", {1: 18.91}, source="dreambooth_b1_h200/bench_db_rep2.json"),
+    ),
 ))

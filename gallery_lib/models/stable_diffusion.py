@@ -6,7 +6,7 @@ from __future__ import annotations
 from functools import partial
 
 from gallery_lib.models import register_family
-from gallery_lib.config.family import ModelFamily, ModelSpec, SpeedGoal
+from gallery_lib.config.family import Footprint, ModelFamily, ModelSpec, SpeedGoal, WorkerMemory
 from gallery_lib.models.sd_parts import build_stable_diffusion
 from gallery_lib.tasks.text_to_image import TextToImageTask
 
@@ -79,6 +79,19 @@ FAMILY = register_family(ModelFamily(
     attention_hook=hook_diffusers_attention,
     # set for one H100: the speed over the peer at batch 32, the best throughput, the EMA's cost, the time to
     # steady speed with cold and warm caches (benchmarks/RESULTS.md#peer, #bench-h100)
+    # Peak reserved GiB by batch at 512 px, one H200 or H100, torch 2.11 (benchmarks/RESULTS.md#memory-plan)
+    memory_footprints=(
+        Footprint("sd15", "accelerated", {4: 20.06, 8: 22.94, 16: 28.60, 32: 42.29, 48: 54.85, 64: 68.06},
+                  samples_per_s={4: 74.8}, source="memory_plan_h200/bench_sdmem_1.json, bench_h100/bench_sd_b8.json, "
+                  "bench_h100/sd15_graphs_by_batch/, sd_up_blocks_h200/"),
+        Footprint("sd15", "accelerated", {8: 18.44}, gradient_checkpointing=True, samples_per_s={8: 32.7},
+                  source="memory_plan_h200/bench_sdmem_2.json"),
+        Footprint("sd15", "peer", {4: 18.95, 32: 40.17}, source="memory_plan_h200/bench_sdmem_1.json, "
+                  "bench_h100/bench_sd_b32_final.json"),
+        Footprint("sd15", "baseline", {4: 22.12}, source="memory_plan_h200/bench_sdmem_1.json"),
+    ),
+    # 8 workers of 1.3-3.5 GiB beside a training process at up to 11.8 GiB (nvidia-smi, #memory-plan)
+    worker_memory=WorkerMemory(trainer_gib=11.8, per_worker_gib=3.5, source="memory_plan_h200/smi_apps_sdmem.csv.gz"),
     speed_goals=(SpeedGoal("speedup", "sd15", dict(batch_size=32, min_ratio=1.15)),
                  SpeedGoal("throughput", "sd15", dict(min_samples_per_s=150.0)),
                  SpeedGoal("ema_cost", "sd15", dict(max_cost=0.01)),

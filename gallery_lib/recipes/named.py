@@ -24,6 +24,7 @@ from typing import Any, Callable
 from gallery_lib.accel.step_size import (GRAPHS_BY_BATCH, graph_mode_for_batch, graphs_can_replay, kept_as_named,
                                          with_large_step_switches, without_graphs_where_they_cannot_replay)
 from gallery_lib.config import ConfigError, RunConfig, resolve_device, visible_cuda_devices
+from gallery_lib.run.memory_plan import NAMED
 
 
 def baseline(base: RunConfig) -> RunConfig:
@@ -144,7 +145,21 @@ def describe(name: str) -> str:
 
 def recipe_config(base: RunConfig, recipe: str, overrides: dict[str, Any]) -> RunConfig:
     """Recipe ``recipe`` with explicit ``overrides`` on top, named after both (``baseline+amp_level=O2+compile``)
-    so an overridden run never writes over the plain recipe's results."""
+    so an overridden run never writes over the plain recipe's results; on a GPU, fitted to the memory the run may
+    use (``memory_fit.py``), leaving what the user named (``base_config``'s and these overrides) as named."""
+    from gallery_lib.recipes.memory_fit import fit_to_memory
+
+    named = sorted(set(base.extra.get(NAMED, ())) | set(overrides))
+
+    def resolve(planned: dict[str, Any]) -> RunConfig:
+        cfg = _resolved(base.replace(**planned), recipe, overrides)
+        return cfg.replace(extra={**cfg.extra, NAMED: named})
+
+    return fit_to_memory(resolve({}), resolve)
+
+
+def _resolved(base: RunConfig, recipe: str, overrides: dict[str, Any]) -> RunConfig:
+    """``recipe_config`` before the memory plan."""
     base = base.replace(**{name: overrides[name] for name in _RECIPE_INPUTS if name in overrides})
     cfg = apply_recipe(recipe, base)
     _refuse_ignored(recipe, cfg, overrides)

@@ -11,6 +11,7 @@ import os
 from typing import Any
 
 from gallery_lib.config import ConfigError, RunConfig, families
+from gallery_lib.run.memory_plan import CAP_ENV, NAMED
 
 PROFILES = ("auto", "smoke", "full")
 
@@ -56,7 +57,18 @@ def base_config(profile: str = "auto", *, family: str | None = None, data_root: 
         # Fewer steps than the profile's: keep warm-up to at most a third so timed steps remain.
         values["warmup_steps"] = min(values["warmup_steps"], given["steps"] // 3)
     values.update(given)
+    if values.get("gpu_memory_gib") is None and os.environ.get(CAP_ENV):
+        values["gpu_memory_gib"] = _cap_from_environment(os.environ[CAP_ENV])
+    values["extra"] = {**values.get("extra", {}), NAMED: sorted(set(given) - {"extra"})}
     return RunConfig(**values)
+
+
+def _cap_from_environment(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise ConfigError(f"{CAP_ENV}={text!r} is invalid: expected the GiB a run may use on the GPU, e.g. 22 for a "
+                          f"24 GB card; unset it to use the GPU's free memory.") from None
 
 
 def data_spec(profile: str, family: str | None = None, **overrides: Any) -> dict[str, Any]:

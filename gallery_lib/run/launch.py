@@ -28,6 +28,7 @@ from gallery_lib.config import ConfigError, RunConfig, validate_for_machine
 from gallery_lib.run.checkpoint import CheckpointError, check_fresh_start, continues_itself
 from gallery_lib.run.failure import (RESTARTED_PREFIX, STOPPED_PREFIX, RunFailure, clear_failure, failure_from_text,
                                      read_failure)
+from gallery_lib.run.memory_plan import PLAN, MemoryPlan
 from gallery_lib.run.metrics import read_metrics
 from gallery_lib.run.progress import StepProgress
 from gallery_lib.run.summary import DONE_PREFIX
@@ -166,6 +167,18 @@ def preflight(cfg: RunConfig) -> str:
     return device
 
 
+def refuse_if_it_does_not_fit(cfg: RunConfig, run_dir: Path) -> None:
+    """``RunFailed`` before anything starts when the memory plan found no measured setting that fits: one line,
+    recorded as the run's failure, so that the other recipes still run and the report shows it."""
+    plan = cfg.extra.get(PLAN)
+    if plan is None or plan.get("chosen") is not None or plan.get("probe_fields"):
+        return
+    failure = RunFailure("does_not_fit", MemoryPlan.from_dict(plan).does_not_fit())
+    clear_failure(run_dir)
+    failure.write(run_dir)
+    raise RunFailed(failure.reason, failure)
+
+
 CONSOLE_MODES = ("all", "result")
 
 
@@ -188,6 +201,7 @@ def launch(cfg: RunConfig, *, echo: Callable[[str], None] | None = print, consol
     nodes.check(cfg)
     device = preflight(cfg)
     run_dir = cfg.run_dir.resolve()
+    refuse_if_it_does_not_fit(cfg, run_dir)
     cfg = cfg.replace(output_dir=str(Path(cfg.output_dir).resolve()), data_dir=str(Path(cfg.data_dir).resolve()),
                       resume_from=str(Path(cfg.resume_from).expanduser().resolve()) if cfg.resume_from else None)
     config_path = cfg.save(run_dir / "config.json")

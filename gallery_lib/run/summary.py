@@ -11,6 +11,7 @@ import torch
 
 from gallery_lib.accel.distributed import DistInfo, all_reduce_sum
 from gallery_lib.models.flops import measured_matmul_tflops
+from gallery_lib.run.memory_plan import Candidate
 from gallery_lib.run.step_log import StepLog
 from gallery_lib.run.timing import peak_memory_mb, peak_reserved_mb, seconds_to_steady, summarize_times
 
@@ -57,9 +58,13 @@ def describe_summary(summary: dict[str, Any]) -> str:
     after = f" after {summary['precompile_time_s']:.1f} s of precompilation" if summary["precompile_time_s"] else ""
     steady = (summary["steps"] - summary["resumed_from_step"] - summary["warmup_steps"]
               - summary.get("profiled_steps", 0))
+    plan = summary.get("memory_plan") or {}
+    planned = f", {Candidate(**plan['chosen']).describe()} (memory plan)" if plan.get("changed") and plan.get("chosen") \
+        else ""
     return (f"{DONE_PREFIX}{summary['samples_per_s']:.1f} img/s (median of {steady} steps after warm-up), "
             f"warm-up {summary['warmup_time_s']:.1f} s{after}, peak {summary['peak_mem_mb'] / 1024:.2f} GiB, "
-            f"final loss {summary['final_loss']:.4f}")
+            f"final loss {summary['final_loss']:.4f}{planned}")
+
 
 
 def compile_caches(summary: dict) -> str | None:

@@ -31,6 +31,7 @@ import contextlib
 import functools
 import itertools
 import math
+import os
 import random
 import time
 import traceback
@@ -45,11 +46,14 @@ from gallery_lib.accel.compile.plan import CompilePlan
 from gallery_lib.accel.distributed import (DistInfo, exit_process, gather_full_module, gradient_sync,
                                            init_distributed, reshard, see_only_own_gpu, shutdown)
 from gallery_lib.accel.precision import Precision
-from gallery_lib.accel.torch_switches import set_deterministic_algorithms, set_float32_matmul_precision
+from gallery_lib.accel.torch_switches import (WORKER_CAP_ENV, cap_gpu_memory, set_deterministic_algorithms,
+                                              set_float32_matmul_precision)
 from gallery_lib.config import RunConfig, validate_for_machine
 from gallery_lib.accel.step_size import at_batch_size
 from gallery_lib.run.attention_probe import AttentionProbe
-from gallery_lib.run.batch_size import search_run_batch_size
+from gallery_lib.run.batch_size import is_out_of_memory, search_run_batch_size, train_first_that_fits
+from gallery_lib.run.memory_plan import (NAMED, PLAN, Candidate, MemoryPlan, OutOfMemory, memory_in_use_gib,
+                                         out_of_memory, worker_share_gib)
 from gallery_lib.run.checkpoint import Checkpointer, check_fresh_start, is_own_checkpoint, resume_source
 from gallery_lib.run.failure import RESTARTED_PREFIX, STOPPED_PREFIX, clear_failure, failure_from_exception
 from gallery_lib.run.logs import rank_logging
@@ -134,6 +138,10 @@ def run(cfg: RunConfig, dist: DistInfo | None = None) -> dict:
         finally:
             if owns_group:
                 shutdown()
+    _cap_memory(cfg, dist.device)
+    if (cfg.extra.get(PLAN) or {}).get("probe_fields"):  # no footprint measured: the first setting that runs
+        return train_first_that_fits(cfg, lambda attempt: _train(attempt, dist),
+                                     log=print if dist.is_main else _silent)
     if not cfg.find_batch_size:
         return _train(cfg, dist)
     check_fresh_start(cfg)  # now, rather than after the search
@@ -145,6 +153,34 @@ def run(cfg: RunConfig, dist: DistInfo | None = None) -> dict:
         cfg.save(cfg.run_dir / "config.json")  # says what trained; a torchrun restart reloads it without searching
     log(f"[gallery] batch-size search: training at {search['chosen']} (tried {search['tried']}), from step 0")
     return _train(cfg, dist, extra_summary={"batch_size_search": search})
+
+
+def _silent(*args, **kwargs) -> None:
+    pass
+
+
+def _cap_memory(cfg: RunConfig, device: torch.device) -> None:
+    """``gpu_memory_gib``: this process capped to it, and the precompile workers it starts to what it leaves them."""
+    cap_gpu_memory(cfg.gpu_memory_gib, device)
+    if cfg.gpu_memory_gib is not None and device.type == "cuda" and cfg.precompile_workers:
+        measured = cfg.model_family.worker_memory
+        share = worker_share_gib(cfg.gpu_memory_gib, cfg.precompile_workers, measured and measured.trainer_gib)
+        os.environ[WORKER_CAP_ENV] = f"{share:.3f}"
+
+
+def _out_of_memory(cfg: RunConfig, step: int | None) -> OutOfMemory:
+    """The one-line out-of-memory error of a run of ``cfg`` at ``step`` (``None``: before its first)."""
+    plan = cfg.extra.get(PLAN)
+    return out_of_memory(step, cfg.steps, memory_in_use_gib(), plan["budget_gib"] if plan else cfg.gpu_memory_gib,
+                         Candidate(cfg.batch_size, cfg.gradient_accumulation_steps, cfg.gradient_checkpointing),
+                         MemoryPlan.from_dict(plan) if plan else None, cfg.extra.get(NAMED, ()))
+
+
+def explain_out_of_memory(exc: BaseException, cfg: RunConfig) -> BaseException:
+    """``exc`` as ``OutOfMemory`` when the GPU ran out before the first step (one from a step is one already)."""
+    if isinstance(exc, OutOfMemory) or not is_out_of_memory(exc) or not torch.cuda.is_available():
+        return exc
+    return _out_of_memory(cfg, None)
 
 
 def _train(cfg: RunConfig, dist: DistInfo, extra_summary: dict | None = None) -> dict:
@@ -180,6 +216,8 @@ def _train_from(setup_start: float, cfg: RunConfig, dist: DistInfo, plan: Compil
     log(f"[gallery] {cfg.model} | recipe {cfg.recipe} | {dist.world_size} x {dist.device.type} | "
         f"batch {cfg.batch_size}/process{_accumulated(cfg)} ({cfg.global_batch_size} global) | {cfg.steps} steps "
         f"({cfg.warmup_steps} warm-up) | {task.describe()}")
+    if PLAN in cfg.extra:
+        log(f"[gallery]   {MemoryPlan.from_dict(cfg.extra[PLAN]).note()}")
     for note in accelerated.notes:
         log(f"[gallery]   {note}")
     setup_time = time.perf_counter() - setup_start
@@ -206,33 +244,40 @@ def _train_from(setup_start: float, cfg: RunConfig, dist: DistInfo, plan: Compil
     # the last steps, left out of the speed figures: the profiler can slow the steps after it too
     profiled = max(0, min(cfg.profile_steps, cfg.steps - start - warmup_steps - 1))
     profiler = StepProfiler(profiled if dist.is_main else 0, cfg.steps - profiled, dist.device, cfg.run_dir, log)
-    for step in range(start, cfg.steps):
-        profiler.before_step(step)
-        loss = _forward_backward(task, train_module, batches, precision, cfg.gradient_accumulation_steps,
-                                 cuda_graphs)
-        lr = optimizer.param_groups[0]["lr"]
-        skipped = guard.update(loss, optimizer, update)
-        if step == start:
-            plan.first_step_done()  # its graphs are compiled: another run of them on this machine may load them now
-        optimizer.zero_grad(set_to_none=True)
-        step_log.record(loss, lr, skipped)
-        profiler.after_step(step)
-        stop = guard.should_stop()  # known now for host checks; device flags are read at the next flush
-        if step_log.due(step + 1) or ckpt.due(step + 1) or stop:
-            guard.count(step_log.flush(step + 1))
-            task.dataset.check_bad_fraction(cfg.max_bad_fraction)
-            stop = guard.should_stop()
-        if ckpt.due(step + 1) or stop:
-            saved_to = ckpt.save(step + 1, guard.counters())
-            step_log.restart_clock()  # the save belongs to no step
-            if stop:
-                raise guard.error(step, saved_to or ckpt.directory, start)
+    step = None
+    try:
+        for step in range(start, cfg.steps):
+            profiler.before_step(step)
+            loss = _forward_backward(task, train_module, batches, precision, cfg.gradient_accumulation_steps,
+                                     cuda_graphs)
+            lr = optimizer.param_groups[0]["lr"]
+            skipped = guard.update(loss, optimizer, update)
+            if step == start:
+                plan.first_step_done()  # its graphs are compiled: another run of them here may load them now
+            optimizer.zero_grad(set_to_none=True)
+            step_log.record(loss, lr, skipped)
+            profiler.after_step(step)
+            stop = guard.should_stop()  # known now for host checks; device flags are read at the next flush
+            if step_log.due(step + 1) or ckpt.due(step + 1) or stop:
+                guard.count(step_log.flush(step + 1))
+                task.dataset.check_bad_fraction(cfg.max_bad_fraction)
+                stop = guard.should_stop()
+            if ckpt.due(step + 1) or stop:
+                saved_to = ckpt.save(step + 1, guard.counters())
+                step_log.restart_clock()  # the save belongs to no step
+                if stop:
+                    raise guard.error(step, saved_to or ckpt.directory, start)
+    except Exception as exc:
+        if is_out_of_memory(exc) and dist.device.type == "cuda":
+            raise _out_of_memory(cfg, step) from exc  # one line: where, how much, what to try
+        raise
 
     summary = build_summary(cfg, dist, step_log, warmup_steps=warmup_steps, profiled_steps=profiled,
                             setup_time=setup_time,
                             precompile_seconds=plan.precompile_seconds, probe_seconds=probe.seconds,
                             skipped_samples=loader.skipped, nonfinite_steps=guard.total, notes=accelerated.notes,
                             flops_per_sample=flops_per_sample, **task.summary(), **extra_summary,
+                            **({"memory_plan": cfg.extra[PLAN]} if PLAN in cfg.extra else {}),
                             **plan.summary(log), **probe.report(log))
     if cfg.export_model:
         trained = _exported_module(model, ema, accelerated.template, dist)
@@ -360,7 +405,7 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 run(cfg, dist)
             except Exception as exc:  # the rank's log gets the traceback; the console one line
-                failure = failure_from_exception(exc, log_path)
+                failure = failure_from_exception(explain_out_of_memory(exc, cfg), log_path)
                 if dist.is_main:  # why the run stopped, for the launcher and the reports
                     failure.write(cfg.run_dir)
                 raise StoppedRun(failure) from exc

@@ -11,6 +11,7 @@ OPTIMIZERS = ("adamw", "sgd")
 AMP_LEVELS = ("O0", "O1", "O2")
 AMP_DTYPES = ("auto", "float16", "bfloat16")
 EMA_MODES = ("off", "loop", "foreach", "fused", "stream")
+MEMORY_PLANS = ("auto", "off")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -38,6 +39,18 @@ class Training(Section):
     """Recompute the activations of the model's blocks in the backward pass instead of keeping them (diffusers'
     ``enable_gradient_checkpointing``, timm's ``set_grad_checkpointing``, transformers'
     ``gradient_checkpointing_enable``): less memory for more compute, the same function."""
+    memory_plan: str = setting("auto", choices=MEMORY_PLANS)
+    """``auto``: on one GPU, fit the step into the memory the run may use (``gpu_memory_gib``, else the GPU's free
+    memory) at the same global batch, picking the batch per step, the gradient accumulation and the checkpointing
+    from the family's measured footprints, or from a short probe where none is measured
+    (``gallery_lib/run/memory_plan.py``). A batch size, accumulation or checkpointing the user names stays. ``off``:
+    run as configured."""
+    gpu_memory_gib: float | None = setting(None, kind=float, above=0, optional=True,
+                                           hint="GiB, e.g. 22 for a 24 GB card")
+    """The GPU memory this run may use, in GiB: its process and its precompile workers are capped to it together
+    (``torch.cuda.set_per_process_memory_fraction``; each process's CUDA context, about 1 GiB, comes on top), and
+    the memory plan fits the run into it. ``None``: the GPU's free memory at the start. The environment variable
+    ``GALLERY_GPU_MEMORY_GIB`` sets it for every run that does not name it."""
     max_nonfinite_steps: int = setting(5, kind=int, minimum=0, hint="0 disables the check")
     """Stop (with a checkpoint) after this many non-finite losses in a row; each such step is skipped. 0 turns
     the check off, which also removes its per-step host sync (see ``train.py``)."""

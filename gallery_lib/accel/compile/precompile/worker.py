@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from gallery_lib.accel.compile.precompile.record import apply_flags, compile_call
+from gallery_lib.accel.torch_switches import cap_worker_gpu_memory
 
 DONE_PREFIX = "compiled "
 STARTED_SEP = ", started at "
@@ -53,6 +54,7 @@ def _warm_up(device: torch.device, imports: list[str]) -> dict[str, float]:
     if device.type == "cuda":
         torch.cuda.set_device(device)
         torch.cuda.init()
+        cap_worker_gpu_memory(device)  # the run's memory plan leaves each worker a share of its cap
     marks["cuda"] = _since_start()
     warm_compile_pool(wait=True)
     marks["pool"] = _since_start()

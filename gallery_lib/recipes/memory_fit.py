@@ -1,0 +1,76 @@
+"""A resolved recipe fitted to the GPU memory the run may use: every recipe (``baseline``, ``peer``, ``accelerated``,
+the ladder's rungs) goes through the same plan (``gallery_lib/run/memory_plan.py``), so runs at one memory size
+compare fairly. Each setting the plan weighs is the recipe resolved again at that setting (checkpointing, say, turns
+its CUDA graphs off), and its peak is read from the family's measured footprints.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any, Callable
+
+from gallery_lib.config import RunConfig
+from gallery_lib.run.memory_plan import (NAMED, PLAN, PLANNED_FIELDS, Budget, Candidate, candidates, choose,
+                                         estimate_gib, read_budget, workers_that_fit)
+
+
+def fit_to_memory(cfg: RunConfig, resolve: Callable[[dict[str, Any]], RunConfig],
+                  budget: Budget | None = None) -> RunConfig:
+    """``cfg`` at the fastest setting that fits, with the plan in ``cfg.extra[PLAN]``. ``resolve(fields)`` resolves
+    the same recipe with ``fields`` (the planned ones) set on its base. ``budget``: the memory to fit in (tests pass
+    their own); by default the plan runs only on one GPU, in the memory ``read_budget`` reads."""
+    if cfg.memory_plan == "off" or cfg.find_batch_size or cfg.nproc_per_node > 1:
+        return cfg  # the search sizes the batch itself; several processes were never measured
+    if budget is None:
+        from gallery_lib.recipes.named import runs_on_gpu
+
+        budget = read_budget(cfg.gpu_memory_gib) if runs_on_gpu(cfg) else None
+        if budget is None:
+            return cfg
+    named = cfg.extra.get(NAMED, ())
+    configured = Candidate(cfg.batch_size, cfg.gradient_accumulation_steps, cfg.gradient_checkpointing)
+    options = candidates(configured.batch_size, configured.accumulation, configured.checkpointing, named)
+    configs = [cfg if option == configured else resolve(option.fields()) for option in options]
+    plan = choose(options, [footprint_gib(c) for c in configs], budget, configured)
+    if plan.chosen is not None:
+        cfg = configs[options.index(plan.chosen)]
+        workers = _workers(cfg, budget)
+        if workers is not None:
+            cfg = cfg.replace(precompile_workers=workers)
+            plan = replace(plan, precompile_workers=workers)
+    elif plan.probe:
+        first = options.index(plan.probe[0])
+        cfg = configs[first]
+        probe_fields = [_difference(cfg, configs[options.index(option)]) for option in plan.probe]
+        return cfg.replace(extra={**cfg.extra, PLAN: {**plan.as_dict(), "probe_fields": probe_fields}})
+    return cfg.replace(extra={**cfg.extra, PLAN: plan.as_dict()})
+
+
+def footprint_gib(cfg: RunConfig) -> float | None:
+    """The run's peak reserved memory from its family's measurements at other batch sizes, or ``None`` where this
+    recipe, image size, checkpointing or process count was not measured."""
+    spec = next((s for s in cfg.model_family.models if s.name == cfg.model), None)
+    if spec is None or cfg.image_size != spec.default_image_size or cfg.nproc_per_node != 1:
+        return None
+    for footprint in cfg.model_family.memory_footprints:
+        if (footprint.model, footprint.recipe, footprint.gradient_checkpointing) == (
+                cfg.model, cfg.recipe, cfg.gradient_checkpointing):
+            return estimate_gib(dict(footprint.reserved_gib), cfg.batch_size)
+    return None
+
+
+def _workers(cfg: RunConfig, budget: Budget) -> int | None:
+    """The precompile workers that fit beside the training process, where fewer than the recipe's do."""
+    measured = cfg.model_family.worker_memory
+    if measured is None or not cfg.compile or cfg.precompile_workers < 2:
+        return None
+    workers = workers_that_fit(cfg.precompile_workers, budget.gib, measured.trainer_gib, measured.per_worker_gib)
+    return workers if workers != cfg.precompile_workers else None
+
+
+def _difference(base: RunConfig, other: RunConfig) -> dict[str, Any]:
+    """The fields of ``other`` that differ from ``base`` (the planned ones always): what the training process changes
+    to try ``other``."""
+    mine, theirs = base.to_dict(), other.to_dict()
+    return {name: value for name, value in theirs.items()
+            if name != "extra" and (name in PLANNED_FIELDS or mine.get(name) != value)}

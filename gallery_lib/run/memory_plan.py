@@ -1,0 +1,272 @@
+"""The memory plan: before a run on a GPU, the fastest setting of its step that fits the memory the run may use, at
+the global batch it was given.
+
+The memory a run may use (``Budget``) is ``gpu_memory_gib`` when set (the run's processes are then capped to it),
+else the GPU's free memory as ``nvidia-smi`` reads it, less a CUDA context. The settings tried (``candidates``),
+fastest first: the batch per step halved with gradient accumulation making up the rest, then the same with gradient
+checkpointing (accumulation first: SD-1.5's ``accelerated`` ran 74.8 img/s at batch 4 x 2 against 32.7 at batch 8
+checkpointed, benchmarks/RESULTS.md#memory-plan). A setting the user named (``RunConfig.extra[NAMED]``) is not
+changed. Each candidate's peak is read from the family's measured footprints (``ModelFamily.memory_footprints``:
+measured batch sizes, linear between them and past the two nearest); where none is measured for the recipe, the
+training process starts at the first, and gives way to the next when one runs out of memory in its first steps
+(``run/batch_size.py``: nothing is lost where the first fits). The plan also sizes the
+precompile workers, which hold GPU memory beside the training process while they compile
+(``ModelFamily.worker_memory``).
+
+The functions here are pure but ``read_budget``: tests pass memory sizes of their own.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+from dataclasses import asdict, dataclass, field
+from typing import Any, Iterable, Sequence
+
+NAMED = "named"
+"""The note in ``RunConfig.extra`` listing the fields the user named (``base_config``'s and ``recipe_config``'s
+overrides): the plan leaves those alone."""
+PLAN = "memory_plan"
+"""The note in ``RunConfig.extra`` holding the plan (``MemoryPlan.as_dict``)."""
+CAP_ENV = "GALLERY_GPU_MEMORY_GIB"
+"""Sets ``gpu_memory_gib`` for every run that does not name it."""
+
+CONTEXT_GIB = 1.3
+"""GPU memory a training process holds outside its allocator (CUDA context, kernels, cuBLAS handles): nvidia-smi's
+figure for the process less its peak reserved was 0.77-1.27 GiB for SD-1.5 (benchmarks/RESULTS.md#memory-plan)."""
+HEADROOM = 0.04
+"""Kept free above a measured peak: repeated runs of one setting reserved up to 3.6% apart (SD-1.5 accelerated at
+batch 32: 40.8-42.3 GiB)."""
+PLANNED_FIELDS = ("batch_size", "gradient_accumulation_steps", "gradient_checkpointing")
+
+
+@dataclass(frozen=True)
+class Budget:
+    """The GPU memory a run may use."""
+
+    gib: float
+    source: str
+    """``gpu_memory_gib`` (a cap the run enforces) or ``free`` (read from the GPU)."""
+
+    def describe(self) -> str:
+        return f"{self.gib:.1f} GiB ({'gpu_memory_gib' if self.source == 'gpu_memory_gib' else 'free on the GPU'})"
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One setting of the step: the batch per step, the batches accumulated per optimizer step, checkpointing."""
+
+    batch_size: int
+    accumulation: int
+    checkpointing: bool
+
+    def describe(self) -> str:
+        text = f"batch {self.batch_size}"
+        if self.accumulation > 1:
+            text += f" x {self.accumulation} accumulation steps"
+        return text + (", gradient checkpointing" if self.checkpointing else "")
+
+    def fields(self) -> dict[str, Any]:
+        """As ``RunConfig`` fields."""
+        return {"batch_size": self.batch_size, "gradient_accumulation_steps": self.accumulation,
+                "gradient_checkpointing": self.checkpointing}
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """What the plan picked, and why, in the run's first line, its summary, the report and the notebook."""
+
+    budget_gib: float
+    source: str
+    chosen: Candidate | None
+    """``None``: nothing measured fits (``estimate_gib`` then holds the smallest need measured)."""
+    estimate_gib: float | None = None
+    """The chosen setting's measured peak; ``None`` where it was not measured."""
+    probe: tuple[Candidate, ...] = ()
+    """Settings the training process tries in order where none is measured: each gives way to the next when it runs
+    out of memory in its first steps."""
+    precompile_workers: int | None = None
+    """The workers that fit beside the training process, where the plan changed their number."""
+    changed: bool = False
+    """Whether the plan changed the configured setting."""
+    after: tuple[Candidate, ...] = field(default=())
+    """The slower settings after the chosen one: what to try if the run still runs out of memory."""
+
+    @property
+    def fits(self) -> bool:
+        return self.chosen is not None or bool(self.probe)
+
+    def note(self) -> str:
+        """``memory plan, 22.0 GiB (gpu_memory_gib): batch 4 x 2 accumulation steps (measured 20.1 GiB)``."""
+        head = f"memory plan, {Budget(self.budget_gib, self.source).describe()}: "
+        if self.chosen is None and self.probe:
+            return head + (f"not measured for this recipe: {self.probe[0].describe()}, giving way to the next "
+                           "setting if it runs out of memory in its first steps")
+        if self.chosen is None:
+            return head + f"does not fit (the smallest setting measured needs {self.estimate_gib:.1f} GiB)"
+        kept = "" if self.changed else " as configured"
+        workers = "" if self.precompile_workers is None else f", {self.precompile_workers} precompile workers"
+        measured = "not measured" if self.estimate_gib is None else f"measured {self.estimate_gib:.1f} GiB"
+        return head + f"{self.chosen.describe()}{kept}{workers} ({measured})"
+
+    def does_not_fit(self) -> str:
+        """One line for a run that cannot start: what it needs, what it has, and the way out."""
+        return (f"does not fit in {self.budget_gib:.1f} GiB: the smallest setting measured for it needs "
+                f"{self.estimate_gib:.1f} GiB; use a GPU with more free memory, or lower image_size or the model")
+
+    def fix_after_oom(self, current: Candidate) -> str:
+        """The next slower setting to try when ``current`` ran out of memory after all."""
+        later = [c for c in self.after if c != current]
+        if later:
+            return f"try {later[0].describe()} ({_as_flags(later[0])})"
+        return "the plan has no smaller setting left: use a GPU with more free memory, or a smaller image_size"
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"budget_gib": self.budget_gib, "source": self.source,
+                "chosen": None if self.chosen is None else asdict(self.chosen), "estimate_gib": self.estimate_gib,
+                "probe": [asdict(c) for c in self.probe], "precompile_workers": self.precompile_workers,
+                "changed": self.changed, "after": [asdict(c) for c in self.after], "note": self.note()}
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> MemoryPlan:
+        chosen = values.get("chosen")
+        return cls(values["budget_gib"], values["source"], None if chosen is None else Candidate(**chosen),
+                   values.get("estimate_gib"), tuple(Candidate(**c) for c in values.get("probe", ())),
+                   values.get("precompile_workers"), values.get("changed", False),
+                   tuple(Candidate(**c) for c in values.get("after", ())))
+
+
+def _as_flags(candidate: Candidate) -> str:
+    flags = f"--batch_size {candidate.batch_size} --gradient_accumulation_steps {candidate.accumulation}"
+    return flags + (" --gradient_checkpointing" if candidate.checkpointing else "")
+
+
+def candidates(batch_size: int, accumulation: int, checkpointing: bool, named: Iterable[str]) -> list[Candidate]:
+    """The settings at the same global batch (``batch_size * accumulation``), fastest first: no checkpointing (unless
+    it is on), the batch per step from the largest down, then the same with checkpointing. A named field stays as it
+    is; an even batch stays even (Mixup and CutMix pair its images)."""
+    named = set(named)
+    total = batch_size * accumulation
+    if "batch_size" in named:
+        sizes = [batch_size]
+    elif "gradient_accumulation_steps" in named:
+        sizes = [total // accumulation]
+    else:
+        step = 2 if batch_size % 2 == 0 else 1
+        sizes = [size for size in range(total, 0, -1) if total % size == 0 and size % step == 0]
+    switches = [checkpointing] if "gradient_checkpointing" in named or checkpointing else [False, True]
+    return [Candidate(size, total // size, on) for on in switches for size in sizes]
+
+
+def estimate_gib(points: dict[int, float], batch_size: int) -> float | None:
+    """The peak at ``batch_size`` from peaks measured at other batch sizes: the measured value, linear between the
+    two measured sizes around it, and past the ends along the line through the two nearest. With one size measured,
+    its peak bounds every smaller batch (memory grows with the batch) and nothing is known above it."""
+    if not points:
+        return None
+    sizes = sorted(points)
+    if batch_size in points:
+        return points[batch_size]
+    if len(sizes) == 1:
+        return points[sizes[0]] if batch_size < sizes[0] else None
+    if batch_size < sizes[0]:
+        low, high = sizes[0], sizes[1]
+    elif batch_size > sizes[-1]:
+        low, high = sizes[-2], sizes[-1]
+    else:
+        high = next(size for size in sizes if size > batch_size)
+        low = max(size for size in sizes if size < batch_size)
+    slope = (points[high] - points[low]) / (high - low)
+    return max(0.0, points[low] + slope * (batch_size - low))
+
+
+def fits(estimate: float, budget_gib: float) -> bool:
+    return estimate * (1 + HEADROOM) <= budget_gib
+
+
+def choose(options: Sequence[Candidate], estimates: Sequence[float | None], budget: Budget,
+           configured: Candidate) -> MemoryPlan:
+    """The first option whose measured peak fits ``budget``; where an option is not measured, it and those after it
+    are tried in the run instead (a measured option later in the list is slower than the unmeasured one before it)."""
+    for index, (option, estimate) in enumerate(zip(options, estimates)):
+        if estimate is None:
+            return MemoryPlan(budget.gib, budget.source, None, probe=tuple(options[index:]),
+                              changed=True, after=tuple(options[index + 1:]))
+        if fits(estimate, budget.gib):
+            return MemoryPlan(budget.gib, budget.source, option, estimate, changed=option != configured,
+                              after=tuple(options[index + 1:]))
+    smallest = min(e for e in estimates if e is not None)
+    return MemoryPlan(budget.gib, budget.source, None, smallest)
+
+
+def workers_that_fit(requested: int, budget_gib: float, trainer_gib: float, per_worker_gib: float) -> int:
+    """How many precompile workers fit beside the training process (at least 2 or none: one worker compiles no
+    sooner than the training process itself)."""
+    room = math.floor((budget_gib - trainer_gib) / per_worker_gib) if per_worker_gib > 0 else requested
+    workers = max(0, min(requested, room))
+    return workers if workers >= 2 else 0
+
+
+def read_budget(cap_gib: float | None) -> Budget | None:
+    """``cap_gib`` when given; else the free memory of the GPU this process would use, less a CUDA context, read with
+    ``nvidia-smi`` (the launcher creates no CUDA context of its own); ``None`` where it cannot be read."""
+    if cap_gib is not None:
+        return Budget(float(cap_gib), "gpu_memory_gib")
+    free = _free_gib(_first_visible_gpu())
+    return None if free is None else Budget(max(0.0, free - CONTEXT_GIB), "free")
+
+
+def _first_visible_gpu() -> str:
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip()
+    return visible or "0"
+
+
+def _free_gib(gpu: str) -> float | None:
+    try:
+        out = subprocess.run(["nvidia-smi", f"--id={gpu}", "--query-gpu=memory.free", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=20, check=True).stdout
+        return float(out.strip().splitlines()[0]) / 1024
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return None
+
+
+def worker_share_gib(cap_gib: float, workers: int, trainer_gib: float | None) -> float:
+    """What each precompile worker may reserve under a cap: the room the training process leaves them while they
+    compile (measured, ``WorkerMemory.trainer_gib``), else an equal share with it."""
+    room = cap_gib - trainer_gib if trainer_gib is not None else cap_gib * workers / (workers + 1)
+    return max(0.5, room / max(1, workers))
+
+
+class OutOfMemory(RuntimeError):
+    """A run out of GPU memory, said in one line: where (the step, or before the first), the memory in use, and the
+    setting to try."""
+
+    def __init__(self, message: str, step: int | None) -> None:
+        super().__init__(message)
+        self.step = step
+
+
+def out_of_memory(step: int | None, total_steps: int, in_use_gib: float | None, budget_gib: float | None,
+                  current: Candidate, plan: MemoryPlan | None, named: Iterable[str]) -> OutOfMemory:
+    """The ``OutOfMemory`` for a run at ``current`` that ran out at ``step`` (``None``: before its first step)."""
+    where = f"at step {step + 1} of {total_steps}" if step is not None else \
+        "before the first step (building the model, compiling or capturing its graphs)"
+    memory = f" with {in_use_gib:.1f} GiB reserved" if in_use_gib is not None else ""
+    if budget_gib is not None:
+        memory += f" of {budget_gib:.1f} GiB"
+    if plan is not None:
+        fix = plan.fix_after_oom(current)
+    else:
+        later = [c for c in candidates(current.batch_size, current.accumulation, current.checkpointing, named)
+                 if c != current]
+        fix = (f"try {later[0].describe()} ({_as_flags(later[0])})" if later else
+               "use a GPU with more free memory, or a smaller image_size")
+    return OutOfMemory(f"out of memory {where}{memory} at {current.describe()}: {fix}", step)
+
+
+def memory_in_use_gib() -> float | None:
+    """What this process's allocator holds now (for the out-of-memory line)."""
+    import torch
+
+    return torch.cuda.memory_reserved() / 2**30 if torch.cuda.is_available() else None
