@@ -49,9 +49,10 @@ def with_large_step_switches(cfg: RunConfig) -> RunConfig:
 
 
 def graphs_can_replay(base: RunConfig) -> bool:
-    """A block recomputed in the backward (checkpointing) cannot replay as a CUDA graph, and ZeRO-2's collectives run
-    in hooks outside the graphs."""
-    return not (base.gradient_checkpointing or base.data_parallel == "zero2")
+    """A block recomputed in the backward (checkpointing) cannot replay as a CUDA graph, ZeRO-2's collectives run
+    in hooks outside the graphs, and accumulated batches would add up gradients that the next replay overwrites
+    (CUDA-graph trees hand them out of the graphs' memory pool; seen on an H200, benchmarks/RESULTS.md#memory-plan)."""
+    return not (base.gradient_checkpointing or base.data_parallel == "zero2" or base.gradient_accumulation_steps > 1)
 
 
 def without_graphs_where_they_cannot_replay(base: RunConfig, switches: dict[str, Any]) -> dict[str, Any]:

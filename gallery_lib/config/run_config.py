@@ -118,6 +118,11 @@ class RunConfig:
             raise ConfigError(f"gradient_checkpointing=True cannot run with compile_mode={self.compile_mode!r}: a "
                               "block recomputed in the backward pass cannot replay as a CUDA graph. Use "
                               "compile_mode='default' (or 'max-autotune-no-cudagraphs'), or drop the checkpointing.")
+        if self.gradient_accumulation_steps > 1 and cuda_graphs:
+            # CUDA-graph trees hand the gradients out of the graphs' pool: the next batch's replay overwrites them.
+            raise ConfigError(f"gradient_accumulation_steps={self.gradient_accumulation_steps} cannot run with "
+                              f"compile_mode={self.compile_mode!r}: the next batch's CUDA-graph replay overwrites the "
+                              "gradients the batches add up. Use compile_mode='default', or accumulate 1 step.")
         if self.data_parallel == "zero2" and cuda_graphs:
             raise ConfigError(f"compile_mode={self.compile_mode!r} captures CUDA graphs, and data_parallel='zero2' "
                               "all-gathers and reduce-scatters in hooks outside them: use compile_mode='default' or "
