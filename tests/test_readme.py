@@ -66,7 +66,9 @@ def test_a_headline_row_named_by_a_switch_ran_the_recipe_as_it_is(monkeypatch):
                        instance_prompt="a photo of sks dog")
     ran = recipe_config(base, "accelerated", {"ema_in_optimizer": True})
     assert ran.recipe == "accelerated+ema_in_optimizer"
-    assert ran.replace(recipe="accelerated") == apply_recipe("accelerated", base)
+    plain = apply_recipe("accelerated", base)
+    assert ran.replace(recipe="accelerated", extra=plain.extra) == plain  # the same recipe; NAMED says what was named
+    assert "ema_in_optimizer" in ran.extra["named"]  # the memory plan leaves it as named
 
 
 def test_readme_keeps_the_two_commands_on_its_first_screen():

@@ -89,6 +89,7 @@ FAMILY = register_family(ModelFamily(
         Footprint("sd15", "peer", {4: 18.95, 32: 40.17}, source="memory_plan_h200/bench_sdmem_1.json, "
                   "bench_h100/bench_sd_b32_final.json"),
         Footprint("sd15", "baseline", {4: 22.12}, source="memory_plan_h200/bench_sdmem_1.json"),
+        Footprint("sd15", "compiled", {8: 21.26}, samples_per_s={8: 57.8}, source="memory_plan_h200/caps_sd_22.json"),
     ),
     # 8 workers of 1.3-3.5 GiB beside a training process at up to 11.8 GiB (nvidia-smi, #memory-plan)
     worker_memory=WorkerMemory(trainer_gib=11.8, per_worker_gib=3.5, source="memory_plan_h200/smi_apps_sdmem.csv.gz"),

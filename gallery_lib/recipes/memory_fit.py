@@ -11,22 +11,15 @@ from typing import Any, Callable
 
 from gallery_lib.config import RunConfig
 from gallery_lib.run.memory_plan import (NAMED, PLAN, PLANNED_FIELDS, Budget, Candidate, candidates, choose,
-                                         estimate_gib, read_budget, workers_that_fit)
+                                         estimate_gib, workers_that_fit)
 
 
-def fit_to_memory(cfg: RunConfig, resolve: Callable[[dict[str, Any]], RunConfig],
-                  budget: Budget | None = None) -> RunConfig:
-    """``cfg`` at the fastest setting that fits, with the plan in ``cfg.extra[PLAN]``. ``resolve(fields)`` resolves
-    the same recipe with ``fields`` (the planned ones) set on its base. ``budget``: the memory to fit in (tests pass
-    their own); by default the plan runs only on one GPU, in the memory ``read_budget`` reads."""
-    if cfg.memory_plan == "off" or cfg.find_batch_size or cfg.nproc_per_node > 1:
+def fit_to_memory(cfg: RunConfig, resolve: Callable[[dict[str, Any]], RunConfig], budget: Budget | None) -> RunConfig:
+    """``cfg`` at the fastest setting that fits ``budget`` (``None``: no plan, as on a CPU), with the plan in
+    ``cfg.extra[PLAN]``. ``resolve(fields)`` resolves the same recipe with ``fields`` (the planned ones) set on its
+    base."""
+    if budget is None or cfg.memory_plan == "off" or cfg.find_batch_size or cfg.nproc_per_node > 1:
         return cfg  # the search sizes the batch itself; several processes were never measured
-    if budget is None:
-        from gallery_lib.recipes.named import runs_on_gpu
-
-        budget = read_budget(cfg.gpu_memory_gib) if runs_on_gpu(cfg) else None
-        if budget is None:
-            return cfg
     named = cfg.extra.get(NAMED, ())
     configured = Candidate(cfg.batch_size, cfg.gradient_accumulation_steps, cfg.gradient_checkpointing)
     options = candidates(configured.batch_size, configured.accumulation, configured.checkpointing, named)
@@ -42,15 +35,17 @@ def fit_to_memory(cfg: RunConfig, resolve: Callable[[dict[str, Any]], RunConfig]
         first = options.index(plan.probe[0])
         cfg = configs[first]
         probe_fields = [_difference(cfg, configs[options.index(option)]) for option in plan.probe]
-        return cfg.replace(extra={**cfg.extra, PLAN: {**plan.as_dict(), "probe_fields": probe_fields}})
+        return cfg.replace(extra={**cfg.extra, PLAN: {**plan.as_dict(), "probe_fields": probe_fields,
+                                                      "configured": configured.fields()}})
     return cfg.replace(extra={**cfg.extra, PLAN: plan.as_dict()})
 
 
 def footprint_gib(cfg: RunConfig) -> float | None:
     """The run's peak reserved memory from its family's measurements at other batch sizes, or ``None`` where this
-    recipe, image size, checkpointing or process count was not measured."""
+    recipe, image size, checkpointing, accumulation or process count was not measured."""
     spec = next((s for s in cfg.model_family.models if s.name == cfg.model), None)
-    if spec is None or cfg.image_size != spec.default_image_size or cfg.nproc_per_node != 1:
+    if (spec is None or cfg.image_size != spec.default_image_size or cfg.nproc_per_node != 1
+            or cfg.gradient_accumulation_steps != 1):  # measured without accumulation, which turns CUDA graphs off
         return None
     for footprint in cfg.model_family.memory_footprints:
         if (footprint.model, footprint.recipe, footprint.gradient_checkpointing) == (

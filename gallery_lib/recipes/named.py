@@ -24,7 +24,8 @@ from typing import Any, Callable
 from gallery_lib.accel.step_size import (GRAPHS_BY_BATCH, graph_mode_for_batch, graphs_can_replay, kept_as_named,
                                          with_large_step_switches, without_graphs_where_they_cannot_replay)
 from gallery_lib.config import ConfigError, RunConfig, resolve_device, visible_cuda_devices
-from gallery_lib.run.memory_plan import NAMED
+from gallery_lib.recipes.memory_fit import fit_to_memory
+from gallery_lib.run.memory_plan import NAMED, read_budget
 
 
 def baseline(base: RunConfig) -> RunConfig:
@@ -147,15 +148,14 @@ def recipe_config(base: RunConfig, recipe: str, overrides: dict[str, Any]) -> Ru
     """Recipe ``recipe`` with explicit ``overrides`` on top, named after both (``baseline+amp_level=O2+compile``)
     so an overridden run never writes over the plain recipe's results; on a GPU, fitted to the memory the run may
     use (``memory_fit.py``), leaving what the user named (``base_config``'s and these overrides) as named."""
-    from gallery_lib.recipes.memory_fit import fit_to_memory
-
     named = sorted(set(base.extra.get(NAMED, ())) | set(overrides))
 
     def resolve(planned: dict[str, Any]) -> RunConfig:
         cfg = _resolved(base.replace(**planned), recipe, overrides)
         return cfg.replace(extra={**cfg.extra, NAMED: named})
 
-    return fit_to_memory(resolve({}), resolve)
+    cfg = resolve({})
+    return fit_to_memory(cfg, resolve, read_budget(cfg.gpu_memory_gib) if runs_on_gpu(cfg) else None)
 
 
 def _resolved(base: RunConfig, recipe: str, overrides: dict[str, Any]) -> RunConfig:

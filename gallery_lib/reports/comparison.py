@@ -30,6 +30,7 @@ from matplotlib.figure import Figure
 
 from gallery_lib.config.run_config import flat_config
 from gallery_lib.run.failure import RunFailure, read_failure
+from gallery_lib.run.memory_plan import MemoryPlan
 from gallery_lib.run.metrics import read_metrics
 
 CONFIG_FILE = "config.json"
@@ -288,7 +289,7 @@ def write_report(model_dir: str | os.PathLike, recipes: list[str] | None = None,
     model = loaded[0].config.get("model", model_dir.name)
     run_lines = [f"- `{run.recipe}`: [{run.recipe}/]({run.recipe}/) (`{run.run_dir}`), metrics in "
                  f"[{run.recipe}/{METRICS_FILE}]({run.recipe}/{METRICS_FILE})"
-                 + ("" if run.finished else " (unfinished: no summary line)") for run in runs]
+                 + ("" if run.finished else " (unfinished: no summary line)") + _memory_plan(run) for run in runs]
     stopped = "".join(f"- {failure.line(name)}\n" for name, failure in failures.items())
     markdown = (f"# {model}: recipe comparison\n\n{to_markdown(table, reference)}\n"
                 + (f"{stopped}\n" if stopped else "") + f"![comparison]({REPORT_PNG})\n\n"
@@ -304,6 +305,12 @@ def write_report(model_dir: str | os.PathLike, recipes: list[str] | None = None,
         log_figure(paths["tensorboard"], "recipe comparison", figure)
     return Report(table=table, markdown=markdown, figure=figure, paths=paths, runs=runs, _png=png,
                   failures=failures)
+
+
+def _memory_plan(run: RunRecord) -> str:
+    """``; memory plan, 22.0 GiB (...): batch 8, gradient checkpointing (...)`` where the run had one."""
+    plan = (run.summary or {}).get("memory_plan")
+    return f"; {MemoryPlan.from_dict(plan).note()}" if plan else ""
 
 
 def mfu(samples_per_s: float | None, flops_per_sample: float | None, matmul_tflops: float | None) -> float | None:

@@ -8,8 +8,8 @@ kernel autotuning allocate differently on their first steps, so one step under-r
 
 ``search_run_batch_size`` drives the search for a run (``RunConfig.find_batch_size``): each trial is the real
 pipeline (task, model, accelerations, optimizer, compile) trained for ``TRIAL_STEPS`` steps, writing into
-``<run_dir>/batch_size_search/batch_<N>/``. ``train_first_that_fits`` trains at the memory plan's first setting that runs,
-where the family measured none (``memory_plan.py``).
+``<run_dir>/batch_size_search/batch_<N>/``. ``train_first_that_fits`` trains at the memory plan's first setting
+that runs, where the family measured none (``memory_plan.py``).
 """
 
 from __future__ import annotations
@@ -138,29 +138,33 @@ def search_run_batch_size(cfg: RunConfig, train: Callable[[RunConfig], Any],
 def train_first_that_fits(cfg: RunConfig, train: Callable[[RunConfig], dict],
                           log: Callable[[str], None] = print) -> dict:
     """Trains ``cfg`` at the first of its memory plan's unmeasured settings that runs: one that runs out of memory
-    before its ``TRIAL_STEPS``-th step (where compilation, CUDA-graph capture and the optimizer's state reach the
-    peak) gives way to the next, from step 0; later it stops the run. Costs nothing where the first fits. Returns
-    ``train``'s summary; a ``ConfigError`` naming what was tried when none fits."""
+    before its timed steps (compilation, CUDA-graph capture and the optimizer's state reach the peak in the warm-up;
+    at least ``TRIAL_STEPS`` steps) gives way to the next, from step 0; later it stops the run. Costs nothing where
+    the first fits. Returns ``train``'s summary; a ``ConfigError`` naming what was tried when none fits."""
     import torch._dynamo
 
     plan = dict(cfg.extra[PLAN])
     options = MemoryPlan.from_dict(plan).probe
     tried: list[str] = []
+    window = max(TRIAL_STEPS, cfg.warmup_steps)
+    configured = plan.get("configured")
     for index, fields in enumerate(plan.pop("probe_fields")):
         setting = options[index]
-        chosen = MemoryPlan(plan["budget_gib"], plan["source"], setting, None, changed=True, after=options[index + 1:])
+        changed = configured is None or setting.fields() != configured
+        chosen = MemoryPlan(plan["budget_gib"], plan["source"], setting, None, changed=changed,
+                            after=options[index + 1:])
         attempt = cfg.replace(**fields, extra={**cfg.extra, PLAN: {**chosen.as_dict(), "gave_way": list(tried)}})
         if tried:
-            log(f"[gallery] memory plan: {tried[-1]} ran out of memory in its first steps; trying {setting.describe()}"
-                " from step 0")
+            log(f"[gallery] memory plan: {tried[-1]} ran out of memory before its timed steps; trying "
+                f"{setting.describe()} from step 0")
         try:
             return train(attempt)
         except Exception as exc:
-            if not is_out_of_memory(exc) or getattr(exc, "step", None) is not None and exc.step >= TRIAL_STEPS:
+            if not is_out_of_memory(exc) or getattr(exc, "step", None) is not None and exc.step >= window:
                 raise
         finally:
             torch._dynamo.reset()  # compiled graphs and their guards keep the attempt's model alive
         free_memory()
         tried.append(setting.describe())
-    raise ConfigError(f"does not fit in {plan['budget_gib']:.1f} GiB: {'; '.join(tried)} each ran out of memory in "
-                      "the first steps; use a GPU with more free memory, or lower image_size or the model")
+    raise ConfigError(f"does not fit in {plan['budget_gib']:.1f} GiB: {'; '.join(tried)} each ran out of memory "
+                      "before its timed steps; use a GPU with more free memory, or lower image_size or the model")

@@ -4,12 +4,12 @@ the global batch it was given.
 The memory a run may use (``Budget``) is ``gpu_memory_gib`` when set (the run's processes are then capped to it),
 else the GPU's free memory as ``nvidia-smi`` reads it, less a CUDA context. The settings tried (``candidates``),
 fastest first: the batch per step halved with gradient accumulation making up the rest, then the same with gradient
-checkpointing (accumulation first: SD-1.5's ``accelerated`` ran 74.8 img/s at batch 4 x 2 against 32.7 at batch 8
-checkpointed, benchmarks/RESULTS.md#memory-plan). A setting the user named (``RunConfig.extra[NAMED]``) is not
-changed. Each candidate's peak is read from the family's measured footprints (``ModelFamily.memory_footprints``:
-measured batch sizes, linear between them and past the two nearest); where none is measured for the recipe, the
-training process starts at the first, and gives way to the next when one runs out of memory in its first steps
-(``run/batch_size.py``: nothing is lost where the first fits). The plan also sizes the
+checkpointing. A setting the user named (``RunConfig.extra[NAMED]``) is not changed. Each candidate's peak is read
+from the family's measured footprints (``ModelFamily.memory_footprints``: measured batch sizes, linear between them
+and past the two nearest; measured without accumulation, so only such candidates read them), and the first measured
+to fit is taken. Where none is, the training process starts at the first unmeasured one, and gives way to the next
+when one runs out of memory before its timed steps (``run/batch_size.py``: nothing is lost where the first fits).
+The plan also sizes the
 precompile workers, which hold GPU memory beside the training process while they compile
 (``ModelFamily.worker_memory``).
 
@@ -85,7 +85,7 @@ class MemoryPlan:
     """The chosen setting's measured peak; ``None`` where it was not measured."""
     probe: tuple[Candidate, ...] = ()
     """Settings the training process tries in order where none is measured: each gives way to the next when it runs
-    out of memory in its first steps."""
+    out of memory before its timed steps."""
     precompile_workers: int | None = None
     """The workers that fit beside the training process, where the plan changed their number."""
     changed: bool = False
@@ -102,7 +102,7 @@ class MemoryPlan:
         head = f"memory plan, {Budget(self.budget_gib, self.source).describe()}: "
         if self.chosen is None and self.probe:
             return head + (f"not measured for this recipe: {self.probe[0].describe()}, giving way to the next "
-                           "setting if it runs out of memory in its first steps")
+                           "setting if it runs out of memory before its timed steps")
         if self.chosen is None:
             return head + f"does not fit (the smallest setting measured needs {self.estimate_gib:.1f} GiB)"
         kept = "" if self.changed else " as configured"
@@ -187,17 +187,18 @@ def fits(estimate: float, budget_gib: float) -> bool:
 
 def choose(options: Sequence[Candidate], estimates: Sequence[float | None], budget: Budget,
            configured: Candidate) -> MemoryPlan:
-    """The first option whose measured peak fits ``budget``; where an option is not measured, it and those after it
-    are tried in the run instead (a measured option later in the list is slower than the unmeasured one before it)."""
+    """The first option whose measured peak fits ``budget``; where none is measured to fit, the unmeasured ones are
+    tried in the run, in order. A setting measured to fit wins over unmeasured ones before it: SD-1.5's recipes at
+    batch 4 x 2, unmeasured, ran out of memory in 22 GiB where batch 8 checkpointed measured 18.4 GiB
+    (benchmarks/RESULTS.md#memory-plan)."""
     for index, (option, estimate) in enumerate(zip(options, estimates)):
-        if estimate is None:
-            return MemoryPlan(budget.gib, budget.source, None, probe=tuple(options[index:]),
-                              changed=True, after=tuple(options[index + 1:]))
-        if fits(estimate, budget.gib):
+        if estimate is not None and fits(estimate, budget.gib):
             return MemoryPlan(budget.gib, budget.source, option, estimate, changed=option != configured,
                               after=tuple(options[index + 1:]))
-    smallest = min(e for e in estimates if e is not None)
-    return MemoryPlan(budget.gib, budget.source, None, smallest)
+    unmeasured = tuple(option for option, estimate in zip(options, estimates) if estimate is None)
+    if unmeasured:
+        return MemoryPlan(budget.gib, budget.source, None, probe=unmeasured, changed=True, after=unmeasured[1:])
+    return MemoryPlan(budget.gib, budget.source, None, min(estimates))
 
 
 def workers_that_fit(requested: int, budget_gib: float, trainer_gib: float, per_worker_gib: float) -> int:

@@ -178,7 +178,7 @@ def _out_of_memory(cfg: RunConfig, step: int | None) -> OutOfMemory:
 
 def explain_out_of_memory(exc: BaseException, cfg: RunConfig) -> BaseException:
     """``exc`` as ``OutOfMemory`` when the GPU ran out before the first step (one from a step is one already)."""
-    if isinstance(exc, OutOfMemory) or not is_out_of_memory(exc) or not torch.cuda.is_available():
+    if isinstance(exc, OutOfMemory) or not is_out_of_memory(exc):
         return exc
     return _out_of_memory(cfg, None)
 
@@ -268,7 +268,7 @@ def _train_from(setup_start: float, cfg: RunConfig, dist: DistInfo, plan: Compil
                 if stop:
                     raise guard.error(step, saved_to or ckpt.directory, start)
     except Exception as exc:
-        if is_out_of_memory(exc) and dist.device.type == "cuda":
+        if is_out_of_memory(exc):
             raise _out_of_memory(cfg, step) from exc  # one line: where, how much, what to try
         raise
 

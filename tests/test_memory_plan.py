@@ -1,0 +1,285 @@
+"""The memory plan (``run/memory_plan.py``, ``recipes/memory_fit.py``): with memory sizes of the tests' own, the
+choice moves the right way, never exceeds the budget, keeps the global batch and what the user named; an unmeasured
+setting gives way to the next in a real run when it runs out of memory early; out of memory says where, how much and
+what to try; the cap and its settings."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from gallery_lib.config import ConfigError, RunConfig
+from gallery_lib.recipes import recipe_config
+from gallery_lib.recipes.memory_fit import fit_to_memory, footprint_gib
+from gallery_lib.recipes.named import _resolved
+from gallery_lib.recipes.profiles import base_config
+from gallery_lib.run.batch_size import SEARCH_DIR
+from gallery_lib.run.failure import failure_from_exception, read_failure
+from gallery_lib.run.launch import RunFailed, launch
+from gallery_lib.run.memory_plan import (CAP_ENV, HEADROOM, NAMED, PLAN, Budget, Candidate, MemoryPlan, OutOfMemory,
+                                         candidates, choose, estimate_gib, out_of_memory, workers_that_fit)
+from gallery_lib.run.metrics import read_metrics
+from gallery_lib.tasks.classification import ClassificationTask
+from gallery_lib.run.train import run
+
+# A footprint of the tests' own: 10 GiB of state, 1 GiB per image; checkpointing halves the images' part.
+POINTS = {4: 14.0, 8: 18.0}
+CHECKPOINTED = {8: 14.0}
+
+
+def plan_for(budget: float, named=(), batch=8, accumulation=1, checkpointing=False) -> MemoryPlan:
+    options = candidates(batch, accumulation, checkpointing, named)
+    estimates = [estimate_gib(CHECKPOINTED if o.checkpointing else POINTS, o.batch_size) if o.accumulation == 1
+                 or o.checkpointing else estimate_gib(POINTS, o.batch_size) for o in options]
+    return choose(options, estimates, Budget(budget, "gpu_memory_gib"), Candidate(batch, accumulation,
+                                                                                    checkpointing))
+
+
+def test_candidates_keep_the_global_batch_fastest_first():
+    options = candidates(8, 1, False, named=())
+    assert [(c.batch_size, c.accumulation, c.checkpointing) for c in options] == [
+        (8, 1, False), (4, 2, False), (2, 4, False), (8, 1, True), (4, 2, True), (2, 4, True)]
+    assert {c.batch_size * c.accumulation for c in options} == {8}
+    assert [c.batch_size for c in candidates(3, 2, False, ())][:4] == [6, 3, 2, 1]  # an odd batch may go odd
+    assert all(c.batch_size % 2 == 0 for c in candidates(12, 1, False, ()))  # an even one stays even (Mixup pairs)
+
+
+def test_named_settings_stay():
+    assert {c.batch_size for c in candidates(8, 1, False, named=["batch_size"])} == {8}
+    assert {(c.batch_size, c.accumulation) for c in candidates(8, 2, False, ["gradient_accumulation_steps"])} == {
+        (8, 2)}
+    assert {c.checkpointing for c in candidates(8, 1, False, ["gradient_checkpointing"])} == {False}
+    assert {c.checkpointing for c in candidates(8, 1, True, ())} == {True}  # switched on: stays on
+
+
+def test_estimate_interpolates_measurements_and_never_guesses_above_one():
+    assert estimate_gib(POINTS, 8) == 18.0
+    assert estimate_gib(POINTS, 6) == pytest.approx(16.0)
+    assert estimate_gib(POINTS, 2) == pytest.approx(12.0)   # the line through the two nearest
+    assert estimate_gib(POINTS, 16) == pytest.approx(26.0)
+    assert estimate_gib({8: 14.0}, 4) == 14.0                # one size measured bounds the smaller ones
+    assert estimate_gib({8: 14.0}, 16) is None               # and says nothing above it
+    assert estimate_gib({}, 4) is None
+
+
+@pytest.mark.parametrize("budget", [11.0, 13.0, 14.6, 15.0, 19.0, 40.0])
+def test_the_plan_never_exceeds_the_budget(budget):
+    plan = plan_for(budget)
+    if plan.chosen is not None:
+        assert plan.estimate_gib * (1 + HEADROOM) <= budget
+        assert plan.chosen.batch_size * plan.chosen.accumulation == 8
+
+
+def test_less_memory_moves_the_choice_to_smaller_steps_then_checkpointing():
+    chosen = [plan_for(budget).chosen for budget in (40.0, 19.0, 15.0, 13.0)]
+    assert [(c.batch_size, c.checkpointing) for c in chosen] == [(8, False), (8, False), (4, False), (2, False)]
+    # with the accumulated settings unmeasured, the checkpointed batch that is measured to fit wins over them
+    options = candidates(8, 1, False, ())
+    estimates = [18.0, None, None, 14.0, None, None]
+    plan = choose(options, estimates, Budget(15.0, "free"), options[0])
+    assert plan.chosen == Candidate(8, 1, True) and plan.estimate_gib == 14.0 and plan.changed
+
+
+def test_nothing_measured_fits_says_so_in_one_line():
+    plan = plan_for(10.0)
+    assert plan.chosen is None and not plan.probe and not plan.fits
+    line = plan.does_not_fit()
+    assert "does not fit in 10.0 GiB" in line and "needs 12.0 GiB" in line and "\n" not in line
+
+
+def test_unmeasured_settings_are_tried_in_order():
+    options = candidates(8, 1, False, ())
+    plan = choose(options, [30.0, None, None, 25.0, None, None], Budget(20.0, "free"), options[0])
+    assert plan.chosen is None and plan.probe == (options[1], options[2], options[4], options[5])
+    assert "not measured" in plan.note() and "batch 4 x 2 accumulation steps" in plan.note()
+    assert MemoryPlan.from_dict(json.loads(json.dumps(plan.as_dict()))) == plan
+
+
+def test_precompile_workers_that_fit_beside_the_run():
+    assert workers_that_fit(8, 139.0, 11.8, 3.5) == 8
+    assert workers_that_fit(8, 38.0, 11.8, 3.5) == 7
+    assert workers_that_fit(8, 22.0, 11.8, 3.5) == 2
+    assert workers_that_fit(8, 16.0, 11.8, 3.5) == 0  # one worker compiles no sooner than the run itself
+
+
+def sd_full(**overrides) -> RunConfig:
+    return base_config("full", family="stable_diffusion", data_root="/nonexistent", device="cpu", **overrides)
+
+
+def fitted(base: RunConfig, recipe: str, budget: float, overrides=None) -> RunConfig:
+    overrides = overrides or {}
+    named = sorted(set(base.extra.get(NAMED, ())) | set(overrides))
+
+    def resolve(planned):
+        cfg = _resolved(base.replace(**planned), recipe, overrides)
+        return cfg.replace(extra={**cfg.extra, NAMED: named})
+
+    return fit_to_memory(resolve({}), resolve, Budget(budget, "gpu_memory_gib"))
+
+
+def test_sd_recipes_get_the_same_plan_logic_from_their_measured_footprints():
+    big = fitted(sd_full(), "accelerated", 80.0)
+    assert (big.batch_size, big.gradient_accumulation_steps, big.gradient_checkpointing) == (8, 1, False)
+    assert big.extra[PLAN]["estimate_gib"] == footprint_gib(big)
+    small = fitted(sd_full(), "accelerated", 22.0)  # 22.9 GiB measured at batch 8: checkpointed, 18.4
+    assert (small.batch_size, small.gradient_checkpointing, small.compile_mode) == (8, True, "default")
+    assert small.global_batch_size == big.global_batch_size
+    assert "gradient checkpointing" in MemoryPlan.from_dict(small.extra[PLAN]).note()
+    peer = fitted(sd_full(), "peer", 22.0)  # nothing measured fits: its unmeasured settings are tried in the run
+    assert peer.extra[PLAN]["probe_fields"] and peer.gradient_accumulation_steps == 2
+    assert peer.compile_mode == "default"  # accumulated batches replay no CUDA graphs
+
+
+def test_a_batch_size_the_user_named_wins_over_the_plan():
+    named = fitted(sd_full(batch_size=8), "accelerated", 22.0)
+    assert named.batch_size == 8 and named.gradient_accumulation_steps == 1
+    override = fitted(sd_full(), "accelerated", 22.0, {"gradient_checkpointing": False})
+    assert not override.gradient_checkpointing
+    too_small = fitted(sd_full(batch_size=8), "accelerated", 12.0, {"gradient_checkpointing": True})
+    assert MemoryPlan.from_dict(too_small.extra[PLAN]).chosen is None
+
+
+def test_recipe_config_records_what_the_user_named_and_plans_nothing_on_a_cpu():
+    cfg = recipe_config(base_config("smoke", family="stable_diffusion", batch_size=2), "accelerated",
+                        {"lr": 1e-3})
+    assert set(cfg.extra[NAMED]) >= {"batch_size", "lr"} and PLAN not in cfg.extra
+
+
+def test_a_run_that_does_not_fit_is_refused_before_it_starts(tmp_path, smoke_data):
+    cfg = RunConfig(model="swin_micro", data_dir=str(smoke_data), output_dir=str(tmp_path), device="cpu",
+                    num_workers=0)
+    plan = MemoryPlan(16.0, "gpu_memory_gib", None, 18.4)
+    with pytest.raises(RunFailed) as stopped:
+        launch(cfg.replace(extra={PLAN: plan.as_dict()}), echo=None)
+    assert stopped.value.failure.kind == "does_not_fit"
+    assert read_failure(cfg.run_dir).reason.startswith("does not fit in 16.0 GiB")
+    assert not (cfg.run_dir / "logs").exists()  # nothing started
+
+
+def test_out_of_memory_names_the_step_the_memory_and_the_setting_to_try():
+    plan = plan_for(19.0)
+    error = out_of_memory(4, 100, 21.96, 22.0, plan.chosen, plan, ())
+    assert str(error) == ("out of memory at step 5 of 100 with 22.0 GiB reserved of 22.0 GiB at batch 8: try batch 4 "
+                          "x 2 accumulation steps (--batch_size 4 --gradient_accumulation_steps 2)")
+    early = out_of_memory(None, 100, None, None, Candidate(8, 1, False), None, ["batch_size"])
+    assert "before the first step" in str(early) and "gradient checkpointing" in str(early)
+    failure = failure_from_exception(error, "rank0.log")
+    assert failure.kind == "out_of_memory" and failure.reason == str(error) and failure.first_step == 4
+
+
+def planned_cfg(data, out, **kw) -> RunConfig:
+    values = dict(model="swin_micro", data_dir=str(data), output_dir=str(out), image_size=64, batch_size=12, steps=5,
+                  warmup_steps=2, log_every=5, lr=1e-3, lr_warmup_steps=1, num_workers=0, device="cpu",
+                  amp_level="O0", deterministic=True, mixup_alpha=0, cutmix_alpha=0)
+    values.update(kw)
+    cfg = RunConfig(**values)
+    options = candidates(12, 1, False, ())
+    plan = choose(options, [None] * len(options), Budget(22.0, "gpu_memory_gib"), options[0])
+    fields = [o.fields() for o in plan.probe]
+    return cfg.replace(extra={PLAN: {**plan.as_dict(), "probe_fields": fields, "configured": options[0].fields()}})
+
+
+def mock_out_of_memory_above(monkeypatch, limit: int, after_calls: int = 0) -> list[int]:
+    """The task's loss raises a mocked OOM for batches over ``limit`` once it was called ``after_calls`` times."""
+    seen: list[int] = []
+    loss = ClassificationTask.loss
+
+    def limited_loss(self, module, batch, precision):
+        if torch.is_grad_enabled():
+            seen.append(batch[0].shape[0])
+            if batch[0].shape[0] > limit and len(seen) > after_calls:
+                raise torch.OutOfMemoryError(f"CUDA out of memory (mocked: batch {batch[0].shape[0]} > {limit})")
+        return loss(self, module, batch, precision)
+
+    monkeypatch.setattr(ClassificationTask, "loss", limited_loss)
+    return seen
+
+
+def test_an_unmeasured_setting_gives_way_to_the_next_from_step_0(smoke_data, tmp_path, monkeypatch, capsys):
+    seen = mock_out_of_memory_above(monkeypatch, limit=6)
+    summary = run(planned_cfg(smoke_data, tmp_path))
+    assert seen[0] == 12 and set(seen[1:]) == {6}
+    assert summary["global_batch_size"] == 12 and summary["steps"] == 5
+    assert summary["memory_plan"]["chosen"] == {"batch_size": 6, "accumulation": 2, "checkpointing": False}
+    assert summary["memory_plan"]["gave_way"] == ["batch 12"]
+    records, last = read_metrics(tmp_path / "swin_transformer" / "baseline" / "metrics.jsonl")
+    assert [r["step"] for r in records] == [0, 1, 2, 3, 4]  # the stopped attempt left no step behind
+    assert "batch 12 ran out of memory before its timed steps" in capsys.readouterr().out
+    assert not (tmp_path / "swin_transformer" / "baseline" / SEARCH_DIR).exists()
+
+
+def test_a_late_out_of_memory_stops_the_run_in_one_line(smoke_data, tmp_path, monkeypatch):
+    mock_out_of_memory_above(monkeypatch, limit=0, after_calls=3)  # every batch, from the 4th step on
+    with pytest.raises(OutOfMemory, match=r"^out of memory at step 4 of 8 .*at batch 12: try batch 6 x 2 "
+                                          r"accumulation steps \(--batch_size 6 --gradient_accumulation_steps 2\)$"):
+        run(planned_cfg(smoke_data, tmp_path, steps=8, warmup_steps=1))
+
+
+def test_other_errors_in_an_attempt_propagate(smoke_data, tmp_path, monkeypatch):
+    def broken(self, module, batch, precision):
+        raise ValueError("not a memory problem")
+
+    monkeypatch.setattr(ClassificationTask, "loss", broken)
+    with pytest.raises(ValueError, match="not a memory problem"):
+        run(planned_cfg(smoke_data, tmp_path))
+
+
+def test_none_fits_is_one_config_error(smoke_data, tmp_path, monkeypatch):
+    mock_out_of_memory_above(monkeypatch, limit=0)
+    with pytest.raises(ConfigError, match="does not fit in 22.0 GiB: batch 12; batch 6 x 2"):
+        run(planned_cfg(smoke_data, tmp_path))
+
+
+def test_the_cap_comes_from_the_flag_or_the_environment(monkeypatch):
+    from gallery_lib.app.cli import base_from_args, build_parser
+
+    args = build_parser().parse_args(["train", "--model", "swin_micro", "--gpu-memory-gib", "22"])
+    assert base_from_args(args).gpu_memory_gib == 22.0
+    monkeypatch.setenv(CAP_ENV, "38.5")
+    assert base_config("smoke", family="swin_transformer").gpu_memory_gib == 38.5
+    assert base_config("smoke", family="swin_transformer", gpu_memory_gib=10).gpu_memory_gib == 10
+    monkeypatch.setenv(CAP_ENV, "lots")
+    with pytest.raises(ConfigError, match="GALLERY_GPU_MEMORY_GIB='lots' is invalid"):
+        base_config("smoke", family="swin_transformer")
+    with pytest.raises(ConfigError, match="gpu_memory_gib=0"):
+        RunConfig(model="swin_micro", gpu_memory_gib=0)
+
+
+def test_accumulated_batches_replay_no_cuda_graphs():
+    with pytest.raises(ConfigError, match="gradient_accumulation_steps=2 cannot run with compile_mode"):
+        RunConfig(model="swin_micro", compile=True, compile_mode="reduce-overhead", gradient_accumulation_steps=2)
+    from gallery_lib.accel.step_size import graphs_can_replay
+
+    assert not graphs_can_replay(RunConfig(model="swin_micro", gradient_accumulation_steps=2))
+    assert graphs_can_replay(RunConfig(model="swin_micro"))
+
+
+def test_the_cap_is_a_no_op_on_a_cpu():
+    from gallery_lib.accel.torch_switches import cap_gpu_memory
+
+    cap_gpu_memory(22.0, torch.device("cpu"))  # would raise if it touched CUDA
+    cap_gpu_memory(None, torch.device("cuda"))
+
+
+def test_the_done_line_says_what_the_plan_changed():
+    from gallery_lib.run.summary import describe_summary
+
+    summary = {"precompile_time_s": 0, "steps": 10, "resumed_from_step": 0, "warmup_steps": 2, "samples_per_s": 50.0,
+               "warmup_time_s": 1.0, "peak_mem_mb": 1024.0, "final_loss": 0.1,
+               "memory_plan": MemoryPlan(22.0, "gpu_memory_gib", Candidate(4, 2, False), 20.1, changed=True).as_dict()}
+    assert describe_summary(summary).endswith("batch 4 x 2 accumulation steps (memory plan)")
+    summary["memory_plan"]["changed"] = False
+    assert "memory plan" not in describe_summary(summary)
+
+
+def test_the_report_says_what_each_run_planned(tmp_path):
+    from gallery_lib.reports.comparison import RunRecord, _memory_plan
+
+    plan = MemoryPlan(22.0, "gpu_memory_gib", Candidate(8, 1, True), 18.44, changed=True)
+    record = RunRecord(recipe="accelerated", config={}, steps=[], summary={"memory_plan": plan.as_dict()},
+                       run_dir=tmp_path)
+    assert _memory_plan(record) == ("; memory plan, 22.0 GiB (gpu_memory_gib): batch 8, gradient checkpointing "
+                                    "(measured 18.4 GiB)")
+    assert _memory_plan(RunRecord(recipe="compiled", config={}, steps=[], summary={}, run_dir=tmp_path)) == ""
