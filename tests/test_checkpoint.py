@@ -442,3 +442,35 @@ def test_supersede_steps_moves_later_steps_summary_and_broken_lines(tmp_path):
     assert supersede_steps(path, 2) == 0 and moved.read_text().splitlines() == lines[2:]  # nothing left to move
     assert supersede_steps(tmp_path / "missing.jsonl", 0) == 0 and not (tmp_path / "missing.jsonl").exists()
     assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_a_checkpoint_holding_a_call_is_refused_in_our_own_words(tmp_path):
+    path = tmp_path / "step_4.pt"
+    torch.save({"format": 1, "hook": print}, path)
+    with pytest.raises(CheckpointError) as refused:
+        read_checkpoint(path)
+    message = str(refused.value)
+    assert "was refused" in message and "(print)" in message and "only if you made it" in message
+    assert "add_safe_globals" not in message and "weights_only" not in message  # torch's advice is not for this file
+
+
+def test_a_damaged_checkpoint_names_the_damage_without_torchs_advice(tmp_path):
+    path = tmp_path / "step_4.pt"
+    for damaged in (b"garbage" * 10, b"PK\x03\x04" + b"x" * 100):
+        path.write_bytes(damaged)
+        with pytest.raises(CheckpointError, match="cannot be read: truncated, corrupt") as unreadable:
+            read_checkpoint(path)
+        assert "weights_only" not in str(unreadable.value) and "\n" not in str(unreadable.value)
+
+
+def test_a_stopped_runs_line_keeps_the_whole_message():
+    from gallery_lib.run.failure import RunFailure, failure_from_exception, failure_from_text
+
+    long_reason = "ValueError: " + "the cause and the fix, " * 20 + "in full"
+    assert failure_from_text(f"Traceback ...\n{long_reason}", "rank0.log").reason == long_reason
+    error = CheckpointError("checkpoint x cannot be read (RuntimeError: first\nsecond). Write step_2.pt into latest.")
+    failure = failure_from_exception(error, "rank0.log")
+    assert failure.reason == ("CheckpointError: checkpoint x cannot be read (RuntimeError: first second). Write "
+                              "step_2.pt into latest.")
+    line = RunFailure("error", "incompatible run (batch_size: saved 8, now 4). ", "rank0.log").line("accelerated")
+    assert line == "accelerated: stopped, incompatible run (batch_size: saved 8, now 4), see rank0.log"

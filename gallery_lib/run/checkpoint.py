@@ -29,6 +29,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import pickle
 import random
 import re
 import shutil
@@ -58,6 +59,9 @@ _STEP_FILE = re.compile(r"^step_(\d+)(\.pt|" + re.escape(SHARDED_SUFFIX) + ")$")
 
 class CheckpointError(RuntimeError):
     """A checkpoint is missing, unreadable or does not belong to this config; the message says what to do."""
+
+    for_the_user = True
+    """The message names its fix: a stopped run shows it whole (``failure.failure_from_exception``)."""
 
 
 def checkpoint_dir(cfg: RunConfig) -> Path:
@@ -168,15 +172,31 @@ def read_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
         raise CheckpointError(f"checkpoint {path} does not exist.")
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:  # torch raises several types for a truncated zip or pickle
-        others = sorted(p.name for p in path.parent.glob("step_*.pt") if p != path)
+    except pickle.UnpicklingError as exc:
+        found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(exc))
+        if found is None:  # not a refused global: a damaged file
+            raise _unreadable(path, exc) from exc
+        # torch's own advice (allow the global) is the wrong one for a file that may not be yours
         raise CheckpointError(
-            f"checkpoint {path} cannot be read: truncated, corrupt or not a checkpoint ({type(exc).__name__}: {exc}). "
-            f"Write the name of an earlier checkpoint ({', '.join(others) or 'none left'}) into "
-            f"{path.parent / LATEST}, or delete {path.parent} to start fresh.") from exc
+            f"checkpoint {path} was refused: it holds a Python call to run on loading ({found.group(1)}), which no "
+            "gallery checkpoint holds. Load such a file only if you made it; otherwise delete it, or resume from "
+            "another checkpoint.") from None
+    except Exception as exc:  # torch raises several types for a truncated zip or pickle
+        raise _unreadable(path, exc) from exc
     if not isinstance(state, dict) or state.get("format") != FORMAT_VERSION:
         raise CheckpointError(f"{path} is not a gallery_lib checkpoint of format {FORMAT_VERSION}.")
     return state
+
+
+def _unreadable(path: Path, exc: Exception) -> CheckpointError:
+    others = sorted(p.name for p in path.parent.glob("step_*.pt") if p != path)
+    # torch's first sentence names the damage; a damaged pickle's goes on to advise weights_only=False: not here
+    cause = "the pickled data is damaged" if isinstance(exc, pickle.UnpicklingError) else \
+        (str(exc).strip().splitlines() or [""])[0].split(". ")[0]
+    return CheckpointError(
+        f"checkpoint {path} cannot be read: truncated, corrupt or not a checkpoint ({type(exc).__name__}: {cause}). "
+        f"Write the name of an earlier checkpoint ({', '.join(others) or 'none left'}) into "
+        f"{path.parent / LATEST}, or delete {path.parent} to start fresh.")
 
 
 def check_compatible(meta: dict[str, Any], cfg: RunConfig, path: Path) -> None:

@@ -36,7 +36,7 @@ class RunFailure:
 
     def line(self, name: str) -> str:
         """``<name>: stopped, <reason>, see <log>``."""
-        return f"{name}: stopped, {self.reason}" + (f", see {self.log}" if self.log else "")
+        return f"{name}: stopped, {self.reason.rstrip(' .')}" + (f", see {self.log}" if self.log else "")
 
     def write(self, run_dir: str | Path) -> Path:
         path = Path(run_dir) / FAILURE_FILE
@@ -68,8 +68,8 @@ def failure_from_exception(exc: BaseException, log: str | Path | None) -> RunFai
         return RunFailure("nonfinite", f"loss not finite from step {first_step}", _str(log), first_step)
     if isinstance(exc, OutOfMemory):  # the step, the memory in use and the setting to try: kept whole
         return RunFailure("out_of_memory", str(exc), _str(log), exc.step)
-    if isinstance(exc, ConfigError):  # written for the user, with its fix: kept whole
-        return RunFailure("error", f"{type(exc).__name__}: {exc}", _str(log))
+    if isinstance(exc, ConfigError) or getattr(exc, "for_the_user", False):  # says its fix: kept whole, one line
+        return RunFailure("error", f"{type(exc).__name__}: {' '.join(str(exc).split())}", _str(log))
     return failure_from_text(f"{type(exc).__name__}: {exc}", log)
 
 
@@ -80,7 +80,7 @@ def failure_from_text(text: str, log: str | Path | None, exit_code: int | None =
     if exit_code is not None and exit_code < 0:
         return RunFailure("killed", f"killed by signal {-exit_code}", _str(log))
     errors = [line.strip() for line in text.splitlines() if "Error" in line or "error" in line]
-    reason = (errors[-1] if errors else (text.strip().splitlines() or [f"exit code {exit_code}"])[-1])[:160]
+    reason = errors[-1] if errors else (text.strip().splitlines() or [f"exit code {exit_code}"])[-1]  # whole
     return RunFailure("error", reason, _str(log))
 
 
