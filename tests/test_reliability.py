@@ -319,3 +319,24 @@ def test_nonfinite_loss_on_some_ranks_skips_the_step_on_every_rank(smoke_data, t
     assert rank0.keys() == rank1.keys()
     for name, value in rank0.items():
         assert torch.isfinite(value).all() and torch.equal(value, rank1[name]), name
+
+
+@pytest.mark.slow  # three runs in their own processes
+def test_a_resume_appends_and_a_new_run_into_the_folder_keeps_the_earlier_one(smoke_data, tmp_path):
+    from gallery_lib.run.launch import EARLIER
+
+    cfg = small_cfg(smoke_data, tmp_path / "out", steps=2, log_every=1, checkpoint_every=2)
+    first = launch(cfg, echo=None)
+    resumed = launch(cfg.replace(steps=4, resume=True), echo=None)
+    assert not (first.run_dir / EARLIER).exists()  # a resume of its own run appends to it
+    assert [r["step"] for r in read_metrics(resumed.metrics_path)[0]] == [0, 1, 2, 3]
+    written = {p.name for p in first.run_dir.iterdir()}
+    assert {"metrics.jsonl", "model.pt", "checkpoints", "config.json", "logs"} <= written
+    first_metrics = (first.run_dir / "metrics.jsonl").read_text()
+    lines: list[str] = []
+    second = launch(cfg.replace(checkpoint_every=0, seed=1), echo=lines.append)
+    kept = first.run_dir / EARLIER / "1"
+    assert f"the earlier run in this folder moved to {kept}" in lines[0]
+    assert (kept / "metrics.jsonl").read_text() == first_metrics  # the earlier run's results, whole
+    assert {p.name for p in kept.iterdir()} == written and (kept / "checkpoints" / "latest").is_file()
+    assert [r["step"] for r in read_metrics(second.metrics_path)[0]] == [0, 1]  # the new run's own, beside it

@@ -1,7 +1,8 @@
 """Starts a training run as a ``torchrun`` subprocess and streams rank 0's output.
 
 Used the same way from a notebook cell and from the CLI: ``launch(cfg)`` validates the config for
-this machine (before anything slow starts), writes ``config.json`` into the run's own folder,
+this machine (before anything slow starts), moves the results of an earlier run in the run's own folder to
+``earlier/<N>/`` (a new run never overwrites them; a resume appends to them), writes ``config.json`` there,
 runs ``torchrun --standalone --nproc-per-node N [--max-restarts R] -m gallery_lib.run.train --config ...``, prints
 rank 0's lines as they arrive, and returns a ``RunResult`` that carries its own output path, so a notebook
 never plots one run's files under another run's name. One process on one node without restarts runs
@@ -16,6 +17,7 @@ summary, the others return none. Checkpoints need a filesystem that every node s
 
 from __future__ import annotations
 
+import itertools
 import os
 import subprocess
 import sys
@@ -167,6 +169,28 @@ def preflight(cfg: RunConfig) -> str:
     return device
 
 
+EARLIER = "earlier"
+"""Where a fresh run into a folder moves the runs that were there before it: ``<run_dir>/earlier/<N>/``."""
+_RESULTS = ("metrics.jsonl", "model.pt", "pipeline", "checkpoints")
+
+
+def keep_earlier_run(run_dir: Path) -> Path | None:
+    """Moves what an earlier run left in ``run_dir`` (its metrics, exported model, checkpoints, logs and config) to
+    ``run_dir/earlier/<N>/``, the next free N, so that a new run into the same folder loses none of it; returns where,
+    or ``None`` when the folder holds no results."""
+    if not any((run_dir / name).exists() for name in _RESULTS):
+        return None
+    for number in itertools.count(1):
+        target = run_dir / EARLIER / str(number)
+        if not target.exists():
+            break
+    target.mkdir(parents=True)
+    for entry in run_dir.iterdir():
+        if entry.name != EARLIER:
+            entry.rename(target / entry.name)
+    return target
+
+
 def refuse_if_it_does_not_fit(cfg: RunConfig, run_dir: Path) -> None:
     """``RunFailed`` before anything starts when the memory plan found no measured setting that fits: one line,
     recorded as the run's failure, so that the other recipes still run and the report shows it."""
@@ -204,10 +228,12 @@ def launch(cfg: RunConfig, *, echo: Callable[[str], None] | None = print, consol
     refuse_if_it_does_not_fit(cfg, run_dir)
     cfg = cfg.replace(output_dir=str(Path(cfg.output_dir).resolve()), data_dir=str(Path(cfg.data_dir).resolve()),
                       resume_from=str(Path(cfg.resume_from).expanduser().resolve()) if cfg.resume_from else None)
+    if not continues_itself(cfg) and nodes.standalone:  # on several nodes rank 0's writer alone replaces the file
+        kept = keep_earlier_run(run_dir)  # a re-run never overwrites what an earlier one wrote; a resume appends
+        if kept is not None and echo is not None:
+            echo(f"[gallery] {cfg.recipe}: the earlier run in this folder moved to {kept}")
     config_path = cfg.save(run_dir / "config.json")
     clear_failure(run_dir)
-    if not continues_itself(cfg) and nodes.standalone:  # on several nodes rank 0's writer alone replaces the file
-        (run_dir / "metrics.jsonl").unlink(missing_ok=True)  # a re-run replaces the metrics; a resume appends
     proc = subprocess.Popen(train_command(cfg, config_path, nodes), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, bufsize=1,
                             env=_child_env(cfg, device, _single_process(cfg, nodes)), cwd=os.getcwd())
