@@ -16,15 +16,12 @@ start=$SECONDS
 code=$?
 kill "$sampler" 2>/dev/null
 python3 - "$out/caps_$name.json" "$runs" "$cap" "$code" "$((SECONDS - start))" "$*" <<'PY'
-import glob, hashlib, json, os, subprocess, sys, torch
+import glob, json, os, sys, torch
+from gallery_lib.reports.provenance import source_version
 path, runs, cap, code, seconds, flags = sys.argv[1:]
-sources = hashlib.sha256()
-for f in sorted(glob.glob("gallery_lib/**/*.py", recursive=True) + glob.glob("data_prep/**/*.py", recursive=True)):
-    sources.update(f.encode()); sources.update(open(f, "rb").read())
 record = {"command": f"bash benchmarks/gpu_memory_caps.sh {os.path.basename(runs)[5:]} {cap} {flags}",
-          "commit": os.environ.get("GALLERY_COMMIT"), "source_sha256": sources.hexdigest(), "cap_gib": float(cap),
-          "exit_code": int(code), "wall_s": int(seconds), "torch": torch.__version__,
-          "gpu": torch.cuda.get_device_name(0), "runs": {}}
+          **source_version(), "cap_gib": float(cap), "exit_code": int(code), "wall_s": int(seconds),
+          "torch": torch.__version__, "gpu": torch.cuda.get_device_name(0), "runs": {}}
 for run_dir in sorted(glob.glob(f"{runs}/*/*/")):
     name = os.path.basename(run_dir.rstrip("/"))
     entry = {}

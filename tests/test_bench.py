@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import subprocess
 import time
 from pathlib import Path
@@ -316,15 +317,56 @@ def test_a_gpu_plan_times_at_least_30_steps_after_warm_up(monkeypatch, tmp_path)
 
 def test_gallery_commit_names_the_code_where_set_even_in_a_checkout(monkeypatch, tmp_path):
     """A copy of a checkout (a GPU machine's) may carry an older .git than its files: the name given wins."""
-    from gallery_lib.reports.provenance import source_version
+    from gallery_lib.reports.provenance import source_sha256, source_version
 
     checkout = Path(__file__).resolve().parents[1]
     monkeypatch.setenv("GALLERY_COMMIT", "428463b+dirty")
-    assert source_version(checkout) == {"commit": "428463b", "dirty": True}
+    assert source_version(checkout) | {"source_sha256": None} == {"commit": "428463b", "dirty": True,
+                                                                  "source_sha256": None}
     monkeypatch.setenv("GALLERY_COMMIT", "428463b")
-    assert source_version(tmp_path) == {"commit": "428463b", "dirty": False}
+    assert source_version(tmp_path) | {"source_sha256": None} == {"commit": "428463b", "dirty": False,
+                                                                  "source_sha256": None}
     monkeypatch.delenv("GALLERY_COMMIT")
-    assert source_version(tmp_path) == {"commit": None, "dirty": None}  # not a git checkout: unknown, not guessed
+    # not a git checkout: unknown, not guessed; the hash of what ran says it
+    assert source_version(tmp_path) == {"commit": None, "dirty": None, "source_sha256": source_sha256(tmp_path)}
+
+
+def _git(repo: Path, *args: str) -> str:
+    env = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
+           "GIT_COMMITTER_EMAIL": "t@t"}
+    return subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True, check=True,
+                          env=env).stdout.strip()
+
+
+def test_a_results_source_hash_is_checked_against_the_commit_it_names(tmp_path, monkeypatch):
+    from gallery_lib.reports.provenance import source_version, verify_source
+
+    monkeypatch.delenv("GALLERY_COMMIT", raising=False)
+    repo = tmp_path / "project"
+    for name, text in (("gallery_lib/a.py", "A = 1\n"), ("data_prep/b.py", "B = 2\n"), ("README.md", "x\n")):
+        (repo / name).parent.mkdir(parents=True, exist_ok=True)
+        (repo / name).write_text(text)
+    _git(repo, "init", "-q")
+    _git(repo, "add", "-A")
+    _git(repo, "commit", "-qm", "one")
+    ran = source_version(repo)
+    assert ran["commit"] == _git(repo, "rev-parse", "HEAD") and ran["dirty"] is False
+    assert verify_source(ran, repo) == "verified"
+    (repo / "README.md").write_text("not code\n")
+    assert source_version(repo)["source_sha256"] == ran["source_sha256"]  # only the code counts
+    (repo / "gallery_lib" / "a.py").write_text("A = 3\n")
+    edited = source_version(repo)
+    assert edited["dirty"] and verify_source(edited, repo) == "mismatch"  # it names a commit it did not run
+    assert verify_source({"commit": ran["commit"]}, repo) == "no hash"
+    assert verify_source({**ran, "commit": "0" * 40}, repo) == "unknown commit"
+    # a copy inside another repository's checkout: the outer commit is not its own
+    outer = tmp_path / "outer"
+    (outer / "copy" / "gallery_lib").mkdir(parents=True)
+    (outer / "copy" / "gallery_lib" / "a.py").write_text("A = 1\n")
+    _git(outer, "init", "-q")
+    _git(outer, "add", "-A")
+    _git(outer, "commit", "-qm", "outer")
+    assert source_version(outer / "copy")["commit"] is None
 
 
 def test_every_benchmark_result_file_opens_with_its_command_and_commit(monkeypatch):
