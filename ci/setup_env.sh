@@ -8,8 +8,9 @@
 # Torch comes first, in the range the gallery is tested with, built for this machine: on a GPU machine from PyTorch's
 # index for the CUDA that the driver runs (gallery_lib/config/gpu_check.py reads nvidia-smi; an error if torch then cannot
 # see the GPU); on a CPU machine the CPU build from PyTorch's CPU index when it answers, else PyPI's default build
-# (which carries the CUDA libraries, ~3 GB). Override with GALLERY_TORCH_SPEC="torch==X torchvision==Y" (installed
-# as given, from pip's configured indexes) or GALLERY_TORCH_INDEX=cu128|cu130|cpu.
+# (which carries the CUDA libraries, ~3 GB). On a GPU it is torch 2.11, which every GPU number and GPU test here ran on;
+# GALLERY_TORCH_NEWEST=1 takes the newest of the tested range instead. Override with GALLERY_TORCH_SPEC="torch==X
+# torchvision==Y" (installed as given, from pip's configured indexes) or GALLERY_TORCH_INDEX=cu128|cu130|cpu.
 set -euo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
 extras=${1:-notebooks}
@@ -64,6 +65,8 @@ fi
 wheel_index_cmd="from gallery_lib.config.gpu_check import main; raise SystemExit(main())"
 tested_range="torch>=2.11,<2.15 torchvision>=0.26,<0.30"  # pyproject.toml says the same
 cpu_pin="torch==2.14.1 torchvision==0.29.1"                 # what CPU CI runs
+gpu_pin="torch==2.11.* torchvision==0.26.*"  # what every GPU number and GPU test ran on (the GPU machines' torch)
+[ -n "${GALLERY_TORCH_NEWEST:-}" ] && gpu_pin=$tested_range  # opt in: the newest of the tested range
 if ! "$py" -c "import torch, torchvision" 2>/dev/null; then
   if [ -n "${GALLERY_TORCH_SPEC:-}" ]; then
     echo "[setup] installing $GALLERY_TORCH_SPEC"
@@ -81,9 +84,9 @@ if ! "$py" -c "import torch, torchvision" 2>/dev/null; then
         install $cpu_pin
       fi
     else
-      echo "[setup] GPU driver wants $tag: installing $tested_range from $index"
+      echo "[setup] GPU driver wants $tag: installing $gpu_pin from $index"
       # shellcheck disable=SC2086
-      install --index-url "$index" $tested_range
+      install --index-url "$index" $gpu_pin
       if ! "$py" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
         echo "[setup] ERROR: torch was installed from $index but cannot use the GPU that nvidia-smi lists." >&2
         nvidia-smi --query-gpu=name,driver_version --format=csv >&2 || true

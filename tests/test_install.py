@@ -128,9 +128,15 @@ def test_setup_picks_the_drivers_cuda_and_fails_loudly_when_torch_cannot_see_the
     done = subprocess.run(["bash", str(REPO / "ci" / "setup_env.sh"), "notebooks"], env=env, capture_output=True,
                           text=True, timeout=120)
     calls = log.read_text().splitlines()
-    assert "--index-url https://download.pytorch.org/whl/cu128 torch>=2.11,<2.15 torchvision>=0.26,<0.30" in calls[0]
+    # the torch every GPU number and GPU test ran on
+    assert "--index-url https://download.pytorch.org/whl/cu128 torch==2.11.* torchvision==0.26.*" in calls[0]
     assert done.returncode == 1 and "cannot use the GPU that nvidia-smi lists" in done.stderr
     assert len(calls) == 1  # nothing else installed on top of a torch that cannot use the GPU
+    log.write_text("")
+    subprocess.run(["bash", str(REPO / "ci" / "setup_env.sh"), "notebooks"], env={**env, "GALLERY_TORCH_NEWEST": "1"},
+                   capture_output=True, text=True, timeout=120)
+    newest = log.read_text().splitlines()
+    assert "--index-url https://download.pytorch.org/whl/cu128 torch>=2.11,<2.15 torchvision>=0.26,<0.30" in newest[0]
 
 
 def test_setup_asks_for_the_torch_build_without_torch_and_without_warnings():
