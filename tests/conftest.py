@@ -6,6 +6,7 @@
 - The ``gpu`` marker's skip rule; ``--isa-only`` keeps the tests marked ``isa`` (ci/test.sh's pass under another
   vector ISA).
 - Under pytest-xdist each worker uses one core (``OMP_NUM_THREADS=1``, for its training subprocesses too).
+- In CI on a CPU, every skip must be one ``tests/expected_skips.json`` lists (``skip_check.py``).
 - ``tests/durations.json`` (the seconds each test took in CI) orders the run longest first, so that the workers
   finish together; ``--record-durations PATH`` writes that file, and the summary ends with the run's total. The
   ``--isa-only`` pass has its own, ``tests/durations.isa.json`` (``PATH.isa``): its tests compile again for the other
@@ -48,6 +49,12 @@ def pytest_configure(config):
         if record_to and config.getoption("--isa-only"):  # the second pass keeps the first pass's file
             record_to += ".isa"
         config.pluginmanager.register(_RunClock(record_to), "gallery-run-clock")
+        expected_skips = Path(__file__).with_name("expected_skips.json")
+        if (os.environ.get("CI") == "true" and expected_skips.is_file() and not config.getoption("--isa-only")
+                and not torch.cuda.is_available()):
+            from skip_check import SkipCheck
+
+            config.pluginmanager.register(SkipCheck(expected_skips), "gallery-skip-check")  # every CPU skip listed
 
 
 def pytest_collection_modifyitems(config, items):
