@@ -15,7 +15,10 @@ case "${1:-all}" in
   *) files="$*" ;;
 esac
 nvidia-smi --query-gpu=name --format=csv,noheader
-echo "commit $(git rev-parse HEAD 2>/dev/null)"
+echo "commit ${GALLERY_COMMIT:-$(git rev-parse HEAD 2>/dev/null)}"
+# the stack the suite ran on, at the head of its result file
+python3 -c "import torch, triton; print(f'torch {torch.__version__}, triton {triton.__version__}')" | tee $OUT/stack.txt
 start=$(date +%s)
-timeout 560 python3 -m pytest -m gpu $files -q -p no:cacheprovider -rsE --durations=12 > $OUT/gpu_tests.txt 2>&1
+cp $OUT/stack.txt $OUT/gpu_tests.txt
+timeout 560 python3 -m pytest -m gpu $files -q -p no:cacheprovider -rsE --durations=12 >> $OUT/gpu_tests.txt 2>&1
 echo "gpu tests rc=$? in $(( $(date +%s) - start )) s"; tail -25 $OUT/gpu_tests.txt

@@ -22,6 +22,9 @@ bash "$repo/ci/setup_browser.sh"
 venv=${GALLERY_VENV:-$repo/.venv}
 cd "$repo"
 set_up=$((SECONDS - start))
+# the stack the tests run on, named in the log that records them
+echo "[test] $("$venv/bin/python" -c "import platform, torch; print(f'torch {torch.__version__}, Python '
+  f'{platform.python_version()}, CPU kernels {torch.backends.cpu.get_cpu_capability()}')" 2>/dev/null)"
 # One compile cache for both passes below (tests/conftest.py): the AVX2 pass loads the graphs the first one compiled.
 if [ -z "${GALLERY_TEST_COMPILE_CACHE:-}" ]; then
   GALLERY_TEST_COMPILE_CACHE=$(mktemp -d -t gallery-test-compile-cache.XXXXXX)
