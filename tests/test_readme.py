@@ -112,3 +112,17 @@ def test_results_lists_every_section_in_its_contents():
     contents = results.split("<a id=", 1)[0]
     sections = re.findall(r'<a id="([^"]+)"></a>\n## ', results)
     assert len(sections) > 15 and not [name for name in sections if f"(#{name})" not in contents]
+
+
+def test_readme_rows_come_from_the_code_their_commits_name():
+    """A headline row's result file that records the hash of the code that ran (``source_sha256``) must match the
+    code of the commit it names (``provenance.verify_source``); the rows measured before the hash was recorded say
+    ``no hash``."""
+    import json
+
+    from gallery_lib.reports.provenance import verify_source
+
+    numbers = _numbers()
+    statuses = {path: verify_source(json.loads((numbers.RESULTS / path).read_text()), numbers.ROOT)
+                for _, _, path, *_ in numbers.HEADLINE}
+    assert set(statuses.values()) <= {"verified", "no hash"}, statuses
