@@ -28,21 +28,26 @@ def source_version(repo: Path = Path(__file__).resolve().parents[2]) -> dict[str
     as ``GALLERY_COMMIT=<commit>[+dirty]`` names it where set (a copy of a checkout, as on a GPU machine, whose ``.git``
     may be older than its files), else from the package's own git checkout (never an outer repository's it sits
     in); ``None`` where neither knows, the hash then saying what ran."""
+    own = _own_checkout(repo)
+    code = {"source_sha256": _source_sha256(repo, own)}
     named = os.environ.get("GALLERY_COMMIT")
     if named:
         commit, _, dirty = named.partition("+")
-        return {"commit": commit, "dirty": dirty == "dirty", "source_sha256": source_sha256(repo)}
-    commit = _git(repo, "rev-parse", "HEAD") if _own_checkout(repo) else None
+        return {"commit": commit, "dirty": dirty == "dirty", **code}
+    commit = _git(repo, "rev-parse", "HEAD") if own else None
     if commit is None:  # no checkout of its own (an outer repository's commit would name other code)
-        return {"commit": None, "dirty": None, "source_sha256": source_sha256(repo)}
-    return {"commit": commit, "dirty": bool(_git(repo, "status", "--porcelain", "--untracked-files=no")),
-            "source_sha256": source_sha256(repo)}
+        return {"commit": None, "dirty": None, **code}
+    return {"commit": commit, "dirty": bool(_git(repo, "status", "--porcelain", "--untracked-files=no")), **code}
 
 
 def source_sha256(repo: Path = Path(__file__).resolve().parents[2]) -> str:
     """SHA-256 of the code in ``SOURCE_FOLDERS`` as it is on disk: each file's path and bytes, in path order (the
     files git tracks in a checkout of its own, else every file but compiled caches)."""
-    listed = _git(repo, "ls-files", "-z", "--", *SOURCE_FOLDERS) if _own_checkout(repo) else None
+    return _source_sha256(repo, _own_checkout(repo))
+
+
+def _source_sha256(repo: Path, own_checkout: bool) -> str:
+    listed = _git(repo, "ls-files", "-z", "--", *SOURCE_FOLDERS) if own_checkout else None
     if listed is not None:
         names = [name for name in listed.split("\0") if name and (repo / name).is_file()]
     else:

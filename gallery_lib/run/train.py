@@ -139,13 +139,12 @@ def run(cfg: RunConfig, dist: DistInfo | None = None) -> dict:
             if owns_group:
                 shutdown()
     _cap_memory(cfg, dist.device)
+    log = print if dist.is_main else (lambda *a, **k: None)
     if (cfg.extra.get(PLAN) or {}).get("probe_fields"):  # no footprint measured: the first setting that runs
-        return train_first_that_fits(cfg, lambda attempt: _train(attempt, dist),
-                                     log=print if dist.is_main else _silent)
+        return train_first_that_fits(cfg, lambda attempt: _train(attempt, dist), log=log)
     if not cfg.find_batch_size:
         return _train(cfg, dist)
     check_fresh_start(cfg)  # now, rather than after the search
-    log = print if dist.is_main else (lambda *a, **k: None)
     search = search_run_batch_size(cfg, lambda trial: _train(trial, dist), log=log)
     cfg = at_batch_size(cfg, search["chosen"]).replace(find_batch_size=False,
                                                        extra={**cfg.extra, "batch_size_search": search})
@@ -153,10 +152,6 @@ def run(cfg: RunConfig, dist: DistInfo | None = None) -> dict:
         cfg.save(cfg.run_dir / "config.json")  # says what trained; a torchrun restart reloads it without searching
     log(f"[gallery] batch-size search: training at {search['chosen']} (tried {search['tried']}), from step 0")
     return _train(cfg, dist, extra_summary={"batch_size_search": search})
-
-
-def _silent(*args, **kwargs) -> None:
-    pass
 
 
 def _cap_memory(cfg: RunConfig, device: torch.device) -> None:
