@@ -23,8 +23,9 @@ HEADLINE = (  # (what was trained, its gallery model, the bench file holding its
     ("Swin-T, 224 px", "swin_tiny_patch4_window7_224", "swin_repeat_h200/bench_swin_rep.json", 128, "peer",
      "accelerated"),
     ("ResNet-50, 224 px", "resnet50", "head_1931023_h200/bench_resnet_head.json", 256, "peer", "accelerated"),
-    ("SD-1.5 UNet, 512 px", "sd15", "sd_up_blocks_h200/bench_sd_b32_head.json", 32, "peer", "accelerated"),
-    # ran before DreamBooth's recipe took ema_in_optimizer, named by the switch (a test checks it is the recipe now)
+    # ran before the peer took channels_last, and DreamBooth's recipe ema_in_optimizer: each row named by the switch
+    # (a test checks it is the recipe now)
+    ("SD-1.5 UNet, 512 px", "sd15", "peer_layout_h200/bench_sd_b32_cl.json", 32, "peer+channels_last", "accelerated"),
     ("DreamBooth, SD-1.5 full fine-tuning, 512 px", "dreambooth_sd15", "one_pass_fixed_h200/bench_db_op_rep.json", 1,
      "peer", "accelerated+ema_in_optimizer"),
 )

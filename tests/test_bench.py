@@ -36,8 +36,8 @@ def toy():
 
 
 @pytest.mark.parametrize("family, switches", [
-    ("stable_diffusion", {"cache_latents": True}),
-    ("dreambooth", {"cache_latents": True}),
+    ("stable_diffusion", {"cache_latents": True, "channels_last": True}),
+    ("dreambooth", {"cache_latents": True, "channels_last": True}),
     ("resnet50", {"channels_last": True}),
     ("swin_transformer", {"channels_last": True}),
 ])

@@ -40,9 +40,9 @@ def plan_for(budget: float, named=(), batch=8, accumulation=1, checkpointing=Fal
 def test_candidates_keep_the_global_batch_fastest_first():
     options = candidates(8, 1, False, named=())
     assert [(c.batch_size, c.accumulation, c.checkpointing) for c in options] == [
-        (8, 1, False), (4, 2, False), (2, 4, False), (8, 1, True), (4, 2, True), (2, 4, True)]
+        (8, 1, False), (8, 1, True), (4, 2, False), (4, 2, True), (2, 4, False), (2, 4, True)]
     assert {c.batch_size * c.accumulation for c in options} == {8}
-    assert [c.batch_size for c in candidates(3, 2, False, ())][:4] == [6, 3, 2, 1]  # an odd batch may go odd
+    assert [c.batch_size for c in candidates(3, 2, False, ())][::2] == [6, 3, 2, 1]  # an odd batch may go odd
     assert all(c.batch_size % 2 == 0 for c in candidates(12, 1, False, ()))  # an even one stays even (Mixup pairs)
 
 
@@ -72,14 +72,15 @@ def test_the_plan_never_exceeds_the_budget(budget):
         assert plan.chosen.batch_size * plan.chosen.accumulation == 8
 
 
-def test_less_memory_moves_the_choice_to_smaller_steps_then_checkpointing():
+def test_less_memory_moves_the_choice_to_checkpointing_then_smaller_steps():
     chosen = [plan_for(budget).chosen for budget in (40.0, 19.0, 15.0, 13.0)]
-    assert [(c.batch_size, c.checkpointing) for c in chosen] == [(8, False), (8, False), (4, False), (2, False)]
-    # with the accumulated settings unmeasured, the checkpointed batch that is measured to fit wins over them
+    assert [(c.batch_size, c.checkpointing) for c in chosen] == [(8, False), (8, False), (8, True), (2, False)]
+    # a setting measured to fit wins over unmeasured ones before it
     options = candidates(8, 1, False, ())
-    estimates = [18.0, None, None, 14.0, None, None]
-    plan = choose(options, estimates, Budget(15.0, "free"), options[0])
-    assert plan.chosen == Candidate(8, 1, True) and plan.estimate_gib == 14.0 and plan.changed
+    estimates = [18.0, None, 16.0, None, None, None]
+    plan = choose(options, estimates, Budget(17.0, "free"), options[0])
+    assert plan.chosen == Candidate(4, 2, False) and plan.estimate_gib == 16.0 and plan.changed
+    assert plan.after == tuple(options[3:])
 
 
 def test_nothing_measured_fits_says_so_in_one_line():
@@ -91,9 +92,9 @@ def test_nothing_measured_fits_says_so_in_one_line():
 
 def test_unmeasured_settings_are_tried_in_order():
     options = candidates(8, 1, False, ())
-    plan = choose(options, [30.0, None, None, 25.0, None, None], Budget(20.0, "free"), options[0])
-    assert plan.chosen is None and plan.probe == (options[1], options[2], options[4], options[5])
-    assert "not measured" in plan.note() and "batch 4 x 2 accumulation steps" in plan.note()
+    plan = choose(options, [30.0, None, 25.0, None, None, None], Budget(20.0, "free"), options[0])
+    assert plan.chosen is None and plan.probe == (options[1], options[3], options[4], options[5])
+    assert "not measured" in plan.note() and "batch 8, gradient checkpointing" in plan.note()
     assert MemoryPlan.from_dict(json.loads(json.dumps(plan.as_dict()))) == plan
 
 
@@ -123,13 +124,15 @@ def test_sd_recipes_get_the_same_plan_logic_from_their_measured_footprints():
     big = fitted(sd_full(), "accelerated", 80.0)
     assert (big.batch_size, big.gradient_accumulation_steps, big.gradient_checkpointing) == (8, 1, False)
     assert big.extra[PLAN]["estimate_gib"] == footprint_gib(big)
-    small = fitted(sd_full(), "accelerated", 22.0)  # 22.9 GiB measured at batch 8: checkpointed, 18.4
-    assert (small.batch_size, small.gradient_checkpointing, small.compile_mode) == (8, True, "default")
-    assert small.global_batch_size == big.global_batch_size
-    assert "gradient checkpointing" in MemoryPlan.from_dict(small.extra[PLAN]).note()
-    peer = fitted(sd_full(), "peer", 22.0)  # nothing measured fits: its unmeasured settings are tried in the run
-    assert peer.extra[PLAN]["probe_fields"] and peer.gradient_accumulation_steps == 2
-    assert peer.compile_mode == "default"  # accumulated batches replay no CUDA graphs
+    # 22.9 GiB measured at batch 8: both recipes try it checkpointed first (not measured), compiled whole
+    for recipe in ("accelerated", "peer"):
+        small = fitted(sd_full(), recipe, 22.0)
+        assert (small.batch_size, small.gradient_accumulation_steps, small.gradient_checkpointing) == (8, 1, True)
+        assert (small.compile_scope, small.compile_mode) == ("model", "default")  # checkpointing replays no graphs
+        assert small.global_batch_size == big.global_batch_size
+        plan = MemoryPlan.from_dict(small.extra[PLAN])
+        assert plan.probe[1] == Candidate(4, 2, False) and small.extra[PLAN]["probe_fields"][1]["batch_size"] == 4
+        assert "batch 8, gradient checkpointing" in plan.note()
 
 
 def test_a_batch_size_the_user_named_wins_over_the_plan():
@@ -161,8 +164,9 @@ def test_a_run_that_does_not_fit_is_refused_before_it_starts(tmp_path, smoke_dat
 def test_out_of_memory_names_the_step_the_memory_and_the_setting_to_try():
     plan = plan_for(19.0)
     error = out_of_memory(4, 100, 21.96, 22.0, plan.chosen, plan, ())
-    assert str(error) == ("out of memory at step 5 of 100 with 22.0 GiB reserved of 22.0 GiB at batch 8: try batch 4 "
-                          "x 2 accumulation steps (--batch_size 4 --gradient_accumulation_steps 2)")
+    assert str(error) == ("out of memory at step 5 of 100 with 22.0 GiB reserved of 22.0 GiB at batch 8: try batch 8, "
+                          "gradient checkpointing (--batch_size 8 --gradient_accumulation_steps 1 "
+                          "--gradient_checkpointing)")
     early = out_of_memory(None, 100, None, None, Candidate(8, 1, False), None, ["batch_size"])
     assert "before the first step" in str(early) and "gradient checkpointing" in str(early)
     failure = failure_from_exception(error, "rank0.log")
@@ -200,10 +204,10 @@ def mock_out_of_memory_above(monkeypatch, limit: int, after_calls: int = 0) -> l
 def test_an_unmeasured_setting_gives_way_to_the_next_from_step_0(smoke_data, tmp_path, monkeypatch, capsys):
     seen = mock_out_of_memory_above(monkeypatch, limit=6)
     summary = run(planned_cfg(smoke_data, tmp_path))
-    assert seen[0] == 12 and set(seen[1:]) == {6}
+    assert seen[:2] == [12, 12] and set(seen[2:]) == {6}  # batch 12, then checkpointed, then 6 x 2
     assert summary["global_batch_size"] == 12 and summary["steps"] == 5
     assert summary["memory_plan"]["chosen"] == {"batch_size": 6, "accumulation": 2, "checkpointing": False}
-    assert summary["memory_plan"]["gave_way"] == ["batch 12"]
+    assert summary["memory_plan"]["gave_way"] == ["batch 12", "batch 12, gradient checkpointing"]
     records, last = read_metrics(tmp_path / "swin_transformer" / "baseline" / "metrics.jsonl")
     assert [r["step"] for r in records] == [0, 1, 2, 3, 4]  # the stopped attempt left no step behind
     assert "batch 12 ran out of memory before its timed steps" in capsys.readouterr().out
@@ -212,8 +216,9 @@ def test_an_unmeasured_setting_gives_way_to_the_next_from_step_0(smoke_data, tmp
 
 def test_a_late_out_of_memory_stops_the_run_in_one_line(smoke_data, tmp_path, monkeypatch):
     mock_out_of_memory_above(monkeypatch, limit=0, after_calls=3)  # every batch, from the 4th step on
-    with pytest.raises(OutOfMemory, match=r"^out of memory at step 4 of 8 .*at batch 12: try batch 6 x 2 "
-                                          r"accumulation steps \(--batch_size 6 --gradient_accumulation_steps 2\)$"):
+    with pytest.raises(OutOfMemory, match=r"^out of memory at step 4 of 8 .*at batch 12: try batch 12, gradient "
+                                          r"checkpointing \(--batch_size 12 --gradient_accumulation_steps 1 "
+                                          r"--gradient_checkpointing\)$"):
         run(planned_cfg(smoke_data, tmp_path, steps=8, warmup_steps=1))
 
 
@@ -228,7 +233,7 @@ def test_other_errors_in_an_attempt_propagate(smoke_data, tmp_path, monkeypatch)
 
 def test_none_fits_is_one_config_error(smoke_data, tmp_path, monkeypatch):
     mock_out_of_memory_above(monkeypatch, limit=0)
-    with pytest.raises(ConfigError, match="does not fit in 22.0 GiB: batch 12; batch 6 x 2"):
+    with pytest.raises(ConfigError, match="does not fit in 22.0 GiB: batch 12; batch 12, gradient checkpointing; batch 6 x 2"):
         run(planned_cfg(smoke_data, tmp_path))
 
 

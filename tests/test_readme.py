@@ -53,15 +53,22 @@ def test_a_speedup_keeps_the_side_of_its_goal_it_is_on():
 
 def test_a_headline_row_named_by_a_switch_ran_the_recipe_as_it_is(monkeypatch):
     """DreamBooth's row ran before its GPU recipe took ``ema_in_optimizer`` and is named
-    ``accelerated+ema_in_optimizer``: the recipe ``accelerated`` has on a GPU now."""
+    ``accelerated+ema_in_optimizer``, SD's peer before the peer took channels_last (``peer+channels_last``): the
+    recipes they have on a GPU now."""
     from gallery_lib.recipes import apply_recipe, recipe_config
     from gallery_lib.recipes.profiles import base_config
 
     rows = {model: fast_row for _, model, _, _, _, fast_row in _numbers().HEADLINE}
     assert rows["dreambooth_sd15"] == "accelerated+ema_in_optimizer"
     assert {row for model, row in rows.items() if model != "dreambooth_sd15"} == {"accelerated"}
+    peers = {model: peer_row for _, model, _, _, peer_row, _ in _numbers().HEADLINE}
+    assert peers["sd15"] == "peer+channels_last"
+    assert {row for model, row in peers.items() if model != "sd15"} == {"peer"}
     monkeypatch.setattr("gallery_lib.recipes.named.runs_on_gpu", lambda base: True)
     monkeypatch.setattr("gallery_lib.recipes.named.precompile_workers_for_machine", lambda: 8)
+    sd = base_config("full", family="stable_diffusion", data_root="/data", batch_size=32)
+    sd_peer = recipe_config(sd, "peer", {"channels_last": True})
+    assert sd_peer.replace(recipe="peer", extra=apply_recipe("peer", sd).extra) == apply_recipe("peer", sd)
     base = base_config("full", family="dreambooth", data_root="/data", batch_size=1,
                        instance_prompt="a photo of sks dog")
     ran = recipe_config(base, "accelerated", {"ema_in_optimizer": True})

@@ -106,8 +106,10 @@ def test_recipes_resolve_the_sd_switches(caption_data, tmp_path, monkeypatch):
     assert trial_config(named, 32).compile_mode == "default"
     recomputed = apply_recipe("accelerated", at_512.replace(batch_size=96, gradient_checkpointing=True))
     assert trial_config(recomputed, 32).compile_mode == "default"
+    # checkpointed, compiled whole as the peer is, not as blocks wrapped in eager recomputation
+    assert (recomputed.compile_scope, recomputed.precompile_workers, recomputed.compile_whole) == ("model", 0, "")
     assert not accelerated.channels_last  # measured on GPUs only
-    assert not apply_recipe("peer", base.replace(device="cuda")).channels_last
+    assert apply_recipe("peer", base.replace(device="cuda")).channels_last  # as a skilled user writes it
     no_ema = apply_recipe("accelerated", base.replace(ema="off"))
     assert no_ema.ema == "off"  # the profile decides whether there is an EMA; the recipe only how it runs
     with pytest.raises(ConfigError, match="cache_latents=True applies to text-to-image and dreambooth models"):

@@ -67,6 +67,11 @@ def accelerated(base: RunConfig) -> RunConfig:
     on_gpu = runs_on_gpu(base)
     if on_gpu:
         switches.update(base.model_family.accelerated_on_gpu)
+    if base.gradient_checkpointing:
+        # compiled whole, as the peer is: Inductor then sees the recomputation inside one graph, where the blocks
+        # compiled in place left it to eager checkpointing around them (SD-1.5 at batch 8 in 22 GiB: 36.0 img/s,
+        # the peer compiled whole 56.5; benchmarks/RESULTS.md#memory-plan)
+        switches["compile_scope"] = "model"
     if base.compile_scope != "model":  # named by the user (``recipe_config`` reads it first): wins over the family's
         switches["compile_scope"] = base.compile_scope
     if base.data_parallel == "zero2" or base.gradient_checkpointing:

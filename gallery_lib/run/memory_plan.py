@@ -3,8 +3,8 @@ the global batch it was given.
 
 The memory a run may use (``Budget``) is ``gpu_memory_gib`` when set (the run's processes are then capped to it),
 else the GPU's free memory as ``nvidia-smi`` reads it, less a CUDA context. The settings tried (``candidates``),
-fastest first: the batch per step halved with gradient accumulation making up the rest, then the same with gradient
-checkpointing. A setting the user named (``RunConfig.extra[NAMED]``) is not changed. Each candidate's peak is read
+fastest first: the batch per step halved with gradient accumulation making up the rest, each size without and then
+with gradient checkpointing. A setting the user named (``RunConfig.extra[NAMED]``) is not changed. Each candidate's peak is read
 from the family's measured footprints (``ModelFamily.memory_footprints``: measured batch sizes, linear between them
 and past the two nearest; measured without accumulation, so only such candidates read them), and the first measured
 to fit is taken. Where none is, the training process starts at the first unmeasured one, and gives way to the next
@@ -143,9 +143,9 @@ def _as_flags(candidate: Candidate) -> str:
 
 
 def candidates(batch_size: int, accumulation: int, checkpointing: bool, named: Iterable[str]) -> list[Candidate]:
-    """The settings at the same global batch (``batch_size * accumulation``), fastest first: no checkpointing (unless
-    it is on), the batch per step from the largest down, then the same with checkpointing. A named field stays as it
-    is; an even batch stays even (Mixup and CutMix pair its images)."""
+    """The settings at the same global batch (``batch_size * accumulation``), fastest first: the batch per step from
+    the largest down, each without checkpointing (unless it is on) and then with it. A named field stays as it is; an
+    even batch stays even (Mixup and CutMix pair its images)."""
     named = set(named)
     total = batch_size * accumulation
     if "batch_size" in named:
@@ -156,7 +156,9 @@ def candidates(batch_size: int, accumulation: int, checkpointing: bool, named: I
         step = 2 if batch_size % 2 == 0 else 1
         sizes = [size for size in range(total, 0, -1) if total % size == 0 and size % step == 0]
     switches = [checkpointing] if "gradient_checkpointing" in named or checkpointing else [False, True]
-    return [Candidate(size, total // size, on) for on in switches for size in sizes]
+    # Checkpointing's extra forward costs less than a smaller step, which also replays no CUDA graphs: SD-1.5's peer
+    # in 22 GiB ran 56.5 img/s checkpointed at batch 8 and 18.7 at 2 x 4 (benchmarks/RESULTS.md#memory-plan).
+    return [Candidate(size, total // size, on) for size in sizes for on in switches]
 
 
 def estimate_gib(points: dict[int, float], batch_size: int) -> float | None:
