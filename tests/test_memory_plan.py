@@ -11,15 +11,16 @@ import pytest
 import torch
 
 from gallery_lib.config import ConfigError, RunConfig
-from gallery_lib.recipes import recipe_config
-from gallery_lib.recipes.memory_fit import fit_to_memory, footprint_gib
+from gallery_lib.recipes import apply_recipe, recipe_config
+from gallery_lib.recipes.memory_fit import fit_to_memory, footprint_gib, training_state
 from gallery_lib.recipes.named import _resolved
 from gallery_lib.recipes.profiles import base_config
 from gallery_lib.run.batch_size import SEARCH_DIR
 from gallery_lib.run.failure import failure_from_exception, read_failure
 from gallery_lib.run.launch import RunFailed, launch
 from gallery_lib.run.memory_plan import (CAP_ENV, HEADROOM, NAMED, PLAN, Budget, Candidate, MemoryPlan, OutOfMemory,
-                                         candidates, choose, estimate_gib, out_of_memory, workers_that_fit)
+                                         TrainingState, candidates, choose, estimate_gib, out_of_memory,
+                                         workers_that_fit)
 from gallery_lib.run.metrics import read_metrics
 from gallery_lib.tasks.classification import ClassificationTask
 from gallery_lib.run.train import run
@@ -133,6 +134,33 @@ def test_sd_recipes_get_the_same_plan_logic_from_their_measured_footprints():
         plan = MemoryPlan.from_dict(small.extra[PLAN])
         assert plan.probe[1] == Candidate(4, 2, False) and small.extra[PLAN]["probe_fields"][1]["batch_size"] == 4
         assert "batch 8, gradient checkpointing" in plan.note()
+
+
+def test_the_training_state_is_counted_as_built():
+    """The SD-1.5 UNet's parameters as its family declares them, counted on the meta device (no memory, 2 s)."""
+    pytest.importorskip("diffusers")
+    from gallery_lib.models.sd_parts import SD15_UNET_PARAMETERS, build_unet
+
+    with torch.device("meta"):
+        unet = build_unet("sd15")
+    assert sum(p.numel() for p in unet.parameters()) == SD15_UNET_PARAMETERS
+    state = TrainingState(SD15_UNET_PARAMETERS, "adamw", ema=True)
+    assert state.gib == pytest.approx(16.01, abs=0.01)  # 20 bytes a parameter
+    assert TrainingState(SD15_UNET_PARAMETERS, "sgd", ema=False).gib == pytest.approx(state.gib * 12 / 20)
+
+
+def test_a_budget_the_training_state_fills_is_refused_before_any_setting_is_tried():
+    plan = fitted(sd_full(), "accelerated", 16.0)
+    chosen = MemoryPlan.from_dict(plan.extra[PLAN])
+    assert chosen.chosen is None and not chosen.probe and not chosen.fits  # nothing to try in the run
+    assert chosen.does_not_fit() == (
+        "does not fit in 16.0 GiB: the weights, gradients, AdamW's moments and the EMA of 860M trained parameters "
+        "alone take 16.0 GiB at any batch size; use a GPU with more free memory")
+    # without an EMA the state is 12.8 GiB: the unmeasured settings are tried
+    assert MemoryPlan.from_dict(fitted(sd_full(ema="off"), "accelerated", 16.0).extra[PLAN]).probe
+    assert training_state(apply_recipe("accelerated", sd_full()).replace(amp_level="O2")) is None  # bf16 weights
+    lora = base_config("full", family="dreambooth", data_root="/d", instance_prompt="a photo of sks dog", lora_rank=4)
+    assert training_state(apply_recipe("peer", lora)) is None  # adapters: only they train
 
 
 def test_a_batch_size_the_user_named_wins_over_the_plan():

@@ -28,6 +28,10 @@ class ModelSpec:
     description: str
     family: str = ""
     """Filled in by ``register_family``."""
+    trained_parameters: int | None = None
+    """The parameters its full training updates: with fp32 weights, their gradients, the optimizer's state and an EMA
+    they are the memory no setting of the step lowers, the memory plan's floor (``gallery_lib/run/memory_plan.py``).
+    ``None``: small enough not to matter."""
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from functools import partial
 
 from gallery_lib.models import register_family
 from gallery_lib.config.family import Footprint, ModelFamily, ModelSpec, SpeedGoal
-from gallery_lib.models.sd_parts import build_stable_diffusion
+from gallery_lib.models.sd_parts import SD15_UNET_PARAMETERS, build_stable_diffusion
 from gallery_lib.models.stable_diffusion import FAMILY as STABLE_DIFFUSION
 from gallery_lib.tasks.dreambooth import DreamBoothTask
 
@@ -31,7 +31,8 @@ FAMILY = register_family(ModelFamily(
     task=DreamBoothTask,
     models=(
         ModelSpec("dreambooth_sd15", partial(build_stable_diffusion, "sd15"), 512, False,
-                  "Stable Diffusion 1.5 (UNet trained, VAE and CLIP text encoder frozen) fine-tuned on one subject"),
+                  "Stable Diffusion 1.5 (UNet trained, VAE and CLIP text encoder frozen) fine-tuned on one subject",
+                  trained_parameters=SD15_UNET_PARAMETERS),
         ModelSpec("dreambooth_tiny", partial(build_stable_diffusion, "sd_tiny"), 32, True,
                   "the same three diffusers/transformers classes at CPU-smoke size"),
     ),

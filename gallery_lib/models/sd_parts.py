@@ -76,6 +76,8 @@ TINY_TEXT_CONFIG: dict[str, Any] = dict(
     bos_token_id=0, eos_token_id=2, pad_token_id=1,
 )
 
+SD15_UNET_PARAMETERS = 859_520_964
+"""The SD-1.5 UNet's parameters (``tests/test_memory_plan.py`` counts them on the meta device)."""
 _CONFIGS = {"sd15": (SD15_UNET_CONFIG, SD15_VAE_CONFIG, SD15_TEXT_CONFIG),
             "sd_tiny": (TINY_UNET_CONFIG, TINY_VAE_CONFIG, TINY_TEXT_CONFIG)}
 _REQUIRED_SUBFOLDERS = ("unet", "vae", "text_encoder")

@@ -7,7 +7,7 @@ from functools import partial
 
 from gallery_lib.models import register_family
 from gallery_lib.config.family import Footprint, ModelFamily, ModelSpec, SpeedGoal, WorkerMemory
-from gallery_lib.models.sd_parts import build_stable_diffusion
+from gallery_lib.models.sd_parts import SD15_UNET_PARAMETERS, build_stable_diffusion
 from gallery_lib.tasks.text_to_image import TextToImageTask
 
 
@@ -38,7 +38,8 @@ FAMILY = register_family(ModelFamily(
     task=TextToImageTask,
     models=(
         ModelSpec("sd15", partial(build_stable_diffusion, "sd15"), 512, False,
-                  "Stable Diffusion 1.5: UNet (860M parameters, trained), VAE and CLIP ViT-L/14 text encoder (frozen)"),
+                  "Stable Diffusion 1.5: UNet (860M parameters, trained), VAE and CLIP ViT-L/14 text encoder (frozen)",
+                  trained_parameters=SD15_UNET_PARAMETERS),
         ModelSpec("sd_tiny", partial(build_stable_diffusion, "sd_tiny"), 32, True,
                   "the same three diffusers/transformers classes at CPU-smoke size"),
     ),

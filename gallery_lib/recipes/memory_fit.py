@@ -10,8 +10,8 @@ from dataclasses import replace
 from typing import Any, Callable
 
 from gallery_lib.config import RunConfig
-from gallery_lib.run.memory_plan import (NAMED, PLAN, PLANNED_FIELDS, Budget, Candidate, candidates, choose,
-                                         estimate_gib, workers_that_fit)
+from gallery_lib.run.memory_plan import (NAMED, PLAN, PLANNED_FIELDS, Budget, Candidate, TrainingState, candidates,
+                                         choose, estimate_gib, workers_that_fit)
 
 
 def fit_to_memory(cfg: RunConfig, resolve: Callable[[dict[str, Any]], RunConfig], budget: Budget | None) -> RunConfig:
@@ -24,7 +24,7 @@ def fit_to_memory(cfg: RunConfig, resolve: Callable[[dict[str, Any]], RunConfig]
     configured = Candidate(cfg.batch_size, cfg.gradient_accumulation_steps, cfg.gradient_checkpointing)
     options = candidates(configured.batch_size, configured.accumulation, configured.checkpointing, named)
     configs = [cfg if option == configured else resolve(option.fields()) for option in options]
-    plan = choose(options, [footprint_gib(c) for c in configs], budget, configured)
+    plan = choose(options, [footprint_gib(c) for c in configs], budget, configured, training_state(cfg))
     if plan.chosen is not None:
         cfg = configs[options.index(plan.chosen)]
         workers = _workers(cfg, budget)
@@ -52,6 +52,15 @@ def footprint_gib(cfg: RunConfig) -> float | None:
                 cfg.model, cfg.recipe, cfg.gradient_checkpointing):
             return estimate_gib(dict(footprint.reserved_gib), cfg.batch_size)
     return None
+
+
+def training_state(cfg: RunConfig) -> TrainingState | None:
+    """The state a full training of ``cfg``'s model holds whatever its batch, where its family counts the trained
+    parameters; ``None`` for LoRA adapters or O2's low-precision weights, which hold less."""
+    spec = next((s for s in cfg.model_family.models if s.name == cfg.model), None)
+    if spec is None or spec.trained_parameters is None or cfg.amp_level == "O2" or cfg.to_dict().get("lora_rank"):
+        return None
+    return TrainingState(spec.trained_parameters, cfg.optimizer, cfg.ema != "off")
 
 
 def _workers(cfg: RunConfig, budget: Budget) -> int | None:

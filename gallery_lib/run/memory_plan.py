@@ -9,6 +9,8 @@ from the family's measured footprints (``ModelFamily.memory_footprints``: measur
 and past the two nearest; measured without accumulation, so only such candidates read them), and the first measured
 to fit is taken. Where none is, the training process starts at the first unmeasured one, and gives way to the next
 when one runs out of memory before its timed steps (``run/batch_size.py``: nothing is lost where the first fits).
+Below every setting lies the training state (``state_gib``: weights, gradients, optimizer state and EMA of the trained
+parameters): a budget it fills is refused before any setting is tried.
 The plan also sizes the
 precompile workers, which hold GPU memory beside the training process while they compile
 (``ModelFamily.worker_memory``).
@@ -83,6 +85,8 @@ class MemoryPlan:
     """``None``: nothing measured fits (``estimate_gib`` then holds the smallest need measured)."""
     estimate_gib: float | None = None
     """The chosen setting's measured peak; ``None`` where it was not measured."""
+    state: str = ""
+    """Where the training state alone fills the budget (``estimate_gib`` then holds it): what that state is."""
     probe: tuple[Candidate, ...] = ()
     """Settings the training process tries in order where none is measured: each gives way to the next when it runs
     out of memory before its timed steps."""
@@ -103,6 +107,8 @@ class MemoryPlan:
         if self.chosen is None and self.probe:
             return head + (f"not measured for this recipe: {self.probe[0].describe()}, giving way to the next "
                            "setting if it runs out of memory before its timed steps")
+        if self.chosen is None and self.state:
+            return head + f"does not fit ({self.state} alone take {self.estimate_gib:.1f} GiB)"
         if self.chosen is None:
             return head + f"does not fit (the smallest setting measured needs {self.estimate_gib:.1f} GiB)"
         kept = "" if self.changed else " as configured"
@@ -112,6 +118,9 @@ class MemoryPlan:
 
     def does_not_fit(self) -> str:
         """One line for a run that cannot start: what it needs, what it has, and the way out."""
+        if self.state:
+            return (f"does not fit in {self.budget_gib:.1f} GiB: {self.state} alone take {self.estimate_gib:.1f} GiB "
+                    "at any batch size; use a GPU with more free memory")
         return (f"does not fit in {self.budget_gib:.1f} GiB: the smallest setting measured for it needs "
                 f"{self.estimate_gib:.1f} GiB; use a GPU with more free memory, or lower image_size or the model")
 
@@ -125,6 +134,7 @@ class MemoryPlan:
     def as_dict(self) -> dict[str, Any]:
         return {"budget_gib": self.budget_gib, "source": self.source,
                 "chosen": None if self.chosen is None else asdict(self.chosen), "estimate_gib": self.estimate_gib,
+                "state": self.state,
                 "probe": [asdict(c) for c in self.probe], "precompile_workers": self.precompile_workers,
                 "changed": self.changed, "after": [asdict(c) for c in self.after], "note": self.note()}
 
@@ -132,7 +142,8 @@ class MemoryPlan:
     def from_dict(cls, values: dict[str, Any]) -> MemoryPlan:
         chosen = values.get("chosen")
         return cls(values["budget_gib"], values["source"], None if chosen is None else Candidate(**chosen),
-                   values.get("estimate_gib"), tuple(Candidate(**c) for c in values.get("probe", ())),
+                   values.get("estimate_gib"), values.get("state", ""),
+                   tuple(Candidate(**c) for c in values.get("probe", ())),
                    values.get("precompile_workers"), values.get("changed", False),
                    tuple(Candidate(**c) for c in values.get("after", ())))
 
@@ -188,11 +199,13 @@ def fits(estimate: float, budget_gib: float) -> bool:
 
 
 def choose(options: Sequence[Candidate], estimates: Sequence[float | None], budget: Budget,
-           configured: Candidate) -> MemoryPlan:
+           configured: Candidate, state: TrainingState | None = None) -> MemoryPlan:
     """The first option whose measured peak fits ``budget``; where none is measured to fit, the unmeasured ones are
     tried in the run, in order. A setting measured to fit wins over unmeasured ones before it: SD-1.5's recipes at
     batch 4 x 2, unmeasured, ran out of memory in 22 GiB where batch 8 checkpointed measured 18.4 GiB
-    (benchmarks/RESULTS.md#memory-plan)."""
+    (benchmarks/RESULTS.md#memory-plan). Nothing fits where the training ``state`` alone fills the budget."""
+    if state is not None and state.gib >= budget.gib:
+        return MemoryPlan(budget.gib, budget.source, None, state.gib, state.describe())
     for index, (option, estimate) in enumerate(zip(options, estimates)):
         if estimate is not None and fits(estimate, budget.gib):
             return MemoryPlan(budget.gib, budget.source, option, estimate, changed=option != configured,
@@ -201,6 +214,26 @@ def choose(options: Sequence[Candidate], estimates: Sequence[float | None], budg
     if unmeasured:
         return MemoryPlan(budget.gib, budget.source, None, probe=unmeasured, changed=True, after=unmeasured[1:])
     return MemoryPlan(budget.gib, budget.source, None, min(estimates))
+
+
+@dataclass(frozen=True)
+class TrainingState:
+    """What training holds whatever the batch: fp32 weights and their gradients, the optimizer's state (AdamW's two
+    moments, SGD's momentum) and the EMA's copy, for each trained parameter."""
+
+    parameters: int
+    optimizer: str
+    ema: bool
+
+    @property
+    def gib(self) -> float:
+        buffers = 2 + (2 if self.optimizer == "adamw" else 1) + (1 if self.ema else 0)
+        return self.parameters * 4 * buffers / 2**30
+
+    def describe(self) -> str:
+        optimizer = "AdamW's moments" if self.optimizer == "adamw" else "the momentum"
+        return (f"the weights, gradients, {optimizer}{' and the EMA' if self.ema else ''} of "
+                f"{self.parameters / 1e6:,.0f}M trained parameters")
 
 
 def workers_that_fit(requested: int, budget_gib: float, trainer_gib: float, per_worker_gib: float) -> int:
