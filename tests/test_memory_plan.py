@@ -27,7 +27,7 @@ from gallery_lib.run.train import run
 
 # A footprint of the tests' own: 10 GiB of state, 1 GiB per image; checkpointing halves the images' part.
 POINTS = {4: 14.0, 8: 18.0}
-CHECKPOINTED = {8: 14.0}
+CHECKPOINTED = {2: 11.0, 8: 14.0}
 
 
 def plan_for(budget: float, named=(), batch=8, accumulation=1, checkpointing=False) -> MemoryPlan:
@@ -60,8 +60,8 @@ def test_estimate_interpolates_measurements_and_never_guesses_above_one():
     assert estimate_gib(POINTS, 6) == pytest.approx(16.0)
     assert estimate_gib(POINTS, 2) == pytest.approx(12.0)   # the line through the two nearest
     assert estimate_gib(POINTS, 16) == pytest.approx(26.0)
-    assert estimate_gib({8: 14.0}, 4) == 14.0                # one size measured bounds the smaller ones
-    assert estimate_gib({8: 14.0}, 16) is None               # and says nothing above it
+    assert estimate_gib({8: 14.0}, 4) is None                # one size measured says nothing of another
+    assert estimate_gib({8: 14.0}, 16) is None
     assert estimate_gib({}, 4) is None
 
 
@@ -75,7 +75,7 @@ def test_the_plan_never_exceeds_the_budget(budget):
 
 def test_less_memory_moves_the_choice_to_checkpointing_then_smaller_steps():
     chosen = [plan_for(budget).chosen for budget in (40.0, 19.0, 15.0, 13.0)]
-    assert [(c.batch_size, c.checkpointing) for c in chosen] == [(8, False), (8, False), (8, True), (2, False)]
+    assert [(c.batch_size, c.checkpointing) for c in chosen] == [(8, False), (8, False), (8, True), (4, True)]
     # a setting measured to fit wins over unmeasured ones before it
     options = candidates(8, 1, False, ())
     estimates = [18.0, None, 16.0, None, None, None]
@@ -88,7 +88,7 @@ def test_nothing_measured_fits_says_so_in_one_line():
     plan = plan_for(10.0)
     assert plan.chosen is None and not plan.probe and not plan.fits
     line = plan.does_not_fit()
-    assert "does not fit in 10.0 GiB" in line and "needs 12.0 GiB" in line and "\n" not in line
+    assert "does not fit in 10.0 GiB" in line and "needs 11.0 GiB" in line and "\n" not in line
 
 
 def test_unmeasured_settings_are_tried_in_order():
@@ -125,15 +125,17 @@ def test_sd_recipes_get_the_same_plan_logic_from_their_measured_footprints():
     big = fitted(sd_full(), "accelerated", 80.0)
     assert (big.batch_size, big.gradient_accumulation_steps, big.gradient_checkpointing) == (8, 1, False)
     assert big.extra[PLAN]["estimate_gib"] == footprint_gib(big)
-    # 22.9 GiB measured at batch 8: both recipes try it checkpointed first (not measured), compiled whole
-    for recipe in ("accelerated", "peer"):
-        small = fitted(sd_full(), recipe, 22.0)
-        assert (small.batch_size, small.gradient_accumulation_steps, small.gradient_checkpointing) == (8, 1, True)
-        assert (small.compile_scope, small.compile_mode) == ("model", "default")  # checkpointing replays no graphs
-        assert small.global_batch_size == big.global_batch_size
-        plan = MemoryPlan.from_dict(small.extra[PLAN])
-        assert plan.probe[1] == Candidate(4, 2, False) and small.extra[PLAN]["probe_fields"][1]["batch_size"] == 4
-        assert "batch 8, gradient checkpointing" in plan.note()
+    # accelerated measured 22.9 GiB at batch 8: it tries batch 8 checkpointed first (not measured), compiled whole
+    small = fitted(sd_full(), "accelerated", 22.0)
+    assert (small.batch_size, small.gradient_accumulation_steps, small.gradient_checkpointing) == (8, 1, True)
+    assert (small.compile_scope, small.compile_mode) == ("model", "default")  # checkpointing replays no graphs
+    assert small.global_batch_size == big.global_batch_size
+    plan = MemoryPlan.from_dict(small.extra[PLAN])
+    assert plan.probe[1] == Candidate(4, 2, False) and small.extra[PLAN]["probe_fields"][1]["batch_size"] == 4
+    assert "batch 8, gradient checkpointing" in plan.note()
+    # the peer measured batch 32 only: batch 8 is tried as it is first, then checkpointed
+    peer = MemoryPlan.from_dict(fitted(sd_full(), "peer", 22.0).extra[PLAN])
+    assert peer.probe[:2] == (Candidate(8, 1, False), Candidate(8, 1, True))
 
 
 def test_the_training_state_is_counted_as_built():
