@@ -157,12 +157,13 @@ def test_a_budget_the_training_state_fills_is_refused_before_any_setting_is_trie
     assert chosen.chosen is None and not chosen.probe and not chosen.fits  # nothing to try in the run
     assert chosen.does_not_fit() == (
         "does not fit in 16.0 GiB: the weights, gradients, AdamW's moments and the EMA of 860M trained parameters "
-        "alone take 16.0 GiB at any batch size; use a GPU with more free memory")
+        "alone take 16.0 GiB at any batch size; use a GPU with more free memory, or without the EMA (--set ema=off)")
     # without an EMA the state is 12.8 GiB: the unmeasured settings are tried
     assert MemoryPlan.from_dict(fitted(sd_full(ema="off"), "accelerated", 16.0).extra[PLAN]).probe
     assert training_state(apply_recipe("accelerated", sd_full()).replace(amp_level="O2")) is None  # bf16 weights
-    lora = base_config("full", family="dreambooth", data_root="/d", instance_prompt="a photo of sks dog", lora_rank=4)
-    assert training_state(apply_recipe("peer", lora)) is None  # adapters: only they train
+    dreambooth = base_config("full", family="dreambooth", data_root="/d", instance_prompt="a photo of sks dog")
+    assert training_state(apply_recipe("peer", dreambooth)).fix.endswith(", or train LoRA adapters (--set lora_rank=4)")
+    assert training_state(apply_recipe("peer", dreambooth.replace(lora_rank=4))) is None  # adapters: only they train
 
 
 def test_a_batch_size_the_user_named_wins_over_the_plan():

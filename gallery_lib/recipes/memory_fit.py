@@ -58,9 +58,12 @@ def training_state(cfg: RunConfig) -> TrainingState | None:
     """The state a full training of ``cfg``'s model holds whatever its batch, where its family counts the trained
     parameters; ``None`` for LoRA adapters or O2's low-precision weights, which hold less."""
     spec = next((s for s in cfg.model_family.models if s.name == cfg.model), None)
-    if spec is None or spec.trained_parameters is None or cfg.amp_level == "O2" or cfg.to_dict().get("lora_rank"):
+    settings = cfg.to_dict()
+    if spec is None or spec.trained_parameters is None or cfg.amp_level == "O2" or settings.get("lora_rank"):
         return None
-    return TrainingState(spec.trained_parameters, cfg.optimizer, cfg.ema != "off")
+    fixes = ([", or without the EMA (--set ema=off)"] if cfg.ema != "off" else []) + (
+        [", or train LoRA adapters (--set lora_rank=4)"] if "lora_rank" in settings else [])
+    return TrainingState(spec.trained_parameters, cfg.optimizer, cfg.ema != "off", "".join(fixes))
 
 
 def _workers(cfg: RunConfig, budget: Budget) -> int | None:

@@ -87,6 +87,8 @@ class MemoryPlan:
     """The chosen setting's measured peak; ``None`` where it was not measured."""
     state: str = ""
     """Where the training state alone fills the budget (``estimate_gib`` then holds it): what that state is."""
+    state_fix: str = ""
+    """What else shrinks that state, where the run offers it (``, or train LoRA adapters (--set lora_rank=4)``)."""
     probe: tuple[Candidate, ...] = ()
     """Settings the training process tries in order where none is measured: each gives way to the next when it runs
     out of memory before its timed steps."""
@@ -120,7 +122,7 @@ class MemoryPlan:
         """One line for a run that cannot start: what it needs, what it has, and the way out."""
         if self.state:
             return (f"does not fit in {self.budget_gib:.1f} GiB: {self.state} alone take {self.estimate_gib:.1f} GiB "
-                    "at any batch size; use a GPU with more free memory")
+                    f"at any batch size; use a GPU with more free memory{self.state_fix}")
         return (f"does not fit in {self.budget_gib:.1f} GiB: the smallest setting measured for it needs "
                 f"{self.estimate_gib:.1f} GiB; use a GPU with more free memory, or lower image_size or the model")
 
@@ -134,7 +136,7 @@ class MemoryPlan:
     def as_dict(self) -> dict[str, Any]:
         return {"budget_gib": self.budget_gib, "source": self.source,
                 "chosen": None if self.chosen is None else asdict(self.chosen), "estimate_gib": self.estimate_gib,
-                "state": self.state,
+                "state": self.state, "state_fix": self.state_fix,
                 "probe": [asdict(c) for c in self.probe], "precompile_workers": self.precompile_workers,
                 "changed": self.changed, "after": [asdict(c) for c in self.after], "note": self.note()}
 
@@ -142,7 +144,7 @@ class MemoryPlan:
     def from_dict(cls, values: dict[str, Any]) -> MemoryPlan:
         chosen = values.get("chosen")
         return cls(values["budget_gib"], values["source"], None if chosen is None else Candidate(**chosen),
-                   values.get("estimate_gib"), values.get("state", ""),
+                   values.get("estimate_gib"), values.get("state", ""), values.get("state_fix", ""),
                    tuple(Candidate(**c) for c in values.get("probe", ())),
                    values.get("precompile_workers"), values.get("changed", False),
                    tuple(Candidate(**c) for c in values.get("after", ())))
@@ -206,7 +208,7 @@ def choose(options: Sequence[Candidate], estimates: Sequence[float | None], budg
     batch 4 x 2, unmeasured, ran out of memory in 22 GiB where batch 8 checkpointed measured 18.4 GiB
     (benchmarks/RESULTS.md#memory-plan). Nothing fits where the training ``state`` alone fills the budget."""
     if state is not None and state.gib >= budget.gib:
-        return MemoryPlan(budget.gib, budget.source, None, state.gib, state.describe())
+        return MemoryPlan(budget.gib, budget.source, None, state.gib, state.describe(), state.fix)
     for index, (option, estimate) in enumerate(zip(options, estimates)):
         if estimate is not None and fits(estimate, budget.gib):
             return MemoryPlan(budget.gib, budget.source, option, estimate, changed=option != configured,
@@ -225,6 +227,8 @@ class TrainingState:
     parameters: int
     optimizer: str
     ema: bool
+    fix: str = ""
+    """What else shrinks it, where the run offers it: ``, or train LoRA adapters (--set lora_rank=4)``."""
 
     @property
     def gib(self) -> float:
