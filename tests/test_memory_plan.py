@@ -319,3 +319,19 @@ def test_the_report_says_what_each_run_planned(tmp_path):
     assert _memory_plan(record) == ("; memory plan, 22.0 GiB (gpu_memory_gib): batch 8, gradient checkpointing "
                                     "(measured 18.4 GiB)")
     assert _memory_plan(RunRecord(recipe="compiled", config={}, steps=[], summary={}, run_dir=tmp_path)) == ""
+
+
+def test_every_ladder_rung_resolves_under_a_plan():
+    """A rung that replays CUDA graphs cannot checkpoint or accumulate: the plan leaves those settings out for it
+    instead of failing to resolve (every rung raised when the plan weighed checkpointing)."""
+    from gallery_lib.recipes.ladder import RUNGS, recipe_name
+
+    base = base_config("full", family="stable_diffusion", data_root="/data", device="cuda", gpu_memory_gib=22.0,
+                       precompile_workers=0)
+    for rung in RUNGS:
+        cfg = recipe_config(base, recipe_name(rung), {})
+        plan = MemoryPlan.from_dict(cfg.extra[PLAN])
+        settings = (plan.chosen,) if plan.chosen else plan.probe
+        assert settings and cfg.global_batch_size == settings[0].batch_size * settings[0].accumulation
+        if cfg.compile_mode == "reduce-overhead":
+            assert not any(s.checkpointing or s.accumulation > 1 for s in settings + plan.after), rung.name

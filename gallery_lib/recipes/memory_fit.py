@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any, Callable
 
-from gallery_lib.config import RunConfig
+from gallery_lib.config import ConfigError, RunConfig
 from gallery_lib.run.memory_plan import (NAMED, PLAN, PLANNED_FIELDS, Budget, Candidate, TrainingState, candidates,
                                          choose, estimate_gib, workers_that_fit)
 
@@ -22,8 +22,13 @@ def fit_to_memory(cfg: RunConfig, resolve: Callable[[dict[str, Any]], RunConfig]
         return cfg  # the search sizes the batch itself; several processes were never measured
     named = cfg.extra.get(NAMED, ())
     configured = Candidate(cfg.batch_size, cfg.gradient_accumulation_steps, cfg.gradient_checkpointing)
-    options = candidates(configured.batch_size, configured.accumulation, configured.checkpointing, named)
-    configs = [cfg if option == configured else resolve(option.fields()) for option in options]
+    options, configs = [], []
+    for option in candidates(configured.batch_size, configured.accumulation, configured.checkpointing, named):
+        try:
+            configs.append(cfg if option == configured else resolve(option.fields()))
+        except ConfigError:  # a setting this recipe cannot run (a ladder rung's CUDA graphs under checkpointing)
+            continue
+        options.append(option)
     plan = choose(options, [footprint_gib(c) for c in configs], budget, configured, training_state(cfg))
     if plan.chosen is not None:
         cfg = configs[options.index(plan.chosen)]
