@@ -77,7 +77,52 @@ def _started(text: str) -> str:
     return f"{match.group(2)} {match.group(1)}" if match else ""
 
 
-BLOCKS = {"headline": headline_table, "cpu-gallery": cpu_gallery_time}
+CARDS = (("T4", "16 GB", 15.0), ("A10G, L4", "24 GB", 22.5), ("RTX 4090", "24 GB", 24.0),
+         ("A100", "40 GB", 40.0), ("A100, H100", "80 GB", 80.0))
+"""Cards people rent, by the memory ``nvidia-smi`` reports (GiB): the plan gets that less a CUDA context."""
+MEMORY_FAMILIES = (("SD-1.5", "stable_diffusion", {}),
+                   ("DreamBooth", "dreambooth", {"instance_prompt": "a photo of sks dog"}))
+MEMORY_RECIPES = ("baseline", "peer", "accelerated")
+
+
+def memory_classes() -> str:
+    """What the memory plan picks on each card for the notebooks' GPU runs (the full profile, one process), from the
+    footprints each family measured (``ModelFamily.memory_footprints``): the plan's own answer, not a new
+    measurement."""
+    from gallery_lib.recipes import recipe_config
+    from gallery_lib.recipes.profiles import base_config
+    from gallery_lib.run.memory_plan import CONTEXT_GIB, PLAN, MemoryPlan
+
+    lines = ["| card | free for the run (GiB) | " + " | ".join(
+                 f"{label} `{recipe}`" for label, _, _ in MEMORY_FAMILIES for recipe in MEMORY_RECIPES) + " |",
+             "|---|---|" + "---|" * (len(MEMORY_FAMILIES) * len(MEMORY_RECIPES))]
+    for card, size, total in CARDS:
+        budget = round(total - CONTEXT_GIB, 1)
+        cells = []
+        for _, family, extra in MEMORY_FAMILIES:
+            base = base_config("full", family=family, data_root="/data", device="cuda", gpu_memory_gib=budget,
+                               precompile_workers=0, **extra)
+            for recipe in MEMORY_RECIPES:
+                cells.append(_plan_cell(MemoryPlan.from_dict(recipe_config(base, recipe, {}).extra[PLAN])))
+        lines.append(f"| {card} ({size}) | {budget:.1f} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _plan_cell(plan) -> str:
+    """``batch 8 (22.9)``, ``batch 8, checkpointing (tried)``, or ``does not fit``."""
+    if plan.chosen is not None:
+        return f"{_setting(plan.chosen)} ({plan.estimate_gib:.1f})"
+    if plan.probe:
+        return f"{_setting(plan.probe[0])} (tried)"
+    return "does not fit"
+
+
+def _setting(candidate) -> str:
+    text = f"{candidate.batch_size}" + (f" x {candidate.accumulation}" if candidate.accumulation > 1 else "")
+    return text + (", checkpointing" if candidate.checkpointing else "")
+
+
+BLOCKS = {"headline": headline_table, "cpu-gallery": cpu_gallery_time, "memory-classes": memory_classes}
 
 
 def render(readme: str) -> str:

@@ -78,10 +78,75 @@ def test_a_headline_row_named_by_a_switch_ran_the_recipe_as_it_is(monkeypatch):
     assert "ema_in_optimizer" in ran.extra["named"]  # the memory plan leaves it as named
 
 
-def test_readme_keeps_the_two_commands_on_its_first_screen():
+FIRST_SCREEN_LINES = 40
+
+
+def _first_screen() -> str:
+    """README up to its first ``##`` heading: what a reader sees before any section's body."""
     lines = (ROOT / "README.md").read_text().splitlines()
-    first_screen = "\n".join(lines[:60])
-    assert "bash ci/gallery.sh" in first_screen and "bash ci/test.sh" in first_screen
+    end = next((i for i, line in enumerate(lines) if line.startswith("## ")), len(lines))
+    return "\n".join(lines[:end])
+
+
+def test_readme_keeps_the_two_commands_on_its_first_screen():
+    """The gallery's command, the test command (``.ci/run`` runs it as README gives it) and the headline table come
+    first, before any section, within the first screen."""
+    first_screen = _first_screen()
+    assert len(first_screen.splitlines()) <= FIRST_SCREEN_LINES, "README's first screen grew: move text below it"
+    gallery, tests = "```bash\nbash ci/gallery.sh\n```", "```bash\nbash ci/test.sh\n```"
+    assert gallery in first_screen and tests in first_screen
+    assert first_screen.index(gallery) < first_screen.index(tests)
+    assert "<!-- numbers:headline -->" in first_screen and "<!-- /numbers:headline -->" in first_screen
+
+
+def test_readme_names_the_rows_that_miss_their_speed_goal():
+    """The sentence under the headline table ("missed by ...; met by ...") names the rows whose measured speedup (and
+    throughput, where the goal sets one) is below their family's ``speed_goals``, as the result files have them."""
+    import json
+    import re
+
+    from gallery_lib.config.families import family_of
+    from gallery_lib.reports.bench import find_row
+
+    numbers = _numbers()
+    missed, met = [], []
+    for label, model, path, batch, peer_row, fast_row in numbers.HEADLINE:
+        goal = next(goal.limits for goal in family_of(model).speed_goals
+                    if goal.check == "speedup" and goal.model == model and goal.limits.get("batch_size") == batch)
+        rows = json.loads((numbers.RESULTS / path).read_text())["rows"]
+        fast = find_row(rows, model, fast_row, batch, 1)["samples_per_s"]
+        ratio = fast / find_row(rows, model, peer_row, batch, 1)["samples_per_s"]
+        ok = ratio >= goal["min_ratio"] and fast >= goal.get("min_samples_per_s", 0.0)
+        (met if ok else missed).append(label.split(",")[0])
+    sentence = re.search(r"missed by (.*?); met by (.*?)\. ", " ".join(_first_screen().split()))
+    assert sentence, "README's first screen says which speed goals the headline rows miss: 'missed by ...; met by ...'"
+    said = [[] if part == "none" else part.split(", ") for part in sentence.groups()]
+    assert said == [missed, met], f"README says missed {said[0]}, met {said[1]}; the files: {missed}, {met}"
+
+
+def _github_anchor(heading: str) -> str:
+    """GitHub's anchor for a Markdown heading: lower case, punctuation but ``-`` and ``_`` dropped, spaces to ``-``."""
+    import re
+
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_every_glossary_link_in_readme_names_a_heading_it_has():
+    import re
+
+    glossary = (ROOT / "docs" / "glossary.md").read_text()
+    anchors: set[str] = set(re.findall(r'<a id="([^"]+)"></a>', glossary))
+    for heading in re.findall(r"^#{1,6} (.+)$", glossary, re.M):
+        anchor, n = _github_anchor(heading), 1
+        while anchor in anchors:  # GitHub numbers a repeated heading's anchor: name-1, name-2
+            anchor, n = f"{_github_anchor(heading)}-{n}", n + 1
+        anchors.add(anchor)
+    readme = (ROOT / "README.md").read_text()
+    links = re.findall(r"docs/glossary\.md#([^)\s]+)\)", readme)
+    inner = re.findall(r"\]\(#([^)\s]+)\)", glossary)  # the glossary's own index
+    assert len(links) > 20, "README's first uses of its terms link to docs/glossary.md"
+    assert not [name for name in links + inner if name not in anchors]
+    assert _github_anchor("torch.compile") == "torchcompile" and _github_anchor("AMP O1 and O2") == "amp-o1-and-o2"
 
 
 def test_no_user_facing_text_or_code_points_at_an_issue_number():
