@@ -141,12 +141,22 @@ def test_notebook_runs_in_jupyterlab_in_a_real_browser(lab, path):
                 assert (root / "output" / "your_model" / "ladder.json").is_file()
             else:
                 assert page.locator(".jp-OutputArea-output .widget-select-multiple").count() == 1  # the form
+                _check_the_batch_box_keeps_one(page)
                 landed = _runs_that_landed(root / "output", path.stem)
                 assert landed == _runs_asked_for(path.stem), landed  # the injected parameters took
         finally:
             page.screenshot(path=str(SCREENSHOTS / f"{path.stem}.last.png"))
             browser.close()
             _shut_down_kernels(url, token)  # the next notebook gets the machine's cores
+
+
+def _check_the_batch_box_keeps_one(page) -> None:
+    """A batch of 1 typed into the form stays 1 (DreamBooth trains at 1: the box's bounds must not raise it)."""
+    box = page.locator(".jp-OutputArea-output .widget-text").filter(has_text="batch/GPU").locator("input")
+    box.fill("1")
+    box.press("Tab")  # the change reaches the widget's model, which would clamp it to its bounds
+    page.wait_for_timeout(1000)
+    assert box.input_value() == "1"
 
 
 def _runs_asked_for(notebook: str) -> list[str]:

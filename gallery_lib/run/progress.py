@@ -5,6 +5,11 @@ launcher feeds rank 0's lines here, and a ``tqdm.auto`` bar moves to step N with
 In JupyterLab (and under papermill) ``tqdm.auto`` draws a widget, which adds one output to the cell however long the
 run; in a terminal it redraws one line. Elsewhere (a pipe, a test) there is no bar: the step lines themselves, one
 per ``log_every`` steps, are the progress.
+
+A widget's output also carries a plain-text copy of the bar, which is what a viewer without the widget's state shows
+(GitHub, nbconvert's HTML, a notebook reopened after its kernel is gone). That copy is taken when the bar is first
+displayed, at 0%; when the run ends, the bar's output is displayed again in place (``update_display``) so that the
+copy reads the final state: the step reached, the loss, the speed and the time taken.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ class StepProgress:
         self.enabled = wants_bar() if enabled is None else enabled
         self.tqdm_kwargs = tqdm_kwargs
         self.bar = None
+        self.display = None  # the widget bar's display handle, to show its final state in place
 
     def feed(self, line: str) -> None:
         match = _STEP_LINE.match(line) if self.enabled else None
@@ -40,13 +46,36 @@ class StepProgress:
             return
         step, total = int(match[1]), int(match[2])
         if self.bar is None:
-            from tqdm.auto import tqdm
-
-            self.bar = tqdm(total=total, desc=self.description, unit="step", dynamic_ncols=True,
-                            **self.tqdm_kwargs)
+            self.bar, self.display = _new_bar(total=total, desc=self.description, unit="step", dynamic_ncols=True,
+                                              **self.tqdm_kwargs)
         self.bar.update(step - self.bar.n)
         self.bar.set_postfix_str(f"loss {match[3]}, {match[4]} img/s", refresh=False)
 
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+            if self.display is not None:  # the output's text copy now says where the run ended, not 0%
+                self.display.update(self.bar.container)
+                self.display = None
+
+
+def _bar_class() -> type:
+    from tqdm.auto import tqdm
+
+    return tqdm
+
+
+def _new_bar(**kwargs: Any) -> tuple[Any, Any]:
+    """A ``tqdm.auto`` bar and, for a widget bar, the handle of its display (``None`` otherwise)."""
+    bar_class = _bar_class()
+    if not _is_widget_bar(bar_class):
+        return bar_class(**kwargs), None
+    from IPython.display import display
+
+    bar = bar_class(display=False, **kwargs)
+    return bar, display(bar.container, display_id=True)  # None outside a running IPython: then no update
+
+
+def _is_widget_bar(bar_class: type) -> bool:
+    notebook = sys.modules.get("tqdm.notebook")  # imported by tqdm.auto when it picked the widget bar
+    return notebook is not None and issubclass(bar_class, notebook.tqdm_notebook)
