@@ -152,18 +152,26 @@ def test_findings_say_what_the_top_speedup_is_made_of_and_which_rungs_compiled_c
 
 
 def test_cpu_rungs_show_no_speedup(tmp_path):
-    """On a CPU the smoke rungs check code paths: the table, the findings and the figure say "n/a on CPU (smoke)"
-    where a GPU run has its speedups and gains, and claim no rung "bought nothing"."""
+    """On a CPU the smoke rungs check code paths: the table says "n/a on CPU (smoke)" where a GPU run has its
+    speedups and gains; the findings name no fastest rung, claim no rung "bought nothing" and say that CPU timings
+    are not speedups; the figure shows step times, with no bar and no ratio."""
+    from gallery_lib.reports.comparison import CPU_TIMINGS
+
     results = [_result("tf32", 10.0), _result("amp", 9.0), _result("ema", 30.0)]
     for result in results:
         result.summary.update(device_name="CPU", peak_reserved_mb=None)
     rows = ladder_rows(results)
     said = "\n".join(findings(rows))
-    assert "speedup n/a on CPU (smoke)" in said and "Bought no speed" not in said and "3.00x" not in said
+    assert "Fastest" not in said and "fastest" not in said and "Bought no speed" not in said
+    assert CPU_TIMINGS in said and "3 of 3 rungs ran on a CPU" in said and "3.00x" not in said
     report = ladder_report(results, tmp_path)
     assert "| n/a on CPU (smoke) | n/a on CPU (smoke) |" in report.markdown and "0.90x" not in report.markdown
+    assert "Fastest rung" not in report.markdown and CPU_TIMINGS in report.markdown
     speed_axis = report.figure.axes[0]
-    assert "n/a on CPU (smoke)" in speed_axis.get_title() and "30.0" in [t.get_text() for t in speed_axis.texts]
+    assert CPU_TIMINGS in speed_axis.get_title() and speed_axis.get_ylabel() == "ms per step"
+    assert not speed_axis.patches and not speed_axis.texts  # no bar, no label: nothing reads as a ratio
+    medians = [bar.lines[0].get_ydata()[0] for bar in speed_axis.containers]  # one error bar per rung
+    assert medians == pytest.approx([row["median_step_ms"] for row in rows])
 
 
 def test_a_rung_run_without_the_one_it_builds_on_has_no_gain():
@@ -262,4 +270,5 @@ def test_the_talks_a100_marks_are_drawn_beside_gpu_rungs_only():
     for result in results:
         result.summary.update(device_name="CPU", peak_reserved_mb=None)
     on_cpu = ladder_figure(ladder_rows(results))
-    assert not any(ax.get_lines() for ax in on_cpu.axes) and "not its speed" in on_cpu.texts[0].get_text()
+    assert not any(line.get_label().startswith("the talk") for ax in on_cpu.axes for line in ax.get_lines())
+    assert "not its speed" in on_cpu.texts[0].get_text()

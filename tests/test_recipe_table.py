@@ -47,3 +47,15 @@ def test_resnet_accelerated_on_a_gpu_reads_the_fused_convolutions_in_float16(mon
     assert row["precision"] == "float16 autocast + GradScaler"
     assert row["family switches"] == "channels_last=True, image_pipeline=gpu_augment, kernels=True, " \
                                      "kernel_ops=conv_bn_relu"
+
+
+def test_cuda_graphs_are_named_only_where_they_replay(monkeypatch):
+    """``compile_mode="reduce-overhead"`` asked for on a CPU compiles without CUDA graphs: the table does not claim
+    them there, and does on a GPU."""
+    base = base_config("smoke", family="swin_transformer", device="cpu")
+    row, = recipe_table(base, [("accelerated", {"compile_mode": "reduce-overhead"})]).rows
+    assert row["compiled"].endswith("mode reduce-overhead") and "CUDA graphs" not in row["compiled"]
+    monkeypatch.setattr("gallery_lib.reports.recipe_table.visible_cuda_devices", lambda: 1)
+    monkeypatch.setattr("gallery_lib.recipes.named.runs_on_gpu", lambda base: True)
+    row, = recipe_table(base.replace(device="auto"), ["accelerated"]).rows
+    assert row["compiled"].endswith("mode reduce-overhead, CUDA graphs")

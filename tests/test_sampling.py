@@ -55,3 +55,35 @@ def test_no_pipeline_at_all_is_a_clear_error(runs):
         compare_samples([runs / "unexported"], PROMPTS, steps=1, size=32)
     with pytest.raises(ValueError, match="at least one prompt"):
         compare_samples([runs / "baseline"], [], steps=1)
+
+
+def test_a_grid_from_random_weights_says_so_above_its_images(runs, tmp_path):
+    """A smoke run trains from random weights for a few steps: the grid says so in its title, and the title sits
+    above the first row's images and their prompts instead of over them."""
+    import shutil
+
+    from gallery_lib import base_config
+
+    run_dir = tmp_path / "baseline"
+    shutil.copytree(runs / "baseline" / "pipeline", run_dir / "pipeline")
+    base_config("smoke", family="stable_diffusion", device="cpu").save(run_dir / "config.json")
+    grid = compare_samples([run_dir, runs / "compiled"], PROMPTS, steps=1, size=32, save_to=tmp_path / "s.png")
+    title = grid.get_suptitle()
+    assert "random weights (no pretrained model) trained for 16 steps in the smoke profile" in title
+    assert "not what a model learned" in title
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    canvas = FigureCanvasAgg(grid)
+    canvas.draw()  # lays the figure out as savefig does
+    renderer = canvas.get_renderer()
+    title_bottom = grid._suptitle.get_window_extent(renderer).y0
+    assert all(ax.get_tightbbox(renderer).y1 <= title_bottom for ax in grid.axes if ax.images)
+
+
+def test_the_random_weights_note_is_left_out_for_pretrained_weights_trained_in_full():
+    from gallery_lib.reports.sampling import random_weights_note
+
+    assert random_weights_note([{"pretrained": "/models/sd15", "profile": "full", "steps": 100}]) == ""
+    assert random_weights_note([{}]) == ""  # a run folder without its config.json: nothing known, nothing said
+    said = random_weights_note([{"pretrained": "/models/sd15", "profile": "smoke", "steps": 4}])
+    assert said.startswith("pretrained weights trained for 4 steps in the smoke profile")

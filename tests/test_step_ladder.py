@@ -44,7 +44,12 @@ def test_a_side_branch_gains_over_the_rung_it_builds_on_and_every_rung_is_set_ag
 def test_a_cpu_ladder_shows_no_speedup_and_saves_every_step(tmp_path):
     ladder = _ladder("cpu")
     assert "n/a on CPU (smoke)" in ladder.to_markdown() and "2.00x" not in ladder.to_markdown()
-    assert "n/a on CPU (smoke)" in ladder.figure().axes[0].get_title()
+    assert "Timings on a CPU are not speedups: run on a GPU for the comparison." in ladder.to_markdown()
+    step_axis = ladder.figure().axes[0]  # on a CPU: each rung's step times, no bars and no ratio
+    assert "Timings on a CPU are not speedups" in step_axis.get_title() and not step_axis.patches[1:]
+    assert not step_axis.texts and step_axis.get_yscale() == "log"
+    assert [list(line.get_ydata()) for line in step_axis.get_lines()] == [[900.0, 50.0, 40.0, 40.0],
+                                                                          [5000.0, 30.0, 20.0, 20.0]]
     assert "data:image/png;base64," in ladder._repr_markdown_()
     ladder.save(tmp_path / "ladder.json", model="toy")
     record = json.loads((tmp_path / "ladder.json").read_text())

@@ -65,11 +65,11 @@ def apply_accelerations(model: torch.nn.Module, cfg: RunConfig, precision: Preci
     notes: list[str] = []
     attention = None
     if cfg.channels_last:
-        notes.append(use_channels_last(model).note)
+        notes.append(use_channels_last(model, device_type=dist.device.type).note)
     if cfg.gradient_checkpointing:
         notes.append(enable_gradient_checkpointing(model))
     if cfg.kernels:
-        notes.append(fuse_kernels(model, cfg.kernel_op_names, verbose=cfg.verbose).note)
+        notes.append(fuse_kernels(model, cfg.kernel_op_names, verbose=cfg.verbose, device_type=dist.device.type).note)
     if cfg.fused_attention:  # the family's hook (RunConfig refuses the switch for a family without one)
         note, attention = cfg.model_family.attention_hook(model)
         notes.append(note)

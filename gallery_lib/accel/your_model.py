@@ -61,24 +61,45 @@ class Change:
         return f"{self.name}: {self.what}. Why: {self.why} ({self.measured})"
 
 
-def use_channels_last(model: nn.Module) -> Change:
+def use_channels_last(model: nn.Module, *, device_type: str | None = None) -> Change:
     """Puts the 4-D weights (2-D convolutions) in NHWC layout, what cuDNN's tensor-core convolutions read without a
-    transpose; feed images in the same layout (``x.to(memory_format=torch.channels_last)``).
+    transpose; feed images in the same layout (``x.to(memory_format=torch.channels_last)``). ``device_type``: where
+    the model will train (default: where its parameters are); the reason given is a GPU's, and says so elsewhere.
 
         print(use_channels_last(unet))
     """
     convs = [p for p in model.parameters() if p.dim() == 4]
     model.to(memory_format=torch.channels_last)
     what = f"{len(convs)} conv weights in NHWC layout" if convs else "no 4-D weight: nothing to change"
-    return Change("channels_last", what, "convolutions on tensor cores read NHWC without transposing",
-                  f"{RESULTS}#sd15-layout", changed=bool(convs))
+    why = "convolutions on tensor cores read NHWC without transposing"
+    runs_on = _runs_on(model, device_type)
+    if runs_on not in ("cuda", None):
+        why = (f"on a GPU, {why} (the measurement is a GPU's; on {device_phrase(runs_on)} the layout is applied all "
+               "the same)")
+    return Change("channels_last", what, why, f"{RESULTS}#sd15-layout", changed=bool(convs))
 
 
-def fuse_kernels(model: nn.Module, ops: Iterable[str] | None = None, *, verbose: bool = False) -> Change:
+def _runs_on(model: nn.Module, device_type: str | None) -> str | None:
+    """Where ``model`` will run: ``device_type`` when given, else its parameters' device; ``None`` when unknown (no
+    parameters, or a structure built on the ``meta`` device)."""
+    if device_type is not None:
+        return torch.device(device_type).type
+    first = next(model.parameters(), None)
+    return None if first is None or first.device.type == "meta" else first.device.type
+
+
+def device_phrase(device_type: str) -> str:
+    """``a CPU``, ``an MPS device``: the device as a sentence names it."""
+    return {"cpu": "a CPU", "cuda": "a GPU", "mps": "an MPS device"}.get(device_type, f"a {device_type} device")
+
+
+def fuse_kernels(model: nn.Module, ops: Iterable[str] | None = None, *, verbose: bool = False,
+                 device_type: str | None = None) -> Change:
     """Swaps the layers the gallery has fused Triton kernels for (``gallery_lib.accel.patch.KERNEL_SWAPS``: GroupNorm
     with the SiLU after it, LayerNorm, GEGLU) for the fused modules, forward and backward; ``ops`` picks some of
     them (default: all but ``conv_bn_relu``, which is float16 only). On a CPU the fused modules run their PyTorch
-    reference, so this is for a GPU.
+    reference, so this is for a GPU, and the change says so (``device_type``: where the model will train; default:
+    where its parameters are).
 
         print(fuse_kernels(unet, ops=["geglu"]))
     """
@@ -91,8 +112,12 @@ def fuse_kernels(model: nn.Module, ops: Iterable[str] | None = None, *, verbose:
     report = apply_kernels(model, **{op: op in chosen for op in KERNEL_OPS})
     first, _, details = report.summary(verbose).partition("\n")
     what = first if report.swapped else f"no layer the {', '.join(chosen)} kernels replace"
-    return Change("fused kernels", what, "one kernel where PyTorch launches several, each tensor read and written once",
-                  f"{RESULTS}#kernels", changed=bool(report.swapped), details=details)
+    why = "one kernel where PyTorch launches several, each tensor read and written once"
+    runs_on = _runs_on(model, device_type)
+    if runs_on not in ("cuda", None):
+        why = (f"on a GPU, {why}; on {device_phrase(runs_on)} the swapped modules run their PyTorch reference, not a "
+               "fused kernel")
+    return Change("fused kernels", what, why, f"{RESULTS}#kernels", changed=bool(report.swapped), details=details)
 
 
 def fuse_attention(model: nn.Module) -> Change:
@@ -130,12 +155,13 @@ _ATTENTION_WHY = "PyTorch's own SDPA choice is not the fastest for every shape, 
 
 
 def compile_blocks(model: nn.Module, block_types: Iterable[type | str] | None = None, *,
-                   mode: str | None = None, **compile_kwargs: Any) -> Change:
+                   mode: str | None = None, device_type: str | None = None, **compile_kwargs: Any) -> Change:
     """Compiles each repeated block of ``model`` in place with ``torch.compile`` (regional compilation): one graph
     per distinct block, not one for the whole model, so compiling takes a fraction of the time. ``block_types``
     names the block classes (default: the gallery families' blocks where the model has them, else its most repeated
-    block class); ``mode="reduce-overhead"`` replays each block as a CUDA graph on a GPU. Compilation happens in the
-    first steps.
+    block class); ``mode="reduce-overhead"`` replays each block as a CUDA graph on a GPU, and on a CPU runs the
+    blocks without graphs (the change says which: ``device_type`` is where the model will train, by default where
+    its parameters are). Compilation happens in the first steps.
 
         print(compile_blocks(vit, mode="reduce-overhead"))
     """
@@ -151,12 +177,20 @@ def compile_blocks(model: nn.Module, block_types: Iterable[type | str] | None = 
             types = (repeated_block_type(model),)
     names = regional_compile(model, types, **({"mode": mode} if mode else {}), **compile_kwargs)
     kinds = Counter(type(model.get_submodule(name)).__name__ for name in names)
-    graphs = ", CUDA graphs" if mode in ("reduce-overhead", "max-autotune") else ""
+    graphs = graphs_text(mode, _runs_on(model, device_type))
     what = (f"{len(names)} blocks compiled in place ({', '.join(f'{n} {k}' for k, n in sorted(kinds.items()))}"
             f"{graphs}); compilation happens in the first steps")
     why = ("Inductor fuses each block's memory-bound ops, and compiling repeated blocks instead of the whole model "
            "leaves far fewer graphs to compile")
     return Change("compiled blocks", what, why, f"{RESULTS}#sd15-compile-time")
+
+
+def graphs_text(mode: str | None, runs_on: str | None) -> str:
+    """What a compile ``mode`` adds where the model runs: CUDA graphs on a GPU only (elsewhere the mode compiles
+    without them, and nothing is said)."""
+    if mode not in ("reduce-overhead", "max-autotune") or runs_on not in ("cuda", None):
+        return ""
+    return ", CUDA graphs" if runs_on == "cuda" else ", CUDA graphs where it runs on a GPU"
 
 
 def repeated_block_type(model: nn.Module) -> type:
@@ -246,14 +280,14 @@ def accelerate(model: nn.Module, *, device_type: str | None = None, compile: boo
     steps: list[Callable[[], Change]] = []
     if on_gpu:
         if sum(1 for p in model.parameters() if p.dim() == 4) > 2:  # convolutions beyond a stem (a ViT's patch one)
-            steps.append(lambda: use_channels_last(model))
+            steps.append(lambda: use_channels_last(model, device_type=device_type))
         # Under Inductor GEGLU's kernel beats Inductor's code at every step size; GroupNorm+SiLU's only on large steps,
         # which a call without the data cannot see (benchmarks/RESULTS.md#sd15-gn-by-batch).
-        steps.append(lambda: fuse_kernels(model, ops=("geglu",) if compile else None))
+        steps.append(lambda: fuse_kernels(model, ops=("geglu",) if compile else None, device_type=device_type))
         if _has_window_attention(model):  # Swin's biased windows; on SD's shapes PyTorch's own choice is as fast
             steps.append(lambda: fuse_attention(model))
     if compile:
-        steps.append(lambda: compile_blocks(model, mode="reduce-overhead" if on_gpu else None))
+        steps.append(lambda: compile_blocks(model, mode="reduce-overhead" if on_gpu else None, device_type=device_type))
     changes = []
     for step in steps:
         change = step()
@@ -261,3 +295,35 @@ def accelerate(model: nn.Module, *, device_type: str | None = None, compile: boo
         if echo is not None:
             echo(str(change))
     return changes
+
+
+def create_timm_model(name: str, *, image_size: int | None = None, **kwargs: Any) -> nn.Module:
+    """``timm.create_model(name, pretrained=False, **kwargs)`` at ``image_size``, for any timm model. The size is
+    passed (as ``img_size``) only to the models whose input size is fixed when they are built (ViTs, Swin: their
+    position embeddings and windows are sized by it); convolutional networks (ResNet, ConvNeXt, EfficientNet) take
+    any image size as built and have no such argument.
+
+        model = create_timm_model("resnet18", image_size=32, num_classes=1000)
+    """
+    import timm
+
+    kwargs.setdefault("pretrained", False)
+    if image_size is None or _takes_any_size(name):
+        return timm.create_model(name, **kwargs)
+    try:
+        return timm.create_model(name, img_size=image_size, **kwargs)
+    except TypeError as exc:  # a model without the argument that its pretrained config does not describe
+        if "img_size" not in str(exc):
+            raise
+        return timm.create_model(name, **kwargs)
+
+
+def _takes_any_size(name: str) -> bool:
+    """Whether timm's pretrained config of ``name`` says its input size is not fixed (a convolutional network)."""
+    from timm.models import get_pretrained_cfg
+
+    try:
+        cfg = get_pretrained_cfg(name)
+    except Exception:  # a name with no pretrained config: let the model's own signature decide
+        return False
+    return cfg is not None and not getattr(cfg, "fixed_input_size", True)

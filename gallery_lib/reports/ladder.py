@@ -17,7 +17,7 @@ from typing import Any
 from matplotlib.figure import Figure
 
 from gallery_lib.recipes.ladder import RungResult, recipe_name
-from gallery_lib.reports.comparison import _png_bytes, _ReportFigure, speedup_text, with_inline_image
+from gallery_lib.reports.comparison import CPU_TIMINGS, _png_bytes, _ReportFigure, speedup_text, with_inline_image
 from gallery_lib.run.summary import compile_caches
 
 LADDER_MD, LADDER_PNG, LADDER_JSON = "ladder.md", "ladder.png", "ladder.json"
@@ -61,17 +61,18 @@ def findings(rows: list[dict[str, Any]]) -> list[str]:
     the ones that did not run."""
     lines = []
     ran = [row for row in rows if row["img_per_s"] is not None]
-    if ran:
+    on_cpu = any(row["device"] == "CPU" for row in ran)
+    if on_cpu:  # no fastest rung and no gains: a few timed CPU steps rank nothing
+        lines.append(f"{len(ran)} of {len(rows)} rungs ran on a CPU, each checking its code path. {CPU_TIMINGS}.")
+    elif ran:
         top = max(ran, key=lambda row: row["img_per_s"])
-        over_first = (f"speedup {speedup_text(top['speedup'], top['device'])}" if top["device"] == "CPU"
-                      else f"{top['speedup']:.2f}x the first rung")
-        lines.append(f"Fastest rung: {top['title']} ({top['rung']}), {top['img_per_s']:.1f} img/s, {over_first}, "
-                     f"on {top['device']}.")
+        lines.append(f"Fastest rung: {top['title']} ({top['rung']}), {top['img_per_s']:.1f} img/s, "
+                     f"{top['speedup']:.2f}x the first rung, on {top['device']}.")
     flat = [f"{row['title']} ({row['gain']:.2f}x)" for row in ran
-            if row["gain"] is not None and row["gain"] < BOUGHT_NOTHING and row["device"] != "CPU"]
+            if row["gain"] is not None and row["gain"] < BOUGHT_NOTHING and not on_cpu]
     if flat:
         lines.append("Bought no speed here (under 3% over the rung each builds on): " + ", ".join(flat) + ".")
-    if ran and ran[0]["device"] != "CPU":
+    if ran and not on_cpu:
         lines += _made_of(rows, max(ran, key=lambda row: row["img_per_s"]))
     compiled = [row for row in ran if row["compile_caches"]]
     if compiled:
@@ -81,8 +82,6 @@ def findings(rows: list[dict[str, Any]]) -> list[str]:
     for row in rows:
         if row["failure"]:
             lines.append(f"{_failure_line(row)}.")
-    if any(row["device"] == "CPU" for row in ran):
-        lines.append("These are CPU smoke numbers: they check every rung's code path, not its speed.")
     return lines
 
 
@@ -147,20 +146,23 @@ def _failure_line(row: dict[str, Any]) -> str:
 
 
 def ladder_figure(rows: list[dict[str, Any]]) -> Figure:
-    """(a) cumulative speedup per rung (throughput on a CPU, where a speedup is n/a), (b) peak memory per rung, for the
-    rungs that ran; the talk's A100 figures as black markers where the rungs ran on a GPU."""
+    """(a) cumulative speedup per rung, (b) peak memory per rung, for the rungs that ran; the talk's A100 figures as
+    black markers. On a CPU, where timings are no speedups, (a) shows each rung's median step time with its p20-p80
+    range instead: no ratio, no bars to compare, no talk's figures."""
     rows = [{**row, "peak_memory": _peak_memory(row)} for row in _ran(rows)]
     on_cpu = any(row["device"] == "CPU" for row in rows)
     fig = _ReportFigure(figsize=(12, 8), layout="constrained")
     ax_speed, ax_mem = fig.subplots(2, 1, sharex=True)
     x = range(len(rows))
     labels = [f"{row['rung'].split('-')[1]}. {row['title']}" for row in rows]
-    speed_panel = (("img_per_s", None, "{:.1f}", "(a) throughput; speedup n/a on CPU (smoke)", "img/s") if on_cpu
-                   else ("speedup", "talk_speedup", "{:.2f}x", "(a) throughput over the first rung", "speedup"))
-    for ax, key, talk_key, fmt, title, unit in (
-            (ax_speed, *speed_panel),
-            (ax_mem, "peak_memory", "talk_peak_mem_gb", "{:.1f}",
-             "(b) peak memory" + ("" if on_cpu else " reserved"), "GiB (the talk: GB)")):
+    panels = [(ax_mem, "peak_memory", "talk_peak_mem_gb", "{:.1f}", "(b) peak memory" + ("" if on_cpu else " reserved"),
+               "GiB (the talk: GB)")]
+    if on_cpu:
+        _plot_cpu_step_times(ax_speed, rows)
+    else:
+        panels.insert(0, (ax_speed, "speedup", "talk_speedup", "{:.2f}x", "(a) throughput over the first rung",
+                          "speedup"))
+    for ax, key, talk_key, fmt, title, unit in panels:
         values = [row[key] if row[key] is not None else 0.0 for row in rows]
         bars = ax.bar(x, values, color=["C0" if row["talk_speedup"] is not None else "C1" for row in rows])
         ax.bar([0], [0], color="C0", label="the talk's rungs, this machine")  # legend entries for the two colours
@@ -179,6 +181,16 @@ def ladder_figure(rows: list[dict[str, Any]]) -> Figure:
     caveat = " (CPU smoke figures: they check each rung's code path, not its speed)" if on_cpu else ""
     fig.suptitle(f"Stable Diffusion UNet training, rung by rung, on {device}{caveat}")
     return fig
+
+
+def _plot_cpu_step_times(ax, rows: list[dict[str, Any]]) -> None:
+    """Each rung's median step time, p20-p80 as its range: what a CPU ladder shows instead of its speedups."""
+    for i, row in enumerate(rows):
+        low, high = row["median_step_ms"] - row["p20_step_ms"], row["p80_step_ms"] - row["median_step_ms"]
+        ax.errorbar([i], [row["median_step_ms"]], yerr=[[max(low, 0.0)], [max(high, 0.0)]], fmt="o", capsize=3,
+                    color="C0" if row["talk_speedup"] is not None else "C1")
+    ax.set(title=f"(a) median step time [p20-p80] on a CPU (smoke)\n{CPU_TIMINGS}", ylabel="ms per step")
+    ax.set_ylim(bottom=0)
 
 
 @dataclass

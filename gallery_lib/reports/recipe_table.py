@@ -38,7 +38,7 @@ def recipe_table(base: RunConfig, recipes: Sequence[Any]) -> RecipeTable:
     for spec in recipes:
         name, overrides = (spec, {}) if isinstance(spec, str) else spec
         cfg = recipe_config(base, name, overrides)
-        rows.append({"recipe": cfg.recipe, "precision": _precision(cfg, device), "compiled": _compiled(cfg),
+        rows.append({"recipe": cfg.recipe, "precision": _precision(cfg, device), "compiled": _compiled(cfg, device),
                      "optimizer": _optimizer(cfg, device),
                      "EMA": _ema(cfg, device), "family switches": _family_switches(cfg, device)})
     return RecipeTable(rows, "a GPU" if device == "cuda" else "a CPU")
@@ -64,12 +64,13 @@ def _precision(cfg: RunConfig, device: str) -> str:
     return f"{name} autocast" + (" + GradScaler" if name == "float16" else "")
 
 
-def _compiled(cfg: RunConfig) -> str:
+def _compiled(cfg: RunConfig, device: str) -> str:
     if not cfg.compile:
         return "no (eager)"
     scope = "repeated blocks" if cfg.compile_scope == "blocks" else "whole model"
     scope += "".join(f", {name} whole" for name in cfg.compile_whole_types)
-    graphs = ", CUDA graphs" if cfg.compile_mode in ("reduce-overhead", "max-autotune") else ""
+    # CUDA graphs replay on a GPU only: on a CPU the mode compiles without them
+    graphs = ", CUDA graphs" if cfg.compile_mode in ("reduce-overhead", "max-autotune") and device == "cuda" else ""
     return f"{scope}, mode {cfg.compile_mode}{graphs}"
 
 

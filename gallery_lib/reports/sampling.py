@@ -54,12 +54,17 @@ def _dtype_argument(dtype: torch.dtype) -> dict[str, torch.dtype]:
 def sample_grid(pipe, prompts: Sequence[str], *, steps: int = 25, guidance_scale: float = 5.0, seed: int = 0,
                 size: int | None = None, run_dir: str | os.PathLike | None = None):
     """One image per prompt, tiled with the prompts as titles (a matplotlib figure); seeded, so a call repeats.
-    With ``run_dir`` (the run the pipeline came from) the grid also goes to its TensorBoard when it reports there."""
+    With ``run_dir`` (the run the pipeline came from) the grid says when its weights were random or smoke-trained,
+    and also goes to its TensorBoard when it reports there."""
     if not prompts:
         raise ValueError("sample_grid needs at least one prompt")
     grid = image_grid(_draw(pipe, prompts, steps, guidance_scale, seed, size), prompts)
     if run_dir is not None:
         from gallery_lib.run.tensorboard import log_to_run
+
+        note = random_weights_note([_run_config(Path(run_dir))])
+        if note:
+            grid.suptitle(note, fontsize=9)
 
         log_to_run(run_dir, "samples", grid)
     return grid
@@ -80,7 +85,7 @@ def compare_samples(runs: Mapping[str, Any] | Sequence[str | os.PathLike], promp
         raise ValueError("compare_samples needs at least one prompt")
     named = ({name: Path(result.run_dir) for name, result in runs.items()} if isinstance(runs, Mapping)
              else {Path(path).name: Path(path) for path in runs})
-    images, titles, missing = [], [], []
+    images, titles, missing, sampled = [], [], [], []
     for name, run_dir in named.items():
         try:
             pipe = load_pipeline(run_dir)
@@ -89,16 +94,41 @@ def compare_samples(runs: Mapping[str, Any] | Sequence[str | os.PathLike], promp
             continue
         images += _draw(pipe, prompts, steps, guidance_scale, seed, size)  # the same starting noise in every row
         titles += [f"{name}: {prompt}" for prompt in prompts]
+        sampled.append(run_dir)
         del pipe
     if not images:
         raise FileNotFoundError(f"no run among {list(named)} exported a pipeline: run them with export_model=True "
                                 "(the default) to the end first.")
     grid = image_grid(images, titles, columns=len(prompts))
-    grid.suptitle(f"seed {seed}, {steps} denoising steps; one row per run"
-                  + (f" (no exported pipeline: {', '.join(missing)})" if missing else ""))
+    title = (f"seed {seed}, {steps} denoising steps; one row per run"
+             + (f" (no exported pipeline: {', '.join(missing)})" if missing else ""))
+    note = random_weights_note([_run_config(run_dir) for run_dir in sampled])
+    grid.suptitle(title + (f"\n{note}" if note else ""))
     if save_to is not None:
         grid.savefig(save_to, dpi=100)
     return grid
+
+
+def random_weights_note(configs: Sequence[Mapping[str, Any]]) -> str:
+    """What a grid must say when its weights started random (no ``pretrained`` folder, the gallery's default) or
+    trained only a smoke run's few steps: the pictures then show a working pipeline, not what a model learned.
+    Empty when every run fine-tuned pretrained weights outside the smoke profile."""
+    configs = [cfg for cfg in configs if cfg]  # a folder without its config.json says nothing
+    random = [cfg for cfg in configs if not cfg.get("pretrained")]
+    smoke = [cfg for cfg in configs if cfg.get("profile") == "smoke"]
+    if not random and not smoke:
+        return ""
+    steps = sorted({cfg["steps"] for cfg in random + smoke if cfg.get("steps") is not None})
+    trained = f" trained for {'/'.join(map(str, steps))} steps" if steps else ""
+    start = "random weights (no pretrained model)" if random else "pretrained weights"
+    return (f"{start}{trained}{' in the smoke profile' if smoke else ''}: these pictures show that the pipeline "
+            "runs, not what a model learned")
+
+
+def _run_config(run_dir: Path) -> dict[str, Any]:
+    """A run's resolved ``config.json`` under flat names (empty when it wrote none)."""
+    path = Path(run_dir) / "config.json"
+    return flat_config(json.loads(path.read_text())) if path.is_file() else {}
 
 
 def _draw(pipe, prompts: Sequence[str], steps: int, guidance_scale: float, seed: int, size: int | None) -> list:
@@ -141,13 +171,14 @@ def image_grid(images: Sequence, titles: Sequence[str], columns: int = 4):
 
     cols = min(columns, len(images))
     rows = -(-len(images) // cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(3 * cols, 3.3 * rows), squeeze=False)
+    # constrained layout makes room for the titles, a suptitle added later included (tight_layout, run once here,
+    # would leave that suptitle over the first row)
+    fig, axes = plt.subplots(rows, cols, figsize=(3 * cols, 3.3 * rows), squeeze=False, layout="constrained")
     for ax in axes.flat:
         ax.axis("off")
     for ax, image, title in zip(axes.flat, images, titles):
         ax.imshow(image)
         ax.set_title(_wrap(title), fontsize=8)
-    fig.tight_layout()
     plt.close(fig)  # returned for display; not left open in pyplot's global state
     return fig
 

@@ -18,11 +18,13 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from gallery_lib.config.quiet import quiet_known_noise
-from gallery_lib.reports.comparison import _png_bytes, _ReportFigure, speedup_text, with_inline_image
+from gallery_lib.reports.comparison import CPU_TIMINGS, _png_bytes, _ReportFigure, speedup_text, with_inline_image
 from gallery_lib.reports.provenance import source_version
 from gallery_lib.run.timing import StepTimer, summarize_times
 
 __all__ = ["StepLadder", "StepTimer"]
+
+_LINE_STYLES = ("-", "--", ":", "-.")
 
 
 @dataclass
@@ -101,30 +103,48 @@ class StepLadder:
                 f"{gain} |" + (f" {speedup_text(row['over_peer'], device)} |" if with_peer else "")
                 + f" {row['loss_difference']:.2g} | {row['warmup_s']:.1f} |")
         lines.append("")
+        capture = "" if self.device == "cpu" else ", CUDA-graph capture"
         lines.append(f"Batch {self.batch_size}; medians over the steps after the first {self.warmup} (warm-up: "
-                     "compilation, CUDA-graph capture), which are reported apart.")
+                     f"compilation{capture}), which are reported apart.")
+        if self.device == "cpu":
+            lines.append(f"{CPU_TIMINGS}.")
         return "\n".join(lines)
 
     def figure(self) -> _ReportFigure:
-        """(a) images per second per rung, with its speedup over the first (n/a on a CPU); (b) the loss curves."""
+        """(a) images per second per rung, with its speedup over the first; on a CPU, where timings are no
+        speedups, each rung's step times step by step instead (no ratio, no bar to compare); (b) the loss curves."""
         rows = self.rows()
         on_cpu = self.device == "cpu"
         fig = _ReportFigure(figsize=(12, 4.5), layout="constrained")
         ax_speed, ax_loss = fig.subplots(1, 2)
-        bars = ax_speed.bar(range(len(rows)), [row["img_per_s"] for row in rows],
-                            color=[f"C{i % 10}" for i in range(len(rows))])
-        ax_speed.bar_label(bars, labels=[f"{row['img_per_s']:.1f}" if on_cpu else f"{row['speedup']:.2f}x"
-                                         for row in rows], padding=2)
-        ax_speed.set_xticks(range(len(rows)), [row["rung"] for row in rows], rotation=25, ha="right")
-        ax_speed.set(title="(a) throughput" + ("; speedup n/a on CPU (smoke)" if on_cpu else
-                                                ", speedup over the first rung"), ylabel="img/s (higher is better)")
-        ax_speed.margins(y=0.15)
+        if on_cpu:
+            self._plot_step_times(ax_speed)
+        else:
+            bars = ax_speed.bar(range(len(rows)), [row["img_per_s"] for row in rows],
+                                color=[f"C{i % 10}" for i in range(len(rows))])
+            ax_speed.bar_label(bars, labels=[f"{row['speedup']:.2f}x" for row in rows], padding=2)
+            ax_speed.set_xticks(range(len(rows)), [row["rung"] for row in rows], rotation=25, ha="right")
+            ax_speed.set(title="(a) throughput, speedup over the first rung", ylabel="img/s (higher is better)")
+            ax_speed.margins(y=0.15)
         for i, rung in enumerate(self.rungs):
-            ax_loss.plot(range(1, len(rung.losses) + 1), rung.losses, label=rung.name,
-                         linestyle=("-", "--", ":", "-.")[i % 4])
+            ax_loss.plot(range(1, len(rung.losses) + 1), rung.losses, label=rung.name, color=f"C{i % 10}",
+                         linestyle=_LINE_STYLES[i % len(_LINE_STYLES)])
         ax_loss.set(title="(b) training loss, step by step", xlabel="step", ylabel="loss")
         ax_loss.legend(fontsize=8)
         return fig
+
+    def _plot_step_times(self, ax) -> None:
+        """Each rung's step times, step by step, the warm-up shaded: what a CPU run has to show instead of a speed
+        comparison."""
+        for i, rung in enumerate(self.rungs):
+            ax.plot(range(1, len(rung.times_ms) + 1), rung.times_ms, label=rung.name, color=f"C{i % 10}",
+                    linestyle=_LINE_STYLES[i % len(_LINE_STYLES)], marker=".")
+        if self.warmup:
+            ax.axvspan(0.5, self.warmup + 0.5, color="0.85", zorder=0, label="warm-up")
+        ax.set_yscale("log")  # a compiling step takes seconds, the others milliseconds
+        ax.set(title=f"(a) step time, step by step, on a CPU (smoke)\n{CPU_TIMINGS}", xlabel="step",
+               ylabel="ms (log scale)")
+        ax.legend(fontsize=8)
 
     def save(self, path: str | os.PathLike, **meta: Any) -> None:
         """The rows (every step time and loss included) as JSON, with the commit of the code that ran and ``meta``
