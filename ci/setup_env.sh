@@ -57,7 +57,10 @@ install_or_give_up() {
     "$py" -m pip install --quiet --timeout 10 --retries 0 "$@"
   fi
 }
-if [ -f "$stamp" ] && [ "$stamp" -nt "$repo/pyproject.toml" ] && "$py" -c "import torch, timm, gallery_lib" 2>/dev/null; then
+# The model families load through the package's entry points: an install without them (older metadata) is redone.
+has_families="from importlib.metadata import entry_points; assert entry_points(group='gallery_families')"
+if [ -f "$stamp" ] && [ "$stamp" -nt "$repo/pyproject.toml" ] && "$py" -c "import torch, timm, gallery_lib" 2>/dev/null \
+    && "$py" -c "$has_families" 2>/dev/null; then
   echo "[setup] $venv is up to date ($extras)"
   exit 0
 fi

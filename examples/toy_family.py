@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from gallery_lib.models import register_family
+from gallery_lib.families import register_family
 from gallery_lib.config.family import ModelFamily, ModelSpec
 from gallery_lib.tasks.classification import ClassificationTask
 

@@ -27,7 +27,7 @@ _PUBLIC = {
     "sample_grid": "gallery_lib.reports.sampling",
     "compare_samples": "gallery_lib.reports.sampling",
     "RunConfig": "gallery_lib.config",
-    "register_family": "gallery_lib.models",
+    "register_family": "gallery_lib.families",
     "optimize": "gallery_lib.accel.optimize",
     "accelerate": "gallery_lib.accel.your_model",
     "add_ema": "gallery_lib.accel.your_model",

@@ -339,7 +339,7 @@ def test_auto_traces_without_graph_breaks_once_the_device_is_known(monkeypatch):
 @pytest.mark.gpu
 def test_gpu_hooked_swin_compiles_into_one_graph():
     """On a GPU the hooked window attention traces without graph breaks (fullgraph) and matches timm's own path."""
-    from gallery_lib.models.swin import build_swin_micro
+    from gallery_lib.families.swin import build_swin_micro
 
     torch.manual_seed(0)
     model = build_swin_micro(num_classes=10).cuda()
@@ -356,7 +356,7 @@ def test_gpu_hooked_swin_compiles_into_one_graph():
 def test_each_hook_records_its_own_choices_and_shares_measurements():
     """A hook's record says what its model ran, not what the process ran before; measurements stay shared."""
     from gallery_lib.accel.attention import default_selector
-    from gallery_lib.models.swin import build_swin_micro
+    from gallery_lib.families.swin import build_swin_micro
 
     select_backend((2, 3, 10, 16), torch.float32, "cpu", True)  # a choice made elsewhere in the process
     first, second = build_swin_micro(num_classes=10), build_swin_micro(num_classes=10, image_size=32)

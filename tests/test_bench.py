@@ -14,7 +14,7 @@ import pytest
 
 from gallery_lib.app.cli import main
 from gallery_lib.config import ConfigError
-from gallery_lib.models import FAMILIES, unregister_family
+from gallery_lib.families import FAMILIES, unregister_family
 from gallery_lib.recipes.profiles import base_config
 from gallery_lib.recipes import RECIPES, apply_recipe
 from gallery_lib.reports.bench import bench_figure, bench_table, write_figure
@@ -76,7 +76,7 @@ def test_on_a_gpu_the_peer_replays_cuda_graphs_where_the_run_can(family, monkeyp
 def test_a_family_can_keep_its_peer_without_cuda_graphs(toy, monkeypatch):
     import dataclasses
 
-    from gallery_lib.models import register_family
+    from gallery_lib.families import register_family
 
     monkeypatch.setattr("gallery_lib.recipes.named.runs_on_gpu", lambda base: True)
     register_family(dataclasses.replace(toy, peer={**toy.peer, "compile_mode": "default"}))

@@ -106,7 +106,7 @@ def test_patch_leaves_unsupported_blocks_alone_and_undoes():
 
 
 def _micro_resnet(seed=0):
-    from gallery_lib.models.resnet import build_resnet_micro
+    from gallery_lib.families.resnet import build_resnet_micro
 
     torch.manual_seed(seed)
     return build_resnet_micro(num_classes=10).to(memory_format=CL)
@@ -207,7 +207,7 @@ def test_cudnn_graph_matches_the_reference_in_float16(n, cin, cout, k, stride, h
 
 @pytest.mark.gpu
 def test_compiled_resnet50_step_with_cuda_graphs_matches_eager_float16():
-    from gallery_lib.models.resnet import build_resnet50
+    from gallery_lib.families.resnet import build_resnet50
 
     torch.manual_seed(0)
     plain = build_resnet50(num_classes=100).cuda().to(memory_format=CL)

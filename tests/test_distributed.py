@@ -195,7 +195,7 @@ def test_zero2_with_one_process_and_channels_last_conv_weights(smoke_data, tmp_p
 
     import toy_family
 
-    from gallery_lib.models import FAMILIES, unregister_family
+    from gallery_lib.families import FAMILIES, unregister_family
 
     if "toy_convnet" not in FAMILIES:  # unregistered by an earlier test
         importlib.reload(toy_family)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from gallery_lib.config import ConfigError, RunConfig
-from gallery_lib.models import FAMILIES, MODELS, family_env, family_of, unregister_family
+from gallery_lib.families import FAMILIES, MODELS, family_env, family_of, unregister_family
 from gallery_lib.recipes.profiles import base_config
 from gallery_lib.recipes import apply_recipe
 from gallery_lib.run.memory_plan import NAMED
@@ -37,6 +37,18 @@ def test_builtin_families_declare_what_the_library_reads():
         assert all(MODELS[name].family == family.name for name in family.model_names())
         smoke = base_config("smoke", family=family.name)
         assert smoke.model_family is family and MODELS[smoke.model].tiny
+
+
+def test_the_gallerys_families_load_through_its_entry_point_in_order():
+    """No table of module names in the base layer: the installed package's entry point lists the families, in the
+    order ``gallery list`` shows them, the first being the default one (``pip install -e .`` writes it)."""
+    from importlib.metadata import entry_points
+
+    from gallery_lib.config.families import ENTRY_POINT_GROUP
+
+    assert [entry.value for entry in entry_points(group=ENTRY_POINT_GROUP)] == ["gallery_lib.families.builtin:BUILTIN"]
+    assert list(FAMILIES)[:4] == ["swin_transformer", "stable_diffusion", "resnet50", "dreambooth"]
+    assert base_config("smoke").model_family is FAMILIES["swin_transformer"]
 
 
 def test_a_registered_family_resolves_profiles_recipes_and_switches(toy, tmp_path):
@@ -127,14 +139,14 @@ def test_a_new_family_runs_baseline_and_accelerated_through_the_gallery(toy, tmp
     assert "accelerated" in compare(base, list(results)).markdown
 
 
-@pytest.mark.parametrize("module", ["gallery_lib.models.stable_diffusion", "gallery_lib.models.dreambooth"])
+@pytest.mark.parametrize("module", ["gallery_lib.families.stable_diffusion", "gallery_lib.families.dreambooth"])
 def test_a_family_module_imported_first_loads_every_family(module):
     """A fresh process that imports one family module before anything else (a test, a user's script) gets that
     family and all the others: registering the first one does not import its neighbours while it is half-built."""
     import subprocess
     import sys
 
-    code = f"import {module}; from gallery_lib.models import FAMILIES; print(sorted(FAMILIES))"
+    code = f"import {module}; from gallery_lib.families import FAMILIES; print(sorted(FAMILIES))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "'dreambooth', 'resnet50', 'stable_diffusion', 'swin_transformer'" in out.stdout

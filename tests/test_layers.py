@@ -1,38 +1,56 @@
-"""The library's layers: imports flow one way, from the application down to the base, and no module imports itself
-back through others. Every import counts, those inside functions too (docs/DESIGN.md says which layer is which)."""
+"""The library's layers: imports flow one way, from the application down to the base, and no module (and no folder)
+imports itself back through others. Every import counts: those inside functions, a name taken from the package root
+(``from gallery_lib import compare``), and a string that names a module (``importlib.import_module("...")``, a
+table of module names). ``data_prep/`` is checked too. docs/DESIGN.md says which layer is which."""
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
 
-PACKAGE = Path(__file__).resolve().parents[1] / "gallery_lib"
+REPO = Path(__file__).resolve().parents[1]
+PACKAGES = ("gallery_lib", "data_prep")
 
 LAYERS = {  # lowest first: a module may import its own layer and those below it
-    "config": 0,
-    "data": 1, "models": 1, "tasks": 1, "accel": 1,
-    "run": 2,
-    "recipes": 3,
-    "reports": 4,
-    "app": 5,
+    "data_prep": 0,  # writes the mock data sets; imports nothing of the library
+    "gallery_lib.config": 0,
+    "gallery_lib.data": 1, "gallery_lib.models": 1, "gallery_lib.tasks": 1, "gallery_lib.accel": 1,
+    "gallery_lib.families": 2,
+    "gallery_lib.run": 3,
+    "gallery_lib.recipes": 4,
+    "gallery_lib.reports": 5,
+    "gallery_lib.app": 6,
 }
+ALLOWED = {}  # "importer imports target": one-line reason; a violation not fixed yet (none now)
+MODULE_STRING = re.compile(r"^(?:gallery_lib|data_prep)(?:\.\w+)+$")
 
 
-def module_name(path: Path, root: Path = PACKAGE.parent) -> str:
+def module_name(path: Path, root: Path = REPO) -> str:
     parts = path.relative_to(root).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def internal_imports(path: Path, modules: set[str], root: Path = PACKAGE.parent) -> set[str]:
-    """The library modules ``path`` imports, at its top or inside its functions (``from pkg import submodule``
-    names the submodule)."""
+def public_names(root: Path = REPO) -> dict[str, str]:
+    """The package root's lazy names (``_PUBLIC`` in ``gallery_lib/__init__.py``): name -> the module defining it."""
+    for node in ast.walk(ast.parse((root / "gallery_lib" / "__init__.py").read_text())):
+        if isinstance(node, ast.Assign) and any(getattr(target, "id", "") == "_PUBLIC" for target in node.targets):
+            return ast.literal_eval(node.value)
+    return {}
+
+
+def internal_imports(path: Path, modules: set[str], root: Path, public: dict[str, str]) -> set[str]:
+    """The library modules ``path`` imports: at its top or inside its functions (``from pkg import submodule`` names
+    the submodule), through the package root's names, or named in a string (docstrings aside)."""
     name, is_package = module_name(path, root), path.name == "__init__.py"
-    found = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    tree = ast.parse(path.read_text(), str(path))
+    docstrings = {id(node.value) for node in ast.walk(tree) if isinstance(node, ast.Expr)}
+    targets = []
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            targets = [alias.name for alias in node.names]
+            targets += [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
@@ -40,78 +58,162 @@ def internal_imports(path: Path, modules: set[str], root: Path = PACKAGE.parent)
                 for _ in range(node.level - 1):
                     anchor = anchor.rpartition(".")[0]
                 base = f"{anchor}.{base}" if base else anchor
-            targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base for alias in node.names]
-        else:
-            continue
-        for target in targets:
-            while target and target not in modules:
-                target = target.rpartition(".")[0]
-            if target.startswith("gallery_lib") and target != name:
-                found.add(target)
+            for alias in node.names:
+                full = f"{base}.{alias.name}"
+                if full not in modules and base == "gallery_lib":
+                    full = public.get(alias.name, base)  # a name the root imports from its module on first use
+                targets.append(full if full in modules else base)
+        elif isinstance(node, ast.Attribute) and getattr(node.value, "id", "") == "gallery_lib":
+            targets.append(public.get(node.attr, "gallery_lib"))  # gallery_lib.compare after `import gallery_lib`
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+            if MODULE_STRING.match(node.value):
+                targets.append(node.value)
+    found = set()
+    for target in targets:
+        while target and target not in modules:
+            target = target.rpartition(".")[0]
+        if target.split(".")[0] in PACKAGES and target != name:
+            found.add(target)
     return found
 
 
-def import_graph() -> dict[str, set[str]]:
-    paths = sorted(PACKAGE.rglob("*.py"))
-    modules = {module_name(path) for path in paths}
-    return {module_name(path): internal_imports(path, modules) for path in paths}
+def import_graph(root: Path = REPO) -> dict[str, set[str]]:
+    paths = sorted(path for package in PACKAGES for path in (root / package).rglob("*.py"))
+    modules, public = {module_name(path, root) for path in paths}, public_names(root)
+    graph = {module_name(path, root): internal_imports(path, modules, root, public) for path in paths}
+    graph["gallery_lib"] = set()  # the root imports what it names on first use only: it is in no layer
+    return graph
+
+
+def folder_of(module: str) -> str | None:
+    """``gallery_lib.<folder>`` or the top-level package; ``None`` for gallery_lib's root, whose ``__init__`` only
+    names what others define."""
+    parts = module.split(".")
+    if parts[0] != "gallery_lib":
+        return parts[0]
+    return None if len(parts) == 1 else f"gallery_lib.{parts[1]}"
 
 
 def layer_of(module: str) -> int | None:
-    """The module's layer; ``None`` for the package root, whose ``__init__`` only names what others define."""
-    parts = module.split(".")
-    if len(parts) == 1:
-        return None
-    if parts[1] not in LAYERS:
-        raise AssertionError(f"{module} is in no layer: add gallery_lib/{parts[1]} to LAYERS and to docs/DESIGN.md")
-    return LAYERS[parts[1]]
+    folder = folder_of(module)
+    if folder is not None and folder not in LAYERS:
+        raise AssertionError(f"{module} is in no layer: add {folder} to LAYERS and to docs/DESIGN.md")
+    return None if folder is None else LAYERS[folder]
 
 
-def test_every_import_goes_down_or_sideways():
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
     upward = []
-    for module, imported in import_graph().items():
+    for module, imported in graph.items():
         for target in imported:
             low, high = layer_of(module), layer_of(target)
             if low is not None and high is not None and high > low:
                 upward.append(f"{module} imports {target}")
-    assert not upward, "imports from a lower layer to a higher one:\n" + "\n".join(sorted(upward))
+    return sorted(line for line in upward if line not in ALLOWED)
+
+
+def cycles(graph: dict[str, set[str]]) -> list[str]:
+    found, state = [], {}
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = "open"
+        for target in sorted(graph.get(node, ())):
+            if state.get(target) == "open":
+                found.append(" -> ".join(path[path.index(target):] + [target]))
+            elif target not in state:
+                visit(target, path + [target])
+        state[node] = "done"
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
+    return found
+
+
+def folder_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """Which folder imports which: two folders of one layer may share parts one way only."""
+    folders: dict[str, set[str]] = {}
+    for module, imported in graph.items():
+        for target in imported:
+            if f"{module} imports {target}" in ALLOWED:
+                continue
+            low, high = folder_of(module), folder_of(target)
+            if low is not None and high is not None and low != high:
+                folders.setdefault(low, set()).add(high)
+    return folders
+
+
+def test_every_import_goes_down_or_sideways():
+    upward = upward_imports(import_graph())
+    assert not upward, "imports from a lower layer to a higher one:\n" + "\n".join(upward)
 
 
 def test_no_module_imports_itself_back():
+    found = cycles(import_graph())
+    assert not found, "import cycles:\n" + "\n".join(found)
+
+
+def test_no_folder_imports_itself_back():
     graph = import_graph()
-    cycles, state = [], {}
+    found = cycles(folder_graph(graph))
+    examples = {(folder_of(m), folder_of(t)): f"{m} imports {t}" for m, ts in graph.items() for t in ts}
+    detail = [f"{cycle}  (e.g. {examples[tuple(cycle.split(' -> ')[:2])]})" for cycle in found]
+    assert not found, "folders that import each other:\n" + "\n".join(detail)
 
-    def visit(module: str, path: list[str]) -> None:
-        state[module] = "open"
-        for target in sorted(graph.get(module, ())):
-            if state.get(target) == "open":
-                cycles.append(" -> ".join(path[path.index(target):] + [target]))
-            elif target not in state:
-                visit(target, path + [target])
-        state[module] = "done"
 
-    for module in sorted(graph):
-        if module not in state:
-            visit(module, [module])
-    assert not cycles, "import cycles:\n" + "\n".join(cycles)
+def test_every_allowed_violation_still_exists():
+    graph = import_graph()
+    lines = {f"{module} imports {target}" for module, imported in graph.items() for target in imported}
+    assert not set(ALLOWED) - lines, "ALLOWED lists imports that are gone: remove them"
+
+
+# The checker's own tests: each plants a violation in a small package and sees it caught.
+
+def plant(tmp_path: Path, files: dict[str, str]) -> dict[str, set[str]]:
+    """A package tree under ``tmp_path`` (``{"gallery_lib/run/probe.py": source}``; folders get an ``__init__``),
+    and its import graph."""
+    for relative, source in files.items():
+        path = tmp_path / relative
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(source)
+    for package in PACKAGES:
+        (tmp_path / package).mkdir(exist_ok=True)
+        for folder in [tmp_path / package, *(p for p in (tmp_path / package).rglob("*") if p.is_dir())]:
+            (folder / "__init__.py").touch()
+    return import_graph(tmp_path)
+
+
+LOWER = {"gallery_lib/app/cli.py": "", "gallery_lib/recipes/named.py": "", "gallery_lib/config/settings.py": ""}
 
 
 @pytest.mark.parametrize("source, expected", [
     ("from gallery_lib.app import cli\n", "upward"),
     ("def later():\n    from gallery_lib.recipes.named import baseline\n", "upward"),
     ("from gallery_lib.config.settings import ConfigError\n", "fine"),
+    ("from gallery_lib import compare\n", "upward"),  # through the package root's lazy names
+    ("import gallery_lib\nrun = gallery_lib.compare\n", "upward"),
+    ("from gallery_lib import __version__\n", "fine"),
+    ("import importlib\nimportlib.import_module('gallery_lib.app.cli')\n", "upward"),
+    ("PLUGINS = ('gallery_lib.recipes.named',)\n", "upward"),  # a table of names imported later
+    ("'''See gallery_lib.app.cli.'''\n", "fine"),  # a docstring only points
 ])
-def test_the_check_sees_an_upward_import_even_inside_a_function(tmp_path, source, expected):
-    package = tmp_path / "gallery_lib"
-    for folder in ("app", "recipes", "config", "run"):
-        (package / folder).mkdir(parents=True)
-        (package / folder / "__init__.py").write_text("")
-    for module in ("app/cli", "recipes/named", "config/settings"):
-        (package / f"{module}.py").write_text("")
-    probe = package / "run" / "probe.py"
-    probe.write_text(source)
-    modules = {module_name(path, tmp_path) for path in package.rglob("*.py")}
-    imported = internal_imports(probe, modules, tmp_path)
-    goes_up = any(LAYERS[target.split(".")[1]] > LAYERS["run"] for target in imported)
-    assert goes_up == (expected == "upward")
+def test_the_check_sees_every_kind_of_upward_import(tmp_path, source, expected):
+    init = "_PUBLIC = {'compare': 'gallery_lib.app.cli'}\n__version__ = '0'\n"
+    graph = plant(tmp_path, {**LOWER, "gallery_lib/__init__.py": init, "gallery_lib/run/probe.py": source})
+    assert bool(upward_imports({"gallery_lib.run.probe": graph["gallery_lib.run.probe"]})) == (expected == "upward")
 
+
+def test_the_check_sees_folders_of_one_layer_import_each_other(tmp_path):
+    graph = plant(tmp_path, {
+        "gallery_lib/models/family.py": "from gallery_lib.tasks.task import Task\n",
+        "gallery_lib/tasks/task.py": "def later():\n    from gallery_lib.models.parts import block\n",
+        "gallery_lib/models/parts.py": "",
+    })
+    assert not cycles(graph)  # no module imports itself back ...
+    assert cycles(folder_graph(graph)) == ["gallery_lib.models -> gallery_lib.tasks -> gallery_lib.models"]
+
+
+def test_the_check_reads_data_prep(tmp_path):
+    graph = plant(tmp_path, {**LOWER, "data_prep/maker.py": "from gallery_lib.app.cli import main\n"})
+    assert upward_imports(graph) == ["data_prep.maker imports gallery_lib.app.cli"]
+    with pytest.raises(AssertionError, match="no layer"):
+        upward_imports(plant(tmp_path, {"gallery_lib/newfolder/x.py": "from gallery_lib.config import settings\n"}))

@@ -100,7 +100,7 @@ def test_checkpointed_blocks_can_go_to_the_precompile_workers(tmp_path):
     import io
 
     from gallery_lib.accel.compile.precompile.record import meta_copy
-    from gallery_lib.models import get_family
+    from gallery_lib.families import get_family
 
     unet = get_family("stable_diffusion").build("sd_tiny", pretrained=None, prediction_type="epsilon",
                                                 image_size=32).unet

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from gallery_lib.models import stable_diffusion as sd
+from gallery_lib.families import stable_diffusion as sd
 from gallery_lib.models.sd_parts import assemble_pipeline
 from gallery_lib.reports.sampling import compare_samples
 

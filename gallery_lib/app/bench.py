@@ -36,7 +36,7 @@ def resolve_models(names: Sequence[str], profile: str) -> list[str]:
     """Gallery model names for ``names``: each a model (``sd15``) or a family shortcut that means the profile's model
     of that family: its name, a prefix of it (``swin``, ``resnet``) or its initials (``sd`` for
     ``stable_diffusion``). No names: the profile's model of every family."""
-    from gallery_lib.models import FAMILIES, MODELS
+    from gallery_lib.families import FAMILIES, MODELS
 
     profile = resolve_profile(profile)
     if not names:
@@ -87,7 +87,7 @@ def _positive_ints(text: str, value: str, flag: str = "--batch-size",
 
 
 def _one_model(target: str, models: Sequence[str]) -> str:
-    from gallery_lib.models import family_of
+    from gallery_lib.families import family_of
 
     for model in models:
         if target == model or _family_matches(target, family_of(model).name):

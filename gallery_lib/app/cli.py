@@ -139,7 +139,7 @@ def _recipe_list(text: str) -> list[str]:
 
 
 def cmd_list(args: argparse.Namespace) -> int:
-    from gallery_lib.models import FAMILIES
+    from gallery_lib.families import FAMILIES
     from gallery_lib.recipes.ladder import RUNGS, recipe_name
     from gallery_lib.recipes import RECIPES, describe
 
@@ -283,7 +283,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gallery", description=__doc__.split("\n\n")[0].replace("``", "`"))
     parser.add_argument("--family-module", "--family_module", dest="family_modules", action="append", default=[],
                         metavar="FILE.py", help="a module outside the library that registers a model family "
-                        "(gallery_lib.models.register_family), e.g. examples/toy_family.py; repeatable")
+                        "(gallery_lib.families.register_family), e.g. examples/toy_family.py; repeatable")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("list", help="models and recipes").set_defaults(func=cmd_list)
     p = sub.add_parser("prepare", help="make the mock dataset for a profile")

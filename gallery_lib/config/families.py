@@ -1,11 +1,11 @@
 """The family registry: every model family the gallery can train, one module each.
 
 ``FAMILIES[name]`` is a ``ModelFamily`` (see ``family.py``); ``MODELS[model]`` the ``ModelSpec`` of every model
-of every family. A new family is one module that builds a ``ModelFamily`` and passes it to ``register_family``.
-The registry is part of the base layer, since ``RunConfig`` checks its model and task settings against it; the
-built-in family modules (``gallery_lib/models/<family>.py``, which import their tasks and accelerations) are
-imported by name the first time the registry is read, as plugins are. A family registered from outside
-``gallery_lib`` (a user's module, a test) is imported again in the training processes the launcher starts
+of every family. The registry is part of the base layer, since ``RunConfig`` checks its model and task settings
+against it. Installed families are plugins: entry points of the ``gallery_families`` group, each a
+``ModelFamily`` or a tuple of them, loaded the first time the registry is read (``pyproject.toml`` names the
+gallery's own, ``gallery_lib/families/builtin.py``). A family defined outside an installed package (a user's
+module, a test) calls ``register_family``; the training processes the launcher starts import its module again
 (``family_env``), so it trains like a built-in one.
 """
 
@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib
 import os
 import sys
+from importlib.metadata import entry_points
 from pathlib import Path
 
 from gallery_lib.config.family import ModelFamily, ModelSpec
@@ -24,8 +25,7 @@ _MODELS: dict[str, ModelSpec] = {}
 _FAMILY_OF_MODEL: dict[str, str] = {}
 _EXTERNAL: dict[str, tuple[str, str]] = {}  # family -> (module, sys.path root) for families outside gallery_lib
 FAMILY_MODULES_ENV = "GALLERY_FAMILY_MODULES"
-_BUILTIN = ("gallery_lib.models.swin", "gallery_lib.models.stable_diffusion", "gallery_lib.models.resnet",
-            "gallery_lib.models.dreambooth")
+ENTRY_POINT_GROUP = "gallery_families"
 _loaded = False
 
 
@@ -38,13 +38,19 @@ def __getattr__(name: str):
 
 
 def _load_families() -> None:
-    """Imports the built-in family modules and those named by the launcher (each registers itself), once."""
+    """Registers the installed families (entry points) and imports the outside modules the launcher named, once."""
     global _loaded
     if _loaded:
         return
+    installed = entry_points(group=ENTRY_POINT_GROUP)
+    if not installed:
+        raise ConfigError(f"no model family is installed (entry point group {ENTRY_POINT_GROUP!r}): install the "
+                          "gallery with `pip install -e .` (ci/setup_env.sh does).")
     _loaded = True
-    for module in _BUILTIN:
-        importlib.import_module(module)
+    for entry in sorted(installed, key=lambda entry: not entry.module.startswith("gallery_lib.")):  # ours first
+        loaded = entry.load()
+        for family in loaded if isinstance(loaded, (tuple, list)) else (loaded,):
+            _add(family)
     for entry in filter(None, os.environ.get(FAMILY_MODULES_ENV, "").split(os.pathsep)):
         module, _, root = entry.partition("=")
         if root and root not in sys.path:
@@ -53,12 +59,16 @@ def _load_families() -> None:
 
 
 def register_family(family: ModelFamily) -> ModelFamily:
-    """Adds ``family`` and its models; a model name may belong to one family only."""
-    module = sys._getframe(1).f_globals.get("__name__", "")
-    if not module.startswith("gallery_lib."):
-        # The built-in families first, so a name they hold is refused. Not while a built-in module registers
-        # itself: importing the others then would import it again half-built (dreambooth imports stable_diffusion).
-        _load_families()
+    """Adds ``family``, defined outside an installed package, and its models; a model name may belong to one family
+    only. The training processes import the calling module again (``family_env``)."""
+    _load_families()  # the installed families first, so a model name they hold is refused
+    _add(family)
+    module = sys._getframe(1).f_globals.get("__name__", "")  # the caller: what the training processes import
+    _EXTERNAL[family.name] = (module, _import_root(module))
+    return family
+
+
+def _add(family: ModelFamily) -> None:
     taken = [spec.name for spec in family.models if _FAMILY_OF_MODEL.get(spec.name, family.name) != family.name]
     if taken:
         raise ValueError(f"model name(s) {taken} already belong to another family")
@@ -67,9 +77,6 @@ def register_family(family: ModelFamily) -> ModelFamily:
     for spec in family.models:
         _MODELS[spec.name] = ModelSpec(**{**spec.__dict__, "family": family.name})
         _FAMILY_OF_MODEL[spec.name] = family.name
-    if not module.startswith("gallery_lib."):
-        _EXTERNAL[family.name] = (module, _import_root(module))
-    return family
 
 
 def unregister_family(name: str) -> None:
@@ -110,12 +117,12 @@ def import_family_module(path: str | os.PathLike) -> str:
                           "e.g. examples/toy_family.py.")
     if str(file.parent) not in sys.path:
         sys.path.insert(0, str(file.parent))
-    _load_families()  # the built-in ones first: a model name they hold is refused, not shadowed
+    _load_families()  # the installed ones first: a model name they hold is refused, not shadowed
     before = set(_FAMILIES)
     importlib.import_module(file.stem)
     if not set(_FAMILIES) - before and not any(module == file.stem for module, _ in _EXTERNAL.values()):
         raise ConfigError(f"--family-module {path}: importing it registered no family; call "
-                          "gallery_lib.models.register_family(ModelFamily(...)) at its top level.")
+                          "gallery_lib.families.register_family(ModelFamily(...)) at its top level.")
     return file.stem
 
 

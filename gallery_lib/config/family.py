@@ -1,7 +1,8 @@
 """What one model family is, declared in one place: ``ModelFamily``.
 
-A family module (``models/swin.py``, ``models/stable_diffusion.py``) builds one ``ModelFamily`` and registers it
-(``gallery_lib.models.register_family``). Everything else in the library reads from it: the config (which models
+A family module (``families/swin.py``, ``families/stable_diffusion.py``) builds one ``ModelFamily``, which the
+registry loads through an entry point; a module outside the library registers its own
+(``gallery_lib.families.register_family``). Everything else in the library reads from it: the config (which models
 exist, which task and task settings they take), the profiles (run and data sizes), the recipes (the switches that
 measured faster for this family, and those of its plain-PyTorch peer), data preparation, regional compilation (the
 repeated block types) and the attention backend hook. None of them branches on a family or task name.

@@ -1,22 +1,11 @@
-"""The models: each family's module (``swin``, ``resnet``, ``stable_diffusion``, ``dreambooth``: its model builders
-and its ``ModelFamily``) and the model parts that tasks share (``sd_parts``, ``flops``, ``offline_tokenizer``).
+"""Model parts that families and tasks share: the Stable Diffusion parts (``sd_parts``), the offline CLIP tokenizer
+(``offline_tokenizer``) and FLOP counting (``flops``). The families themselves live in ``gallery_lib.families``.
 
-The registry the family modules register into lives in the base layer (``gallery_lib.config.families``); its calls
-are importable from here too, as a family module outside the library uses them (``examples/toy_family.py``).
+``build_model(name, **kwargs)`` builds any gallery model by name (its family's builder, through the registry).
 """
 
 from __future__ import annotations
 
-from gallery_lib.config import families as _registry
-from gallery_lib.config.families import (FAMILY_MODULES_ENV, build_model, family_env, family_of, get_family,
-                                         register_family, unregister_family)
+from gallery_lib.config.families import build_model
 
-__all__ = ["FAMILIES", "FAMILY_MODULES_ENV", "MODELS", "build_model", "family_env", "family_of", "get_family",
-           "register_family", "unregister_family"]
-
-
-def __getattr__(name: str):
-    """``FAMILIES`` and ``MODELS``: the registry's views, filled on first use."""
-    if name in ("FAMILIES", "MODELS"):
-        return getattr(_registry, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__all__ = ["build_model"]

@@ -9,7 +9,7 @@
                 and Swin), replayed as CUDA graphs on a GPU (``mode="reduce-overhead"``).
                 ``accelerated`` has to beat it; ``gallery bench`` measures both.
 ``accelerated`` ``compiled`` plus the switches that measured faster for the model's family, which the family
-                declares (``ModelFamily.accelerated`` in ``gallery_lib/models/<family>.py``, each with a pointer
+                declares (``ModelFamily.accelerated`` in ``gallery_lib/families/<family>.py``, each with a pointer
                 to its measurement in ``benchmarks/RESULTS.md``).
 
 Whether a run keeps an EMA at all is the profile's choice (``ema`` on or ``off``); a recipe only picks how the

@@ -2,7 +2,7 @@
 
 ``smoke`` runs the real code path on a CPU in seconds (each family's CPU-sized model); ``full`` is the GPU benchmark
 setting of each family. ``auto`` picks ``full`` when a CUDA GPU is visible, else ``smoke``. The sizes themselves are
-the family's (``ModelFamily.run_profiles`` and ``data_profiles`` in ``gallery_lib/models/<family>.py``).
+the family's (``ModelFamily.run_profiles`` and ``data_profiles`` in ``gallery_lib/families/<family>.py``).
 """
 
 from __future__ import annotations

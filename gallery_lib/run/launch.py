@@ -34,7 +34,7 @@ from gallery_lib.run.memory_plan import PLAN, MemoryPlan
 from gallery_lib.run.metrics import read_metrics
 from gallery_lib.run.progress import StepProgress
 from gallery_lib.run.summary import DONE_PREFIX
-from gallery_lib.models import family_env
+from gallery_lib.families import family_env
 
 RDZV_BACKENDS = ("static", "c10d")
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import torch
 
-from gallery_lib.models import register_family
 from gallery_lib.config.family import ModelFamily, ModelSpec, SpeedGoal
 from gallery_lib.tasks.classification import ClassificationTask
 
@@ -53,7 +52,7 @@ def _make_dataset(path, **spec):
     return make_imagenet_like(path, **spec)
 
 
-FAMILY = register_family(ModelFamily(
+FAMILY = ModelFamily(
     name="swin_transformer",
     task=ClassificationTask,
     models=(
@@ -82,9 +81,9 @@ FAMILY = register_family(ModelFamily(
     # timm's train.py offers --channels-last: the peer's step is 4% faster with it (#swin-peer-channels-last)
     peer={"channels_last": True},
     block_types=("SwinTransformerBlock",),
-    block_modules=("gallery_lib.models.swin",),
+    block_modules=("gallery_lib.families.swin",),
     attention_hook=hook_window_attention,
     # set for one H100 at batch 128, steady steps included (benchmarks/RESULTS.md#peer)
     speed_goals=(SpeedGoal("speedup", "swin_tiny_patch4_window7_224",
                            dict(batch_size=128, min_ratio=1.3, max_spread=1.05)),),
-))
+)

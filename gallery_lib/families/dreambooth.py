@@ -1,7 +1,7 @@
 """The DreamBooth family: Stable Diffusion 1.5 fine-tuned on one subject from a few pictures (``tasks/dreambooth.py``),
 with ``dreambooth_tiny``, the same diffusers/transformers classes at CPU-smoke size.
 
-The models are those of the Stable Diffusion family (``sd_parts.py``); what differs is the task, the data (a few
+The models are those of the Stable Diffusion family (``models/sd_parts.py``); what differs is the task, the data (a few
 pictures of the subject plus class pictures for prior preservation) and the batch size: DreamBooth trains at batch 1
 or 2, where launching kernels, the optimizer and the EMA weigh most in a step.
 """
@@ -10,10 +10,9 @@ from __future__ import annotations
 
 from functools import partial
 
-from gallery_lib.models import register_family
 from gallery_lib.config.family import Footprint, ModelFamily, ModelSpec, SpeedGoal
 from gallery_lib.models.sd_parts import SD15_UNET_PARAMETERS, build_stable_diffusion
-from gallery_lib.models.stable_diffusion import FAMILY as STABLE_DIFFUSION
+from gallery_lib.families.stable_diffusion import FAMILY as STABLE_DIFFUSION
 from gallery_lib.tasks.dreambooth import DreamBoothTask
 
 
@@ -26,7 +25,7 @@ def _make_dataset(path, **spec):
 # diffusers train_dreambooth: AdamW with weight decay 1e-2, gradient clipping at 1.0; an EMA of the trained weights.
 _TRAINING = dict(weight_decay=1e-2, clip_grad=1.0, ema="foreach")
 
-FAMILY = register_family(ModelFamily(
+FAMILY = ModelFamily(
     name="dreambooth",
     task=DreamBoothTask,
     models=(
@@ -72,4 +71,4 @@ FAMILY = register_family(ModelFamily(
     memory_footprints=(
         Footprint("dreambooth_sd15", "accelerated", {1: 19.71}, source="dreambooth_b1_h200/bench_db_rep2.json"),
     ),
-))
+)

@@ -1,11 +1,10 @@
 """The Stable Diffusion family: SD-1.5's UNet trained text-to-image with its frozen VAE and CLIP text encoder,
-and ``sd_tiny``, the same diffusers/transformers classes at CPU-smoke size (the parts live in ``sd_parts.py``)."""
+and ``sd_tiny``, the same diffusers/transformers classes at CPU-smoke size (its parts: ``models/sd_parts.py``)."""
 
 from __future__ import annotations
 
 from functools import partial
 
-from gallery_lib.models import register_family
 from gallery_lib.config.family import Footprint, ModelFamily, ModelSpec, SpeedGoal, WorkerMemory
 from gallery_lib.models.sd_parts import SD15_UNET_PARAMETERS, build_stable_diffusion
 from gallery_lib.tasks.text_to_image import TextToImageTask
@@ -33,7 +32,7 @@ def _make_dataset(path, **spec):
 # diffusers train_text_to_image defaults: AdamW lr 1e-4, weight decay 1e-2, gradient clipping at 1.0, EMA (use_ema).
 _TRAINING = dict(weight_decay=1e-2, clip_grad=1.0, ema="foreach")
 
-FAMILY = register_family(ModelFamily(
+FAMILY = ModelFamily(
     name="stable_diffusion",
     task=TextToImageTask,
     models=(
@@ -98,4 +97,4 @@ FAMILY = register_family(ModelFamily(
                  SpeedGoal("ema_cost", "sd15", dict(max_cost=0.01)),
                  SpeedGoal("compile_time", "sd15", dict(caches="cold", max_s=45.0)),
                  SpeedGoal("compile_time", "sd15", dict(caches="warm", max_s=15.0))),
-))
+)

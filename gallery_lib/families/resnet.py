@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import torch
 
-from gallery_lib.models import register_family
 from gallery_lib.config.family import ModelFamily, ModelSpec, SpeedGoal
 from gallery_lib.tasks.classification import ClassificationTask
 
@@ -43,7 +42,7 @@ def _make_dataset(path, **spec):
 _TRAINING = dict(optimizer="sgd", weight_decay=5e-5, clip_grad=None, mixup_alpha=0.0, cutmix_alpha=0.0,
                  label_smoothing=0.1, color_jitter=0.0)
 
-FAMILY = register_family(ModelFamily(
+FAMILY = ModelFamily(
     name="resnet50",
     task=ClassificationTask,
     models=(
@@ -75,4 +74,4 @@ FAMILY = register_family(ModelFamily(
     block_modules=("timm.models.resnet",),
     # set for one H100 at batch 256 (benchmarks/RESULTS.md#peer, #resnet50)
     speed_goals=(SpeedGoal("speedup", "resnet50", dict(batch_size=256, min_ratio=1.08, min_samples_per_s=6000.0)),),
-))
+)
