@@ -93,17 +93,16 @@ def memory_classes() -> str:
     from gallery_lib.recipes.profiles import base_config
     from gallery_lib.run.memory_plan import CONTEXT_GIB, PLAN, MemoryPlan
 
+    bases = [base_config("full", family=family, data_root="/data", device="cuda", precompile_workers=0, **extra)
+             for _, family, extra in MEMORY_FAMILIES]
     lines = ["| card | free for the run (GiB) | " + " | ".join(
                  f"{label} `{recipe}`" for label, _, _ in MEMORY_FAMILIES for recipe in MEMORY_RECIPES) + " |",
              "|---|---|" + "---|" * (len(MEMORY_FAMILIES) * len(MEMORY_RECIPES))]
     for card, size, total in CARDS:
         budget = round(total - CONTEXT_GIB, 1)
-        cells = []
-        for _, family, extra in MEMORY_FAMILIES:
-            base = base_config("full", family=family, data_root="/data", device="cuda", gpu_memory_gib=budget,
-                               precompile_workers=0, **extra)
-            for recipe in MEMORY_RECIPES:
-                cells.append(_plan_cell(MemoryPlan.from_dict(recipe_config(base, recipe, {}).extra[PLAN])))
+        cells = [_plan_cell(MemoryPlan.from_dict(recipe_config(base.replace(gpu_memory_gib=budget), recipe,
+                                                               {}).extra[PLAN]))
+                 for base in bases for recipe in MEMORY_RECIPES]
         lines.append(f"| {card} ({size}) | {budget:.1f} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

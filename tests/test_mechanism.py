@@ -88,7 +88,8 @@ def test_mib():
 
 
 def test_the_notebooks_reports_on_the_smoke_unet(tmp_path):
-    """The SD, DreamBooth and ladder notebooks' mechanism cells, on the smoke UNet (built on meta, one block made real)."""
+    """The SD, DreamBooth and ladder notebooks' mechanism cells, on the smoke UNet (built on meta, one block made
+    real)."""
     from gallery_lib.recipes.profiles import base_config
 
     base = base_config("smoke", family="dreambooth", data_root=str(tmp_path), output_dir=str(tmp_path))

@@ -264,7 +264,8 @@ def test_other_errors_in_an_attempt_propagate(smoke_data, tmp_path, monkeypatch)
 
 def test_none_fits_is_one_config_error(smoke_data, tmp_path, monkeypatch):
     mock_out_of_memory_above(monkeypatch, limit=0)
-    with pytest.raises(ConfigError, match="does not fit in 22.0 GiB: batch 12; batch 12, gradient checkpointing; batch 6 x 2"):
+    with pytest.raises(ConfigError, match="does not fit in 22.0 GiB: batch 12; batch 12, gradient checkpointing; "
+                                          "batch 6 x 2"):
         run(planned_cfg(smoke_data, tmp_path))
 
 

@@ -10,6 +10,7 @@ from dataclasses import replace
 from typing import Any, Callable
 
 from gallery_lib.config import ConfigError, RunConfig
+from gallery_lib.config.family import ModelSpec
 from gallery_lib.run.memory_plan import (NAMED, PLAN, PLANNED_FIELDS, Budget, Candidate, TrainingState, candidates,
                                          choose, estimate_gib, workers_that_fit)
 
@@ -48,7 +49,7 @@ def fit_to_memory(cfg: RunConfig, resolve: Callable[[dict[str, Any]], RunConfig]
 def footprint_gib(cfg: RunConfig) -> float | None:
     """The run's peak reserved memory from its family's measurements at other batch sizes, or ``None`` where this
     recipe, image size, checkpointing, accumulation or process count was not measured."""
-    spec = next((s for s in cfg.model_family.models if s.name == cfg.model), None)
+    spec = _spec(cfg)
     if (spec is None or cfg.image_size != spec.default_image_size or cfg.nproc_per_node != 1
             or cfg.gradient_accumulation_steps != 1):  # measured without accumulation, which turns CUDA graphs off
         return None
@@ -62,13 +63,18 @@ def footprint_gib(cfg: RunConfig) -> float | None:
 def training_state(cfg: RunConfig) -> TrainingState | None:
     """The state a full training of ``cfg``'s model holds whatever its batch, where its family counts the trained
     parameters; ``None`` for LoRA adapters or O2's low-precision weights, which hold less."""
-    spec = next((s for s in cfg.model_family.models if s.name == cfg.model), None)
+    spec = _spec(cfg)
     settings = cfg.to_dict()
     if spec is None or spec.trained_parameters is None or cfg.amp_level == "O2" or settings.get("lora_rank"):
         return None
     fixes = ([", or without the EMA (--set ema=off)"] if cfg.ema != "off" else []) + (
         [", or train LoRA adapters (--set lora_rank=4)"] if "lora_rank" in settings else [])
     return TrainingState(spec.trained_parameters, cfg.optimizer, cfg.ema != "off", "".join(fixes))
+
+
+def _spec(cfg: RunConfig) -> ModelSpec | None:
+    """The family's declaration of ``cfg``'s model."""
+    return next((spec for spec in cfg.model_family.models if spec.name == cfg.model), None)
 
 
 def _workers(cfg: RunConfig, budget: Budget) -> int | None:

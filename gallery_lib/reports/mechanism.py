@@ -14,6 +14,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from gallery_lib.recipes import runs_on_gpu
+
 
 def real_copy(module: nn.Module, device: str | torch.device = "cpu") -> nn.Module:
     """A copy of ``module`` (built on ``meta`` or anywhere) with real, small random weights on ``device``: enough to
@@ -142,7 +144,7 @@ def mib(n: int) -> str:
 
 def device_for(base: Any) -> str:
     """Where a notebook's mechanism cell runs: the GPU when the runs use one, else the CPU."""
-    return "cuda" if torch.cuda.is_available() and getattr(base, "device", "auto") != "cpu" else "cpu"
+    return "cuda" if runs_on_gpu(base) else "cpu"
 
 
 def _unet(base: Any) -> nn.Module:

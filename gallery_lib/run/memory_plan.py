@@ -4,14 +4,13 @@ the global batch it was given.
 The memory a run may use (``Budget``) is ``gpu_memory_gib`` when set (the run's processes are then capped to it),
 else the GPU's free memory as ``nvidia-smi`` reads it, less a CUDA context. The settings tried (``candidates``),
 fastest first: the batch per step halved with gradient accumulation making up the rest, each size without and then
-with gradient checkpointing. A setting the user named (``RunConfig.extra[NAMED]``) is not changed. Each candidate's peak is read
-from the family's measured footprints (``ModelFamily.memory_footprints``: measured batch sizes, linear between them
-and past the two nearest; measured without accumulation, so only such candidates read them), and the first measured
-to fit is taken. Where none is, the training process starts at the first unmeasured one, and gives way to the next
-when one runs out of memory before its timed steps (``run/batch_size.py``: nothing is lost where the first fits).
-Below every setting lies the training state (``state_gib``: weights, gradients, optimizer state and EMA of the trained
-parameters): a budget it fills is refused before any setting is tried.
-The plan also sizes the
+with gradient checkpointing. A setting the user named (``RunConfig.extra[NAMED]``) is not changed. Each candidate's
+peak is read from the family's measured footprints (``ModelFamily.memory_footprints``: measured batch sizes, linear
+between them and past the two nearest; measured without accumulation, so only such candidates read them), and the
+first measured to fit is taken. Where none is, the training process starts at the first unmeasured one, and gives way
+to the next when one runs out of memory before its timed steps (``run/batch_size.py``: nothing is lost where the
+first fits). Below every setting lies the training state (``TrainingState``: weights, gradients, optimizer state and
+EMA of the trained parameters): a budget it fills is refused before any setting is tried. The plan also sizes the
 precompile workers, which hold GPU memory beside the training process while they compile
 (``ModelFamily.worker_memory``).
 
