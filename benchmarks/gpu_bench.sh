@@ -5,6 +5,7 @@ name=$1; shift
 # the cuDNN frontend (.whl/cudnn/) too: ResNet-50's accelerated conv-bn fusion needs it
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
   "$(dirname "$0")"/../.whl/*.whl $(ls "$(dirname "$0")"/../.whl/cudnn/*.whl 2>/dev/null)
+python3 benchmarks/device_site.py /tmp/site
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 out=${OUT:-benchmarks/results}
 python3 -m gallery_lib.app.cli bench --profile full --data-root /tmp/data --output-dir "/tmp/bench_$name" \

@@ -8,6 +8,7 @@ mkdir -p /tmp/site
 for archive in .whl/flash_attn/*.tar.xz; do [ -e "$archive" ] && tar -C /tmp/site -xJf "$archive"; done
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site $(ls .whl/flash_attn/*.whl 2>/dev/null) \
   .whl/test/*.whl 2>&1 | grep -v "already exists"
+python3 benchmarks/device_site.py /tmp/site
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 out=${OUT:-benchmarks/results}
 nvidia-smi --query-gpu=name --format=csv,noheader

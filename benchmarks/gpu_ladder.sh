@@ -10,6 +10,7 @@ set -x
 part=$1
 rungs=$2
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+python3 benchmarks/device_site.py /tmp/site
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 out=${OUT:-benchmarks/results}
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv

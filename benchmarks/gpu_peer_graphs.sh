@@ -5,6 +5,7 @@
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --find-links .whl/cudnn \
   --target /tmp/site nvidia-cudnn-frontend
+python3 benchmarks/device_site.py /tmp/site
 for spec in "$@"; do
   IFS=: read -r name model batch <<< "$spec"
   bash "$(dirname "$0")/gpu_bench.sh" "peer_graphs_$name" --models "$model" --batch-size "$batch" \

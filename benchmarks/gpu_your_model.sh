@@ -2,6 +2,7 @@
 #   device run: bash benchmarks/gpu_your_model.sh [TIMM_MODEL]   (default: the notebook's, vit_base_patch16_224;
 #   carry .whl with the diffusers wheel; results under $OUT)
 [ -d /tmp/site/diffusers ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+python3 benchmarks/device_site.py /tmp/site
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 model=${1:+\"model_name\": \"$1\", }
 start=$(date +%s)
