@@ -241,7 +241,9 @@ def test_an_unmeasured_setting_gives_way_to_the_next_from_step_0(smoke_data, tmp
     assert summary["memory_plan"]["gave_way"] == ["batch 12", "batch 12, gradient checkpointing"]
     records, last = read_metrics(tmp_path / "swin_transformer" / "baseline" / "metrics.jsonl")
     assert [r["step"] for r in records] == [0, 1, 2, 3, 4]  # the stopped attempt left no step behind
-    assert "batch 12 ran out of memory before its timed steps" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "batch 12 ran out of memory before its timed steps" in out
+    assert "batch 12 as configured (not measured; batch 12, gradient checkpointing if it runs out of memory" in out
     assert not (tmp_path / "swin_transformer" / "baseline" / SEARCH_DIR).exists()
 
 
@@ -336,3 +338,34 @@ def test_every_ladder_rung_resolves_under_a_plan():
         assert settings and cfg.global_batch_size == settings[0].batch_size * settings[0].accumulation
         if cfg.compile_mode == "reduce-overhead":
             assert not any(s.checkpointing or s.accumulation > 1 for s in settings + plan.after), rung.name
+
+
+def on_a_gpu(monkeypatch) -> RunConfig:
+    """SD-1.5's full profile resolved as on a one-GPU machine (the GPU recipes' switches) without a GPU."""
+    monkeypatch.setattr("gallery_lib.recipes.named.visible_cuda_devices", lambda: 1)
+    monkeypatch.setattr("gallery_lib.recipes.named.precompile_workers_for_machine", lambda: 6)
+    return base_config("full", family="stable_diffusion", data_root="/nonexistent", device="cuda")
+
+
+def test_checkpointed_accelerated_takes_the_peers_ema(monkeypatch):
+    base = on_a_gpu(monkeypatch)
+    assert apply_recipe("accelerated", base).ema == "stream"
+    small = fitted(base, "accelerated", 22.0)
+    assert small.gradient_checkpointing and small.ema == fitted(base, "peer", 22.0, {
+        "batch_size": 8, "gradient_checkpointing": True}).ema == "foreach"
+
+
+def test_an_overridden_recipe_reads_its_recipes_footprints(monkeypatch):
+    """``accelerated+ema=foreach`` in 22 GiB skips batch 8 unchecked, which accelerated measured at 22.9 GiB: it
+    compiled, ran out of memory and compiled again when the footprints were read by the run's full name."""
+    plan = MemoryPlan.from_dict(fitted(on_a_gpu(monkeypatch), "accelerated", 22.0, {"ema": "foreach"}).extra[PLAN])
+    assert plan.probe[0] == Candidate(8, 1, True)
+
+
+def test_probed_settings_start_the_precompile_workers_that_fit(monkeypatch):
+    """A probe with the recipe's 6 workers shared out 1.3 GiB to each, and every worker ran out of memory."""
+    base = on_a_gpu(monkeypatch).replace(gradient_checkpointing=False)
+    cfg = fitted(base, "accelerated", 22.0, {"image_size": 256})  # a size never measured: probed
+    plan = MemoryPlan.from_dict(cfg.extra[PLAN])
+    assert plan.chosen is None and plan.probe[0] == Candidate(8, 1, False)
+    assert cfg.compile_scope == "blocks" and cfg.precompile_workers == plan.precompile_workers == 2  # 22 - 11.8 = 2 x 3.5

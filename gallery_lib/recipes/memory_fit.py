@@ -38,9 +38,13 @@ def fit_to_memory(cfg: RunConfig, resolve: Callable[[dict[str, Any]], RunConfig]
             cfg = cfg.replace(precompile_workers=workers)
             plan = replace(plan, precompile_workers=workers)
     elif plan.probe:
-        first = options.index(plan.probe[0])
-        cfg = configs[first]
-        probe_fields = [_difference(cfg, configs[options.index(option)]) for option in plan.probe]
+        # each probed setting with the workers that fit beside it: the recipe's number, each given an equal share
+        # of the cap, ran out of memory while compiling (SD-1.5 in 22 GiB: 6 workers of 1.3 GiB each)
+        probed = [_with_workers(configs[options.index(option)], budget) for option in plan.probe]
+        cfg = probed[0]
+        if cfg.precompile_workers != configs[options.index(plan.probe[0])].precompile_workers:
+            plan = replace(plan, precompile_workers=cfg.precompile_workers)
+        probe_fields = [_difference(cfg, other) for other in probed]
         return cfg.replace(extra={**cfg.extra, PLAN: {**plan.as_dict(), "probe_fields": probe_fields,
                                                       "configured": configured.fields()}})
     return cfg.replace(extra={**cfg.extra, PLAN: plan.as_dict()})
@@ -55,9 +59,15 @@ def footprint_gib(cfg: RunConfig) -> float | None:
         return None
     for footprint in cfg.model_family.memory_footprints:
         if (footprint.model, footprint.recipe, footprint.gradient_checkpointing) == (
-                cfg.model, cfg.recipe, cfg.gradient_checkpointing):
+                cfg.model, recipe_of(cfg), cfg.gradient_checkpointing):
             return estimate_gib(dict(footprint.reserved_gib), cfg.batch_size)
     return None
+
+
+def recipe_of(cfg: RunConfig) -> str:
+    """The recipe a run's name starts with: ``accelerated+ema=foreach`` is read from ``accelerated``'s footprints,
+    and runs out of memory into its next setting (before its timed steps) where the override needs more."""
+    return cfg.recipe.split("+", 1)[0]
 
 
 def training_state(cfg: RunConfig) -> TrainingState | None:
@@ -84,6 +94,11 @@ def _workers(cfg: RunConfig, budget: Budget) -> int | None:
         return None
     workers = workers_that_fit(cfg.precompile_workers, budget.gib, measured.trainer_gib, measured.per_worker_gib)
     return workers if workers != cfg.precompile_workers else None
+
+
+def _with_workers(cfg: RunConfig, budget: Budget) -> RunConfig:
+    workers = _workers(cfg, budget)
+    return cfg if workers is None else cfg.replace(precompile_workers=workers)
 
 
 def _difference(base: RunConfig, other: RunConfig) -> dict[str, Any]:

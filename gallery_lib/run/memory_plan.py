@@ -114,7 +114,8 @@ class MemoryPlan:
             return head + f"does not fit (the smallest setting measured needs {self.estimate_gib:.1f} GiB)"
         kept = "" if self.changed else " as configured"
         workers = "" if self.precompile_workers is None else f", {self.precompile_workers} precompile workers"
-        measured = "not measured" if self.estimate_gib is None else f"measured {self.estimate_gib:.1f} GiB"
+        measured = f"measured {self.estimate_gib:.1f} GiB" if self.estimate_gib is not None else "not measured" + (
+            f"; {self.after[0].describe()} if it runs out of memory before its timed steps" if self.after else "")
         return head + f"{self.chosen.describe()}{kept}{workers} ({measured})"
 
     def does_not_fit(self) -> str:
