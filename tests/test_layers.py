@@ -217,3 +217,36 @@ def test_the_check_reads_data_prep(tmp_path):
     assert upward_imports(graph) == ["data_prep.maker imports gallery_lib.app.cli"]
     with pytest.raises(AssertionError, match="no layer"):
         upward_imports(plant(tmp_path, {"gallery_lib/newfolder/x.py": "from gallery_lib.config import settings\n"}))
+
+
+# In run/ and the parts below it a function takes the section of the config it needs; recipes and the app handle
+# whole configs by their nature. The goal is 10 or fewer; this ceiling only falls, each time one is rewritten.
+WHOLE_CONFIG_CEILING = 42
+WHOLE_CONFIG_FOLDERS = ("run", "data", "models", "tasks", "accel")
+
+
+def whole_config_functions(root: Path = REPO) -> list[str]:
+    """``module:function`` for each function in those folders with a parameter annotated ``RunConfig``."""
+    found = []
+    for folder in WHOLE_CONFIG_FOLDERS:
+        for path in sorted((root / "gallery_lib" / folder).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and any(
+                        arg.annotation is not None and "RunConfig" in ast.unparse(arg.annotation)
+                        for arg in node.args.posonlyargs + node.args.args + node.args.kwonlyargs):
+                    found.append(f"{module_name(path, root)}:{node.name}")
+    return found
+
+
+def test_few_functions_below_the_recipes_take_the_whole_config():
+    found = whole_config_functions()
+    assert len(found) <= WHOLE_CONFIG_CEILING, (
+        f"{len(found)} functions in {', '.join(WHOLE_CONFIG_FOLDERS)} take the whole RunConfig (at most "
+        f"{WHOLE_CONFIG_CEILING}): pass the fields or section a new one needs instead. All: {found}")
+
+
+def test_the_count_sees_a_function_taking_the_whole_config(tmp_path):
+    module = tmp_path / "gallery_lib" / "run" / "planted.py"
+    module.parent.mkdir(parents=True)
+    module.write_text("def planted(cfg: 'RunConfig', *, other: int) -> None: ...\ndef fine(steps: int): ...\n")
+    assert whole_config_functions(tmp_path) == ["gallery_lib.run.planted:planted"]

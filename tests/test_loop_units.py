@@ -306,14 +306,13 @@ def test_a_run_after_a_deterministic_one_in_the_same_process_is_set_up_as_in_a_f
                 torch.get_float32_matmul_precision(), torch.backends.cudnn.benchmark)
 
     saved = state()
-    fast, deterministic = (SimpleNamespace(deterministic=d, sdpa_math=False) for d in (False, True))
     try:
-        configure_backends(fast)
+        configure_backends(deterministic=False, sdpa_math=False)
         after_fast = state()
         assert after_fast == (False, False, "high", True)
-        configure_backends(deterministic)
+        configure_backends(deterministic=True, sdpa_math=False)
         assert state() == (True, True, "highest", False)
-        configure_backends(fast)
+        configure_backends(deterministic=False, sdpa_math=False)
         assert state() == after_fast
     finally:
         torch.use_deterministic_algorithms(saved[0], warn_only=saved[1])

@@ -73,13 +73,13 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def configure_backends(cfg: RunConfig) -> None:
+def configure_backends(deterministic: bool, sdpa_math: bool) -> None:
     # Each switch is set both ways: an in-process run (the tests) must not inherit the last run's choice.
-    set_deterministic_algorithms(cfg.deterministic)
-    torch.backends.cudnn.benchmark = not cfg.deterministic  # off: same step and start (RESULTS.md#sd15-start-2)
+    set_deterministic_algorithms(deterministic)
+    torch.backends.cudnn.benchmark = not deterministic  # off: same step and start (RESULTS.md#sd15-start-2)
     # high: TF32 for fp32 matmuls, as every GPU trainer enables
-    set_float32_matmul_precision("highest" if cfg.deterministic else "high")
-    fused_sdpa = not cfg.sdpa_math  # set both ways: in-process runs (tests) must not inherit the last run's choice
+    set_float32_matmul_precision("highest" if deterministic else "high")
+    fused_sdpa = not sdpa_math  # set both ways: in-process runs (tests) must not inherit the last run's choice
     torch.backends.cuda.enable_flash_sdp(fused_sdpa)
     torch.backends.cuda.enable_mem_efficient_sdp(fused_sdpa)
     torch.backends.cuda.enable_cudnn_sdp(fused_sdpa)
@@ -114,12 +114,12 @@ def build_ema(model: torch.nn.Module, cfg: RunConfig, optimizer: torch.optim.Opt
     return ema, ema.change.note
 
 
-def lr_lambda(cfg: RunConfig):
-    """Linear warm-up then cosine decay over the run, as a multiplier of the peak learning rate."""
+def lr_lambda(warmup_steps: int, steps: int):
+    """Linear warm-up then cosine decay over ``steps``, as a multiplier of the peak learning rate."""
     def factor(step: int) -> float:
-        if step < cfg.lr_warmup_steps:
-            return (step + 1) / (cfg.lr_warmup_steps + 1)
-        progress = (step - cfg.lr_warmup_steps) / max(1, cfg.steps - cfg.lr_warmup_steps)
+        if step < warmup_steps:
+            return (step + 1) / (warmup_steps + 1)
+        progress = (step - warmup_steps) / max(1, steps - warmup_steps)
         return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
     return factor
 
@@ -192,7 +192,7 @@ def _train_from(setup_start: float, cfg: RunConfig, dist: DistInfo, plan: Compil
     closes what it opens, when it returns or fails."""
     reset_peak_memory(dist.device)
     quiet_known_noise(cfg.verbose)
-    configure_backends(cfg)
+    configure_backends(cfg.deterministic, cfg.sdpa_math)
     seed_everything(cfg.seed)  # identical init on every rank; the loader derives per-rank streams
     precision = Precision.from_config(cfg, dist.device.type)
     task = build_task(cfg, dist, precision)
@@ -201,7 +201,7 @@ def _train_from(setup_start: float, cfg: RunConfig, dist: DistInfo, plan: Compil
     flops_per_sample = task.train_flops_per_sample()
     accelerated = apply_accelerations(model, cfg, precision, dist, plan)
     optimizer = build_optimizer(model, cfg, precision)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.lr_warmup_steps, cfg.steps))
     ema, ema_note = build_ema(model, cfg, optimizer, accelerated.template)
     if ema_note:
         accelerated.notes.append(ema_note)
@@ -209,7 +209,7 @@ def _train_from(setup_start: float, cfg: RunConfig, dist: DistInfo, plan: Compil
     train_module.train()
     log = print if dist.is_main else (lambda *a, **k: None)
     log(f"[gallery] {cfg.model} | recipe {cfg.recipe} | {dist.world_size} x {dist.device.type} | "
-        f"batch {cfg.batch_size}/process{_accumulated(cfg)} ({cfg.global_batch_size} global) | {cfg.steps} steps "
+        f"batch {cfg.batch_size}/process{_accumulated(cfg.gradient_accumulation_steps)} ({cfg.global_batch_size} global) | {cfg.steps} steps "
         f"({cfg.warmup_steps} warm-up) | {task.describe()}")
     if PLAN in cfg.extra:
         log(f"[gallery]   {MemoryPlan.from_dict(cfg.extra[PLAN]).note()}")
@@ -222,8 +222,8 @@ def _train_from(setup_start: float, cfg: RunConfig, dist: DistInfo, plan: Compil
     start, counters, resumed = _resume_or_start(cfg, dist, ckpt, log)
     warmup_steps = min(cfg.warmup_steps, cfg.steps - start - 1)  # a restarted process compiles and warms up again
     guard = NonfiniteGuard(cfg, precision, dist, counters)
-    writer = _metrics_writer(cfg, start, resumed) if dist.is_main else None
-    batches = _batches(cfg, loader)
+    writer = _metrics_writer(cfg.run_dir, cfg.report_to, start, resumed) if dist.is_main else None
+    batches = _batches(loader, cfg.reuse_batch)
     first_batch = next(batches)
     batches = itertools.chain([first_batch], batches)
     probe = AttentionProbe(accelerated, task, first_batch, precision)
@@ -321,23 +321,23 @@ def _resume_or_start(cfg: RunConfig, dist: DistInfo, ckpt: Checkpointer, log) ->
     return start, counters, True
 
 
-def _metrics_writer(cfg: RunConfig, start: int, resumed: bool):
+def _metrics_writer(run_dir: Path, report_to: str, start: int, resumed: bool):
     """``metrics.jsonl`` (appended to by a resumed run), and TensorBoard beside it when ``report_to`` asks."""
-    jsonl = MetricsWriter(cfg.run_dir / "metrics.jsonl", mode="a" if resumed else "w")
-    if cfg.report_to != "tensorboard":
+    jsonl = MetricsWriter(run_dir / "metrics.jsonl", mode="a" if resumed else "w")
+    if report_to != "tensorboard":
         return jsonl
     from gallery_lib.run.tensorboard import TeeWriter, TensorBoardWriter
 
-    return TeeWriter(jsonl, TensorBoardWriter(cfg.run_dir / "tensorboard", start_step=start))
+    return TeeWriter(jsonl, TensorBoardWriter(run_dir / "tensorboard", start_step=start))
 
 
-def _batches(cfg: RunConfig, loader):
+def _batches(loader, reuse_batch: bool):
     """The loader's batches; ``reuse_batch`` repeats its first (benchmarks of the model step alone)."""
-    return itertools.repeat(next(iter(loader))) if cfg.reuse_batch else iter(loader)
+    return itertools.repeat(next(iter(loader))) if reuse_batch else iter(loader)
 
 
-def _accumulated(cfg: RunConfig) -> str:
-    return f" x {cfg.gradient_accumulation_steps} accumulated" if cfg.gradient_accumulation_steps > 1 else ""
+def _accumulated(micro_batches: int) -> str:
+    return f" x {micro_batches} accumulated" if micro_batches > 1 else ""
 
 
 def _forward_backward(task, module, batches, precision: Precision, micro_batches: int,
