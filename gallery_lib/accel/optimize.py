@@ -10,7 +10,8 @@ the loop's whole step (backward, optimizer, data).
 The chooser then keeps the fastest, logs each candidate's compile time and steady ms per step and why it chose,
 and caches the choice per model, input shape, autocast state, GPU and torch version
 (``~/.cache/gallery_lib/optimize.json``; ``$GALLERY_CACHE_DIR/optimize.json`` where that is set), so the next run
-starts with it at once.
+starts with it at once. ``accelerate(model, example=...)`` (``accel/keep_if_faster.py``) times its changes with the
+same step marks and caches its decisions the same way, in ``accelerate.json`` beside ``optimize.json``.
 
 The trial steps are real training steps (every candidate computes the same function), so nothing is thrown away.
 A candidate that fails to compile or run is logged with its error and that step runs eagerly. Parameters keep their
@@ -20,6 +21,7 @@ Forward calls outside training (``eval()`` or ``no_grad``) run eagerly until the
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import statistics
@@ -118,21 +120,23 @@ def optimize(model: nn.Module, *, backend: str = "auto", candidates: Iterable[st
     names = list(candidates) if candidates is not None else None
     plan = [_candidate(c) for c in names] if names is not None else None
     quiet_known_noise()  # it compiles in this process: the same quiet as a gallery run
-    chooser = _Chooser(model, backend, plan, warmup_steps, timing_steps, _cache_file(cache), log)
+    chooser = _Chooser(model, backend, plan, warmup_steps, timing_steps, cache_file(cache), log)
     model._compiled_call_impl = chooser
     return model
 
 
-def default_cache_file() -> Path:
+def default_cache_file(name: str = "optimize.json") -> Path:
+    """``$GALLERY_CACHE_DIR/name`` where that is set, else ``name`` in the user's cache (``~/.cache/gallery_lib``)."""
     if os.environ.get("GALLERY_CACHE_DIR"):
-        return Path(os.environ["GALLERY_CACHE_DIR"]) / "optimize.json"
+        return Path(os.environ["GALLERY_CACHE_DIR"]) / name
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "gallery_lib" / "optimize.json"
+    return Path(base) / "gallery_lib" / name
 
 
-def _cache_file(cache: bool | str | os.PathLike) -> Path | None:
+def cache_file(cache: bool | str | os.PathLike, name: str = "optimize.json") -> Path | None:
+    """The file a ``cache`` argument names: ``True`` the default one, a path that one, ``False`` none."""
     if cache is True:
-        return default_cache_file()
+        return default_cache_file(name)
     return Path(cache) if cache else None
 
 
@@ -198,11 +202,7 @@ class _Chooser:
             return self._run(CANDIDATES["eager"], args, kwargs, training)
 
     def _mark(self) -> tuple[float, Any]:
-        event = None
-        if self._on_cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-        return time.perf_counter(), event
+        return step_mark(self._on_cuda)
 
     def _run(self, cand: Candidate, args: tuple, kwargs: dict, training: bool) -> Any:
         if cand.channels_last:
@@ -225,11 +225,11 @@ class _Chooser:
 
     # ----- the plan ------------------------------------------------------------------------------------------
     def _start(self, args: tuple, kwargs: dict) -> None:
-        self.report.key = _cache_key(self.model, args, kwargs)
+        self.report.key = cache_key(self.model, args, kwargs)
         if self.backend != "auto":
             self._choose(CANDIDATES[self.backend], f"asked for (backend={self.backend!r})")
             return
-        cached = _read_cache(self.cache_file).get(self.report.key) if self.cache_file else None
+        cached = read_cache(self.cache_file).get(self.report.key) if self.cache_file else None
         if cached and cached.get("choice_name") in CANDIDATES:
             self.report.cached = True
             self._choose(CANDIDATES[cached["choice_name"]].with_layout(cached["channels_last"]),
@@ -272,18 +272,7 @@ class _Chooser:
         return bool(layouts) and min(layouts, key=lambda r: r.steady_ms).name.endswith("+channels_last")
 
     def _measure(self, trial: _Trial) -> CandidateResult:
-        if self._on_cuda:
-            trial.marks[-1][1].synchronize()
-        w = self.warmup_steps
-        timed = trial.marks[w:]
-        if self._on_cuda:
-            ms = sorted(a[1].elapsed_time(b[1]) for a, b in zip(timed, timed[1:]))
-        else:
-            ms = sorted(1000 * (b[0] - a[0]) for a, b in zip(timed, timed[1:]))
-        steady = statistics.median(ms)
-        q = statistics.quantiles(ms, n=5, method="inclusive")
-        warmup_s = trial.marks[w][0] - trial.marks[0][0]
-        return CandidateResult(trial.candidate.name, True, max(0.0, warmup_s - w * steady / 1000), steady, q[0], q[3])
+        return step_stats(trial.candidate.name, trial.marks, self.warmup_steps)
 
     def _decide(self) -> None:
         results = [t.result for t in self.trials]
@@ -312,7 +301,7 @@ class _Chooser:
         self._choose(by_name[best.name], reason)
         if self.cache_file is not None:
             base = next(n for n in CANDIDATES if by_name[best.name].options == CANDIDATES[n].options)
-            _write_cache(self.cache_file, self.report.key, {
+            write_cache(self.cache_file, self.report.key, {
                 "choice_name": base, "channels_last": by_name[best.name].channels_last, "reason": reason,
                 "steady_ms": best.steady_ms, "measured": time.strftime("%Y-%m-%d %H:%M"),
                 "candidates": [asdict(r) for r in results]})
@@ -330,8 +319,35 @@ def _failed(cand: Candidate, exc: Exception) -> CandidateResult:
                            [:300])
 
 
-def _cache_key(model: nn.Module, args: tuple, kwargs: dict) -> str:
-    """Model class and size, the inputs' shapes and dtypes, the autocast state, the device and torch's version."""
+def step_mark(on_cuda: bool, clock: Callable[[], float] = time.perf_counter) -> tuple[float, Any]:
+    """A step boundary: ``clock()``'s seconds, and on a GPU a CUDA event recorded on the current stream (no sync)."""
+    event = None
+    if on_cuda:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+    return clock(), event
+
+
+def step_stats(name: str, marks: list[tuple[float, Any]], warmup_steps: int) -> CandidateResult:
+    """The steps between ``marks`` (``step_mark``'s, one more than the steps) after ``warmup_steps``: median, p20 and
+    p80 in ms (from the CUDA events where the marks have them) and the warm-up's seconds beyond its steady steps."""
+    on_cuda = marks[-1][1] is not None
+    if on_cuda:
+        marks[-1][1].synchronize()
+    timed = marks[warmup_steps:]
+    if on_cuda:
+        ms = sorted(a[1].elapsed_time(b[1]) for a, b in zip(timed, timed[1:]))
+    else:
+        ms = sorted(1000 * (b[0] - a[0]) for a, b in zip(timed, timed[1:]))
+    steady = statistics.median(ms)
+    q = statistics.quantiles(ms, n=5, method="inclusive")
+    warmup_s = marks[warmup_steps][0] - marks[0][0]
+    return CandidateResult(name, True, max(0.0, warmup_s - warmup_steps * steady / 1000), steady, q[0], q[3])
+
+
+def cache_key(model: nn.Module, args: tuple, kwargs: dict) -> str:
+    """Model class, size and structure, the inputs' shapes and dtypes, the autocast state, the device and torch's
+    version."""
     def sig(x: Any) -> str:
         return f"{tuple(x.shape)}:{str(x.dtype).removeprefix('torch.')}" if isinstance(x, torch.Tensor) else "-"
 
@@ -342,24 +358,36 @@ def _cache_key(model: nn.Module, args: tuple, kwargs: dict) -> str:
                 if torch.is_autocast_enabled(device.type) else "no autocast")
     inputs = ",".join([sig(a) for a in args] + [f"{k}={sig(v)}" for k, v in sorted(kwargs.items())])
     size = sum(p.numel() for p in params)
-    return (f"{type(model).__module__}.{type(model).__qualname__} ({size} parameters) | {inputs} | {autocast} | "
-            f"{device_name} | torch {torch.__version__}")
+    return (f"{type(model).__module__}.{type(model).__qualname__} ({size} parameters, structure "
+            f"{_structure_digest(model)}) | {inputs} | {autocast} | {device_name} | torch {torch.__version__}")
 
 
-def _read_cache(path: Path) -> dict[str, Any]:
+def _structure_digest(model: nn.Module) -> str:
+    """A short hash of the module tree: each module's name and class, each parameter's and buffer's shape and dtype
+    (two models of one class and size, a Swin with other windows say, get other keys)."""
+    parts = [f"{name}:{type(m).__module__}.{type(m).__qualname__}" for name, m in model.named_modules()]
+    parts += [f"{name}:{tuple(t.shape)}:{t.dtype}"
+              for name, t in (*model.named_parameters(), *model.named_buffers())]
+    return hashlib.sha1("\n".join(parts).encode()).hexdigest()[:12]
+
+
+def read_cache(path: Path) -> dict[str, Any]:
+    """The entries of the JSON file at ``path``; none where there is no file, or one that is not a cache's."""
     try:
-        return json.loads(path.read_text())
+        entries = json.loads(path.read_text())
     except (OSError, ValueError):
         return {}  # no cache yet, or one another version wrote: measure
+    return entries if isinstance(entries, dict) else {}
 
 
-def _write_cache(path: Path, key: str, entry: dict[str, Any]) -> None:
+def write_cache(path: Path, key: str, entry: dict[str, Any]) -> None:
+    """Adds ``entry`` under ``key`` to the JSON file at ``path`` (atomically; a failure is said, not raised)."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        entries = _read_cache(path)
+        entries = read_cache(path)
         entries[key] = entry
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_text(json.dumps(entries, indent=1))
         tmp.replace(path)  # atomic: a concurrent run reads the old file or the new one
     except OSError as exc:
-        print(f"optimize: could not write the choice to {path} ({exc}); the next run will measure again")
+        print(f"gallery_lib: could not write the measurement to {path} ({exc}); the next run will measure again")

@@ -12,20 +12,27 @@ The calls compose, in the order ``accelerate`` applies them (the order of ``acce
     print(compile_blocks(model))      # compiled blocks: 12 blocks compiled in place ...
     ema = add_ema(model, optimizer)   # EMA of the weights: stream update ...
 
-or the ones that measured faster, at once: ``changes = accelerate(model)``. A family's runs lay out, fuse and keep
-their EMA through the same calls (``accel/accelerate.py``, ``run/train.py``); they compile through their compile plan,
-which adds the precompile workers, and hook attention through their family's hook.
+or the ones that measured faster, at once: ``changes = accelerate(model)``; with an example batch,
+``accelerate(model, example=x)`` times a training step with and without each change and keeps only those that are
+faster on this model, at these shapes, on this device (``accel/keep_if_faster.py``). A change can be undone
+(``change.undo()``). A family's runs lay out, fuse and keep their EMA through the same calls (``accel/accelerate.py``,
+``run/train.py``); they compile through their compile plan, which adds the precompile workers, and hook attention
+through their family's hook.
 """
 
 from __future__ import annotations
 
+import functools
+import os
 from collections import Counter
-from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 from torch import nn
 
+from gallery_lib.accel.keep_if_faster import MIN_GAIN, KeepDecision, SteadyStepTimer, TrainingStep, keep_if_faster
+from gallery_lib.accel.optimize import cache_file, cache_key, read_cache, write_cache
 from gallery_lib.config.quiet import quiet_known_noise
 
 RESULTS = "benchmarks/RESULTS.md"
@@ -49,8 +56,13 @@ class Change:
     details: str = ""
     """More lines for a run's log (the modules a kernel swap left alone, and why)."""
     handle: Any = field(default=None, compare=False, repr=False)
-    """What undoes or inspects the change, where there is one: the attention hook (its selector says which backend
-    each attention shape ran)."""
+    """What inspects the change, where there is one: the attention hook (its selector says which backend each
+    attention shape ran), the kernel swap's ``PatchReport``."""
+    undo: Callable[[], None] | None = field(default=None, compare=False, repr=False)
+    """Reverts the change (``None`` where it cannot be undone, or changed nothing)."""
+    decision: KeepDecision | None = field(default=None, compare=False)
+    """How ``accelerate(model, example=...)`` decided: the step times with and without the change (``None`` when it
+    was not measured on this model)."""
 
     @property
     def note(self) -> str:
@@ -76,7 +88,8 @@ def use_channels_last(model: nn.Module, *, device_type: str | None = None) -> Ch
     if runs_on not in ("cuda", None):
         why = (f"on a GPU, {why} (the measurement is a GPU's; on {device_phrase(runs_on)} the layout is applied all "
                "the same)")
-    return Change("channels_last", what, why, f"{RESULTS}#sd15-layout", changed=bool(convs))
+    undo = functools.partial(model.to, memory_format=torch.contiguous_format) if convs else None
+    return Change("channels_last", what, why, f"{RESULTS}#sd15-layout", changed=bool(convs), undo=undo)
 
 
 def _runs_on(model: nn.Module, device_type: str | None) -> str | None:
@@ -117,7 +130,8 @@ def fuse_kernels(model: nn.Module, ops: Iterable[str] | None = None, *, verbose:
     if runs_on not in ("cuda", None):
         why = (f"on a GPU, {why}; on {device_phrase(runs_on)} the swapped modules run their PyTorch reference, not a "
                "fused kernel")
-    return Change("fused kernels", what, why, f"{RESULTS}#kernels", changed=bool(report.swapped), details=details)
+    return Change("fused kernels", what, why, f"{RESULTS}#kernels", changed=bool(report.swapped), details=details,
+                  handle=report, undo=report.undo if report.swapped else None)
 
 
 def fuse_attention(model: nn.Module) -> Change:
@@ -136,12 +150,12 @@ def fuse_attention(model: nn.Module) -> Change:
                       "gallery_lib.accel.attention (auto: the window-attention kernel on a GPU, else the fastest "
                       "measured backend that takes the relative-position bias and shift mask)",
                       "plain SDPA given the bias as a mask picks a slower kernel; the registry runs the fastest that "
-                      "takes the bias", f"{RESULTS}#attention", handle=hook)
+                      "takes the bias", f"{RESULTS}#attention", handle=hook, undo=hook.remove)
     if hasattr(model, "attn_processors"):
         hook = hook_diffusers_attention(model, backend="auto")
         return Change("fused attention", f"{len(hook.modules)} diffusers attention layers use the fastest measured "
                       "backend per shape (gallery_lib.accel.attention)", _ATTENTION_WHY, f"{RESULTS}#attention",
-                      handle=hook)
+                      handle=hook, undo=hook.remove)
     return Change("fused attention", f"{type(model).__name__} has no attention layer the registry knows (timm Swin's "
                   "window attention, diffusers' attention): nothing to change", _ATTENTION_WHY, f"{RESULTS}#attention",
                   changed=False)
@@ -165,7 +179,8 @@ def compile_blocks(model: nn.Module, block_types: Iterable[type | str] | None = 
 
         print(compile_blocks(vit, mode="reduce-overhead"))
     """
-    from gallery_lib.accel.compile.regional import block_names, regional_compile, registered_block_types
+    from gallery_lib.accel.compile.regional import (block_names, regional_compile, registered_block_types,
+                                                    undo_regional_compile)
 
     quiet_known_noise()  # it compiles in this process (a notebook's kernel): the same quiet as a gallery run
     types = tuple(block_types) if block_types is not None else None
@@ -182,7 +197,8 @@ def compile_blocks(model: nn.Module, block_types: Iterable[type | str] | None = 
             f"{graphs}); compilation happens in the first steps")
     why = ("Inductor fuses each block's memory-bound ops, and compiling repeated blocks instead of the whole model "
            "leaves far fewer graphs to compile")
-    return Change("compiled blocks", what, why, f"{RESULTS}#sd15-compile-time")
+    return Change("compiled blocks", what, why, f"{RESULTS}#sd15-compile-time",
+                  undo=functools.partial(undo_regional_compile, model, names))
 
 
 def graphs_text(mode: str | None, runs_on: str | None) -> str:
@@ -264,8 +280,10 @@ def add_ema(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
     return ema
 
 
-def accelerate(model: nn.Module, *, device_type: str | None = None, compile: bool = True,
-               echo: Callable[[str], Any] | None = print) -> list[Change]:
+def accelerate(model: nn.Module, *, example: Any = None, loss_fn: Callable[[Any], torch.Tensor] | None = None,
+               device_type: str | None = None, compile: bool = True, echo: Callable[[str], Any] | None = print,
+               min_gain: float = MIN_GAIN, cache: bool | str | os.PathLike = True,
+               timer: Callable[[Callable[[], Any], torch.device], float] | None = None) -> list[Change]:
     """Applies the accelerations that suit the device ``model`` is on, in the gallery's order, and returns (and by
     default prints) what each changed: on a GPU channels_last (for a model with convolutions), the fused kernels
     (GEGLU alone when compiling: the one kernel that beats Inductor's code at every step size) and the blocks
@@ -273,28 +291,157 @@ def accelerate(model: nn.Module, *, device_type: str | None = None, compile: boo
     blocks compiled (the fused kernels are GPU code). Not the registry for other attention: on SD's shapes PyTorch's
     own SDPA choice measured as fast (``fuse_attention`` is there to try).
 
+    Without ``example`` each change is applied on what other models measured, and says that it was not measured on
+    this one. With ``example`` (what the model is called with, on its device) each change is timed: a few training
+    steps (forward, ``loss_fn``, backward; no optimizer step) with it and without it, each against the state the
+    changes before it left, and undone unless it is faster by more than ``min_gain`` (2%: timing noise); its
+    ``Change`` says so with both times, and ``decision`` holds them. The weights, gradients, buffers and random state
+    are left as they were. The times are cached per model structure, input shapes and dtypes, autocast state, device
+    and torch version, so the next call times nothing. Compiled blocks that are undone run eagerly again; their
+    compiled code (with CUDA graphs, its memory pool) stays in Dynamo's cache until ``torch._dynamo.reset()``.
+
         changes = accelerate(model)    # then train as before: the same parameters, the same optimizer
+        changes = accelerate(model, example=images, loss_fn=lambda logits: F.cross_entropy(logits, labels))
+        # prints each, e.g. fused attention: left out: 41.2 ms with it, 35.9 ms without (this model, batch 64, cuda)
+
+    Args:
+        example: a batch as the model takes it: a tensor, a tuple of positional arguments or a dict of keyword
+            arguments (not an ``(inputs, labels)`` pair: the labels go in ``loss_fn``). Call ``accelerate`` under the
+            autocast your loop uses, so the steps are timed in its precision.
+        loss_fn: the model's output to the scalar loss (default: the mean of a tensor output).
+        device_type: where the model will train (default: where its parameters are); with ``example``, it must be
+            where the model is, since that is where the steps are timed.
+        compile: compile the repeated blocks.
+        echo: where each change is said (``None``: nowhere).
+        min_gain: how much faster a change must make the step to be kept.
+        cache: ``True`` for ``accelerate.json`` in the gallery's cache folder (``optimize``'s), a path for another,
+            ``False`` to time every time.
+        timer: ``timer(step, device)`` runs ``step()`` and returns its time in ms (default: ``SteadyStepTimer()``, the
+            median of 10 steps after 3 of warm-up).
     """
-    device_type = device_type or next(model.parameters()).device.type
+    runs_on = next(model.parameters()).device.type
+    device_type = device_type or runs_on
+    if example is None and (loss_fn is not None or timer is not None):
+        raise ValueError("accelerate: loss_fn= and timer= time the steps of an example; pass example= too")
+    if example is not None and device_type != runs_on:
+        raise ValueError(f"accelerate: device_type={device_type!r}, but the model is on {runs_on}, where an example's "
+                         f"steps would be timed; move the model to {device_type} first, or leave device_type out")
     on_gpu = device_type == "cuda"
-    steps: list[Callable[[], Change]] = []
+    steps: list[tuple[str, Callable[[], Change]]] = []  # (what the cache knows it by, the call)
     if on_gpu:
         if sum(1 for p in model.parameters() if p.dim() == 4) > 2:  # convolutions beyond a stem (a ViT's patch one)
-            steps.append(lambda: use_channels_last(model, device_type=device_type))
+            steps.append(("channels_last", lambda: use_channels_last(model, device_type=device_type)))
         # Under Inductor GEGLU's kernel beats Inductor's code at every step size; GroupNorm+SiLU's only on large steps,
         # which a call without the data cannot see (benchmarks/RESULTS.md#sd15-gn-by-batch).
-        steps.append(lambda: fuse_kernels(model, ops=("geglu",) if compile else None, device_type=device_type))
+        ops = ("geglu",) if compile else None
+        steps.append((f"fused kernels {','.join(ops) if ops else 'all'}",
+                      lambda: fuse_kernels(model, ops=ops, device_type=device_type)))
         if _has_window_attention(model):  # Swin's biased windows; on SD's shapes PyTorch's own choice is as fast
-            steps.append(lambda: fuse_attention(model))
+            steps.append(("fused attention", lambda: fuse_attention(model)))
     if compile:
-        steps.append(lambda: compile_blocks(model, mode="reduce-overhead" if on_gpu else None, device_type=device_type))
-    changes = []
-    for step in steps:
-        change = step()
-        changes.append(change)
+        mode = "reduce-overhead" if on_gpu else None
+        steps.append((f"compiled blocks {mode}",
+                      lambda: compile_blocks(model, mode=mode, device_type=device_type)))
+    if example is None:
+        changes: Iterable[Change] = (_not_measured(call()) for _, call in steps)
+    else:
+        step = TrainingStep(model, example, loss_fn)
+        changes = _kept_if_faster(model, steps, step, timer or SteadyStepTimer(), min_gain,
+                                  cache_file(cache, "accelerate.json"))
+    done = []
+    for change in changes:
+        done.append(change)
         if echo is not None:
             echo(str(change))
-    return changes
+    return done
+
+
+def _not_measured(change: Change) -> Change:
+    if not change.changed:
+        return change
+    return replace(change, what=f"{change.what}; not measured on this model (accelerate(model, example=...) keeps it "
+                   "only where a step is faster)")
+
+
+def _kept_if_faster(model: nn.Module, steps: list[tuple[str, Callable[[], Change]]], step: TrainingStep,
+                    timer: Callable[[Callable[[], Any], torch.device], float], min_gain: float,
+                    cache_path: os.PathLike | None) -> Iterator[Change]:
+    """Each change in ``steps`` kept only where a ``step`` is faster with it than in the state before it; the times
+    come from ``cache_path`` where it has them, else from ``timer``, and go there."""
+    key = cache_key(model, step.args, step.kwargs)  # the model as it came, before any change
+    cached = read_cache(cache_path) if cache_path else {}
+    kept: list[str] = []
+    current_ms: float | None = None  # the step time of the state so far, once timed
+
+    def time_step() -> float:
+        return timer(step, step.device)
+
+    with step.leaving_the_model_as_it_was():
+        for label, call in steps:
+            entry_key = f"{key} | {label} after {', '.join(kept) or 'nothing'}"
+            entry = cached.get(entry_key)
+            if not isinstance(entry, dict) or "without_ms" not in entry:  # none, or another version's: time it
+                entry = None
+            change = call()
+            if not change.changed:
+                yield change
+                continue
+            if change.undo is None:  # nothing to compare it with: applied as without an example
+                yield _not_measured(change)
+                continue
+            if entry is not None:
+                decision = KeepDecision.from_cache(entry, min_gain)
+                if not decision.kept:
+                    change.undo()
+                # a kept change's cached time is another run's: time this state again where a later change needs it
+                current_ms = None if decision.kept else current_ms
+            else:
+                if current_ms is None:  # the state before this change is not timed yet
+                    change.undo()
+                    current_ms = _time_the_example(time_step)
+                    change = call()
+                # applied (to see whether it changed anything): keep_if_faster times it, and undoes it if not faster
+                decision = keep_if_faster(lambda applied=change: applied, lambda applied: applied.undo(), time_step,
+                                          without_ms=current_ms, min_gain=min_gain)
+                if cache_path:
+                    write_cache(cache_path, entry_key, decision.cache_entry())
+                if decision.kept:
+                    current_ms = decision.with_ms
+            if decision.kept:
+                kept.append(label)
+            yield _decided(change, replace(decision, applied=None), step.where, min_gain, cache_path)
+
+
+def _time_the_example(time_step: Callable[[], float]) -> float:
+    """Times the state the changes kept so far; a step failing there is the example's fault, and said so."""
+    try:
+        return time_step()
+    except Exception as exc:
+        if str(exc).startswith("accelerate:"):  # TrainingStep's own message
+            raise
+        message = (f"accelerate: a training step on the example failed ({type(exc).__name__}: {exc}). example= is "
+                   "what the model is called with: a tensor, a tuple of positional arguments or a dict of keyword "
+                   "arguments (of an (inputs, labels) batch pass the inputs, and use the labels in loss_fn)")
+        try:
+            said = type(exc)(message)
+        except Exception:  # an exception type that takes other arguments
+            said = RuntimeError(message)
+        raise said from exc
+
+
+def _decided(change: Change, decision: KeepDecision, where: str, min_gain: float,
+             cache_path: os.PathLike | None) -> Change:
+    """``change`` as the decision left it: kept, with both times after what it did; or left out, said with both times
+    (what it would have done in the details)."""
+    verdict = decision.verdict(where)
+    details = [change.details] if change.details else []
+    if decision.cached:
+        details.append(f"  times cached in {cache_path}; delete the entry or pass cache=False to time again")
+    if decision.kept:
+        return replace(change, what=f"{change.what}; {verdict}", details="\n".join(details), decision=decision)
+    why = f"kept only where it makes a step over {100 * min_gain:g}% faster; where it does: {change.why}"
+    return replace(change, what=verdict, why=why, changed=False, handle=None, undo=None, decision=decision,
+                   details="\n".join([f"  undone: {change.what}", *details]))
 
 
 def create_timm_model(name: str, *, image_size: int | None = None, **kwargs: Any) -> nn.Module:

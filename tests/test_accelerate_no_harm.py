@@ -1,0 +1,340 @@
+"""``accelerate(model, example=...)`` keeps a change only where a training step measures faster with it, undoes the
+others and says so with both times, and caches the times; ``keep_if_faster`` is that rule for any change.
+
+No test depends on this machine's timings: the steps advance a fake clock (``Tick`` modules cost what they are
+told), or the timer reads the model's state; no test compiles (a block compiled in place compiles on its first call,
+and no compiled block is called here).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from gallery_lib.accel import your_model
+from gallery_lib.accel.keep_if_faster import SteadyStepTimer, TrainingStep, keep_if_faster
+from gallery_lib.accel.your_model import Change, accelerate, compile_blocks, fuse_kernels, use_channels_last
+
+
+@pytest.fixture(autouse=True)
+def _no_cpu_compile_check(monkeypatch):
+    """No compiled block runs in these tests, so the check of this machine's C++ compiler that compiling blocks on a
+    CPU starts with (a build of a few seconds) is skipped."""
+    monkeypatch.setattr("gallery_lib.accel.compile.regional.use_safe_cpu_codegen", lambda: None)
+
+
+class FakeClock:
+    """Seconds that only ``Tick`` modules advance."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Tick(nn.Module):
+    """Costs ``ms`` on the fake clock per forward, and counts its calls."""
+
+    def __init__(self, clock: FakeClock, ms: float) -> None:
+        super().__init__()
+        self.clock, self.ms, self.calls = clock, ms, 0
+
+    def forward(self, x):
+        self.clock.now += self.ms / 1000
+        self.calls += 1
+        return x
+
+
+class Block(nn.Module):
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.norm, self.fc = nn.LayerNorm(width), nn.Linear(width, width)
+
+    def forward(self, x):
+        return x + self.fc(self.norm(x))
+
+
+class TinyNet(nn.Module):
+    """A stem, two repeated blocks, a part that costs 5 ms and the rest 10 ms on the fake clock."""
+
+    def __init__(self, clock: FakeClock) -> None:
+        super().__init__()
+        self.stem, self.blocks, self.head = nn.Linear(8, 16), nn.Sequential(Block(), Block()), nn.Linear(16, 3)
+        self.base, self.part = Tick(clock, 10), Tick(clock, 5)
+
+    def forward(self, x):
+        return self.head(self.part(self.blocks(self.base(self.stem(x)))))
+
+
+def _net(seed: int = 0) -> tuple[TinyNet, FakeClock]:
+    torch.manual_seed(seed)
+    clock = FakeClock()
+    return TinyNet(clock), clock
+
+
+def _fake_change(ms: float):
+    """Stands in for ``compile_blocks`` (the one change ``accelerate`` makes on a CPU): swaps the model's 5 ms part for
+    one that costs ``ms``; undone by putting the part back."""
+    def swap(model, **_):
+        original = model.part
+        model.part = Tick(original.clock, ms)
+        return Change("compiled blocks", f"the 5 ms part swapped for a {ms:g} ms one", "a fake", "nowhere#fake",
+                      undo=lambda: setattr(model, "part", original))
+    return swap
+
+
+def _judged(change: Change) -> tuple:
+    """The decision's verdict, times (to 0.1 ms: the fake clock's seconds are floats) and whether they were cached."""
+    d = change.decision
+    return d.kept, round(d.with_ms, 1), round(d.without_ms, 1), d.cached
+
+
+class CountingTimer:
+    """``SteadyStepTimer`` on the fake clock (one warm-up step, three timed), counting the states it timed."""
+
+    def __init__(self, clock: FakeClock) -> None:
+        self.timer, self.calls = SteadyStepTimer(warmup_steps=1, timing_steps=3, clock=clock), 0
+
+    def __call__(self, step, device):
+        self.calls += 1
+        return self.timer(step, device)
+
+
+def test_a_change_that_slows_the_step_is_undone_and_says_so_with_both_times(monkeypatch):
+    model, clock = _net()
+    monkeypatch.setattr(your_model, "compile_blocks", _fake_change(ms=9))
+    x = torch.randn(4, 8)
+    expected, part = model(x).detach(), model.part
+    timer, said = CountingTimer(clock), []
+    [change] = accelerate(model, example=x, timer=timer, cache=False, echo=said.append)
+    assert change.what == "left out: 19.0 ms with it, 15.0 ms without (this model, batch 4, cpu)"
+    assert not change.changed and change.undo is None and said == [str(change)]
+    assert _judged(change) == (False, 19.0, 15.0, False)
+    assert "undone: the 5 ms part swapped for a 9 ms one" in change.details
+    assert model.part is part and timer.calls == 2  # the state before it, then with it
+    assert model.base.calls == 1 + 2 * 4  # the call above, then 4 steps per timing
+    torch.testing.assert_close(model(x), expected)
+
+
+def test_a_change_that_speeds_the_step_is_kept(monkeypatch):
+    model, clock = _net()
+    monkeypatch.setattr(your_model, "compile_blocks", _fake_change(ms=1))
+    [change] = accelerate(model, example=torch.randn(4, 8), timer=CountingTimer(clock), cache=False, echo=None)
+    assert change.changed and _judged(change) == (True, 11.0, 15.0, False)
+    assert change.what == ("the 5 ms part swapped for a 1 ms one; kept: 11.0 ms with it, 15.0 ms without (this model, "
+                           "batch 4, cpu)")
+    assert model.part.ms == 1 and change.undo is not None
+    change.undo()
+    assert model.part.ms == 5
+
+
+def test_a_gain_within_the_noise_leaves_the_model_as_it_was(monkeypatch):
+    """15.0 against 14.8 ms is 1.4%: under the 2% a change must gain, so it is undone; ``min_gain`` moves the bar."""
+    model, clock = _net()
+    monkeypatch.setattr(your_model, "compile_blocks", _fake_change(ms=4.8))
+    [change] = accelerate(model, example=torch.randn(4, 8), timer=CountingTimer(clock), cache=False, echo=None)
+    assert not change.changed and model.part.ms == 5
+    [change] = accelerate(model, example=torch.randn(4, 8), timer=CountingTimer(clock), cache=False, echo=None,
+                          min_gain=0.01)
+    assert change.changed and model.part.ms == 4.8
+
+
+def test_the_times_are_cached_and_a_second_call_times_nothing(monkeypatch, tmp_path):
+    cache = tmp_path / "accelerate.json"
+    monkeypatch.setattr(your_model, "compile_blocks", _fake_change(ms=1))
+    model, clock = _net()
+    first = CountingTimer(clock)
+    [change] = accelerate(model, example=torch.randn(4, 8), timer=first, cache=cache, echo=None)
+    assert first.calls == 2 and change.changed and not change.decision.cached
+    again, clock = _net()  # a fresh copy of the same model, the same shapes
+    second = CountingTimer(clock)
+    [cached] = accelerate(again, example=torch.randn(4, 8), timer=second, cache=cache, echo=None)
+    assert second.calls == 0 and again.base.calls == 0  # no step ran
+    assert cached.changed and again.part.ms == 1 and _judged(cached) == (True, 11.0, 15.0, True)
+    assert cached.what.endswith("(this model, batch 4, cpu; cached)") and str(cache) in cached.details
+    # the times are cached, not the verdict: a higher bar undoes the change without timing it again
+    model, clock = _net()
+    [undone] = accelerate(model, example=torch.randn(4, 8), timer=second, cache=cache, echo=None, min_gain=0.5)
+    assert second.calls == 0 and not undone.changed and model.part.ms == 5
+    # another batch size is another key: timed
+    model, clock = _net()
+    third = CountingTimer(clock)
+    accelerate(model, example=torch.randn(2, 8), timer=third, cache=cache, echo=None)
+    assert third.calls == 2
+
+
+def test_a_compiled_block_that_is_not_faster_is_compiled_no_more():
+    """The real ``compile_blocks`` on a CPU, judged by a timer that reads the model: undone, the blocks run eagerly
+    again; judged faster, they stay compiled. (The timer runs no step, so nothing compiles.)"""
+    def compiled(model):
+        return all(block._compiled_call_impl is not None for block in model.blocks)
+
+    for compiled_ms, kept in ((12.0, False), (8.0, True)):
+        model, _ = _net()
+        [change] = accelerate(model, example=torch.randn(4, 8), cache=False, echo=None,
+                              timer=lambda step, device, m=model: compiled_ms if compiled(m) else 10.0)
+        assert change.name == "compiled blocks" and change.changed is kept and compiled(model) is kept
+        assert change.what.startswith("2 blocks compiled in place" if kept else f"left out: {compiled_ms:.1f} ms")
+
+
+def test_a_change_that_breaks_the_step_is_left_out_with_the_error(monkeypatch):
+    def breaks(model, **_):
+        model.part.forward = lambda x: x.view(-1, 7)  # 4 x 16 values do not reshape to 7 columns
+        return Change("compiled blocks", "a broken part", "a fake", "nowhere#fake",
+                      undo=lambda: vars(model.part).pop("forward"))
+    monkeypatch.setattr(your_model, "compile_blocks", breaks)
+    model, clock = _net()
+    [change] = accelerate(model, example=torch.randn(4, 8), timer=CountingTimer(clock), cache=False, echo=None)
+    assert not change.changed and change.what.startswith("left out: the step failed with it (RuntimeError: ")
+    assert change.what.endswith("; 15.0 ms without (this model, batch 4, cpu)") and "forward" not in vars(model.part)
+
+
+def test_nothing_to_change_returns_as_before_and_times_nothing(monkeypatch):
+    model, clock = _net()
+    timer = CountingTimer(clock)
+    assert accelerate(model, example=torch.randn(4, 8), compile=False, timer=timer, echo=None) == []
+    unchanged = Change("compiled blocks", "nothing to compile", "a fake", "nowhere#fake", changed=False)
+    monkeypatch.setattr(your_model, "compile_blocks", lambda model, **_: unchanged)
+    assert accelerate(model, example=torch.randn(4, 8), timer=timer, echo=None) == [unchanged]
+    assert timer.calls == 0 and model.base.calls == 0
+
+
+def test_without_an_example_the_changes_apply_as_before_and_say_they_were_not_measured():
+    model, _ = _net()
+    said = []
+    [change] = accelerate(model, echo=said.append)
+    assert change.changed and change.decision is None and said == [str(change)]
+    assert change.what.startswith("2 blocks compiled in place (2 Block); compilation happens in the first steps")
+    assert change.what.endswith("; not measured on this model (accelerate(model, example=...) keeps it only where a "
+                                "step is faster)")
+    assert all(block._compiled_call_impl is not None for block in model.blocks)
+    with pytest.raises(ValueError, match="loss_fn= and timer= time the steps of an example; pass example= too"):
+        accelerate(model, loss_fn=lambda out: out.mean())
+
+
+def test_the_timed_steps_leave_weights_gradients_buffers_and_random_state_as_they_were(monkeypatch):
+    torch.manual_seed(0)
+    clock = FakeClock()
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Dropout(0.5), Tick(clock, 10), nn.Flatten(),
+                          nn.LazyLinear(2))
+    x = torch.randn(2, 3, 6, 6)
+    model(x).sum().backward()  # a gradient the user has, and running statistics moved once
+    monkeypatch.setattr(your_model, "compile_blocks", lambda model, **_: Change(
+        "compiled blocks", "a no-op", "a fake", "nowhere#fake", undo=lambda: None))
+    before = copy.deepcopy(model.state_dict())
+    grads = [p.grad.clone() for p in model.parameters()]
+    rng = torch.get_rng_state()
+    accelerate(model, example=x, timer=CountingTimer(clock), cache=False, echo=None)
+    assert torch.equal(torch.get_rng_state(), rng)
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, before[name]), name  # weights and BatchNorm's running statistics
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads))
+
+
+def test_the_changes_undo_what_they_did():
+    """What ``accelerate`` undoes when a change loses: channels_last, a kernel swap, compiled blocks."""
+    torch.manual_seed(0)
+    convnet = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 8, 3), nn.Flatten(), nn.LazyLinear(2))
+    x = torch.randn(2, 3, 9, 9)
+    expected = convnet(x)
+    layout = use_channels_last(convnet)
+    assert convnet[0].weight.is_contiguous(memory_format=torch.channels_last) and not convnet[0].weight.is_contiguous()
+    layout.undo()
+    assert all(p.is_contiguous() for p in convnet.parameters())
+    torch.testing.assert_close(convnet(x), expected)
+
+    model, _ = _net()
+    norm = model.blocks[0].norm
+    kernels = fuse_kernels(model)
+    assert kernels.changed and type(model.blocks[0].norm).__name__ == "FusedLayerNorm"
+    kernels.undo()
+    assert model.blocks[0].norm is norm
+    blocks = compile_blocks(model)
+    assert all(b._compiled_call_impl is not None for b in model.blocks)
+    blocks.undo()
+    assert all(b._compiled_call_impl is None for b in model.blocks)
+
+
+def test_the_example_is_fed_in_the_layout_of_the_weights():
+    """channels_last weights get channels_last images, as ``use_channels_last`` asks of a loop."""
+    seen = []
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 2))
+    model[0].register_forward_pre_hook(lambda m, args: seen.append(args[0].is_contiguous()))
+    step = TrainingStep(model, torch.randn(2, 3, 6, 6))
+    step()
+    use_channels_last(model)
+    step()
+    assert seen == [True, False]
+
+
+def test_bad_input_is_said_with_what_to_do():
+    model, _ = _net()
+    with pytest.raises(ValueError, match=r"the example is on meta but the model is on cpu; move one to the other"):
+        accelerate(model, example=torch.randn(4, 8, device="meta"), echo=None)
+    with pytest.raises(TypeError, match="example= is what the model is called with .* got str"):
+        accelerate(model, example="images", echo=None)
+    with pytest.raises(ValueError, match="device_type='cuda', but the model is on cpu, where an example's steps"):
+        accelerate(model, example=torch.randn(4, 8), device_type="cuda", echo=None)
+    pair = (torch.randn(4, 8), torch.randint(0, 3, (4,)))
+    with pytest.raises(TypeError, match=r"failed \(TypeError: .*of an \(inputs, labels\) batch pass the inputs"):
+        accelerate(model, example=pair, cache=False, echo=None)
+    with pytest.raises(ValueError, match=r"loss_fn returned \(4, 3\); it must return the scalar loss"):
+        accelerate(model, example=torch.randn(4, 8), loss_fn=lambda out: out, cache=False, echo=None)
+    with pytest.raises(TypeError, match="returned a dict, not a tensor; pass loss_fn="):
+        accelerate(_DictOut(), example=torch.randn(4, 8), cache=False, echo=None)
+    assert all(b._compiled_call_impl is None for b in model.blocks)  # nothing applied stays
+
+
+class _DictOut(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.Sequential(Block(8), Block(8))
+
+    def forward(self, x):
+        return {"logits": self.blocks(x)}
+
+
+def test_keep_if_faster_is_the_rule_for_any_change():
+    """apply, undo and time callables: what a family's pipeline passes for a switch of its own."""
+    state = {"on": False, "undone": 0}
+
+    def apply():
+        state["on"] = True
+        return "handle"
+
+    def undo(handle):
+        assert handle == "handle"
+        state["on"], state["undone"] = False, state["undone"] + 1
+
+    for on_ms, kept in ((9.0, True), (9.9, False), (11.0, False)):
+        state["on"], times = False, []
+        decision = keep_if_faster(apply, undo, lambda: times.append(state["on"]) or (on_ms if state["on"] else 10.0))
+        assert times == [False, True] and decision.kept is kept and state["on"] is kept
+        assert (decision.with_ms, decision.without_ms, decision.applied) == (on_ms, 10.0, "handle")
+    assert state["undone"] == 2
+    times = []
+    decision = keep_if_faster(apply, undo, lambda: times.append(1) or 9.0, without_ms=12.0)
+    assert times == [1] and decision.kept  # the time before it, given, is not taken again
+
+    def fails():
+        raise RuntimeError("no kernel for this shape\nmore lines")
+    decision = keep_if_faster(apply, undo, lambda: fails() if state["on"] else 10.0, without_ms=10.0)
+    assert not decision.kept and decision.error == "RuntimeError: no kernel for this shape" and not state["on"]
+    assert decision.verdict("here") == "left out: the step failed with it (RuntimeError: no kernel for this shape); " \
+                                       "10.0 ms without (here)"
+
+
+def test_the_step_timer_times_after_its_warm_up():
+    """The first step (a compile, here 2 s on the fake clock) is not timed; the median of the timed ones is."""
+    clock, costs = FakeClock(), iter([2000, 10, 30, 20])
+
+    def step():
+        clock.now += next(costs) / 1000
+    assert SteadyStepTimer(warmup_steps=1, timing_steps=3, clock=clock)(step, torch.device("cpu")) == \
+        pytest.approx(20.0)
+    with pytest.raises(ValueError, match="timing_steps >= 2"):
+        SteadyStepTimer(timing_steps=1)
