@@ -9,6 +9,7 @@ from gallery_lib.accel import attention as attention_module
 from gallery_lib.accel.attention import backends as attention_backends
 from gallery_lib.accel.attention import (BACKENDS, BackendSelector, attention, describe, hook_diffusers_attention,
                                    hook_swin_attention, rule_choice, select_backend)
+from gallery_lib.accel.attention.gate import GateReport
 
 H100 = ("NVIDIA H100 80GB HBM3", (9, 0))
 BF16 = torch.bfloat16
@@ -47,13 +48,27 @@ class _FakeTimer:
         return self.table[q_shape[-1]][backend.name]
 
 
+class _PassingGate:
+    """The correctness gate where the tests fake a GPU: nothing runs, every backend passes
+    (tests/test_attention_gate.py checks the real gate on the CPU)."""
+
+    def __init__(self, q_shape, kv_shape, dtype, device, has_bias):
+        pass
+
+    def check(self, backend):
+        return GateReport(backend.name, {}, {})
+
+    def summary(self):
+        return {}
+
+
 def _fake_selector(tmp_path=None, installed_all=True, monkeypatch=None):
     if installed_all and monkeypatch is not None:  # pretend FA2/FA3 are installed so their constraints matter
         import dataclasses
         for name in ("flash_attn", "flash_attn3"):
             monkeypatch.setitem(BACKENDS, name, dataclasses.replace(BACKENDS[name], installed=True))
     path = tmp_path / "attn.json" if tmp_path else None
-    return BackendSelector(cache_path=path, timer=_FakeTimer(), device_info=lambda d: H100)
+    return BackendSelector(cache_path=path, timer=_FakeTimer(), device_info=lambda d: H100, gate=_PassingGate)
 
 
 def test_constraints_name_the_problem():
@@ -121,9 +136,20 @@ def test_cache_is_reused_and_persisted(tmp_path, monkeypatch):
     reloaded = BackendSelector(cache_path=tmp_path / "attn.json", timer=_FakeTimer(), device_info=lambda d: H100)
     assert reloaded.select((8, 8, 256, 160), BF16, "cuda", False, kv_shape=(8, 8, 77, 160)) == first
     assert reloaded.timer.calls == []
-    other_gpu = BackendSelector(timer=_FakeTimer(), device_info=lambda d: ("NVIDIA A100", (8, 0)))
+    other_gpu = BackendSelector(timer=_FakeTimer(), device_info=lambda d: ("NVIDIA A100", (8, 0)), gate=_PassingGate)
     other_gpu.select((8, 8, 256, 160), BF16, "cuda", False)
     assert other_gpu.timer.calls  # a different GPU name is a different key
+
+
+def test_a_cached_choice_made_before_the_gate_is_measured_again(tmp_path):
+    """A cache file written before the correctness gate holds choices nothing checked: they are chosen again."""
+    key = "(8, 8, 256, 160)|(8, 8, 256, 160)|bfloat16|NVIDIA H100 80GB HBM3|bias=False"
+    (tmp_path / "attn.json").write_text(json.dumps({key: {"backend": "cudnn", "timings_ms": {"cudnn": 0.3},
+                                                          "failed": {}}}))
+    sel = BackendSelector(cache_path=tmp_path / "attn.json", timer=_FakeTimer(), device_info=lambda d: H100,
+                          gate=_PassingGate)
+    assert sel.select((8, 8, 256, 160), BF16, "cuda", False) == "flash"  # the fake table's fastest at head dim 160
+    assert sel.timer.calls and "gate" in json.loads((tmp_path / "attn.json").read_text())[key]
 
 
 def test_cpu_rule_and_numerics():
@@ -294,6 +320,8 @@ def test_gpu_every_eligible_backend_computes_attention_and_its_gradients_in_bf16
     pytorch_own = errors(out_and_grads(torch.nn.functional.scaled_dot_product_attention, BF16))
     ran = []
     for name, backend in BACKENDS.items():
+        if name == "flash_attn4" and shape[-1] % 32:
+            continue  # its dq is known wrong there: test_attention_gate.py checks that the gate refuses it
         if backend.why_not(shape, BF16, "cuda", False, cap) is None:
             ran.append(name)
             got = errors(out_and_grads(lambda *qkv: attention(*qkv, backend=name), BF16))
