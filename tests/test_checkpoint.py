@@ -352,8 +352,8 @@ def test_resume_from_names_a_checkpoint_file_or_folder(reference, smoke_data, tm
     with pytest.raises(CheckpointError, match="no checkpoint to resume from"):
         checkpoint_at(tmp_path)  # a folder without checkpoints
     cfg = resume_cfg(smoke_data, tmp_path, resume_from=str(folder))
-    assert resume_source(cfg) == folder / "step_8.pt"
-    assert resume_source(cfg.replace(resume_from=None)) is None  # resume_from alone implies resume
+    assert resume_source(cfg.run_dir, cfg.sections.checkpoint) == folder / "step_8.pt"
+    assert resume_source(cfg.run_dir, cfg.replace(resume_from=None).sections.checkpoint) is None  # resume_from alone implies resume
     # The run's own folder holds checkpoints of an earlier run: they must not mix with those of the continued one.
     (cfg.run_dir / "checkpoints").mkdir(parents=True)
     (cfg.run_dir / "checkpoints" / LATEST).write_text("step_2.pt\n")

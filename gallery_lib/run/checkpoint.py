@@ -43,6 +43,7 @@ import torch.distributed
 
 import gallery_lib
 from gallery_lib.config import RunConfig
+from gallery_lib.config.sections import Checkpoint
 from gallery_lib.accel.distributed import DistInfo
 from gallery_lib.accel.precision import Precision
 from gallery_lib.run.sharded_checkpoint import SUFFIX as SHARDED_SUFFIX, load_sharded, save_sharded
@@ -64,8 +65,8 @@ class CheckpointError(RuntimeError):
     """The message names its fix: a stopped run shows it whole (``failure.failure_from_exception``)."""
 
 
-def checkpoint_dir(cfg: RunConfig) -> Path:
-    return cfg.run_dir / "checkpoints"
+def checkpoint_dir(run_dir: Path) -> Path:
+    return run_dir / "checkpoints"
 
 
 def resume_signature(cfg: RunConfig) -> dict[str, Any]:
@@ -80,10 +81,10 @@ def config_hash(cfg: RunConfig) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def check_fresh_start(cfg: RunConfig) -> None:
+def check_fresh_start(run_dir: Path, checkpoint: Checkpoint) -> None:
     """A fresh run that writes checkpoints refuses to mix them with those of an earlier run."""
-    directory = checkpoint_dir(cfg)
-    if cfg.checkpoint_every > 0 and (directory / LATEST).exists():
+    directory = checkpoint_dir(run_dir)
+    if checkpoint.checkpoint_every > 0 and (directory / LATEST).exists():
         raise CheckpointError(f"{directory} holds checkpoints of an earlier run: set resume=True (--resume) "
                               "to continue it, or delete that folder to start over.")
 
@@ -129,16 +130,16 @@ def write_checkpoint(state: dict[str, Any], directory: str | os.PathLike, step: 
     return path
 
 
-def resume_source(cfg: RunConfig, restarted: bool = False) -> Path | None:
+def resume_source(run_dir: Path, checkpoint: Checkpoint, restarted: bool = False) -> Path | None:
     """The checkpoint file a run continues from, ``None`` for a fresh start: after a torchrun restart the run's own
     latest, once it wrote one; else ``resume_from``'s; else, with ``resume``, the run's own latest.
     ``CheckpointError`` (saying what to pass) when the asked-for checkpoint is not there."""
-    own = checkpoint_dir(cfg)
+    own = checkpoint_dir(run_dir)
     if restarted and (own / LATEST).is_file():
         return latest_checkpoint(own)
-    if cfg.resume_from:
-        return checkpoint_at(cfg.resume_from)
-    return latest_checkpoint(own) if cfg.resume else None
+    if checkpoint.resume_from:
+        return checkpoint_at(checkpoint.resume_from)
+    return latest_checkpoint(own) if checkpoint.resume else None
 
 
 def checkpoint_at(location: str | os.PathLike) -> Path:
@@ -154,15 +155,15 @@ def checkpoint_at(location: str | os.PathLike) -> Path:
                           "the checkpoints folder that holds it, or the run folder (output/<model>/<recipe>).")
 
 
-def is_own_checkpoint(cfg: RunConfig, path: Path) -> bool:
+def is_own_checkpoint(run_dir: Path, path: Path) -> bool:
     """Whether ``path`` is in the run's own checkpoints folder (the run continues itself, appending its metrics)."""
-    return path.resolve().parent == checkpoint_dir(cfg).resolve()
+    return path.resolve().parent == checkpoint_dir(run_dir).resolve()
 
 
-def continues_itself(cfg: RunConfig) -> bool:
+def continues_itself(run_dir: Path, checkpoint: Checkpoint) -> bool:
     """Whether the run starts from a checkpoint of its own folder (``resume``, or ``resume_from`` pointing there)."""
-    source = resume_source(cfg)
-    return source is not None and is_own_checkpoint(cfg, source)
+    source = resume_source(run_dir, checkpoint)
+    return source is not None and is_own_checkpoint(run_dir, source)
 
 
 def read_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
@@ -232,14 +233,14 @@ class Checkpointer:
 
     @property
     def directory(self) -> Path:
-        return checkpoint_dir(self.cfg)
+        return checkpoint_dir(self.cfg.run_dir)
 
     def due(self, step: int) -> bool:
         """Whether a periodic checkpoint is written after ``step`` completed steps."""
         return self.cfg.checkpoint_every > 0 and step % self.cfg.checkpoint_every == 0
 
     def check_fresh_start(self) -> None:
-        check_fresh_start(self.cfg)
+        check_fresh_start(self.cfg.run_dir, self.cfg.sections.checkpoint)
 
     @property
     def sharded(self) -> bool:

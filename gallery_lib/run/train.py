@@ -144,7 +144,7 @@ def run(cfg: RunConfig, dist: DistInfo | None = None) -> dict:
         return train_first_that_fits(cfg, lambda attempt: _train(attempt, dist), log=log)
     if not cfg.find_batch_size:
         return _train(cfg, dist)
-    check_fresh_start(cfg)  # now, rather than after the search
+    check_fresh_start(cfg.run_dir, cfg.sections.checkpoint)  # now, rather than after the search
     search = search_run_batch_size(cfg, lambda trial: _train(trial, dist), log=log)
     cfg = at_batch_size(cfg, search["chosen"]).replace(find_batch_size=False,
                                                        extra={**cfg.extra, "batch_size_search": search})
@@ -302,8 +302,8 @@ def _exported_module(model: torch.nn.Module, ema, template: torch.nn.Module | No
 def _resume_or_start(cfg: RunConfig, dist: DistInfo, ckpt: Checkpointer, log) -> tuple[int, dict, bool]:
     """The first step, the non-finite counters and whether the run continues itself (from its own checkpoint, after
     ``resume`` or a torchrun restart), so that it appends to its metrics."""
-    source = resume_source(cfg, restarted=dist.restarts > 0)
-    own = source is not None and is_own_checkpoint(cfg, source)
+    source = resume_source(cfg.run_dir, cfg.sections.checkpoint, restarted=dist.restarts > 0)
+    own = source is not None and is_own_checkpoint(cfg.run_dir, source)
     if not own:  # a fresh start, or one from another run's checkpoint: this run's folder must hold none of its own
         ckpt.check_fresh_start()
     if source is None:
