@@ -21,6 +21,7 @@ _PUBLIC = {
     "summarize": "gallery_lib.app.workflow",
     "model_step_config": "gallery_lib.app.workflow",
     "config_controls": "gallery_lib.reports.widgets",
+    "notebook_recipes": "gallery_lib.recipes.named",
     "dataset_preview": "gallery_lib.reports.sampling",
     "dreambooth_preview": "gallery_lib.reports.sampling",
     "load_pipeline": "gallery_lib.reports.sampling",

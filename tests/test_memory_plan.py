@@ -369,3 +369,10 @@ def test_probed_settings_start_the_precompile_workers_that_fit(monkeypatch):
     plan = MemoryPlan.from_dict(cfg.extra[PLAN])
     assert plan.chosen is None and plan.probe[0] == Candidate(8, 1, False)
     assert cfg.compile_scope == "blocks" and cfg.precompile_workers == plan.precompile_workers == 2  # 22 - 11.8 = 2 x 3.5
+
+
+def test_notebooks_run_the_peer_on_a_gpu_only(monkeypatch):
+    from gallery_lib import notebook_recipes
+
+    assert notebook_recipes(sd_full()) == ["baseline", "compiled", "accelerated"]
+    assert notebook_recipes(on_a_gpu(monkeypatch)) == ["baseline", "compiled", "peer", "accelerated"]

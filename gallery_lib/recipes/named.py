@@ -97,6 +97,12 @@ def accelerated(base: RunConfig) -> RunConfig:
     return cfg
 
 
+def notebook_recipes(base: RunConfig) -> list[str]:
+    """What a family's notebook runs by default: ``baseline``, ``compiled`` and ``accelerated``, and on a GPU also
+    ``peer``, the bar README's comparison is against (on a CPU its speed means nothing, and its compile costs time)."""
+    return ["baseline", "compiled", *(["peer"] if runs_on_gpu(base) else []), "accelerated"]
+
+
 def runs_on_gpu(base: RunConfig) -> bool:
     """Whether runs of ``base`` train on a GPU here (``device`` resolved on this machine)."""
     return resolve_device(base.device, visible_cuda_devices()) == "cuda"
