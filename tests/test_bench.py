@@ -389,11 +389,14 @@ def test_every_benchmark_result_file_opens_with_its_command_and_commit(monkeypat
 
 
 def test_default_result_file_names_the_gpu_and_date_and_never_overwrites(monkeypatch, tmp_path):
+    """Under ``output/`` of the current directory, as ``gallery run``'s runs: not in the source tree, which an
+    installed wheel does not have (committed numbers are written to benchmarks/results/ with --out)."""
     from gallery_lib.app.bench import default_out_path, out_path
 
     monkeypatch.chdir(tmp_path)
     first = default_out_path("NVIDIA H100 80GB HBM3", "2026-11-24")
-    assert str(first) == "benchmarks/results/bench-nvidia-h100-80gb-hbm3-2026-11-24.json"
+    assert str(first) == "output/bench/bench-nvidia-h100-80gb-hbm3-2026-11-24.json"
+    assert out_path(None, None).parent == Path("output/bench")
     first.parent.mkdir(parents=True)
     first.write_text("{}")
     second = default_out_path("NVIDIA H100 80GB HBM3", "2026-11-24")

@@ -5,9 +5,9 @@ CUDA-event step times after warm-up (median with p20/p80), compile time apart. E
 batch of the model's real shapes, reused every step (``workflow.model_step_config``), so the data pipeline does not
 set the pace. A run that fails (out of memory, say) becomes a row with an ``error`` and the bench goes on.
 
-The result file (``benchmarks/results/bench-<gpu>-<date>.json``: the machine, the command, one row per run) and its
-figure are rewritten after every run, so a bench stopped by a time limit keeps what it measured. Which of the speed
-goals the rows meet is judged from the rows alone (``reports/bench_goals.py``).
+The result file (``output/bench/bench-<gpu>-<date>.json`` unless ``--out`` names another: the machine, the command,
+one row per run) and its figure are rewritten after every run, so a bench stopped by a time limit keeps what it
+measured. Which of the speed goals the rows meet is judged from the rows alone (``reports/bench_goals.py``).
 
 Everything is resolved and checked before the first run: a typo in a model, a recipe or a batch size fails at once.
 """
@@ -29,7 +29,14 @@ from gallery_lib.reports.provenance import source_version
 DEFAULT_RECIPES = ("baseline", "compiled", "peer", "accelerated")
 GPU_TIMED_STEPS = 30
 """Timed steps after warm-up on a GPU, at least: enough for a median and p20/p80 that hold from run to run."""
-RESULTS_DIR = Path("benchmarks/results")
+OUTPUT_DIR = Path("output/bench")
+"""Where result files go by default, under the current directory as ``gallery run``'s ``output/``: a user's runs stay
+out of the source tree (the numbers committed to ``benchmarks/results/`` are written there with ``--out``)."""
+STEP_TIMING = ("the training step alone on one reused batch; CUDA events per step after warm-up (wall clock on a CPU); "
+               "median with p20/p80; compile_s = warm-up steps + precompilation, shorter when an earlier run of the "
+               "bench left the same graphs in Inductor's cache; to_steady_s = precompilation + the warm-up steps up to "
+               "the last one over 1.1x the median; compile_caches = cold (the run or its precompile workers compiled) "
+               "or warm (it loaded all from the caches)")
 
 
 def resolve_models(names: Sequence[str], profile: str) -> list[str]:
@@ -173,24 +180,19 @@ def run_bench(runs: Sequence[RunConfig], out: Path, *, command: str, profile: st
         record["rows"].append(row)
         record["device"] = record["device"] or row.get("device")
         record["goals"] = [goal.as_dict() for goal in check_goals(record["rows"])]
-        _write(record, out)
+        write_record(record, out)
         write_figure(record, out.with_suffix(".png"))
     return record
 
 
-def machine_record(command: str, profile: str) -> dict:
-    """The header of a result file: what ran, where, with which software."""
+def machine_record(command: str, profile: str | None, timing: str = STEP_TIMING) -> dict:
+    """The header of a result file: what ran, where, with which software, and how it was timed (``timing``)."""
     import torch
 
     return {"command": command, **source_version(), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-            "profile": resolve_profile(profile), "gpu": gpu_name(), "device": None, "torch": torch.__version__,
-            "triton": _version("triton", "pytorch-triton"), "python": platform.python_version(),
-            "timing": "the training step alone on one reused batch; CUDA events per step after warm-up (wall clock on "
-                      "a CPU); median with p20/p80; compile_s = warm-up steps + precompilation, shorter when an "
-                      "earlier run of the bench left the same graphs in Inductor's cache; to_steady_s = "
-                      "precompilation + the warm-up steps up to the last one over 1.1x the median; compile_caches "
-                      "= cold (the run or its precompile workers compiled) or warm (it loaded all from the caches)",
-            "rows": [], "goals": []}
+            "profile": resolve_profile(profile) if profile else None, "gpu": gpu_name(), "device": None,
+            "torch": torch.__version__, "triton": _version("triton", "pytorch-triton"),
+            "python": platform.python_version(), "timing": timing, "rows": [], "goals": []}
 
 
 def result_row(cfg: RunConfig, summary: dict) -> dict:
@@ -227,24 +229,29 @@ def error_row(cfg: RunConfig, message: str) -> dict:
             "error_detail": message[-1500:], "run_dir": str(cfg.run_dir)}
 
 
-def out_path(out: str | None, gpu: str | None) -> Path:
+def out_path(out: str | None, gpu: str | None, name: str = "bench") -> Path:
     """``--out``: a file, or a folder for the default name (a GPU machine's output folder, say); default:
-    ``benchmarks/results/bench-<gpu-slug>-<date>.json``."""
+    ``output/bench/<name>-<gpu-slug>-<date>.json`` under the current directory."""
     if out and not Path(out).is_dir():
         return Path(out)
-    return default_out_path(gpu, folder=Path(out) if out else RESULTS_DIR)
+    return default_out_path(gpu, folder=Path(out) if out else OUTPUT_DIR, name=name)
 
 
-def default_out_path(gpu: str | None, date: str | None = None, folder: Path = RESULTS_DIR) -> Path:
-    """``<folder>/bench-<gpu-slug>-<date>.json``, numbered (``-2``, ...) rather than overwriting a bench run earlier
-    that day."""
-    slug = re.sub(r"[^a-z0-9]+", "-", (gpu or "cpu").lower()).strip("-")
-    stem = f"bench-{slug}-{date or time.strftime('%Y-%m-%d')}"
+def default_out_path(gpu: str | None, date: str | None = None, folder: Path = OUTPUT_DIR,
+                     name: str = "bench") -> Path:
+    """``<folder>/<name>-<gpu-slug>-<date>.json`` (``cpu`` for the slug without a GPU), numbered (``-2``, ...) rather
+    than overwriting a bench run earlier that day."""
+    stem = f"{name}-{slug(gpu or 'cpu')}-{date or time.strftime('%Y-%m-%d')}"
     path, n = folder / f"{stem}.json", 1
     while path.exists():
         n += 1
         path = folder / f"{stem}-{n}.json"
     return path
+
+
+def slug(text: str) -> str:
+    """``NVIDIA H100 80GB HBM3`` as a file name takes it: ``nvidia-h100-80gb-hbm3``."""
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
 
 
 def gpu_name() -> str | None:
@@ -267,7 +274,8 @@ def _version(*packages: str) -> str | None:
     return None
 
 
-def _write(record: dict, out: Path) -> None:
+def write_record(record: dict, out: Path) -> None:
+    """Writes ``record`` to ``out`` as JSON through a temporary file, so a reader never sees half of it."""
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")

@@ -239,6 +239,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from gallery_lib.reports.bench_goals import describe_goals
     from gallery_lib.app import bench
 
+    if args.timm_model is not None:
+        return cmd_bench_timm(args)
+    for flag in ("image_size", "steps"):
+        if getattr(args, flag) is not None:
+            raise ConfigError(f"--{flag.replace('_', '-')} is for --timm-model: a family's model runs at its "
+                              "profile's size and steps (--batch-size, --warmup-steps and --timed-steps change them).")
     models = bench.resolve_models(_recipe_list(args.models or ""), args.profile)
     recipes = _recipe_list(args.recipes)
     if not recipes:
@@ -254,29 +260,68 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_timm(args: argparse.Namespace) -> int:
+    from gallery_lib.app import bench, bench_timm
+
+    given = [f"--{flag.replace('_', '-')}" for flag, default in _FAMILY_BENCH_FLAGS.items()
+             if getattr(args, flag) != default]
+    if given:
+        raise ConfigError(f"--timm-model benches one timm model (eager, peer, accelerated), not the gallery's "
+                          f"families: leave out {', '.join(given)}; it takes --batch-size, --image-size, --steps, "
+                          "--warmup-steps and --out.")
+    settings = bench_timm.resolve_bench(args.timm_model, batch_size=bench_timm.parse_batch_size(args.batch_size),
+                                        image_size=args.image_size, steps=args.steps, warmup_steps=args.warmup_steps)
+    gpu = bench.gpu_name() if settings.device == "cuda" else None
+    out = bench.out_path(args.out, gpu, name=f"timm-{bench.slug(settings.model)}")
+    record = bench_timm.run_timm_bench(settings, out, command=args.command_line)
+    print(f"\n{bench_timm.timm_table(record)}")
+    written = [str(path) for path in (out, out.with_suffix(".md"), out.with_suffix(".png")) if path.exists()]
+    print(f"\nwrote {', '.join(written)}")
+    failed = [row for row in record["rows"] if "error" in row]
+    for row in failed:
+        print(f"gallery: {row['variant']}: {row['error']}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+_FAMILY_BENCH_FLAGS = {"models": None, "recipes": BENCH_RECIPES, "profile": "auto", "processes": None,
+                       "timed_steps": None, "set": [], "data_root": "data", "output_dir": "output/bench"}
+"""The flags of a bench of the gallery's families, at their defaults: ``--timm-model`` refuses any other value."""
+
+
 def _add_bench_flags(p: argparse.ArgumentParser) -> None:
+    defaults = _FAMILY_BENCH_FLAGS
+    _flag(p, "timm_model", metavar="NAME",
+          help="bench a timm model instead of the families: eager, peer (torch.compile, on a GPU with CUDA graphs and "
+               "channels_last for a convolutional network) and accelerate(model), from the same initial weights "
+               "through one plain loop; takes --batch-size, --image-size, --steps, --warmup-steps and --out")
     _flag(p, "models", help="comma-separated gallery models, or family shortcuts meaning the profile's model of a "
                             "family: sd, swin, resnet, dreambooth (default: every family's)")
-    _flag(p, "recipes", default=BENCH_RECIPES,
+    _flag(p, "recipes", default=defaults["recipes"],
           help="comma-separated; a recipe with fields changed as RECIPE+FIELD=VALUE, e.g. accelerated+ema=off "
                f"(default: {BENCH_RECIPES})")
     _flag(p, "batch_size", action="append", default=[], metavar="[MODEL=]SIZES",
           help="comma-separated batch sizes for every model (32,48), or for one (sd=32,48); repeatable "
-               "(default: the profile's)")
-    _flag(p, "profile", choices=PROFILES, default="auto",
+               "(default: the profile's); with --timm-model one size (default: 128 on a GPU, 4 on a CPU)")
+    _flag(p, "image_size", type=int, help="with --timm-model: the image size (default: 224 on a GPU, 32 on a CPU)")
+    _flag(p, "steps", type=int, help="with --timm-model: steps per variant, warm-up included (default: 60 on a GPU, "
+                                     "6 on a CPU)")
+    _flag(p, "profile", choices=PROFILES, default=defaults["profile"],
           help="smoke: the tiny models on a CPU; full: the GPU models; auto: full when a GPU is visible")
     _flag(p, "processes", metavar="COUNTS",
           help="comma-separated process counts (GPUs) to run each recipe at, e.g. 1,2: the table gives the scaling "
                "over one process (default: nproc_per_node, 1)")
-    _flag(p, "warmup_steps", type=int, help="untimed steps first, compilation included (default: the profile's)")
+    _flag(p, "warmup_steps", type=int, help="untimed steps first, compilation included (default: the profile's; "
+                                             "with --timm-model 25 on a GPU, 3 on a CPU)")
     _flag(p, "timed_steps", type=int, help="steps timed after warm-up (default: 30 on a GPU, at least that; the "
                                             "profile's on a CPU)")
     _flag(p, "set", action="append", default=[], metavar="FIELD=VALUE",
           help="any RunConfig field, flat or dotted (lr or optimizer.lr), for every run (repeatable)")
-    _flag(p, "data_root", default="data", help="where each model's mock data is prepared (default: data)")
-    _flag(p, "output_dir", default="output/bench", help="the runs' output root (default: output/bench)")
-    _flag(p, "out", help="the result file, or a folder to write it in (default: benchmarks/results/"
-                         "bench-<gpu>-<date>.json); its figure is written beside it as .png")
+    _flag(p, "data_root", default=defaults["data_root"],
+          help="where each model's mock data is prepared (default: data)")
+    _flag(p, "output_dir", default=defaults["output_dir"], help="the runs' output root (default: output/bench)")
+    _flag(p, "out", help="the result file, or a folder to write it in (default: output/bench/bench-<gpu>-<date>.json, "
+                         "with --timm-model output/bench/timm-<model>-<gpu>-<date>.json); its figure is written "
+                         "beside it as .png (and, with --timm-model, its table as .md)")
 
 
 def build_parser() -> argparse.ArgumentParser:

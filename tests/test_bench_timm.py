@@ -1,0 +1,180 @@
+"""``gallery bench --timm-model``: a timm model's eager, peer and accelerated variants through one loop, the files it
+writes, its refusal of bad input before anything is built, and where result files go by default."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from matplotlib.axes import Axes
+
+from gallery_lib.app import bench_timm
+from gallery_lib.app.bench import out_path
+from gallery_lib.app.bench_timm import apply_variant, resolve_bench, timm_table
+from gallery_lib.app.cli import main
+from gallery_lib.config import ConfigError
+from gallery_lib.reports.comparison import CPU_TIMINGS
+
+ROW_FIELDS = {"model", "variant", "batch_size", "image_size", "samples_per_s", "median_step_ms", "p20_step_ms",
+              "p80_step_ms", "warmup_s", "peak_reserved_gib", "final_loss", "loss_difference", "over_peer",
+              "timed_steps", "warmup_steps", "changes"}
+RATIO = re.compile(r"\d\.\d\dx")
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """One intra-op thread, as each xdist worker has: on 2 shared cores two threads can wait on each other for a
+    second a step."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def traced_not_compiled(monkeypatch):
+    """``module.compile`` (the peer's call, and ``accelerate``'s for each block) traced by Dynamo and AOTAutograd but
+    run without Inductor's C++ code: the same graphs, seconds instead of a minute on 2 cores."""
+    compile_module = torch.nn.Module.compile
+
+    def traced(self, *args, mode=None, **kwargs):
+        return compile_module(self, *args, **{**kwargs, "backend": "aot_eager"})
+
+    monkeypatch.setattr(torch.nn.Module, "compile", traced)
+
+
+@pytest.fixture
+def no_speed_bars(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("a bar was drawn on a CPU")
+
+    monkeypatch.setattr(Axes, "bar", refuse)
+
+
+def test_cpu_bench_writes_three_variants_a_table_and_a_figure(traced_not_compiled, no_speed_bars, tmp_path, capsys):
+    model = "test_resnet"  # timm's own tiny ResNet: the three variants' tracing in seconds
+    out = tmp_path / "timm.json"
+    argv = ["bench", "--timm-model", model, "--batch-size", "2", "--image-size", "32", "--steps", "3",
+            "--warmup-steps", "1", "--out", str(out)]
+    assert main(argv) == 0
+    record = json.loads(out.read_text())
+    assert record["command"] == "gallery " + " ".join(argv) and record["source_sha256"] and "commit" in record
+    assert record["device"] == "CPU" and record["timm_model"] == model and record["torch"] and record["date"]
+    assert record["accelerated_over_peer"] is None and record["note"] == f"{CPU_TIMINGS}."
+    rows = record["rows"]
+    assert [r["variant"] for r in rows] == ["eager", "peer", "accelerated"]
+    for r in rows:
+        assert ROW_FIELDS <= set(r) and r["model"] == model and (r["batch_size"], r["image_size"]) == (2, 32)
+        assert r["samples_per_s"] > 0 and r["p20_step_ms"] <= r["median_step_ms"] <= r["p80_step_ms"]
+        assert (r["timed_steps"], r["warmup_steps"]) == (2, 1) and r["warmup_s"] > 0
+        assert r["peak_reserved_gib"] is None and r["over_peer"] is None  # no GPU memory, no ratio on a CPU
+        assert math.isfinite(r["final_loss"]) and r["loss_difference"] < 1e-2  # the same weights, the same batches
+    assert rows[0]["changes"] == [] and rows[1]["changes"] == ["torch.compile of the whole model"]
+    assert [c.split(":")[0] for c in rows[2]["changes"]] == ["compiled blocks"]  # accelerate's, as it said them
+    table = out.with_suffix(".md").read_text()
+    assert table == timm_table(record) + "\n" and "| accelerated |" in table and "n/a on CPU" in table
+    assert CPU_TIMINGS in table and not RATIO.search(table)
+    assert out.with_suffix(".png").stat().st_size > 10_000  # step times step by step, and the losses
+    printed = capsys.readouterr().out
+    assert table.strip() in printed and f"wrote {out}" in printed
+
+
+def test_a_variant_that_fails_is_a_row_with_its_error_and_the_others_still_run(monkeypatch, tmp_path, capsys):
+    def peer_out_of_memory(variant, model, device):
+        if variant == "peer":
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return []
+
+    monkeypatch.setattr(bench_timm, "apply_variant", peer_out_of_memory)
+    out = tmp_path / "timm.json"
+    assert main(["bench", "--timm-model", "test_vit", "--batch-size", "2", "--steps", "2", "--warmup-steps", "1",
+                 "--out", str(out)]) == 1  # as `gallery run` ends when a recipe failed
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["variant"], r.get("error")) for r in rows] == [
+        ("eager", None), ("peer", "out of memory"), ("accelerated", None)]
+    assert "| peer | error: out of memory |" in out.with_suffix(".md").read_text()
+    assert capsys.readouterr().err == "gallery: peer: out of memory\n"
+
+
+def test_a_vit_is_built_at_the_bench_size_and_trains_through_its_loop():
+    """The notebook's CPU model at 32 px (its position embeddings sized by it): 2x2 patches of 16 px."""
+    bench = resolve_bench("vit_tiny_patch16_224", batch_size=2, image_size=32, steps=3, warmup_steps=1)
+    model = bench_timm.build_model(bench)
+    assert model.patch_embed.grid_size == (2, 2)
+    losses, times_ms = bench_timm.train(model, bench_timm.make_batches(bench), bench.steps, bench.device)
+    assert len(losses) == len(times_ms) == 3 and all(math.isfinite(loss) for loss in losses)
+
+
+@pytest.fixture
+def nothing_built(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("a model was built for bad input")
+
+    monkeypatch.setattr("timm.create_model", refuse)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--timm-model", "resnet181"], "--timm-model 'resnet181' is no timm model; did you mean resnet18?"),
+    (["--timm-model", "vit_tiny_patch16"], "is no timm model; did you mean vit_tiny_patch16_"),
+    (["--timm-model", "resnet18", "--models", "sd"], "not the gallery's families: leave out --models;"),
+    (["--timm-model", "resnet18", "--recipes", "peer", "--set", "lr=1"], "leave out --recipes, --set;"),
+    (["--timm-model", "resnet18", "--batch-size", "4,8"], "--batch-size '4,8' with --timm-model: expected one"),
+    (["--timm-model", "resnet18", "--steps", "3", "--warmup-steps", "3"], "there must be more of them than"),
+    (["--timm-model", "resnet18", "--image-size", "0"], "--image-size 0 is invalid"),
+    (["--models", "swin", "--image-size", "64"], "--image-size is for --timm-model"),
+])
+def test_bad_input_is_refused_in_one_line_before_anything_is_built(argv, message, nothing_built, capsys, tmp_path,
+                                                                   monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    start = time.perf_counter()
+    assert main(["bench", *argv]) == 2  # as `gallery run` answers a ConfigError
+    assert time.perf_counter() - start < 5
+    err = capsys.readouterr().err
+    assert err.startswith("gallery: error: ") and message in err and err.count("\n") == 1 and "Traceback" not in err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_timm_bench_result_goes_under_output_by_default_named_after_the_model(monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    assert out_path(None, "NVIDIA H200", name="timm-resnet18").parent == Path("output/bench")
+    assert out_path(None, None, name="timm-resnet18").name.startswith("timm-resnet18-cpu-")
+    assert out_path("benchmarks/results/mine.json", None) == Path("benchmarks/results/mine.json")
+
+
+def test_on_a_gpu_the_peer_adds_cuda_graphs_and_channels_last_for_a_convnet():
+    """Decided without a GPU: the calls only mark the model (compilation happens at its first step)."""
+    from gallery_lib.accel.your_model import create_timm_model
+
+    resnet = create_timm_model("resnet18", num_classes=10)
+    said = apply_variant("peer", resnet, "cuda")
+    assert said == ["channels_last: 20 conv weights in NHWC layout",
+                    'torch.compile of the whole model, mode="reduce-overhead" (CUDA graphs)']
+    assert resnet.conv1.weight.is_contiguous(memory_format=torch.channels_last)
+    vit = create_timm_model("vit_tiny_patch16_224", image_size=32, num_classes=10)
+    assert apply_variant("peer", vit, "cuda") == ['torch.compile of the whole model, mode="reduce-overhead" '
+                                                  '(CUDA graphs)']  # its one conv is the patch embedding
+    assert apply_variant("eager", resnet, "cuda") == []
+
+
+def test_gpu_sizes_are_the_notebooks_full_profile_with_at_least_30_timed_steps():
+    assert resolve_bench("resnet18", device="cuda") == bench_timm.TimmBench("resnet18", "cuda", 128, 224, 60, 25)
+    assert resolve_bench("resnet18", device="cpu") == bench_timm.TimmBench("resnet18", "cpu", 4, 32, 6, 3)
+    with pytest.raises(ConfigError, match="times 20 steps: too few on a GPU"):
+        resolve_bench("resnet18", steps=45, device="cuda")
+
+
+def test_a_gpu_table_gives_each_variant_over_the_peer():
+    rows = [dict(variant=v, samples_per_s=s, median_step_ms=1e3 * 128 / s, p20_step_ms=1.0, p80_step_ms=2.0,
+                 warmup_s=30.0, peak_reserved_gib=9.5, final_loss=6.9, over_peer=s / 2000.0)
+            for v, s in [("eager", 1000.0), ("peer", 2000.0), ("accelerated", 2500.0)]]
+    record = dict(timm_model="resnet18", image_size=224, batch_size=128, steps=60, warmup_steps=25,
+                  device="NVIDIA H200", rows=rows)
+    table = timm_table(record)
+    assert "| accelerated | 2,500.0 | 51.2 (1.0-2.0) | 1.25x | 30.0 | 9.50 | 6.9000 |" in table
+    assert "| peer | 2,000.0 |" in table and "0.50x" in table and CPU_TIMINGS not in table
+    assert "n/a on CPU" in timm_table({**record, "device": "CPU"})
