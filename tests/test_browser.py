@@ -10,6 +10,7 @@ browser a failure.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -49,15 +50,49 @@ def _missing() -> str | None:
     return None
 
 
-@pytest.fixture(scope="module")
-def lab(tmp_path_factory):
-    """A JupyterLab server on a copy of the notebooks and the examples (their outputs land in the copy),
-    token-protected."""
+def _need_the_browser() -> None:
     missing = _missing()
     if missing:
         if os.environ.get("GALLERY_REQUIRE_BROWSER") == "1":
             pytest.fail(f"browser test required but {missing}")
         pytest.skip(missing)
+
+
+# A laptop's browser window, and the type a repository page sets README in: what a reader sees before scrolling
+FIRST_SCREEN = {"width": 1280, "height": 800}
+README_STYLE = ("body { font: 16px/1.5 -apple-system, 'Segoe UI', Helvetica, Arial, sans-serif; max-width: 980px; "
+                "margin: 0 auto; padding: 32px; } pre { padding: 16px; font-size: 85%; } h1 { font-size: 2em; }")
+
+
+def test_readme_shows_its_two_commands_on_the_first_screen():
+    """README rendered as a repository page renders it: the gallery's command and the test command are on the
+    screen without scrolling."""
+    _need_the_browser()
+    import mistune
+    from playwright.sync_api import sync_playwright
+
+    html = mistune.html((REPO / "README.md").read_text())
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        try:
+            page = browser.new_page(viewport=FIRST_SCREEN)
+            page.set_content(f"<style>{README_STYLE}</style>{html}")
+            for command in ("bash ci/gallery.sh", "bash ci/test.sh"):
+                block = page.locator("pre code").filter(has_text=re.compile(rf"^\s*{re.escape(command)}\s*$"))
+                box = block.bounding_box()
+                assert box is not None, f"README shows no code block with {command!r}"
+                assert box["y"] + box["height"] <= FIRST_SCREEN["height"], (
+                    f"{command!r} ends {box['y'] + box['height']:.0f} px down, below the first screen's "
+                    f"{FIRST_SCREEN['height']} px: move text below the two commands")
+        finally:
+            browser.close()
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory):
+    """A JupyterLab server on a copy of the notebooks and the examples (their outputs land in the copy),
+    token-protected."""
+    _need_the_browser()
     root = tmp_path_factory.mktemp("lab")
     shutil.copytree(REPO / "notebooks", root / "notebooks")
     shutil.copytree(REPO / "examples", root / "examples")  # the your_model notebook trains the example family
