@@ -19,7 +19,8 @@ import pathlib
 from typing import Any, Callable, Iterable, Iterator, Sequence, TypeVar
 
 import numpy as np
-from tqdm.auto import tqdm
+
+from data_prep.progress_bar import close_bar, open_bar
 
 MANIFEST = "manifest.json"
 _Maker = TypeVar("_Maker", bound=Callable[..., pathlib.Path])
@@ -93,12 +94,15 @@ def write_dataset(root: pathlib.Path, *, generator: str, version: int, params: d
                 "files": [rel for rel, _ in files]}
     root.mkdir(parents=True, exist_ok=True)
     write_manifest(root, manifest)
-    with tqdm(total=len(files), desc=desc, unit="file", mininterval=5.0, disable=not progress) as bar:
+    bar, handle = open_bar(total=len(files), desc=desc, unit="file", mininterval=5.0, disable=not progress)
+    try:
         for rel, make in files:
             path = root / rel
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_bytes(make())
             bar.update(1)
+    finally:
+        close_bar(bar, handle)  # a notebook's saved output reads the files written, not 0%
     write_manifest(root, {**manifest, "complete": True})
     return root
 

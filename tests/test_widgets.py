@@ -124,9 +124,10 @@ def test_the_widget_bar_leaves_its_final_state_as_text(ipython_shell, monkeypatc
     the run ended, not the 0% it read when the bar first showed."""
     import tqdm.notebook
 
+    from data_prep import progress_bar
     from gallery_lib.run import progress
 
-    monkeypatch.setattr(progress, "_bar_class", lambda: tqdm.notebook.tqdm)  # what tqdm.auto picks in a kernel
+    monkeypatch.setattr(progress_bar, "bar_class", lambda: tqdm.notebook.tqdm)  # what tqdm.auto picks in a kernel
     bar = progress.StepProgress("accelerated", enabled=True, mininterval=0)
     bar.feed("[gallery] step 40/100 | loss 0.1234 | 55.0 img/s | 10.0 ms/step | peak 1.00 GiB | ETA 0:01")
     bar.feed("[gallery] step 100/100 | loss 0.0987 | 56.0 img/s | 9.9 ms/step | peak 1.00 GiB | ETA 0:00")
@@ -145,14 +146,28 @@ def test_the_widget_bar_leaves_its_final_state_as_text(ipython_shell, monkeypatc
 def test_a_run_that_stopped_early_leaves_where_it_stopped(ipython_shell, monkeypatch):
     import tqdm.notebook
 
+    from data_prep import progress_bar
     from gallery_lib.run import progress
 
-    monkeypatch.setattr(progress, "_bar_class", lambda: tqdm.notebook.tqdm)
+    monkeypatch.setattr(progress_bar, "bar_class", lambda: tqdm.notebook.tqdm)
     bar = progress.StepProgress("baseline", enabled=True, mininterval=0)
     bar.feed("[gallery] step 30/100 | loss 2.5 | 12.0 img/s | 80.0 ms/step | peak 1.00 GiB | ETA 0:06")
     bar.close()
     text = ipython_shell.display_pub.outputs[-1]["data"]["text/plain"]
     assert "30/100" in text and "30%" in text and "loss 2.5" in text
+
+
+def test_the_data_writers_bar_leaves_its_final_state_as_text(ipython_shell, monkeypatch, tmp_path):
+    import tqdm.notebook
+
+    from data_prep import progress_bar
+    from data_prep.manifest import write_dataset
+
+    monkeypatch.setattr(progress_bar, "bar_class", lambda: tqdm.notebook.tqdm)
+    files = [(f"{index}.txt", lambda: b"x") for index in range(3)]
+    write_dataset(tmp_path, generator="test", version=1, params={}, files=files, desc="mock", progress=True)
+    first, final = (output["data"]["text/plain"] for output in ipython_shell.display_pub.outputs)
+    assert " 0%" in first and "100%" in final and "3/3" in final
 
 
 def test_the_text_bar_is_unchanged_outside_a_notebook():

@@ -6,10 +6,8 @@ In JupyterLab (and under papermill) ``tqdm.auto`` draws a widget, which adds one
 run; in a terminal it redraws one line. Elsewhere (a pipe, a test) there is no bar: the step lines themselves, one
 per ``log_every`` steps, are the progress.
 
-A widget's output also carries a plain-text copy of the bar, which is what a viewer without the widget's state shows
-(GitHub, nbconvert's HTML, a notebook reopened after its kernel is gone). That copy is taken when the bar is first
-displayed, at 0%; when the run ends, the bar's output is displayed again in place (``update_display``) so that the
-copy reads the final state: the step reached, the loss, the speed and the time taken.
+When the run ends, a widget bar's plain-text copy (what a static viewer shows) is made to read the final state: the
+step reached, the loss, the speed and the time taken (``data_prep/progress_bar.py``).
 """
 
 from __future__ import annotations
@@ -17,6 +15,8 @@ from __future__ import annotations
 import re
 import sys
 from typing import Any
+
+from data_prep.progress_bar import close_bar, open_bar
 
 _STEP_LINE = re.compile(r"^\[gallery\] step (\d+)/(\d+) \| loss (\S+) \| (\S+) img/s")
 
@@ -46,36 +46,12 @@ class StepProgress:
             return
         step, total = int(match[1]), int(match[2])
         if self.bar is None:
-            self.bar, self.display = _new_bar(total=total, desc=self.description, unit="step", dynamic_ncols=True,
+            self.bar, self.display = open_bar(total=total, desc=self.description, unit="step", dynamic_ncols=True,
                                               **self.tqdm_kwargs)
         self.bar.update(step - self.bar.n)
         self.bar.set_postfix_str(f"loss {match[3]}, {match[4]} img/s", refresh=False)
 
     def close(self) -> None:
         if self.bar is not None:
-            self.bar.close()
-            if self.display is not None:  # the output's text copy now says where the run ended, not 0%
-                self.display.update(self.bar.container)
-                self.display = None
-
-
-def _bar_class() -> type:
-    from tqdm.auto import tqdm
-
-    return tqdm
-
-
-def _new_bar(**kwargs: Any) -> tuple[Any, Any]:
-    """A ``tqdm.auto`` bar and, for a widget bar, the handle of its display (``None`` otherwise)."""
-    bar_class = _bar_class()
-    if not _is_widget_bar(bar_class):
-        return bar_class(**kwargs), None
-    from IPython.display import display
-
-    bar = bar_class(display=False, **kwargs)
-    return bar, display(bar.container, display_id=True)  # None outside a running IPython: then no update
-
-
-def _is_widget_bar(bar_class: type) -> bool:
-    notebook = sys.modules.get("tqdm.notebook")  # imported by tqdm.auto when it picked the widget bar
-    return notebook is not None and issubclass(bar_class, notebook.tqdm_notebook)
+            close_bar(self.bar, self.display)  # a widget's text copy now says where the run ended, not 0%
+            self.display = None
