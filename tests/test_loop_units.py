@@ -328,3 +328,16 @@ def test_a_config_error_stops_the_run_with_its_whole_message_other_errors_cut_to
     assert failure_from_exception(ConfigError(fix), "r.log").line("accelerated") == (
         f"accelerated: stopped, ConfigError: {fix}, see r.log")
     assert failure_from_exception(RuntimeError(fix), None).reason == f"RuntimeError: {fix}"  # whole, not cut
+
+
+def test_a_gpu_without_bfloat16_trains_in_float16_with_a_scaler_and_says_why(monkeypatch):
+    """T4 and V100 (compute capability 7.x) have no bfloat16 tensor cores: a bfloat16 recipe runs float16 there."""
+    from gallery_lib.accel.precision import no_bfloat16_reason, resolve_amp_dtype
+
+    cfg = RunConfig(model="swin_micro", amp_level="O1", amp_dtype="bfloat16")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *device: (7, 5))
+    assert resolve_amp_dtype(cfg, "cuda") == torch.float16 and "7.5" in no_bfloat16_reason("cuda")
+    assert resolve_amp_dtype(cfg, "cpu") == torch.bfloat16
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *device: (8, 0))
+    assert resolve_amp_dtype(cfg, "cuda") == torch.bfloat16 and no_bfloat16_reason("cuda") is None
