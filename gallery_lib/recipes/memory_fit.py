@@ -31,23 +31,20 @@ def fit_to_memory(cfg: RunConfig, resolve: Callable[[dict[str, Any]], RunConfig]
             continue
         options.append(option)
     plan = choose(options, [footprint_gib(c) for c in configs], budget, configured, training_state(cfg))
-    if plan.chosen is not None:
-        cfg = configs[options.index(plan.chosen)]
-        workers = _workers(cfg, budget)
-        if workers is not None:
-            cfg = cfg.replace(precompile_workers=workers)
-            plan = replace(plan, precompile_workers=workers)
-    elif plan.probe:
-        # each probed setting with the workers that fit beside it: the recipe's number, each given an equal share
-        # of the cap, ran out of memory while compiling (SD-1.5 in 22 GiB: 6 workers of 1.3 GiB each)
-        probed = [_with_workers(configs[options.index(option)], budget) for option in plan.probe]
-        cfg = probed[0]
-        if cfg.precompile_workers != configs[options.index(plan.probe[0])].precompile_workers:
-            plan = replace(plan, precompile_workers=cfg.precompile_workers)
-        probe_fields = [_difference(cfg, other) for other in probed]
-        return cfg.replace(extra={**cfg.extra, PLAN: {**plan.as_dict(), "probe_fields": probe_fields,
-                                                      "configured": configured.fields()}})
-    return cfg.replace(extra={**cfg.extra, PLAN: plan.as_dict()})
+    settings = (plan.chosen,) if plan.chosen is not None else plan.probe
+    if not settings:
+        return cfg.replace(extra={**cfg.extra, PLAN: plan.as_dict()})
+    # each setting with the precompile workers that fit beside it: the recipe's number, each given an equal share of
+    # the cap, ran out of memory while compiling an unmeasured one (SD-1.5 in 22 GiB: 6 workers of 1.3 GiB each)
+    resolved = [configs[options.index(setting)] for setting in settings]
+    fitted = [_with_workers(config, budget) for config in resolved]
+    cfg = fitted[0]
+    if cfg.precompile_workers != resolved[0].precompile_workers:
+        plan = replace(plan, precompile_workers=cfg.precompile_workers)
+    noted = plan.as_dict()
+    if plan.chosen is None:  # the training process tries them in order (``run/batch_size.py``)
+        noted.update(probe_fields=[_difference(cfg, other) for other in fitted], configured=configured.fields())
+    return cfg.replace(extra={**cfg.extra, PLAN: noted})
 
 
 def footprint_gib(cfg: RunConfig) -> float | None:
@@ -87,18 +84,13 @@ def _spec(cfg: RunConfig) -> ModelSpec | None:
     return next((spec for spec in cfg.model_family.models if spec.name == cfg.model), None)
 
 
-def _workers(cfg: RunConfig, budget: Budget) -> int | None:
-    """The precompile workers that fit beside the training process, where fewer than the recipe's do."""
+def _with_workers(cfg: RunConfig, budget: Budget) -> RunConfig:
+    """``cfg`` with the precompile workers that fit beside the training process, where fewer than the recipe's do."""
     measured = cfg.model_family.worker_memory
     if measured is None or not cfg.compile or cfg.precompile_workers < 2:
-        return None
+        return cfg
     workers = workers_that_fit(cfg.precompile_workers, budget.gib, measured.trainer_gib, measured.per_worker_gib)
-    return workers if workers != cfg.precompile_workers else None
-
-
-def _with_workers(cfg: RunConfig, budget: Budget) -> RunConfig:
-    workers = _workers(cfg, budget)
-    return cfg if workers is None else cfg.replace(precompile_workers=workers)
+    return cfg.replace(precompile_workers=workers) if workers != cfg.precompile_workers else cfg
 
 
 def _difference(base: RunConfig, other: RunConfig) -> dict[str, Any]:
