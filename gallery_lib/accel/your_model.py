@@ -92,6 +92,11 @@ def use_channels_last(model: nn.Module, *, device_type: str | None = None) -> Ch
     return Change("channels_last", what, why, f"{RESULTS}#sd15-layout", changed=bool(convs), undo=undo)
 
 
+def has_convolutions_beyond_a_stem(model: nn.Module) -> bool:
+    """More 4-D weights than a stem's (a ViT's patch embedding is one): a network channels_last pays on."""
+    return sum(1 for p in model.parameters() if p.dim() == 4) > 2
+
+
 def _runs_on(model: nn.Module, device_type: str | None) -> str | None:
     """Where ``model`` will run: ``device_type`` when given, else its parameters' device; ``None`` when unknown (no
     parameters, or a structure built on the ``meta`` device)."""
@@ -329,7 +334,7 @@ def accelerate(model: nn.Module, *, example: Any = None, loss_fn: Callable[[Any]
     on_gpu = device_type == "cuda"
     steps: list[tuple[str, Callable[[], Change]]] = []  # (what the cache knows it by, the call)
     if on_gpu:
-        if sum(1 for p in model.parameters() if p.dim() == 4) > 2:  # convolutions beyond a stem (a ViT's patch one)
+        if has_convolutions_beyond_a_stem(model):
             steps.append(("channels_last", lambda: use_channels_last(model, device_type=device_type)))
         # Under Inductor GEGLU's kernel beats Inductor's code at every step size; GroupNorm+SiLU's only on large steps,
         # which a call without the data cannot see (benchmarks/RESULTS.md#sd15-gn-by-batch).

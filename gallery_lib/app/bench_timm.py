@@ -124,7 +124,7 @@ def make_batches(bench: TimmBench) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 def apply_variant(variant: str, model: torch.nn.Module, device: str) -> list[str]:
     """Changes ``model`` in place as ``variant`` does; what changed, as text."""
-    from gallery_lib.accel.your_model import accelerate
+    from gallery_lib.accel.your_model import accelerate, has_convolutions_beyond_a_stem, use_channels_last
 
     if variant == "accelerated":
         return [str(change) for change in accelerate(model, echo=None)]
@@ -132,10 +132,8 @@ def apply_variant(variant: str, model: torch.nn.Module, device: str) -> list[str
         return []
     said = []
     on_gpu = device == "cuda"
-    convs = sum(1 for p in model.parameters() if p.dim() == 4)
-    if on_gpu and convs > 2:  # convolutions beyond a stem (a ViT's patch embedding is one), as accelerate counts
-        model.to(memory_format=torch.channels_last)
-        said.append(f"channels_last: {convs} conv weights in NHWC layout")
+    if on_gpu and has_convolutions_beyond_a_stem(model):  # as accelerate lays them out
+        said.append(use_channels_last(model, device_type=device).note)
     model.compile(mode="reduce-overhead" if on_gpu else None)
     said.append("torch.compile of the whole model" + (', mode="reduce-overhead" (CUDA graphs)' if on_gpu else ""))
     return said
