@@ -162,7 +162,8 @@ def preflight(cfg: RunConfig) -> str:
     if check_data is not None:
         check_data(cfg)
     try:
-        if not continues_itself(cfg.run_dir, cfg.sections.checkpoint):  # a fresh start, or from another run's checkpoint: none of its own to mix
+        # a fresh start, or from another run's checkpoint: none of its own to mix
+        if not continues_itself(cfg.run_dir, cfg.sections.checkpoint):
             check_fresh_start(cfg.run_dir, cfg.sections.checkpoint)
     except CheckpointError as exc:
         raise ConfigError(str(exc)) from None
@@ -228,7 +229,8 @@ def launch(cfg: RunConfig, *, echo: Callable[[str], None] | None = print, consol
     refuse_if_it_does_not_fit(cfg, run_dir)
     cfg = cfg.replace(output_dir=str(Path(cfg.output_dir).resolve()), data_dir=str(Path(cfg.data_dir).resolve()),
                       resume_from=str(Path(cfg.resume_from).expanduser().resolve()) if cfg.resume_from else None)
-    if not continues_itself(cfg.run_dir, cfg.sections.checkpoint) and nodes.standalone:  # on several nodes rank 0's writer alone replaces the file
+    # on several nodes rank 0's writer alone replaces the file
+    if not continues_itself(cfg.run_dir, cfg.sections.checkpoint) and nodes.standalone:
         kept = keep_earlier_run(run_dir)  # a re-run never overwrites what an earlier one wrote; a resume appends
         if kept is not None and echo is not None:
             echo(f"[gallery] {cfg.recipe}: the earlier run in this folder moved to {kept}")

@@ -209,7 +209,8 @@ def _train_from(setup_start: float, cfg: RunConfig, dist: DistInfo, plan: Compil
     train_module.train()
     log = print if dist.is_main else (lambda *a, **k: None)
     log(f"[gallery] {cfg.model} | recipe {cfg.recipe} | {dist.world_size} x {dist.device.type} | "
-        f"batch {cfg.batch_size}/process{_accumulated(cfg.gradient_accumulation_steps)} ({cfg.global_batch_size} global) | {cfg.steps} steps "
+        f"batch {cfg.batch_size}/process{_accumulated(cfg.gradient_accumulation_steps)} ({cfg.global_batch_size} "
+        f"global) | {cfg.steps} steps "
         f"({cfg.warmup_steps} warm-up) | {task.describe()}")
     if PLAN in cfg.extra:
         log(f"[gallery]   {MemoryPlan.from_dict(cfg.extra[PLAN]).note()}")
