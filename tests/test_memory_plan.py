@@ -6,6 +6,8 @@ what to try; the cap and its settings."""
 from __future__ import annotations
 
 import json
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -253,6 +255,33 @@ def test_a_late_out_of_memory_stops_the_run_in_one_line(smoke_data, tmp_path, mo
                                           r"checkpointing \(--batch_size 12 --gradient_accumulation_steps 1 "
                                           r"--gradient_checkpointing\)$"):
         run(planned_cfg(smoke_data, tmp_path, steps=8, warmup_steps=1))
+
+
+def test_out_of_memory_after_the_last_step_does_not_train_again(smoke_data, tmp_path, monkeypatch, capsys):
+    # on the GPU a run that fit its cap to the last GiB ran out while saving its model, and the plan took that for
+    # its setting not fitting: it trained again from step 0, checkpointed
+    seen = mock_out_of_memory_above(monkeypatch, limit=100)  # every batch fits
+
+    def export_out_of_memory(self, run_dir, model):
+        raise torch.OutOfMemoryError("CUDA out of memory (mocked: saving)")
+
+    monkeypatch.setattr(ClassificationTask, "export", export_out_of_memory)
+    with pytest.raises(OutOfMemory, match=r"^all 5 training steps ran, then saving the trained model ran out of GPU "
+                                          r"memory(?: \(.* GiB in use\))?: free the GPU"):
+        run(planned_cfg(smoke_data, tmp_path))
+    assert seen == [12] * 5  # one attempt, not a second one checkpointed
+    assert "ran out of memory before its timed steps" not in capsys.readouterr().out
+
+
+def test_out_of_memory_in_the_validation_pass_is_skipped_in_one_line(smoke_data, tmp_path, monkeypatch, capsys):
+    def evaluate_out_of_memory(self, model):
+        raise torch.OutOfMemoryError("CUDA out of memory (mocked: validation)")
+
+    monkeypatch.setattr(ClassificationTask, "evaluate", evaluate_out_of_memory)
+    summary = run(planned_cfg(smoke_data, tmp_path))
+    assert Path(summary["exported_to"]).is_file() and summary["steps"] == 5
+    assert re.search(r"all 5 training steps ran, then the validation pass ran out of GPU memory(?: \(.* GiB in "
+                     r"use\))?; skipped it", capsys.readouterr().out)
 
 
 def test_other_errors_in_an_attempt_propagate(smoke_data, tmp_path, monkeypatch):

@@ -36,6 +36,7 @@ import random
 import time
 import traceback
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -278,8 +279,10 @@ def _train_from(setup_start: float, cfg: RunConfig, dist: DistInfo, plan: Compil
     if cfg.export_model:
         trained = _exported_module(model, ema, accelerated.template, dist)
         if dist.is_main:
-            summary["exported_to"] = task.export(cfg.run_dir, trained)
-            summary.update(task.evaluate(trained))
+            with _after_training(cfg.steps, "saving the trained model"):
+                summary["exported_to"] = task.export(cfg.run_dir, trained)
+            with _after_training(cfg.steps, "the validation pass", skip_with=log):
+                summary.update(task.evaluate(trained))
         if summary.get("exported_to"):
             log(f"[gallery] saved the trained model to {summary['exported_to']}")
         if "val_top1" in summary:
@@ -290,6 +293,25 @@ def _train_from(setup_start: float, cfg: RunConfig, dist: DistInfo, plan: Compil
         writer.close()
     log(describe_summary(summary))
     return summary
+
+
+@contextlib.contextmanager
+def _after_training(steps: int, what: str, skip_with: Callable[[str], None] | None = None):
+    """Out of memory in ``what``, after the last step, said in one line: logged and skipped with ``skip_with``,
+    raised otherwise with the last step as its ``step``, so the memory plan does not train again at a smaller
+    setting (the training setting fitted)."""
+    try:
+        yield
+    except Exception as exc:
+        if not is_out_of_memory(exc):
+            raise
+        in_use = memory_in_use_gib()
+        message = f"all {steps} training steps ran, then {what} ran out of GPU memory" + (
+            f" ({in_use:.1f} GiB in use)" if in_use is not None else "")
+        if skip_with is None:
+            raise OutOfMemory(f"{message}: free the GPU of other processes, or raise gpu_memory_gib if a cap set it "
+                              "lower than the card", steps) from exc
+        skip_with(f"[gallery] {message}; skipped it")
 
 
 def _exported_module(model: torch.nn.Module, ema, template: torch.nn.Module | None,
