@@ -36,6 +36,7 @@ _PUBLIC = {
     "fuse_kernels": "gallery_lib.accel.your_model",
     "fuse_attention": "gallery_lib.accel.your_model",
     "compile_blocks": "gallery_lib.accel.your_model",
+    "compile_whole": "gallery_lib.accel.your_model",
     "pipeline_throughput": "gallery_lib.data.throughput",
     "recipe_table": "gallery_lib.reports.recipe_table",
     "run_ladder": "gallery_lib.recipes.ladder",

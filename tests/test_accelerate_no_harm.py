@@ -19,11 +19,24 @@ from gallery_lib.accel.keep_if_faster import SteadyStepTimer, TrainingStep, keep
 from gallery_lib.accel.your_model import Change, accelerate, compile_blocks, fuse_kernels, use_channels_last
 
 
+REAL_COMPILE_WHOLE = your_model.compile_whole
+
+
 @pytest.fixture(autouse=True)
 def _no_cpu_compile_check(monkeypatch):
     """No compiled block runs in these tests, so the check of this machine's C++ compiler that compiling blocks on a
     CPU starts with (a build of a few seconds) is skipped."""
     monkeypatch.setattr("gallery_lib.accel.compile.regional.use_safe_cpu_codegen", lambda: None)
+
+
+@pytest.fixture(autouse=True)
+def _whole_model_left_to_its_own_tests(monkeypatch):
+    """``accelerate(example=...)`` tries the whole model compiled last; here it changes nothing (and times nothing),
+    so each test judges its one change. The tests of ``compile_whole`` put the real one back."""
+    monkeypatch.setattr(your_model, "compile_whole", lambda model, **_: NOT_WHOLE)
+
+
+NOT_WHOLE = Change("compiled whole", "not tried in this test", "a fake", "nowhere#fake", changed=False)
 
 
 class FakeClock:
@@ -110,9 +123,9 @@ def test_a_change_that_slows_the_step_is_undone_and_says_so_with_both_times(monk
     x = torch.randn(4, 8)
     expected, part = model(x).detach(), model.part
     timer, said = CountingTimer(clock), []
-    [change] = accelerate(model, example=x, timer=timer, cache=False, echo=said.append)
+    change, _ = accelerate(model, example=x, timer=timer, cache=False, echo=said.append)
     assert change.what == "left out: 19.0 ms with it, 15.0 ms without (this model, batch 4, cpu)"
-    assert not change.changed and change.undo is None and said == [str(change)]
+    assert not change.changed and change.undo is None and said == [str(change), str(NOT_WHOLE)]
     assert _judged(change) == (False, 19.0, 15.0, False)
     assert "undone: the 5 ms part swapped for a 9 ms one" in change.details
     assert model.part is part and timer.calls == 2  # the state before it, then with it
@@ -123,7 +136,7 @@ def test_a_change_that_slows_the_step_is_undone_and_says_so_with_both_times(monk
 def test_a_change_that_speeds_the_step_is_kept(monkeypatch):
     model, clock = _net()
     monkeypatch.setattr(your_model, "compile_blocks", _fake_change(ms=1))
-    [change] = accelerate(model, example=torch.randn(4, 8), timer=CountingTimer(clock), cache=False, echo=None)
+    change, _ = accelerate(model, example=torch.randn(4, 8), timer=CountingTimer(clock), cache=False, echo=None)
     assert change.changed and _judged(change) == (True, 11.0, 15.0, False)
     assert change.what == ("the 5 ms part swapped for a 1 ms one; kept: 11.0 ms with it, 15.0 ms without (this model, "
                            "batch 4, cpu)")
@@ -136,9 +149,9 @@ def test_a_gain_within_the_noise_leaves_the_model_as_it_was(monkeypatch):
     """15.0 against 14.8 ms is 1.4%: under the 2% a change must gain, so it is undone; ``min_gain`` moves the bar."""
     model, clock = _net()
     monkeypatch.setattr(your_model, "compile_blocks", _fake_change(ms=4.8))
-    [change] = accelerate(model, example=torch.randn(4, 8), timer=CountingTimer(clock), cache=False, echo=None)
+    change, _ = accelerate(model, example=torch.randn(4, 8), timer=CountingTimer(clock), cache=False, echo=None)
     assert not change.changed and model.part.ms == 5
-    [change] = accelerate(model, example=torch.randn(4, 8), timer=CountingTimer(clock), cache=False, echo=None,
+    change, _ = accelerate(model, example=torch.randn(4, 8), timer=CountingTimer(clock), cache=False, echo=None,
                           min_gain=0.01)
     assert change.changed and model.part.ms == 4.8
 
@@ -148,17 +161,17 @@ def test_the_times_are_cached_and_a_second_call_times_nothing(monkeypatch, tmp_p
     monkeypatch.setattr(your_model, "compile_blocks", _fake_change(ms=1))
     model, clock = _net()
     first = CountingTimer(clock)
-    [change] = accelerate(model, example=torch.randn(4, 8), timer=first, cache=cache, echo=None)
+    change, _ = accelerate(model, example=torch.randn(4, 8), timer=first, cache=cache, echo=None)
     assert first.calls == 2 and change.changed and not change.decision.cached
     again, clock = _net()  # a fresh copy of the same model, the same shapes
     second = CountingTimer(clock)
-    [cached] = accelerate(again, example=torch.randn(4, 8), timer=second, cache=cache, echo=None)
+    cached, _ = accelerate(again, example=torch.randn(4, 8), timer=second, cache=cache, echo=None)
     assert second.calls == 0 and again.base.calls == 0  # no step ran
     assert cached.changed and again.part.ms == 1 and _judged(cached) == (True, 11.0, 15.0, True)
     assert cached.what.endswith("(this model, batch 4, cpu; cached)") and str(cache) in cached.details
     # the times are cached, not the verdict: a higher bar undoes the change without timing it again
     model, clock = _net()
-    [undone] = accelerate(model, example=torch.randn(4, 8), timer=second, cache=cache, echo=None, min_gain=0.5)
+    undone, _ = accelerate(model, example=torch.randn(4, 8), timer=second, cache=cache, echo=None, min_gain=0.5)
     assert second.calls == 0 and not undone.changed and model.part.ms == 5
     # another batch size is another key: timed
     model, clock = _net()
@@ -175,10 +188,52 @@ def test_a_compiled_block_that_is_not_faster_is_compiled_no_more():
 
     for compiled_ms, kept in ((12.0, False), (8.0, True)):
         model, _ = _net()
-        [change] = accelerate(model, example=torch.randn(4, 8), cache=False, echo=None,
+        change, _ = accelerate(model, example=torch.randn(4, 8), cache=False, echo=None,
                               timer=lambda step, device, m=model: compiled_ms if compiled(m) else 10.0)
         assert change.name == "compiled blocks" and change.changed is kept and compiled(model) is kept
         assert change.what.startswith("2 blocks compiled in place" if kept else f"left out: {compiled_ms:.1f} ms")
+
+
+def test_the_whole_model_compiled_replaces_its_blocks_only_where_a_step_is_faster(monkeypatch):
+    """The real ``compile_blocks`` and ``compile_whole`` on a CPU, judged by a timer that reads the model (eager 10 ms,
+    blocks 8 ms, the whole model ``whole_ms``); nothing runs a step, so nothing compiles."""
+    monkeypatch.setattr(your_model, "compile_whole", REAL_COMPILE_WHOLE)
+
+    def blocks_compiled(model):
+        return [block._compiled_call_impl is not None for block in model.blocks]
+
+    def timer(step, device):
+        model = step.model
+        return whole_ms if model._compiled_call_impl is not None else 8.0 if all(blocks_compiled(model)) else 10.0
+
+    for whole_ms, kept in ((7.0, True), (7.9, False)):
+        model, _ = _net()
+        blocks, whole = accelerate(model, example=torch.randn(4, 8), cache=False, echo=None, timer=timer)
+        assert blocks.changed and (blocks.decision.with_ms, blocks.decision.without_ms) == (8, 10)
+        assert whole.name == "compiled whole" and whole.changed is kept
+        assert (model._compiled_call_impl is not None) is kept
+        assert blocks_compiled(model) == [not kept, not kept]  # the blocks run inside the whole graph as plain modules
+        if kept:
+            assert whole.what.startswith("the whole model compiled in place, instead of its 2 blocks compiled in "
+                                         "place; compilation happens in the first steps; kept: 7.0 ms with it, 8.0 ms")
+            whole.undo()
+            assert model._compiled_call_impl is None and blocks_compiled(model) == [True, True]
+        else:
+            assert whole.what == "left out: 7.9 ms with it, 8.0 ms without (this model, batch 4, cpu)"
+
+
+def test_compile_whole_says_what_it_replaced_and_undoes_it():
+    model, _ = _net()
+    compile_blocks(model)
+    compiled = [block._compiled_call_impl for block in model.blocks]
+    change = REAL_COMPILE_WHOLE(model, mode="reduce-overhead", device_type="cuda")
+    assert change.what.startswith("the whole model compiled in place, CUDA graphs, instead of its 2 blocks")
+    assert model._compiled_call_impl is not None and all(b._compiled_call_impl is None for b in model.blocks)
+    change.undo()
+    assert model._compiled_call_impl is None
+    assert [block._compiled_call_impl for block in model.blocks] == compiled  # the same compiled code, not recompiled
+    alone = REAL_COMPILE_WHOLE(_net()[0])
+    assert alone.what == "the whole model compiled in place; compilation happens in the first steps"
 
 
 def test_a_change_that_breaks_the_step_is_left_out_with_the_error(monkeypatch):
@@ -188,7 +243,7 @@ def test_a_change_that_breaks_the_step_is_left_out_with_the_error(monkeypatch):
                       undo=lambda: vars(model.part).pop("forward"))
     monkeypatch.setattr(your_model, "compile_blocks", breaks)
     model, clock = _net()
-    [change] = accelerate(model, example=torch.randn(4, 8), timer=CountingTimer(clock), cache=False, echo=None)
+    change, _ = accelerate(model, example=torch.randn(4, 8), timer=CountingTimer(clock), cache=False, echo=None)
     assert not change.changed and change.what.startswith("left out: the step failed with it (RuntimeError: ")
     assert change.what.endswith("; 15.0 ms without (this model, batch 4, cpu)") and "forward" not in vars(model.part)
 
@@ -199,7 +254,7 @@ def test_nothing_to_change_returns_as_before_and_times_nothing(monkeypatch):
     assert accelerate(model, example=torch.randn(4, 8), compile=False, timer=timer, echo=None) == []
     unchanged = Change("compiled blocks", "nothing to compile", "a fake", "nowhere#fake", changed=False)
     monkeypatch.setattr(your_model, "compile_blocks", lambda model, **_: unchanged)
-    assert accelerate(model, example=torch.randn(4, 8), timer=timer, echo=None) == [unchanged]
+    assert accelerate(model, example=torch.randn(4, 8), timer=timer, echo=None) == [unchanged, NOT_WHOLE]
     assert timer.calls == 0 and model.base.calls == 0
 
 

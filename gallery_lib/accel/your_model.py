@@ -4,12 +4,13 @@ Each call changes the module in place (parameters, ``state_dict`` keys and attri
 a ``Change``: what it did on this model, the one-line reason it helps, and where the measurement behind it is.
 The calls compose, in the order ``accelerate`` applies them (the order of ``accel/accelerate.py``)::
 
-    from gallery_lib import add_ema, compile_blocks, fuse_attention, fuse_kernels, use_channels_last
+    from gallery_lib import add_ema, compile_blocks, compile_whole, fuse_attention, fuse_kernels, use_channels_last
 
     print(use_channels_last(model))   # channels_last: 53 conv weights in NHWC layout ...
     print(fuse_kernels(model))        # fused kernels: swapped 16: geglu=16 ...
     print(fuse_attention(model))      # fused attention: 32 diffusers attention layers ...
     print(compile_blocks(model))      # compiled blocks: 12 blocks compiled in place ...
+    print(compile_whole(model))       # compiled whole: the whole model compiled in place, instead of its 12 blocks
     ema = add_ema(model, optimizer)   # EMA of the weights: stream update ...
 
 or the ones that measured faster, at once: ``changes = accelerate(model)``; with an example batch,
@@ -206,6 +207,34 @@ def compile_blocks(model: nn.Module, block_types: Iterable[type | str] | None = 
                   undo=functools.partial(undo_regional_compile, model, names))
 
 
+def compile_whole(model: nn.Module, *, mode: str | None = None, device_type: str | None = None,
+                  **compile_kwargs: Any) -> Change:
+    """Compiles the whole ``model`` in place (``model.compile``), as a plain PyTorch user does: one graph for the
+    forward and one for the backward, so Inductor also fuses across the blocks' edges (the stem, the head), and with
+    ``mode="reduce-overhead"`` on a GPU one CUDA graph replays each. Blocks compiled in place before
+    (``compile_blocks``) run inside it as the plain modules they were; ``undo`` compiles them in place again, with
+    their compiled code kept. Compiling takes longer than for the blocks alone; ``accelerate(model, example=...)`` keeps it only where a
+    step is faster than with the blocks."""
+    quiet_known_noise()
+    blocks = {name: module._compiled_call_impl for name, module in model.named_modules()
+              if name and getattr(module, "_compiled_call_impl", None) is not None}
+    for name in blocks:
+        model.get_submodule(name)._compiled_call_impl = None
+    model.compile(**({"mode": mode} if mode else {}), **compile_kwargs)
+
+    def undo() -> None:
+        model._compiled_call_impl = None
+        for name, compiled in blocks.items():
+            model.get_submodule(name)._compiled_call_impl = compiled
+
+    instead = f", instead of its {len(blocks)} blocks compiled in place" if blocks else ""
+    what = (f"the whole model compiled in place{graphs_text(mode, _runs_on(model, device_type))}{instead}; "
+            "compilation happens in the first steps")
+    why = ("one graph for the whole step: Inductor fuses across the blocks' edges too, and a CUDA graph replays "
+           "the step in one launch")
+    return Change("compiled whole", what, why, f"{RESULTS}#your-model", undo=undo)
+
+
 def graphs_text(mode: str | None, runs_on: str | None) -> str:
     """What a compile ``mode`` adds where the model runs: CUDA graphs on a GPU only (elsewhere the mode compiles
     without them, and nothing is said)."""
@@ -300,7 +329,9 @@ def accelerate(model: nn.Module, *, example: Any = None, loss_fn: Callable[[Any]
     this one. With ``example`` (what the model is called with, on its device) each change is timed: a few training
     steps (forward, ``loss_fn``, backward; no optimizer step) with it and without it, each against the state the
     changes before it left, and undone unless it is faster by more than ``min_gain`` (2%: timing noise); its
-    ``Change`` says so with both times, and ``decision`` holds them. The weights, gradients, buffers and random state
+    ``Change`` says so with both times, and ``decision`` holds them. Last, the whole model compiled (``compile_whole``,
+    what a plain ``torch.compile`` user does) is timed in place of the blocks, so a model whose blocks compiled
+    alone lose to it ends no slower than that. The weights, gradients, buffers and random state
     are left as they were. The times are cached per model structure, input shapes and dtypes, autocast state, device
     and torch version, so the next call times nothing. Compiled blocks that are undone run eagerly again; their
     compiled code (with CUDA graphs, its memory pool) stays in Dynamo's cache until ``torch._dynamo.reset()``.
@@ -347,6 +378,9 @@ def accelerate(model: nn.Module, *, example: Any = None, loss_fn: Callable[[Any]
         mode = "reduce-overhead" if on_gpu else None
         steps.append((f"compiled blocks {mode}",
                       lambda: compile_blocks(model, mode=mode, device_type=device_type)))
+        if example is not None:  # measured only: it compiles longer, and where it is faster varies by model
+            steps.append((f"compiled whole {mode}",
+                          lambda: compile_whole(model, mode=mode, device_type=device_type)))
     if example is None:
         changes: Iterable[Change] = (_not_measured(call()) for _, call in steps)
     else:
