@@ -21,7 +21,7 @@ from gallery_lib.config import ConfigError
 from gallery_lib.reports.comparison import CPU_TIMINGS
 
 ROW_FIELDS = {"model", "variant", "batch_size", "image_size", "samples_per_s", "median_step_ms", "p20_step_ms",
-              "p80_step_ms", "warmup_s", "peak_reserved_gib", "final_loss", "loss_difference", "over_peer",
+              "p80_step_ms", "setup_s", "warmup_s", "peak_reserved_gib", "final_loss", "loss_difference", "over_peer",
               "timed_steps", "warmup_steps", "changes"}
 RATIO = re.compile(r"\d\.\d\dx")
 
@@ -75,7 +75,10 @@ def test_cpu_bench_writes_three_variants_a_table_and_a_figure(traced_not_compile
         assert r["peak_reserved_gib"] is None and r["over_peer"] is None  # no GPU memory, no ratio on a CPU
         assert math.isfinite(r["final_loss"]) and r["loss_difference"] < 1e-2  # the same weights, the same batches
     assert rows[0]["changes"] == [] and rows[1]["changes"] == ["torch.compile of the whole model"]
-    assert [c.split(":")[0] for c in rows[2]["changes"]] == ["compiled blocks"]  # accelerate's, as it said them
+    # accelerate's, as it said them, each timed on the first batch
+    assert [c.split(":")[0] for c in rows[2]["changes"]] == ["compiled blocks", "compiled whole"]
+    assert all(" ms with it, " in c and "(this model, batch 2, cpu)" in c for c in rows[2]["changes"])
+    assert rows[2]["setup_s"] > rows[1]["setup_s"] >= 0
     table = out.with_suffix(".md").read_text()
     assert table == timm_table(record) + "\n" and "| accelerated |" in table and "n/a on CPU" in table
     assert CPU_TIMINGS in table and not RATIO.search(table)
@@ -85,7 +88,7 @@ def test_cpu_bench_writes_three_variants_a_table_and_a_figure(traced_not_compile
 
 
 def test_a_variant_that_fails_is_a_row_with_its_error_and_the_others_still_run(monkeypatch, tmp_path, capsys):
-    def peer_out_of_memory(variant, model, device):
+    def peer_out_of_memory(variant, model, device, batch):
         if variant == "peer":
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
         return []
@@ -170,11 +173,12 @@ def test_gpu_sizes_are_the_notebooks_full_profile_with_at_least_30_timed_steps()
 
 def test_a_gpu_table_gives_each_variant_over_the_peer():
     rows = [dict(variant=v, samples_per_s=s, median_step_ms=1e3 * 128 / s, p20_step_ms=1.0, p80_step_ms=2.0,
-                 warmup_s=30.0, peak_reserved_gib=9.5, final_loss=6.9, over_peer=s / 2000.0)
+                 setup_s=84.0 if v == "accelerated" else 0.0, warmup_s=30.0, peak_reserved_gib=9.5, final_loss=6.9,
+                 over_peer=s / 2000.0)
             for v, s in [("eager", 1000.0), ("peer", 2000.0), ("accelerated", 2500.0)]]
     record = dict(timm_model="resnet18", image_size=224, batch_size=128, steps=60, warmup_steps=25,
                   device="NVIDIA H200", rows=rows)
     table = timm_table(record)
-    assert "| accelerated | 2,500.0 | 51.2 (1.0-2.0) | 1.25x | 30.0 | 9.50 | 6.9000 |" in table
+    assert "| accelerated | 2,500.0 | 51.2 (1.0-2.0) | 1.25x | 84.0 | 30.0 | 9.50 | 6.9000 |" in table
     assert "| peer | 2,000.0 |" in table and "0.50x" in table and CPU_TIMINGS not in table
     assert "n/a on CPU" in timm_table({**record, "device": "CPU"})

@@ -6,7 +6,9 @@ One freshly built model, deep-copied three times from the same initial weights, 
 - ``eager``: the model as built;
 - ``peer``: what a skilled PyTorch user writes: ``model.compile(mode="reduce-overhead")`` on a GPU (plain
   ``model.compile()`` on a CPU), plus channels_last on a GPU for a network with convolutions beyond its stem;
-- ``accelerated``: ``accelerate(model)``, each ``Change`` it returns kept as text.
+- ``accelerated``: ``accelerate(model, example=images, loss_fn=cross-entropy)`` on the first batch, under the loop's
+  autocast: each change kept only where it times faster on this model (the whole model compiled tried in place of
+  its blocks), each ``Change`` it returns kept as text, and the seconds its timing took as ``setup_s``.
 
 The result file (the machine, the command, one row per variant), its markdown table (``.md``) and its figure (``.png``,
 ``StepLadder``'s) are written together. On a CPU the rows check the code path: no ratio and no speed bar.
@@ -17,6 +19,7 @@ from __future__ import annotations
 import copy
 import difflib
 import gc
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -31,7 +34,8 @@ BATCHES = 4
 """Random batches made once and cycled through, as the notebook does."""
 TIMING = ("each variant's training steps in one process (the your_model notebook's loop: forward, cross-entropy, "
           "backward, AdamW step) on random batches made once; CUDA events per step (wall clock on a CPU); median with "
-          "p20/p80 over the steps after warm-up; warmup_s = the warm-up steps (compilation, CUDA-graph capture)")
+          "p20/p80 over the steps after warm-up; warmup_s = the warm-up steps (compilation, CUDA-graph capture); "
+          "setup_s = the variant's changes before its first step (accelerate's timed steps)")
 
 
 @dataclass(frozen=True)
@@ -122,16 +126,24 @@ def make_batches(bench: TimmBench) -> list[tuple[torch.Tensor, torch.Tensor]]:
             for _ in range(BATCHES)]
 
 
-def apply_variant(variant: str, model: torch.nn.Module, device: str) -> list[str]:
-    """Changes ``model`` in place as ``variant`` does; what changed, as text."""
+def apply_variant(variant: str, model: torch.nn.Module, device: str,
+                  batch: tuple[torch.Tensor, torch.Tensor] | None = None) -> list[str]:
+    """Changes ``model`` in place as ``variant`` does; what changed, as text. ``accelerated`` times its changes on
+    ``batch`` (images, labels) where one is given."""
     from gallery_lib.accel.your_model import accelerate, has_convolutions_beyond_a_stem, use_channels_last
 
+    on_gpu = device == "cuda"
     if variant == "accelerated":
-        return [str(change) for change in accelerate(model, echo=None)]
+        if batch is None:
+            return [str(change) for change in accelerate(model, echo=None)]
+        images, labels = batch
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=on_gpu):  # timed in the loop's precision
+            changes = accelerate(model, example=images, echo=None,
+                                 loss_fn=lambda logits: torch.nn.functional.cross_entropy(logits.float(), labels))
+        return [str(change) for change in changes]
     if variant != "peer":
         return []
     said = []
-    on_gpu = device == "cuda"
     if on_gpu and has_convolutions_beyond_a_stem(model):  # as accelerate lays them out
         said.append(use_channels_last(model, device_type=device).note)
     model.compile(mode="reduce-overhead" if on_gpu else None)
@@ -178,11 +190,13 @@ def run_timm_bench(bench: TimmBench, out: Path, *, command: str,
         f"{bench.batch_size} on {bench.device}, {bench.steps} steps per variant ({bench.warmup_steps} of warm-up)")
     ladder = StepLadder(batch_size=bench.batch_size, warmup=bench.warmup_steps, device=bench.device)
     peaks: dict[str, float | None] = {}
+    setups: dict[str, float] = {}
     errors: dict[str, str] = {}
     for variant in VARIANTS:
         say(f"[bench] {variant}")
         try:
-            changes, losses, times_ms, peaks[variant] = _train_variant(variant, initial, batches, bench, say)
+            changes, losses, times_ms, peaks[variant], setups[variant] = _train_variant(variant, initial, batches,
+                                                                                        bench, say)
         except Exception as exc:  # the other variants still measure
             errors[variant] = failure_reason(exc)
             say(f"[bench]   failed: {errors[variant]}")
@@ -192,7 +206,7 @@ def run_timm_bench(bench: TimmBench, out: Path, *, command: str,
         finally:
             _release(bench.device)
     ladder_rows = {row["rung"]: (row, rung) for row, rung in zip(ladder.rows(), ladder.rungs)}
-    rows = [result_row(bench, *ladder_rows[variant], peaks[variant]) if variant in ladder_rows
+    rows = [result_row(bench, *ladder_rows[variant], peaks[variant], setups[variant]) if variant in ladder_rows
             else {"model": bench.model, "variant": variant, "batch_size": bench.batch_size,
                   "image_size": bench.image_size, "error": errors[variant]} for variant in VARIANTS]
     on_cpu = bench.device == "cpu"
@@ -212,19 +226,21 @@ def run_timm_bench(bench: TimmBench, out: Path, *, command: str,
 
 def _train_variant(variant: str, initial: torch.nn.Module, batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
                    bench: TimmBench, say: Callable[[str], Any]) -> tuple[list[str], list[float], list[float],
-                                                                          float | None]:
-    """A fresh copy of ``initial`` changed as ``variant`` does and trained: what changed, the losses, the step times
-    and the peak reserved memory (MiB; ``None`` on a CPU)."""
+                                                                          float | None, float]:
+    """A fresh copy of ``initial`` changed as ``variant`` does and trained: what changed, the losses, the step times,
+    the peak reserved memory (MiB; ``None`` on a CPU) and the seconds the changes took."""
     from gallery_lib.run.timing import peak_reserved_mb, reset_peak_memory
 
     device = torch.device(bench.device)
     model = copy.deepcopy(initial).to(device)
-    changes = apply_variant(variant, model, bench.device)
+    start = time.perf_counter()
+    changes = apply_variant(variant, model, bench.device, batches[0])
+    setup_s = time.perf_counter() - start
     for change in changes:
         say(f"[bench]   {change}")
     reset_peak_memory(device)
     losses, times_ms = train(model, batches, bench.steps, bench.device)
-    return changes, losses, times_ms, peak_reserved_mb(device)
+    return changes, losses, times_ms, peak_reserved_mb(device), setup_s
 
 
 def failure_reason(exc: BaseException) -> str:
@@ -235,13 +251,14 @@ def failure_reason(exc: BaseException) -> str:
     return text.splitlines()[0][:200]
 
 
-def result_row(bench: TimmBench, ladder_row: dict, rung: Any, peak_reserved_mb: float | None) -> dict:
+def result_row(bench: TimmBench, ladder_row: dict, rung: Any, peak_reserved_mb: float | None,
+               setup_s: float) -> dict:
     """One variant's row, in the families' bench's names; no ratio on a CPU."""
     on_cpu = bench.device == "cpu"
     return {"model": bench.model, "variant": ladder_row["rung"], "batch_size": bench.batch_size,
             "image_size": bench.image_size, "samples_per_s": ladder_row["img_per_s"],
             "median_step_ms": ladder_row["median_step_time_ms"], "p20_step_ms": ladder_row["p20_step_time_ms"],
-            "p80_step_ms": ladder_row["p80_step_time_ms"], "warmup_s": ladder_row["warmup_s"],
+            "p80_step_ms": ladder_row["p80_step_time_ms"], "setup_s": setup_s, "warmup_s": ladder_row["warmup_s"],
             "peak_reserved_gib": None if peak_reserved_mb is None else peak_reserved_mb / 1024,
             "final_loss": rung.losses[-1], "loss_difference": ladder_row["loss_difference"],
             "over_peer": None if on_cpu else ladder_row["over_peer"],
@@ -257,16 +274,18 @@ def timm_table(record: dict) -> str:
     device = record["device"]
     lines = [f"`{record['timm_model']}` at {record['image_size']} px, batch {record['batch_size']}, on {device}: "
              f"{record['steps'] - record['warmup_steps']} timed steps after {record['warmup_steps']} of warm-up.", "",
-             "| variant | img/s | step ms: median (p20-p80) | vs peer | warm-up s | peak reserved GiB | final loss |",
-             "|---" * 7 + "|"]
+             "| variant | img/s | step ms: median (p20-p80) | vs peer | setup s | warm-up s | peak reserved GiB | "
+             "final loss |", "|---" * 8 + "|"]
     for row in record["rows"]:
         if "error" in row:
-            lines.append(f"| {row['variant']} | error: {row['error']} | | | | | |")
+            lines.append(f"| {row['variant']} | error: {row['error']} | | | | | | |")
             continue
         memory = "" if row["peak_reserved_gib"] is None else f"{row['peak_reserved_gib']:.2f}"
+        setup = "" if row.get("setup_s") is None else f"{row['setup_s']:.1f}"  # records from before it was kept
         lines.append(f"| {row['variant']} | {row['samples_per_s']:,.1f} | {row['median_step_ms']:.1f} "
                      f"({row['p20_step_ms']:.1f}-{row['p80_step_ms']:.1f}) | "
-                     f"{speedup_text(row['over_peer'], device)} | {row['warmup_s']:.1f} | {memory} | "
+                     f"{speedup_text(row['over_peer'], device)} | {setup} | "
+                     f"{row['warmup_s']:.1f} | {memory} | "
                      f"{row['final_loss']:.4f} |")
     if device == "CPU":
         lines += ["", f"{CPU_TIMINGS}."]
