@@ -192,7 +192,7 @@ def small_checkpointer(tmp_path: Path, amp_level: str, seed: int, position: Fake
     torch.manual_seed(seed)
     cfg = RunConfig(model="swin_micro", output_dir=str(tmp_path), amp_level=amp_level, steps=10, warmup_steps=0)
     model = torch.nn.Linear(3, 2)
-    precision = Precision.from_config(cfg, "cpu")
+    precision = Precision.from_settings(cfg.sections.precision, "cpu")
     precision.cast_model(model)
     if amp_level == "O1":  # the float16 GradScaler path, as on a GPU
         precision.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
@@ -380,7 +380,7 @@ def test_device_guard_skips_nonfinite_steps_without_a_host_sync(smoke_data, tmp_
 
     cfg = resume_cfg(smoke_data, tmp_path, steps=12, checkpoint_every=0, log_every=4, max_nonfinite_steps=3,
                      fused_optimizer=True)
-    assert nonfinite_guard(cfg, Precision.from_config(cfg, "cpu")) == "device"
+    assert nonfinite_guard(cfg, Precision.from_settings(cfg.sections.precision, "cpu")) == "device"
     nan_criterion(monkeypatch, {1} | set(range(3, 100)))
     with pytest.raises(RuntimeError, match=r"not finite for 5 steps in a row \(steps 3-7\), max_nonfinite_steps=3"):
         run(cfg)

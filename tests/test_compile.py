@@ -220,12 +220,12 @@ def test_coordinate_descent_tuning_reaches_inductor_with_the_mode_and_trains_lik
     from gallery_lib.config import RunConfig
 
     cfg = RunConfig(model="swin_micro", compile=True)
-    assert compile_kwargs(cfg) == {"mode": None}
-    assert compile_kwargs(cfg.replace(compile_mode="reduce-overhead")) == {"mode": "reduce-overhead"}
+    assert compile_kwargs(cfg.sections.compile) == {"mode": None}
+    assert compile_kwargs(cfg.replace(compile_mode="reduce-overhead").sections.compile) == {"mode": "reduce-overhead"}
     tuned = cfg.replace(coordinate_descent_tuning=True)
-    assert compile_kwargs(tuned.replace(compile_mode="reduce-overhead")) == {
+    assert compile_kwargs(tuned.replace(compile_mode="reduce-overhead").sections.compile) == {
         "options": {"triton.cudagraphs": True, "coordinate_descent_tuning": True}}
-    kwargs = compile_kwargs(tuned)
+    kwargs = compile_kwargs(tuned.sections.compile)
     assert kwargs == {"options": {"coordinate_descent_tuning": True}}
 
     seen = []
@@ -250,12 +250,13 @@ def test_tiled_reductions_reach_inductor_beside_the_mode_and_the_tuning():
 
     cfg = RunConfig(model="swin_micro", compile=True, tiled_reductions=True)
     tiling = {"triton.prefer_nd_tiling": True, "triton.tile_reductions": True}
-    assert compile_kwargs(cfg) == {"options": tiling}
-    assert compile_kwargs(cfg.replace(compile_mode="reduce-overhead", coordinate_descent_tuning=True)) == {
+    assert compile_kwargs(cfg.sections.compile) == {"options": tiling}
+    graphs_tuned = cfg.replace(compile_mode="reduce-overhead", coordinate_descent_tuning=True)
+    assert compile_kwargs(graphs_tuned.sections.compile) == {
         "options": {"triton.cudagraphs": True, "coordinate_descent_tuning": True, **tiling}}
     torch._dynamo.reset()
     model, eager = _mlp(), _mlp()  # Inductor takes the options, and the compiled model trains as the eager one
-    torch.testing.assert_close(_loop(torch.compile(model, **compile_kwargs(cfg)), 4), _loop(eager, 4),
+    torch.testing.assert_close(_loop(torch.compile(model, **compile_kwargs(cfg.sections.compile)), 4), _loop(eager, 4),
                                rtol=1e-5, atol=1e-5)
 
 
@@ -271,7 +272,7 @@ def test_channels_last_graphs_lay_out_the_backward_graph_too_and_train_like_eage
     from gallery_lib.config import RunConfig
 
     cfg = RunConfig(model="swin_micro", compile=True, channels_last_graphs=True)
-    assert compile_kwargs(cfg) == {"options": {"force_layout_optimization": True,
+    assert compile_kwargs(cfg.sections.compile) == {"options": {"force_layout_optimization": True,
                                                "post_grad_custom_post_pass": KeepAttentionLayout()}}
     decided, decide = [], GraphLowering.decide_layout_opt
 
@@ -298,7 +299,7 @@ def test_channels_last_graphs_lay_out_the_backward_graph_too_and_train_like_eage
         return torch.stack(losses)
 
     eager = train(convnet())
-    for options, backward_laid_out in (({}, False), (compile_kwargs(cfg)["options"], True)):
+    for options, backward_laid_out in (({}, False), (compile_kwargs(cfg.sections.compile)["options"], True)):
         torch._dynamo.reset()
         decided.clear()
         with torch._inductor.config.patch(fx_graph_cache=False), \

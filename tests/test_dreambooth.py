@@ -106,7 +106,7 @@ def test_prior_preservation_adds_the_weighted_class_half(dreambooth_data, tmp_pa
     from gallery_lib.tasks import build_task
 
     cfg = tiny(dreambooth_data, tmp_path, amp_level="O0")
-    precision = Precision.from_config(cfg, "cpu")
+    precision = Precision.from_settings(cfg.sections.precision, "cpu")
     task = build_task(cfg, DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu")), precision)
     batch = next(iter(task.loader))
     assert batch["pixels"].shape[0] == 2 * cfg.batch_size  # instance half, then class half

@@ -29,13 +29,13 @@ def cfg(**kw) -> RunConfig:
 
 def guard(**kw) -> NonfiniteGuard:
     c = cfg(max_nonfinite_steps=2, **kw)
-    return NonfiniteGuard(c, Precision.from_config(c, "cpu"), CPU)
+    return NonfiniteGuard(c, Precision.from_settings(c.sections.precision, "cpu"), CPU)
 
 
 def test_device_guard_with_a_grad_scaler_skips_a_bad_step_through_the_scaler():
     """fp16 with a fused optimizer: no host sync; a NaN loss makes the scaler skip the step and back off its scale."""
     c = cfg(max_nonfinite_steps=2, fused_optimizer=True, amp_dtype="float16")
-    precision = Precision.from_config(c, "cpu")
+    precision = Precision.from_settings(c.sections.precision, "cpu")
     g = NonfiniteGuard(c, precision, CPU)
     assert g.mode == "device" and precision.scaler is not None
     weight = torch.nn.Parameter(torch.ones(3, 2).t())  # not contiguous, as channels_last weights are not
@@ -83,12 +83,12 @@ def test_device_guard_hands_the_optimizer_a_flag_and_counts_it_when_read_back():
 
 def test_guard_off_never_checks_and_resumes_its_counters():
     c = cfg(max_nonfinite_steps=0)
-    off = NonfiniteGuard(c, Precision.from_config(c, "cpu"), CPU)
+    off = NonfiniteGuard(c, Precision.from_settings(c.sections.precision, "cpu"), CPU)
     calls = []
     assert off.update(torch.tensor(float("nan")), None, lambda: calls.append(1)) is False and calls == [1]
     assert off.mode == "off" and not off.should_stop()
-    resumed = NonfiniteGuard(cfg(), Precision.from_config(cfg(), "cpu"), CPU, {"nonfinite_in_a_row": 1,
-                                                                              "nonfinite_steps": 3})
+    resumed = NonfiniteGuard(cfg(), Precision.from_settings(cfg().sections.precision, "cpu"), CPU,
+                             {"nonfinite_in_a_row": 1, "nonfinite_steps": 3})
     assert resumed.counters() == {"nonfinite_in_a_row": 1, "nonfinite_steps": 3}
 
 
@@ -337,7 +337,7 @@ def test_a_gpu_without_bfloat16_trains_in_float16_with_a_scaler_and_says_why(mon
     cfg = RunConfig(model="swin_micro", amp_level="O1", amp_dtype="bfloat16")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *device: (7, 5))
-    assert resolve_amp_dtype(cfg, "cuda") == torch.float16 and "7.5" in no_bfloat16_reason("cuda")
-    assert resolve_amp_dtype(cfg, "cpu") == torch.bfloat16
+    assert resolve_amp_dtype(cfg.sections.precision, "cuda") == torch.float16 and "7.5" in no_bfloat16_reason("cuda")
+    assert resolve_amp_dtype(cfg.sections.precision, "cpu") == torch.bfloat16
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *device: (8, 0))
-    assert resolve_amp_dtype(cfg, "cuda") == torch.bfloat16 and no_bfloat16_reason("cuda") is None
+    assert resolve_amp_dtype(cfg.sections.precision, "cuda") == torch.bfloat16 and no_bfloat16_reason("cuda") is None

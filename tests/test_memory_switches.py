@@ -83,14 +83,14 @@ def test_pre_ampere_gpus_get_float16_with_a_scaler_and_a_note(monkeypatch, capab
     assert cfg.amp_dtype == "bfloat16"
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert resolve_amp_dtype(cfg, "cuda") == expected
-    assert resolve_amp_dtype(cfg, "cpu") == torch.bfloat16
-    precision = Precision.from_config(cfg, "cuda")
+    assert resolve_amp_dtype(cfg.sections.precision, "cuda") == expected
+    assert resolve_amp_dtype(cfg.sections.precision, "cpu") == torch.bfloat16
+    precision = Precision.from_settings(cfg.sections.precision, "cuda")
     described = precision.describe()
     assert ("has no bfloat16 tensor cores" in described) == (expected == torch.float16)
     assert (precision.scaler is not None) == (expected == torch.float16)
     # the baseline asks for float16 itself (amp_dtype auto): nothing was replaced, so nothing is said
-    baseline = Precision.from_config(apply_recipe("baseline", cfg), "cuda")
+    baseline = Precision.from_settings(apply_recipe("baseline", cfg).sections.precision, "cuda")
     assert baseline.dtype == torch.float16 and "bfloat16" not in baseline.describe()
 
 

@@ -155,7 +155,7 @@ def test_config_kernel_ops_choose_what_the_run_swaps():
     assert cfg.kernel_op_names == ("geglu",)
     model = tiny_unet()
     dist = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
-    notes = apply_accelerations(model, cfg, Precision.from_config(cfg, "cpu"), dist).notes
+    notes = apply_accelerations(model, cfg, Precision.from_settings(cfg.sections.precision, "cpu"), dist).notes
     kinds = {type(m) for m in model.modules()}
     assert FusedGEGLU in kinds and FusedGroupNorm not in kinds and FusedLayerNorm not in kinds
     assert any("geglu=" in note and "group_norm" not in note.split("\n")[0] for note in notes), notes

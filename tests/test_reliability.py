@@ -297,7 +297,7 @@ def test_nonfinite_loss_on_some_ranks_skips_the_step_on_every_rank(smoke_data, t
     from gallery_lib.run.nonfinite import guard_mode as nonfinite_guard
 
     cfg = small_cfg(smoke_data, tmp_path / "out", nproc_per_node=2, batch_size=4, log_every=3, **options)
-    assert nonfinite_guard(cfg, Precision.from_config(cfg, "cpu")) == guard
+    assert nonfinite_guard(cfg, Precision.from_settings(cfg.sections.precision, "cpu")) == guard
     wrapper = tmp_path / "nan_on_some_ranks.py"
     wrapper.write_text(NAN_ON_SOME_RANKS.replace("NAN_AT_VALUE", repr({2: (1,), 4: (0, 1)}))
                        .replace("PARAMS_DIR_VALUE", repr(str(tmp_path))))

@@ -119,7 +119,7 @@ def test_training_reduces_loss_on_mock_data(smoke_data, tmp_path):
 def test_amp_o2_keeps_bf16_weights_and_fp32_masters():
     model = build_model("swin_micro", num_classes=4)
     cfg = RunConfig(model="swin_micro", amp_level="O2", batch_size=2, steps=2, warmup_steps=0)
-    precision = Precision.from_config(cfg, "cpu")
+    precision = Precision.from_settings(cfg.sections.precision, "cpu")
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     precision.cast_model(model)
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())
@@ -226,7 +226,7 @@ def test_amp_o2_steps_match_fp32_master_sgd():
     """Two O2 steps with SGD equal SGD on fp32 masters fed the same bf16 grads (grads must not accumulate)."""
     model = torch.nn.Linear(4, 3)
     cfg = RunConfig(model="swin_micro", amp_level="O2", batch_size=2, steps=2, warmup_steps=0)
-    precision = Precision.from_config(cfg, "cpu")
+    precision = Precision.from_settings(cfg.sections.precision, "cpu")
     precision.cast_model(model)
     opt = torch.optim.SGD(precision.optimizer_params([{"params": list(model.parameters())}]), lr=0.5)
     expected = {p: m.clone() for p, m in precision.master_params.items()}

@@ -31,6 +31,7 @@ import torch
 import torch.utils.checkpoint
 
 from gallery_lib.config import RunConfig
+from gallery_lib.config.sections.acceleration import Compile as CompileSettings
 from gallery_lib.accel.compile.plan import CompilePlan
 from gallery_lib.accel.compile.cpu_codegen import use_safe_cpu_codegen
 from gallery_lib.accel.distributed import DistInfo, apply_zero2, keep_block_graphs_whole_under_ddp, wrap_ddp
@@ -88,30 +89,31 @@ def apply_accelerations(model: torch.nn.Module, cfg: RunConfig, precision: Preci
         if train_module is not model:  # DDP-wrapped (ZeRO-2 shards the model in place)
             keep_block_graphs_whole_under_ddp()
         # Static shapes, as whole-model compilation has: each block shape gets its own graph.
-        names = plan.compile_blocks(model, backend="inductor", dynamic=False, **compile_kwargs(cfg))
+        names = plan.compile_blocks(model, backend="inductor", dynamic=False, **compile_kwargs(cfg.sections.compile))
         whole = "".join(f", {name} whole" for name in cfg.compile_whole_types)
         notes.append(f"torch.compile(mode={cfg.compile_mode!r}{tuning}) of {len(names)} repeated blocks in place{whole}"
                      + (f", precompiled by {cfg.precompile_workers} processes before the first step"
                         if cfg.precompile_workers else "; compilation happens in the first warm-up steps"))
     elif cfg.compile:
-        train_module = torch.compile(train_module, **compile_kwargs(cfg))
+        train_module = torch.compile(train_module, **compile_kwargs(cfg.sections.compile))
         notes.append(f"torch.compile(mode={cfg.compile_mode!r}{tuning}); compilation happens in the first warm-up "
                      "steps")
     return AcceleratedModel(module=model, train_module=train_module, compile_plan=plan, notes=notes,
                             attention=attention, template=template)
 
 
-def compile_kwargs(cfg: RunConfig) -> dict[str, Any]:
-    """``torch.compile``'s mode, or, with ``coordinate_descent_tuning``, ``tiled_reductions`` or
-    ``channels_last_graphs``, the mode's Inductor options plus theirs (``torch.compile`` takes a mode or options, not
-    both). The channels_last layout leaves attention's tensors in their own layout (``attention_layout``)."""
+def compile_kwargs(settings: CompileSettings) -> dict[str, Any]:
+    """``torch.compile``'s arguments for a run's compile ``settings`` (``cfg.sections.compile``): its mode, or, with
+    ``coordinate_descent_tuning``, ``tiled_reductions`` or ``channels_last_graphs``, the mode's Inductor options plus
+    theirs (``torch.compile`` takes a mode or options, not both). The channels_last layout leaves attention's tensors
+    in their own layout (``attention_layout``)."""
     from gallery_lib.accel.compile.attention_layout import KeepAttentionLayout
 
-    mode = None if cfg.compile_mode == "default" else cfg.compile_mode
-    extra = {**({"coordinate_descent_tuning": True} if cfg.coordinate_descent_tuning else {}),
-             **({"triton.prefer_nd_tiling": True, "triton.tile_reductions": True} if cfg.tiled_reductions else {}),
+    mode = None if settings.compile_mode == "default" else settings.compile_mode
+    extra = {**({"coordinate_descent_tuning": True} if settings.coordinate_descent_tuning else {}),
+             **({"triton.prefer_nd_tiling": True, "triton.tile_reductions": True} if settings.tiled_reductions else {}),
              **({"force_layout_optimization": True, "post_grad_custom_post_pass": KeepAttentionLayout()}
-                if cfg.channels_last_graphs else {})}
+                if settings.channels_last_graphs else {})}
     if not extra:
         return {"mode": mode}
     from torch._inductor import list_mode_options

@@ -15,18 +15,18 @@ from dataclasses import dataclass, field
 import torch
 
 from gallery_lib.accel.clipping import clip_then_step
-from gallery_lib.config import RunConfig
+from gallery_lib.config.sections.training import Precision as PrecisionSettings
 
 
-def resolve_amp_dtype(cfg: RunConfig, device: str) -> torch.dtype | None:
-    """The low-precision dtype of ``cfg`` on ``device`` (``None`` for O0): bfloat16 becomes float16 (with a
-    GradScaler) on a GPU without bfloat16 tensor cores (``no_bfloat16_reason``)."""
-    if cfg.amp_level == "O0":
+def resolve_amp_dtype(settings: PrecisionSettings, device: str) -> torch.dtype | None:
+    """The low-precision dtype of a run's precision ``settings`` on ``device`` (``None`` for O0): bfloat16 becomes
+    float16 (with a GradScaler) on a GPU without bfloat16 tensor cores (``no_bfloat16_reason``)."""
+    if settings.amp_level == "O0":
         return None
-    if cfg.amp_dtype == "auto":
+    if settings.amp_dtype == "auto":
         # The Swin reference trains with float16 + GradScaler; CPUs have no fast float16 path.
-        return torch.float16 if device == "cuda" and cfg.amp_level == "O1" else torch.bfloat16
-    dtype = getattr(torch, cfg.amp_dtype)
+        return torch.float16 if device == "cuda" and settings.amp_level == "O1" else torch.bfloat16
+    dtype = getattr(torch, settings.amp_dtype)
     return torch.float16 if dtype == torch.bfloat16 and no_bfloat16_reason(device) else dtype
 
 
@@ -53,11 +53,12 @@ class Precision:
     """O2 only: model parameter -> its fp32 master copy."""
 
     @classmethod
-    def from_config(cls, cfg: RunConfig, device: str) -> Precision:
-        dtype = resolve_amp_dtype(cfg, device)
+    def from_settings(cls, settings: PrecisionSettings, device: str) -> Precision:
+        """The precision a run's ``settings`` (``cfg.sections.precision``) give on ``device``."""
+        dtype = resolve_amp_dtype(settings, device)
         scaler = torch.amp.GradScaler(device) if dtype == torch.float16 else None
-        fallback = no_bfloat16_reason(device) if cfg.amp_dtype == "bfloat16" and dtype == torch.float16 else None
-        return cls(level=cfg.amp_level, dtype=dtype, device=device, scaler=scaler, fallback=fallback)
+        fallback = no_bfloat16_reason(device) if settings.amp_dtype == "bfloat16" and dtype == torch.float16 else None
+        return cls(level=settings.amp_level, dtype=dtype, device=device, scaler=scaler, fallback=fallback)
 
     def autocast(self) -> contextlib.AbstractContextManager:
         if self.dtype is None:

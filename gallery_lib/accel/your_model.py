@@ -213,8 +213,8 @@ def compile_whole(model: nn.Module, *, mode: str | None = None, device_type: str
     forward and one for the backward, so Inductor also fuses across the blocks' edges (the stem, the head), and with
     ``mode="reduce-overhead"`` on a GPU one CUDA graph replays each. Blocks compiled in place before
     (``compile_blocks``) run inside it as the plain modules they were; ``undo`` compiles them in place again, with
-    their compiled code kept. Compiling takes longer than for the blocks alone; ``accelerate(model, example=...)`` keeps it only where a
-    step is faster than with the blocks."""
+    their compiled code kept. Compiling takes longer than for the blocks alone; ``accelerate(model, example=...)``
+    keeps it only where a step is faster than with the blocks."""
     quiet_known_noise()
     blocks = {name: module._compiled_call_impl for name, module in model.named_modules()
               if name and getattr(module, "_compiled_call_impl", None) is not None}

@@ -49,13 +49,14 @@ def _optimizer(cfg: RunConfig, device: str) -> str:
     from gallery_lib.accel.precision import resolve_amp_dtype
 
     name = ("fused " if cfg.fused_optimizer else "") + cfg.optimizer
-    return name + (", clipping in its pass" if run_folds(cfg, resolve_amp_dtype(cfg, device)) else "")
+    folds = run_folds(cfg, resolve_amp_dtype(cfg.sections.precision, device))
+    return name + (", clipping in its pass" if folds else "")
 
 
 def _precision(cfg: RunConfig, device: str) -> str:
     from gallery_lib.accel.precision import resolve_amp_dtype
 
-    dtype = resolve_amp_dtype(cfg, device)
+    dtype = resolve_amp_dtype(cfg.sections.precision, device)
     if dtype is None:
         return "float32"
     name = str(dtype).removeprefix("torch.")

@@ -61,7 +61,9 @@ from gallery_lib.run.logs import rank_logging
 from gallery_lib.run.metrics import MetricsWriter, superseded_path, supersede_steps
 from gallery_lib.run.nonfinite import NonfiniteGuard
 from gallery_lib.run.profiling import StepProfiler
+from gallery_lib.config.family import WorkerMemory
 from gallery_lib.config.quiet import quiet_known_noise
+from gallery_lib.config.sections.training import EMA as EMASettings
 from gallery_lib.run.step_log import StepLog
 from gallery_lib.run.summary import build_summary, describe_summary
 from gallery_lib.run.timing import reset_peak_memory
@@ -101,17 +103,17 @@ def build_optimizer(model: torch.nn.Module, cfg: RunConfig, precision: Precision
     return adamw(groups, lr=cfg.peak_lr, betas=(0.9, 0.999), eps=1e-8, **kwargs)
 
 
-def build_ema(model: torch.nn.Module, cfg: RunConfig, optimizer: torch.optim.Optimizer,
+def build_ema(model: torch.nn.Module, settings: EMASettings, optimizer: torch.optim.Optimizer,
               template: torch.nn.Module | None = None):
-    """The EMA of ``model`` that ``cfg.ema`` asks for, with diffusers' default decay ramp, and the log line saying how
-    it updates (and why, when it cannot run in the mode asked); ``(None, None)`` when off. ``template``: a sharded
-    model's plain template (``AcceleratedModel.template``)."""
-    if cfg.ema == "off":
+    """The EMA of ``model`` that the run's EMA ``settings`` ask for, with diffusers' default decay ramp, and the log
+    line saying how it updates (and why, when it cannot run in the mode asked); ``(None, None)`` when off.
+    ``template``: a sharded model's plain template (``AcceleratedModel.template``)."""
+    if settings.ema == "off":
         return None, None
     from gallery_lib.accel.your_model import add_ema
 
-    ema = add_ema(model, optimizer, decay=cfg.ema_decay, mode=cfg.ema, template=template,
-                  stream_programs=cfg.ema_stream_programs or None, echo=None)
+    ema = add_ema(model, optimizer, decay=settings.ema_decay, mode=settings.ema, template=template,
+                  stream_programs=settings.ema_stream_programs or None, echo=None)
     return ema, ema.change.note
 
 
@@ -139,7 +141,7 @@ def run(cfg: RunConfig, dist: DistInfo | None = None) -> dict:
         finally:
             if owns_group:
                 shutdown()
-    _cap_memory(cfg, dist.device)
+    _cap_memory(cfg.gpu_memory_gib, cfg.precompile_workers, cfg.model_family.worker_memory, dist.device)
     log = print if dist.is_main else (lambda *a, **k: None)
     if (cfg.extra.get(PLAN) or {}).get("probe_fields"):  # no footprint measured: the first setting that runs
         return train_first_that_fits(cfg, lambda attempt: _train(attempt, dist), log=log)
@@ -155,12 +157,13 @@ def run(cfg: RunConfig, dist: DistInfo | None = None) -> dict:
     return _train(cfg, dist, extra_summary={"batch_size_search": search})
 
 
-def _cap_memory(cfg: RunConfig, device: torch.device) -> None:
-    """``gpu_memory_gib``: this process capped to it, and the precompile workers it starts to what it leaves them."""
-    cap_gpu_memory(cfg.gpu_memory_gib, device)
-    if cfg.gpu_memory_gib is not None and device.type == "cuda" and cfg.precompile_workers:
-        measured = cfg.model_family.worker_memory
-        share = worker_share_gib(cfg.gpu_memory_gib, cfg.precompile_workers, measured and measured.trainer_gib)
+def _cap_memory(gpu_memory_gib: float | None, precompile_workers: int, measured: WorkerMemory | None,
+                device: torch.device) -> None:
+    """``gpu_memory_gib``: this process capped to it, and its ``precompile_workers`` to what it leaves them (from the
+    family's ``measured`` worker memory)."""
+    cap_gpu_memory(gpu_memory_gib, device)
+    if gpu_memory_gib is not None and device.type == "cuda" and precompile_workers:
+        share = worker_share_gib(gpu_memory_gib, precompile_workers, measured and measured.trainer_gib)
         os.environ[WORKER_CAP_ENV] = f"{share:.3f}"
 
 
@@ -195,7 +198,7 @@ def _train_from(setup_start: float, cfg: RunConfig, dist: DistInfo, plan: Compil
     quiet_known_noise(cfg.verbose)
     configure_backends(cfg.deterministic, cfg.sdpa_math)
     seed_everything(cfg.seed)  # identical init on every rank; the loader derives per-rank streams
-    precision = Precision.from_config(cfg, dist.device.type)
+    precision = Precision.from_settings(cfg.sections.precision, dist.device.type)
     task = build_task(cfg, dist, precision)
     model, loader = task.model, task.loader
     on_exit.callback(loader.close)  # its workers stop as the run ends, not at interpreter exit
@@ -203,7 +206,7 @@ def _train_from(setup_start: float, cfg: RunConfig, dist: DistInfo, plan: Compil
     accelerated = apply_accelerations(model, cfg, precision, dist, plan)
     optimizer = build_optimizer(model, cfg, precision)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.lr_warmup_steps, cfg.steps))
-    ema, ema_note = build_ema(model, cfg, optimizer, accelerated.template)
+    ema, ema_note = build_ema(model, cfg.sections.ema, optimizer, accelerated.template)
     if ema_note:
         accelerated.notes.append(ema_note)
     train_module = accelerated.train_module
