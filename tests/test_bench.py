@@ -56,7 +56,7 @@ def test_peer_is_compiled_plus_the_family_switches(family, switches):
 def test_on_a_gpu_the_peer_replays_cuda_graphs_where_the_run_can(family, monkeypatch):
     """The one word a skilled user adds on a GPU, ``mode="reduce-overhead"``; not where no graph can replay, and,
     as ``accelerated`` decides for its blocks, not for steps large enough for the GPU to set their pace."""
-    from gallery_lib.accel.step_size import GRAPHS_BY_BATCH, at_batch_size
+    from gallery_lib.config.step_size import GRAPHS_BY_BATCH, at_batch_size
 
     monkeypatch.setattr("gallery_lib.recipes.named.runs_on_gpu", lambda base: True)
     base = base_config("full", family=family, data_root="/data")

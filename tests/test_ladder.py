@@ -12,7 +12,7 @@ from gallery_lib.config import ConfigError, RunConfig
 from gallery_lib.recipes.ladder import (RUNG_NAMES, RUNGS, LadderSizes, RungResult, default_sizes, ladder_base,
                                         ladder_configs, recipe_name, rung_named, rung_parents, run_ladder)
 from gallery_lib.recipes.profiles import base_config
-from gallery_lib.accel.step_size import GRAPHS_BY_BATCH, SMALL_STEP_SWITCHES
+from gallery_lib.config.step_size import GRAPHS_BY_BATCH, SMALL_STEP_SWITCHES
 from gallery_lib.recipes import accelerated, apply_recipe, describe
 from gallery_lib.reports.ladder import findings, ladder_plan, ladder_report, ladder_rows
 from gallery_lib.run.train import configure_backends

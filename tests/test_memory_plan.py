@@ -318,7 +318,7 @@ def test_the_cap_comes_from_the_flag_or_the_environment(monkeypatch):
 def test_accumulated_batches_replay_no_cuda_graphs():
     with pytest.raises(ConfigError, match="gradient_accumulation_steps=2 cannot run with compile_mode"):
         RunConfig(model="swin_micro", compile=True, compile_mode="reduce-overhead", gradient_accumulation_steps=2)
-    from gallery_lib.accel.step_size import graphs_can_replay
+    from gallery_lib.config.step_size import graphs_can_replay
 
     assert not graphs_can_replay(RunConfig(model="swin_micro", gradient_accumulation_steps=2))
     assert graphs_can_replay(RunConfig(model="swin_micro"))

@@ -8,7 +8,7 @@ import torch
 from gallery_lib.config import ConfigError, RunConfig
 from gallery_lib.run.metrics import read_metrics
 from gallery_lib.recipes.profiles import base_config
-from gallery_lib.accel.step_size import at_batch_size
+from gallery_lib.config.step_size import at_batch_size
 from gallery_lib.recipes import apply_recipe, recipe_config
 from gallery_lib.run.batch_size import trial_config
 from gallery_lib.run.train import run

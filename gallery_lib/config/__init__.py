@@ -10,7 +10,9 @@ layer may import it.
 - ``overrides``: the ``--set FIELD=VALUE`` parser (flat or dotted names);
 - ``machine``: the checks that depend on this machine (device, process count, GPU-only options);
 - ``gpu_check``: a GPU that this torch cannot use is an error (also run by ``ci/setup_env.sh`` before torch exists);
-- ``quiet``: the library messages a user cannot act on, dropped by their exact origin.
+- ``quiet``: the library messages a user cannot act on, dropped by their exact origin;
+- ``step_size``: what a recipe decides by the size of a step (CUDA graphs, a family's large-step switches), decided
+  again at another batch size.
 """
 
 from gallery_lib.config.machine import resolve_device, validate_for_machine, visible_cuda_devices

@@ -21,7 +21,7 @@ from __future__ import annotations
 import os
 from typing import Any, Callable
 
-from gallery_lib.accel.step_size import (GRAPHS_BY_BATCH, graph_mode_for_batch, graphs_can_replay, kept_as_named,
+from gallery_lib.config.step_size import (GRAPHS_BY_BATCH, graph_mode_for_batch, graphs_can_replay, kept_as_named,
                                          with_large_step_switches, without_graphs_where_they_cannot_replay)
 from gallery_lib.config import ConfigError, RunConfig, resolve_device, visible_cuda_devices
 from gallery_lib.recipes.memory_fit import fit_to_memory

@@ -21,7 +21,7 @@ from typing import Any, Callable
 import torch
 
 from gallery_lib.config import ConfigError, RunConfig
-from gallery_lib.accel.step_size import at_batch_size
+from gallery_lib.config.step_size import at_batch_size
 from gallery_lib.run.memory_plan import PLAN, MemoryPlan
 
 TRIAL_STEPS = 3

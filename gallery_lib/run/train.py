@@ -50,7 +50,7 @@ from gallery_lib.accel.precision import Precision
 from gallery_lib.accel.torch_switches import (WORKER_CAP_ENV, cap_gpu_memory, set_deterministic_algorithms,
                                               set_float32_matmul_precision)
 from gallery_lib.config import RunConfig, validate_for_machine
-from gallery_lib.accel.step_size import at_batch_size
+from gallery_lib.config.step_size import at_batch_size
 from gallery_lib.run.attention_probe import AttentionProbe
 from gallery_lib.run.batch_size import is_out_of_memory, search_run_batch_size, train_first_that_fits
 from gallery_lib.run.memory_plan import (NAMED, PLAN, Candidate, MemoryPlan, OutOfMemory, memory_in_use_gib,

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Iterable
 
-from gallery_lib.config import CUDA_GRAPH_COMPILE_MODES, RunConfig
+from gallery_lib.config.run_config import CUDA_GRAPH_COMPILE_MODES, RunConfig
 
 GRAPHS_BY_BATCH = "block_graphs_by_batch"
 """The note in ``RunConfig.extra`` saying that a recipe chose ``compile_mode`` from the step's size."""
