@@ -108,11 +108,13 @@ def memory_classes() -> str:
 
 
 def _plan_cell(plan) -> str:
-    """``batch 8 (22.9)``, ``batch 8, checkpointing (tried)``, or ``does not fit``."""
+    """``batch 8 (22.9)``, ``batch 8, checkpointing (tried)``, ``batch 8, EMA on the CPU (tried)``, or ``does not
+    fit``."""
+    ema = ", EMA on the CPU" if plan.ema_offloaded else ""
     if plan.chosen is not None:
-        return f"{_setting(plan.chosen)} ({plan.estimate_gib:.1f})"
+        return f"{_setting(plan.chosen)}{ema} ({plan.estimate_gib:.1f})"
     if plan.probe:
-        return f"{_setting(plan.probe[0])} (tried)"
+        return f"{_setting(plan.probe[0])}{ema} (tried)"
     return "does not fit"
 
 

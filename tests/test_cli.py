@@ -90,6 +90,8 @@ def test_diffusers_and_timm_spellings_set_the_same_fields():
     assert cfg.gradient_accumulation_steps == 3
     (cfg,) = configs_from_args(build_parser().parse_args("train --profile smoke --mixed_precision no".split()))
     assert cfg.amp_level == "O0"
+    (cfg,) = configs_from_args(build_parser().parse_args("train --profile smoke --offload_ema".split()))
+    assert cfg.ema != "off" and cfg.ema_offload and cfg.recipe.endswith("+ema_offload")
 
 
 @pytest.mark.parametrize("argv, message", [

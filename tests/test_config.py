@@ -174,7 +174,8 @@ def test_flat_config_json_written_before_the_sections_still_loads(name, tmp_path
 
 
 # a flat file of 552a0d8 loads them at their defaults
-ADDED_SINCE_THE_FIXTURES = {"clip_in_optimizer", "ema_in_optimizer", "compile_whole", "memory_plan", "gpu_memory_gib"}
+ADDED_SINCE_THE_FIXTURES = {"clip_in_optimizer", "ema_in_optimizer", "compile_whole", "memory_plan", "gpu_memory_gib",
+                            "ema_offload"}
 
 
 def test_every_field_has_one_section_and_keeps_its_flat_name():

@@ -270,3 +270,70 @@ def test_gpu_fused_ema_of_channels_last_convs_matches_loop():
     ref = emas["loop"].state_dict()["module"]
     for mode in MODES[1:]:
         _assert_state_close(emas[mode].state_dict()["module"], ref, torch.float32)
+
+
+def _offloaded_pair(device, steps=7):
+    """One model trained ``steps`` steps with two foreach EMAs beside it: one on its device, one offloaded."""
+    torch.manual_seed(0)
+    model = _Net().to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    on_device = ModelEma(model, decay=0.8, ratio_warmup=True, mode="foreach")
+    offloaded = ModelEma(model, decay=0.8, ratio_warmup=True, mode="foreach", offload=True)
+    for step in range(steps):
+        opt.zero_grad(set_to_none=True)
+        model(torch.randn(8, 5, device=device), use_sometimes=step % 3 != 1).pow(2).mean().backward()
+        opt.step()
+        on_device.update(model)
+        offloaded.update(model)
+    return model, on_device, offloaded
+
+
+def test_an_offloaded_ema_averages_as_the_one_on_the_device():
+    model, on_device, offloaded = _offloaded_pair("cpu")
+    want, got = on_device.state_dict(), offloaded.state_dict()
+    assert got["step"] == want["step"] == 7
+    for name, tensor in want["module"].items():
+        assert torch.equal(got["module"][name], tensor), name  # the same ops on the same values
+    assert all(t.device.type == "cpu" for t in offloaded.module.state_dict().values())
+    with offloaded.swap(model):
+        assert torch.equal(model.lin.weight, want["module"]["lin.weight"])
+    fresh = ModelEma(_Net(), decay=0.8, offload=True)
+    fresh.load_state_dict(got)
+    assert fresh.step == 7 and torch.equal(fresh.module.big, want["module"]["big"])
+    with pytest.warns(UserWarning, match="its weights wait in the CPU's memory"):
+        assert ModelEma(model, mode="fused", offload=True).effective_mode == "foreach"
+    with pytest.raises(ValueError, match="offload keeps a whole copy in the CPU's memory, and a template"):
+        ModelEma(model, offload=True, template=model)
+
+
+def test_the_ema_is_offloaded_where_the_config_asks_and_says_so():
+    from gallery_lib.accel.adamw_ema import ema_in_pass
+    from gallery_lib.accel.your_model import add_ema
+    from gallery_lib.config import ConfigError, RunConfig
+
+    ema = add_ema(_Net(), mode="stream", offload=True, echo=None)
+    assert ema.offloaded and ema.effective_mode == "foreach"
+    assert "foreach update (stream asked, but its weights wait in the CPU's memory" in ema.change.what
+    assert "its weights kept in the CPU's memory between updates" in ema.change.what
+    cfg = RunConfig(model="swin_micro", ema="foreach", ema_offload=True, ema_in_optimizer=True, fused_optimizer=True)
+    assert not ema_in_pass(cfg, torch.bfloat16) and ema_in_pass(cfg.replace(ema_offload=False), torch.bfloat16)
+    with pytest.raises(ConfigError, match="ema_offload=True keeps the EMA in the CPU's memory, but ema='off'"):
+        RunConfig(model="swin_micro", ema_offload=True)
+    with pytest.raises(ConfigError, match="ema_offload=True is invalid with data_parallel='zero2'"):
+        RunConfig(model="swin_micro", ema="foreach", ema_offload=True, data_parallel="zero2")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+def test_gpu_an_offloaded_ema_frees_its_gpu_memory_and_averages_alike():
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(8)]).cuda()
+    before = torch.cuda.memory_allocated()
+    offloaded = ModelEma(model, decay=0.9, mode="foreach", offload=True)
+    assert torch.cuda.memory_allocated() == before  # no copy of the weights stays on the GPU
+    assert all(t.is_pinned() for t in offloaded.module.state_dict().values())
+    _, on_device, offloaded = _offloaded_pair("cuda")
+    # no torch.cuda.synchronize(): reading the offloaded EMA waits for its copies back
+    want, got = on_device.state_dict()["module"], offloaded.state_dict()["module"]
+    for name, tensor in want.items():
+        assert torch.equal(got[name].cuda(), tensor), name

@@ -154,7 +154,7 @@ def test_the_training_state_is_counted_as_built():
 
 
 def test_a_budget_the_training_state_fills_is_refused_before_any_setting_is_tried():
-    plan = fitted(sd_full(), "accelerated", 16.0)
+    plan = fitted(sd_full(ema_offload=False), "accelerated", 16.0)  # the EMA named to stay on the GPU
     chosen = MemoryPlan.from_dict(plan.extra[PLAN])
     assert chosen.chosen is None and not chosen.probe and not chosen.fits  # nothing to try in the run
     assert chosen.does_not_fit() == (
@@ -162,6 +162,24 @@ def test_a_budget_the_training_state_fills_is_refused_before_any_setting_is_trie
         "alone take 16.0 GiB at any batch size; use a GPU with more free memory, or without the EMA (--set ema=off)")
     # without an EMA the state is 12.8 GiB: the unmeasured settings are tried
     assert MemoryPlan.from_dict(fitted(sd_full(ema="off"), "accelerated", 16.0).extra[PLAN]).probe
+    assert not MemoryPlan.from_dict(fitted(sd_full(), "accelerated", 12.5).extra[PLAN]).fits  # 12.8 even without
+
+
+@pytest.mark.parametrize("recipe", ["baseline", "peer", "accelerated"])
+def test_where_only_the_ema_does_not_fit_it_waits_in_the_cpus_memory(recipe):
+    """SD-1.5's state is 16.0 GiB with the EMA and 12.8 without: at 16 GiB every recipe keeps its EMA on the CPU
+    between updates and tries its settings from the largest batch (none was measured that way); at 22 GiB none
+    does."""
+    small = fitted(sd_full(), recipe, 16.0)
+    plan = MemoryPlan.from_dict(small.extra[PLAN])
+    assert small.ema_offload and small.ema != "off" and plan.ema_offloaded and plan.fits
+    assert plan.chosen is None and plan.probe[0] == Candidate(8, 1, False)  # the footprints hold the EMA on the GPU
+    assert plan.note().startswith("memory plan, 16.0 GiB (gpu_memory_gib): the EMA kept in the CPU's memory between "
+                                  "updates; not measured for this recipe: batch 8")
+    assert all(fields.get("ema_offload", True) for fields in small.extra[PLAN]["probe_fields"])
+    assert not training_state(small).ema and training_state(small).gib == pytest.approx(12.81, abs=0.01)
+    assert not fitted(sd_full(), recipe, 22.0).ema_offload
+    assert not MemoryPlan.from_dict(fitted(sd_full(), recipe, 22.0).extra[PLAN]).ema_offloaded
     assert training_state(apply_recipe("accelerated", sd_full()).replace(amp_level="O2")) is None  # bf16 weights
     dreambooth = base_config("full", family="dreambooth", data_root="/d", instance_prompt="a photo of sks dog")
     assert training_state(apply_recipe("peer", dreambooth)).fix.endswith(", or train LoRA adapters (--set lora_rank=4)")
@@ -282,6 +300,20 @@ def test_out_of_memory_in_the_validation_pass_is_skipped_in_one_line(smoke_data,
     assert Path(summary["exported_to"]).is_file() and summary["steps"] == 5
     assert re.search(r"all 5 training steps ran, then the validation pass ran out of GPU memory(?: \(.* GiB in "
                      r"use\))?; skipped it", capsys.readouterr().out)
+
+
+def test_a_run_with_its_ema_offloaded_trains_and_exports_as_one_with_the_ema_beside_the_model(smoke_data, tmp_path):
+    """On a CPU the offloaded EMA's copies are the tensors themselves: the run must go through the same steps, free
+    the gradients before the EMA's update, and export the same averaged weights."""
+    def trained(name, **kw):
+        cfg = planned_cfg(smoke_data, tmp_path / name, ema="foreach", **kw)
+        summary = run(cfg.replace(extra={k: v for k, v in cfg.extra.items() if k != PLAN}))
+        return summary, torch.load(summary["exported_to"])
+
+    (kept, kept_weights), (offloaded, offloaded_weights) = trained("kept"), trained("offloaded", ema_offload=True)
+    assert kept["final_loss"] == offloaded["final_loss"] and kept_weights.keys() == offloaded_weights.keys()
+    for name, tensor in kept_weights.items():
+        assert torch.equal(offloaded_weights[name], tensor), name
 
 
 def test_other_errors_in_an_attempt_propagate(smoke_data, tmp_path, monkeypatch):

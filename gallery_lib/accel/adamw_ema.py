@@ -28,10 +28,11 @@ _UNSUPPORTED = ("amsgrad", "maximize", "capturable", "differentiable")
 
 def ema_in_pass(cfg, amp_dtype: torch.dtype | None) -> bool:
     """Whether a run of ``cfg`` (its autocast dtype ``amp_dtype``) builds an ``AdamWWithEma``: it asks for it, keeps an
-    EMA, and steps a fused AdamW on fp32 weights the EMA averages (not O2's masters, nor ZeRO-2's shards); float16
-    brings a GradScaler, whose skipped steps must not move the EMA."""
-    return bool(cfg.ema_in_optimizer and cfg.ema != "off" and cfg.optimizer == "adamw" and cfg.fused_optimizer
-                and cfg.amp_level != "O2" and amp_dtype != torch.float16 and cfg.data_parallel != "zero2")
+    EMA on the GPU (not offloaded to the CPU's memory), and steps a fused AdamW on fp32 weights the EMA averages (not
+    O2's masters, nor ZeRO-2's shards); float16 brings a GradScaler, whose skipped steps must not move the EMA."""
+    return bool(cfg.ema_in_optimizer and cfg.ema != "off" and not cfg.ema_offload and cfg.optimizer == "adamw"
+                and cfg.fused_optimizer and cfg.amp_level != "O2" and amp_dtype != torch.float16
+                and cfg.data_parallel != "zero2")
 
 
 class AdamWWithEma(torch.optim.AdamW):

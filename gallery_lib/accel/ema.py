@@ -27,6 +27,11 @@ which parameters train.
 On a CPU (or without Triton) ``fused`` and ``stream`` fall back to ``foreach`` with one warning;
 ``effective_mode`` tells which mode runs.
 
+``offload=True`` keeps the EMA's weights in the CPU's pinned memory between updates, as diffusers' ``offload_ema``:
+each update copies them to the model's device, averages there (``foreach``) and copies them back, all on the current
+stream; a reader of the weights (``module``, ``state_dict``, ``swap``) first waits for the copies back. The training
+loop frees the gradients before that update, so the GPU holds the EMA only while the activations are gone.
+
 A ZeRO-2 model (FSDP2: its parameters are sharded DTensors) cannot be deep-copied; ``ModelEma(model, template=...)``
 builds the EMA module from the model's plain template instead (``gallery_lib.accel.distributed.meta_template``) and
 gives it clones of the sharded parameters. Each process then averages its own shards (the updates run on the DTensors'
@@ -37,6 +42,7 @@ local tensors, in every mode), ``state_dict`` holds sharded DTensors (saved by `
 from __future__ import annotations
 
 import copy
+import itertools
 import warnings
 from contextlib import contextmanager
 from typing import Any, Iterator
@@ -97,11 +103,23 @@ def _copy_with_template(model: nn.Module, template: nn.Module) -> nn.Module:
     return copied
 
 
-def ema_mode_on(mode: str, device_type: str) -> tuple[str, str | None]:
+def _keep_on_cpu(module: nn.Module) -> None:
+    """``module``'s weights and buffers moved to the CPU, in pinned (page-locked) memory where CUDA is there, so that
+    copies to and from the GPU run asynchronously at full speed."""
+    module.to("cpu")
+    if torch.cuda.is_available():
+        for tensor in itertools.chain(module.parameters(), module.buffers()):
+            tensor.data = tensor.data.pin_memory()
+
+
+def ema_mode_on(mode: str, device_type: str, offloaded: bool = False) -> tuple[str, str | None]:
     """The mode an EMA asked to run in ``mode`` runs in on ``device_type``, and why it differs (``None`` if not):
-    ``fused`` and ``stream`` need a CUDA device and Triton, and fall back to ``foreach``."""
+    ``fused`` and ``stream`` need a CUDA device and Triton, and an EMA whose weights live on the GPU; they fall back
+    to ``foreach``."""
     if mode in ("loop", "foreach"):
         return mode, None
+    if offloaded:
+        return "foreach", "its weights wait in the CPU's memory and average on the main stream"
     if device_type != "cuda":
         return "foreach", f"the EMA lives on {device_type}"
     if not has_triton:
@@ -122,6 +140,9 @@ class ModelEma:
             (``None``: half the device's SMs).
         template: for a model that cannot be deep-copied (ZeRO-2's sharded one), a copy of its structure with the
             parameters on the meta device; the EMA is built from it (module docstring).
+        offload: keep the EMA's weights in the CPU's pinned memory between updates (diffusers' ``offload_ema``):
+            each update copies them to the model's device, averages there (``foreach``) and copies them back, all
+            on the current stream. ``module`` is then on the CPU.
     """
 
     def __init__(
@@ -133,7 +154,11 @@ class ModelEma:
         mode: str = "foreach",
         stream_programs: int | None = None,
         template: nn.Module | None = None,
+        offload: bool = False,
     ):
+        if offload and template is not None:
+            raise ValueError("ModelEma: offload keeps a whole copy in the CPU's memory, and a template (ZeRO-2) "
+                             "shards the EMA over the processes already; use one of them")
         if mode not in MODES:
             raise ValueError(f"ModelEma: unknown mode {mode!r}; use one of {MODES}")
         if not 0.0 <= decay <= 1.0:
@@ -156,6 +181,14 @@ class ModelEma:
         self._ema_copy = _local([ema_state[n] for n in self._copy_names])
 
         self.device = next(iter(ema_state.values())).device if ema_state else torch.device("cpu")
+        """Where the EMA averages: the model's device."""
+        self.offloaded = offload
+        self._copied = None  # with offload, the event after its copies back to the CPU, until a reader waits for it
+        if offload:
+            _keep_on_cpu(self._module)
+            ema_state = _named_state(self._module)
+            self._ema_avg = _local([ema_state[n] for n in self._avg_names])
+            self._ema_copy = _local([ema_state[n] for n in self._copy_names])
         self.effective_mode = self._resolve_mode(mode)
         self._tables: dict[Any, Any] = {}
         self._stream = self._event = None
@@ -169,7 +202,7 @@ class ModelEma:
                 self.stream_programs = max(1, sm_count(self.device) // 2)
 
     def _resolve_mode(self, mode: str) -> str:
-        effective, why = ema_mode_on(mode, self.device.type)
+        effective, why = ema_mode_on(mode, self.device.type, self.offloaded)
         if why is not None:
             warnings.warn(f"ModelEma: mode {mode!r} needs a CUDA device and Triton, but {why}; using 'foreach' "
                           "instead.", stacklevel=3)
@@ -230,6 +263,9 @@ class ModelEma:
 
     def _apply(self, model_avg: list[torch.Tensor], model_copy: list[torch.Tensor], weight: float,
                programs: int | None) -> None:
+        if self.offloaded:
+            self._apply_offloaded(model_avg, model_copy, weight)
+            return
         if self._copy_names:
             foreach_copy_(self._ema_copy, model_copy)
         if self.effective_mode == "loop":
@@ -246,6 +282,30 @@ class ModelEma:
                 launch_fused(group, weight, programs)
             foreach_lerp_(rest_e, rest_m, weight)
 
+    def _apply_offloaded(self, model_avg: list[torch.Tensor], model_copy: list[torch.Tensor], weight: float) -> None:
+        """The update of an EMA that waits in the CPU's memory: to the device, averaged there, and back, each copy
+        ordered on the current stream (on a CPU model the copies are the tensors themselves)."""
+        for e, m in zip(self._ema_copy, model_copy):
+            e.copy_(m, non_blocking=True)
+        on_device = [e.to(self.device, non_blocking=True) for e in self._ema_avg]
+        if self.effective_mode == "loop":
+            for e, m in zip(on_device, model_avg):
+                e.lerp_(m, weight)
+        else:
+            foreach_lerp_(on_device, model_avg, weight)
+        for e, d in zip(self._ema_avg, on_device):
+            if e is not d:
+                e.copy_(d, non_blocking=True)
+        if self.device.type == "cuda":
+            self._copied = torch.cuda.Event()
+            self._copied.record(torch.cuda.current_stream(self.device))
+
+    def _wait_for_copies(self) -> None:
+        """The host waits for the last update's copies into the CPU's memory before it reads that memory."""
+        if self._copied is not None:
+            self._copied.synchronize()
+            self._copied = None
+
     # ----------------------------------------------------------------- the optimizer's pass
     def averaged_pairs(self, model: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Each averaged tensor of ``model`` with its average (this process's shards of sharded ones)."""
@@ -259,7 +319,9 @@ class ModelEma:
 
     # ----------------------------------------------------------------- stream ordering
     def wait(self) -> None:
-        """Makes the current stream wait for a pending side-stream update (no host sync)."""
+        """Makes the current stream wait for a pending side-stream update (no host sync); with ``offload``, the host
+        waits for the last update's copies back to the CPU."""
+        self._wait_for_copies()
         if self._pending:
             torch.cuda.current_stream(self.device).wait_event(self._event)
             self._pending = False

@@ -282,7 +282,8 @@ def add_ema(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
     optimizer step, ``ema.module`` for the averaged model). ``mode="auto"`` updates on a side CUDA stream with one
     fused kernel on a GPU (``stream``; the next optimizer step waits for it, so pass ``optimizer``), and with
     PyTorch's multi-tensor ops on a CPU (``foreach``); ``ratio_warmup`` is diffusers' ``(1 + step) / (10 + step)``
-    decay ramp. An ``AdamWWithEma`` optimizer takes the update into its pass. ``echo`` gets the change
+    decay ramp. An ``AdamWWithEma`` optimizer takes the update into its pass. ``offload=True`` keeps the EMA's
+    weights in the CPU's memory between updates (``ModelEma``'s ``offload``). ``echo`` gets the change
     (``ema.change``).
 
         ema = add_ema(unet, optimizer)
@@ -293,7 +294,9 @@ def add_ema(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
 
     device_type = next(model.parameters()).device.type
     asked = ("stream" if device_type == "cuda" else "foreach") if mode == "auto" else mode
-    effective, fallback = ema_mode_on(asked, device_type)  # said in the change, so ModelEma need not warn of it
+    offload = bool(options.get("offload"))
+    # said in the change, so ModelEma need not warn of it
+    effective, fallback = ema_mode_on(asked, device_type, offload)
     ema = ModelEma(model, decay=decay, ratio_warmup=ratio_warmup, mode=effective, **options)
     if ema.effective_mode == "stream" and optimizer is not None:
         ema.attach_optimizer(optimizer)  # the next optimizer step waits for the side-stream update
@@ -304,6 +307,10 @@ def add_ema(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
         how = f"in the fused AdamW's pass (a {how} where its kernel cannot run)"
         why, measured = ("one kernel for AdamW and the EMA, which reads each weight once instead of twice",
                          f"{RESULTS}#adamw-ema")
+    elif offload:
+        how += ", its weights kept in the CPU's memory between updates"
+        why, measured = ("the GPU holds no EMA during the forward and backward passes, whose activations need the "
+                         "memory, as diffusers' offload_ema", f"{RESULTS}#memory-plan")
     else:
         why, measured = ("one fused update kernel on a side stream, beside the next forward, instead of a kernel per "
                          "tensor on the main stream", f"{RESULTS}#ema")

@@ -87,6 +87,8 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
                    help="batches whose gradients add up before each optimizer step")
     a.add_argument("--use_ema", "--model-ema", "--model_ema", dest="use_ema", action="store_true", default=None,
                    help="keep an EMA of the weights (the recipe picks how it is updated)")
+    a.add_argument("--offload_ema", "--offload-ema", dest="offload_ema", action="store_true", default=None,
+                   help="keep an EMA, in the CPU's memory between its updates (= --use_ema --set ema_offload=true)")
     a.add_argument("--report_to", "--report-to", dest="report_to", choices=REPORT_TO,
                    help="also log to TensorBoard (<run_dir>/tensorboard); metrics.jsonl is always written")
     a.add_argument("--torchcompile", nargs="?", const="inductor", metavar="BACKEND",
@@ -101,7 +103,8 @@ _OPT_FLAGS = {"amp_level": "amp_level", "amp_dtype": "amp_dtype", "compiler_opt"
 
 
 def base_from_args(args: argparse.Namespace) -> RunConfig:
-    ema = "foreach" if getattr(args, "use_ema", None) else None  # on; the recipe then picks its update
+    # on; the recipe then picks its update
+    ema = "foreach" if getattr(args, "use_ema", None) or getattr(args, "offload_ema", None) else None
     return base_config(args.profile, ema=ema, **{f: getattr(args, f, None) for f in _SIZE_FIELDS})
 
 
@@ -113,6 +116,8 @@ def optimization_overrides(args: argparse.Namespace) -> dict[str, Any]:
         overrides["gradient_checkpointing"] = True
     if getattr(args, "gradient_accumulation_steps", None) is not None:
         overrides["gradient_accumulation_steps"] = args.gradient_accumulation_steps
+    if getattr(args, "offload_ema", None):
+        overrides["ema_offload"] = True
     backend = getattr(args, "torchcompile", None)
     if backend is not None:
         if backend != "inductor":

@@ -131,6 +131,9 @@ class RunConfig:
             raise ConfigError("amp_level='O2' is invalid with data_parallel='zero2': O2's fp32 master copies are taken "
                               "from the parameters that ZeRO-2 replaces by sharded ones. Use amp_level='O1' (fp32 "
                               "sharded weights, autocast math) or data_parallel='ddp'.")
+        if self.data_parallel == "zero2" and self.ema_offload:
+            raise ConfigError("ema_offload=True is invalid with data_parallel='zero2': ZeRO-2 already shards the EMA "
+                              "over the processes. Drop ema_offload, or use data_parallel='ddp'.")
         if self.data_parallel == "zero2" and self.precompile_workers:
             raise ConfigError(f"precompile_workers={self.precompile_workers} is invalid with data_parallel='zero2': "
                               "the workers compile copies of the blocks, and sharded blocks cannot be copied. Set "

@@ -1,7 +1,9 @@
 """A resolved recipe fitted to the GPU memory the run may use: every recipe (``baseline``, ``peer``, ``accelerated``,
 the ladder's rungs) goes through the same plan (``gallery_lib/run/memory_plan.py``), so runs at one memory size
 compare fairly. Each setting the plan weighs is the recipe resolved again at that setting (checkpointing, say, turns
-its CUDA graphs off), and its peak is read from the family's measured footprints.
+its CUDA graphs off), and its peak is read from the family's measured footprints. Where the training state fits
+only without the EMA on the GPU, every setting keeps the EMA in the CPU's memory between its updates
+(``ema_offload``).
 """
 
 from __future__ import annotations
@@ -22,6 +24,14 @@ def fit_to_memory(cfg: RunConfig, resolve: Callable[[dict[str, Any]], RunConfig]
     if budget is None or cfg.memory_plan == "off" or cfg.find_batch_size or cfg.nproc_per_node > 1:
         return cfg  # the search sizes the batch itself; several processes were never measured
     named = cfg.extra.get(NAMED, ())
+    offloaded = _offload_fits(cfg, budget, named)
+    if offloaded:  # the weights, gradients and optimizer state fit; the EMA beside them does not: it waits on the CPU
+        on_gpu = resolve
+
+        def resolve(fields: dict[str, Any]) -> RunConfig:
+            return on_gpu({**fields, "ema_offload": True})
+
+        cfg = resolve({})
     configured = Candidate(cfg.batch_size, cfg.gradient_accumulation_steps, cfg.gradient_checkpointing)
     options, configs = [], []
     for option in candidates(configured.batch_size, configured.accumulation, configured.checkpointing, named):
@@ -30,7 +40,8 @@ def fit_to_memory(cfg: RunConfig, resolve: Callable[[dict[str, Any]], RunConfig]
         except ConfigError:  # a setting this recipe cannot run (a ladder rung's CUDA graphs under checkpointing)
             continue
         options.append(option)
-    plan = choose(options, [footprint_gib(c) for c in configs], budget, configured, training_state(cfg))
+    plan = replace(choose(options, [footprint_gib(c) for c in configs], budget, configured, training_state(cfg)),
+                   ema_offloaded=offloaded)
     settings = (plan.chosen,) if plan.chosen is not None else plan.probe
     if not settings:
         return cfg.replace(extra={**cfg.extra, PLAN: plan.as_dict()})
@@ -52,7 +63,8 @@ def footprint_gib(cfg: RunConfig) -> float | None:
     recipe, image size, checkpointing, accumulation or process count was not measured."""
     spec = _spec(cfg)
     if (spec is None or cfg.image_size != spec.default_image_size or cfg.nproc_per_node != 1
-            or cfg.gradient_accumulation_steps != 1):  # measured without accumulation, which turns CUDA graphs off
+            or cfg.gradient_accumulation_steps != 1  # measured without accumulation, which turns CUDA graphs off
+            or cfg.ema_offload):  # measured with the EMA on the GPU
         return None
     for footprint in cfg.model_family.memory_footprints:
         if (footprint.model, footprint.recipe, footprint.gradient_checkpointing) == (
@@ -76,7 +88,18 @@ def training_state(cfg: RunConfig) -> TrainingState | None:
         return None
     fixes = ([", or without the EMA (--set ema=off)"] if cfg.ema != "off" else []) + (
         [", or train LoRA adapters (--set lora_rank=4)"] if "lora_rank" in settings else [])
-    return TrainingState(spec.trained_parameters, cfg.optimizer, cfg.ema != "off", "".join(fixes))
+    return TrainingState(spec.trained_parameters, cfg.optimizer, cfg.ema != "off" and not cfg.ema_offload,
+                         "".join(fixes))
+
+
+def _offload_fits(cfg: RunConfig, budget: Budget, named: Any) -> bool:
+    """Whether the training state fills ``budget`` with the EMA on the GPU and not without it, and the EMA may move
+    to the CPU: the user did not name ``ema_offload``, and ZeRO-2 does not shard it already."""
+    state = training_state(cfg)
+    if (state is None or not state.ema or "ema_offload" in named or cfg.data_parallel == "zero2"
+            or state.gib < budget.gib):
+        return False
+    return replace(state, ema=False).gib < budget.gib
 
 
 def _spec(cfg: RunConfig) -> ModelSpec | None:

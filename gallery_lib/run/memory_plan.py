@@ -97,6 +97,9 @@ class MemoryPlan:
     """Whether the plan changed the configured setting."""
     after: tuple[Candidate, ...] = field(default=())
     """The slower settings after the chosen one: what to try if the run still runs out of memory."""
+    ema_offloaded: bool = False
+    """The EMA waits in the CPU's memory between its updates (``ema_offload``): the training state fits the budget
+    only without it."""
 
     @property
     def fits(self) -> bool:
@@ -104,7 +107,8 @@ class MemoryPlan:
 
     def note(self) -> str:
         """``memory plan, 22.0 GiB (gpu_memory_gib): batch 4 x 2 accumulation steps (measured 20.1 GiB)``."""
-        head = f"memory plan, {Budget(self.budget_gib, self.source).describe()}: "
+        head = f"memory plan, {Budget(self.budget_gib, self.source).describe()}: " + (
+            "the EMA kept in the CPU's memory between updates; " if self.ema_offloaded else "")
         if self.chosen is None and self.probe:
             return head + (f"not measured for this recipe: {self.probe[0].describe()}, giving way to the next "
                            "setting if it runs out of memory before its timed steps")
@@ -138,7 +142,8 @@ class MemoryPlan:
                 "chosen": None if self.chosen is None else asdict(self.chosen), "estimate_gib": self.estimate_gib,
                 "state": self.state, "state_fix": self.state_fix,
                 "probe": [asdict(c) for c in self.probe], "precompile_workers": self.precompile_workers,
-                "changed": self.changed, "after": [asdict(c) for c in self.after], "note": self.note()}
+                "changed": self.changed, "after": [asdict(c) for c in self.after],
+                "ema_offloaded": self.ema_offloaded, "note": self.note()}
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> MemoryPlan:
@@ -147,7 +152,7 @@ class MemoryPlan:
                    values.get("estimate_gib"), values.get("state", ""), values.get("state_fix", ""),
                    tuple(Candidate(**c) for c in values.get("probe", ())),
                    values.get("precompile_workers"), values.get("changed", False),
-                   tuple(Candidate(**c) for c in values.get("after", ())))
+                   tuple(Candidate(**c) for c in values.get("after", ())), values.get("ema_offloaded", False))
 
 
 def _as_flags(candidate: Candidate) -> str:

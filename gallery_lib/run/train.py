@@ -113,7 +113,8 @@ def build_ema(model: torch.nn.Module, settings: EMASettings, optimizer: torch.op
     from gallery_lib.accel.your_model import add_ema
 
     ema = add_ema(model, optimizer, decay=settings.ema_decay, mode=settings.ema, template=template,
-                  stream_programs=settings.ema_stream_programs or None, echo=None)
+                  stream_programs=settings.ema_stream_programs or None, echo=None,
+                  **({"offload": True} if settings.ema_offload else {}))
     return ema, ema.change.note
 
 
@@ -392,6 +393,8 @@ def _update(model, optimizer, scheduler, ema, precision: Precision, clip_grad: f
     scheduler.step()
     if ema is None:
         return
+    if ema.offloaded:  # its copy comes to the GPU for the update: the gradients, read no more, make room for it
+        optimizer.zero_grad(set_to_none=True)
     if scale_before is None:
         ema.update(model)
     else:  # a GradScaler that found inf/NaN skipped the optimizer step: the EMA must not move either

@@ -122,7 +122,17 @@ class EMA(Section):
     ZeRO-2, and on a CPU without Triton, the EMA updates in its own pass, as ``ema`` says. DreamBooth's GPU recipe
     takes it; SD-1.5's, with the EMA on a side stream, gains nothing from it (benchmarks/RESULTS.md#adamw-ema)."""
 
+    ema_offload: bool = setting(False, kind=bool)
+    """Keep the EMA's weights in the CPU's pinned memory between its updates, as diffusers' ``--offload_ema`` does:
+    each update, after the gradients are freed, copies them to the GPU, averages there (``foreach``, on the main
+    stream) and copies them back. The GPU then holds no EMA during the forward and backward passes (SD-1.5: 3.2
+    GiB), at the cost of two copies of it per step. The memory plan turns it on where the training state does not fit
+    the GPU with the EMA on it."""
+
     def check(self) -> None:
+        if self.ema_offload and self.ema == "off":
+            raise ConfigError("ema_offload=True keeps the EMA in the CPU's memory, but ema='off' keeps none: set ema "
+                              "(e.g. ema='foreach'), or drop ema_offload.")
         if self.ema_stream_programs and self.ema != "stream":
             raise ConfigError(f"ema_stream_programs={self.ema_stream_programs} sizes the side-stream EMA update, but "
                               f"ema={self.ema!r}: set ema='stream' too, or drop ema_stream_programs.")
