@@ -177,9 +177,6 @@ class ModelEma:
         self._avg_names = [name for name in _named_state(model) if name in trained]
         self._copy_names = [name for name in _named_state(model) if name not in trained]
         ema_state = _named_state(self._module)
-        self._ema_avg = _local([ema_state[n] for n in self._avg_names])
-        self._ema_copy = _local([ema_state[n] for n in self._copy_names])
-
         self.device = next(iter(ema_state.values())).device if ema_state else torch.device("cpu")
         """Where the EMA averages: the model's device."""
         self.offloaded = offload
@@ -187,8 +184,9 @@ class ModelEma:
         if offload:
             _keep_on_cpu(self._module)
             ema_state = _named_state(self._module)
-            self._ema_avg = _local([ema_state[n] for n in self._avg_names])
-            self._ema_copy = _local([ema_state[n] for n in self._copy_names])
+        self._ema_avg = _local([ema_state[n] for n in self._avg_names])
+        self._ema_copy = _local([ema_state[n] for n in self._copy_names])
+
         self.effective_mode = self._resolve_mode(mode)
         self._tables: dict[Any, Any] = {}
         self._stream = self._event = None
@@ -263,17 +261,19 @@ class ModelEma:
 
     def _apply(self, model_avg: list[torch.Tensor], model_copy: list[torch.Tensor], weight: float,
                programs: int | None) -> None:
-        if self.offloaded:
-            self._apply_offloaded(model_avg, model_copy, weight)
-            return
-        if self._copy_names:
+        if self.offloaded:  # into its pinned memory, ordered on the current stream
+            for e, m in zip(self._ema_copy, model_copy):
+                e.copy_(m, non_blocking=True)
+        elif self._copy_names:
             foreach_copy_(self._ema_copy, model_copy)
+        # an offloaded EMA averages on the device, in copies of its CPU tensors (on a CPU model, the tensors themselves)
+        ema_avg = [e.to(self.device, non_blocking=True) for e in self._ema_avg] if self.offloaded else self._ema_avg
         if self.effective_mode == "loop":
-            for e, m in zip(self._ema_avg, model_avg):
+            for e, m in zip(ema_avg, model_avg):
                 e.lerp_(m, weight)
         elif self.effective_mode == "foreach":
-            foreach_lerp_(self._ema_avg, model_avg, weight)
-        else:
+            foreach_lerp_(ema_avg, model_avg, weight)
+        else:  # fused or stream: never offloaded (ema_mode_on)
             key = tuple(t.data_ptr() for t in model_avg + self._ema_avg)
             if key not in self._tables:  # tensors were re-allocated (or first call): rebuild the pointer table
                 self._tables = {key: build_tables(self._ema_avg, model_avg)}
@@ -281,19 +281,13 @@ class ModelEma:
             for group in groups:
                 launch_fused(group, weight, programs)
             foreach_lerp_(rest_e, rest_m, weight)
+        if self.offloaded:
+            self._copy_back(ema_avg)
 
-    def _apply_offloaded(self, model_avg: list[torch.Tensor], model_copy: list[torch.Tensor], weight: float) -> None:
-        """The update of an EMA that waits in the CPU's memory: to the device, averaged there, and back, each copy
-        ordered on the current stream (on a CPU model the copies are the tensors themselves)."""
-        for e, m in zip(self._ema_copy, model_copy):
-            e.copy_(m, non_blocking=True)
-        on_device = [e.to(self.device, non_blocking=True) for e in self._ema_avg]
-        if self.effective_mode == "loop":
-            for e, m in zip(on_device, model_avg):
-                e.lerp_(m, weight)
-        else:
-            foreach_lerp_(on_device, model_avg, weight)
-        for e, d in zip(self._ema_avg, on_device):
+    def _copy_back(self, averaged: list[torch.Tensor]) -> None:
+        """An offloaded EMA's averages back into its pinned memory, ordered on the current stream; the event marks
+        when a reader on the host may read them."""
+        for e, d in zip(self._ema_avg, averaged):
             if e is not d:
                 e.copy_(d, non_blocking=True)
         if self.device.type == "cuda":

@@ -113,8 +113,7 @@ def build_ema(model: torch.nn.Module, settings: EMASettings, optimizer: torch.op
     from gallery_lib.accel.your_model import add_ema
 
     ema = add_ema(model, optimizer, decay=settings.ema_decay, mode=settings.ema, template=template,
-                  stream_programs=settings.ema_stream_programs or None, echo=None,
-                  **({"offload": True} if settings.ema_offload else {}))
+                  stream_programs=settings.ema_stream_programs or None, offload=settings.ema_offload, echo=None)
     return ema, ema.change.note
 
 

@@ -228,7 +228,7 @@ class DreamBoothTask(TextToImageTask):
         from gallery_lib.models.sd_parts import assemble_pipeline
 
         unet, text_encoder = (model.unet, model.text_encoder) if self.cfg.train_text_encoder else (model, None)
-        unet, text_encoder = self._saved_parts_on_cpu(unet, text_encoder)
+        self._saved_parts_on_cpu(unet, text_encoder)
         run_dir = Path(run_dir)
         if not self.cfg.lora_rank:
             with _no_progress_bars():

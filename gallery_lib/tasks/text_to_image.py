@@ -230,23 +230,22 @@ class TextToImageTask:
     def export(self, run_dir: str | Path, model: torch.nn.Module) -> str:
         """Saves a diffusers pipeline with the UNet ``model`` (the EMA's when there is one) to ``<run_dir>/pipeline``;
         returns the path."""
-        model = self._saved_parts_on_cpu(model)
+        self._saved_parts_on_cpu(model)
         path = Path(run_dir) / "pipeline"
         with _no_progress_bars():  # a bar per saved part, written into the run's log as text
             assemble_pipeline(self.parts, unet=model).save_pretrained(path)
         return str(path)
 
-    def _saved_parts_on_cpu(self, *trained: torch.nn.Module | None):
-        """The parts as a saved pipeline holds them: fp32, contiguous (safetensors stores no other layout) and moved
-        to the CPU, where they are written from anyway: the fp32 copies made on the GPU would need memory the
-        finished run still holds (its graphs, the optimizer's state), and a run that fits its GPU to the last GiB
-        ran out of memory there after its last step. Returns ``trained`` (one module: that module)."""
+    def _saved_parts_on_cpu(self, *trained: torch.nn.Module | None) -> None:
+        """The parts as a saved pipeline holds them, moved in place: fp32, contiguous (safetensors stores no other
+        layout) and on the CPU, where they are written from anyway: the fp32 copies made on the GPU would need memory
+        the finished run still holds (its graphs, the optimizer's state), and a run that fits its GPU to the last GiB
+        ran out of memory there after its last step."""
         for module in trained:
             if module is not None:
                 module.to("cpu", memory_format=torch.contiguous_format)
         torch.nn.Module.to(self.parts.vae, "cpu", torch.float32)
         self.parts.text_encoder.to("cpu", torch.float32)
-        return trained[0] if len(trained) == 1 else trained
 
 
 @contextlib.contextmanager
