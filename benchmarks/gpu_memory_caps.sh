@@ -45,3 +45,5 @@ for name, entry in record["runs"].items():
     print(name, entry.get("samples_per_s"), (entry.get("peak_reserved_mb") or 0) / 1024, plan, entry.get("failure"))
 PY
 grep "memory plan\|\[gallery\] [a-z]*: \|stopped\|Error" "$out/run_$name.log" | tail -30
+# where each attempt ran out of memory: its rank log's error lines (the retries' logs stay on the machine)
+grep -rh "out of memory\|OutOfMemoryError" "$runs" --include="rank*.log" | cut -c1-400 | sort | uniq -c | tee "$out/oom_$name.txt"

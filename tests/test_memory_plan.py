@@ -127,13 +127,13 @@ def test_sd_recipes_get_the_same_plan_logic_from_their_measured_footprints():
     big = fitted(sd_full(), "accelerated", 80.0)
     assert (big.batch_size, big.gradient_accumulation_steps, big.gradient_checkpointing) == (8, 1, False)
     assert big.extra[PLAN]["estimate_gib"] == footprint_gib(big)
-    # accelerated measured 22.9 GiB at batch 8: it tries batch 8 checkpointed first (not measured), compiled whole
+    # accelerated measured 22.9 GiB at batch 8 and 20.3 checkpointed: batch 8 checkpointed, compiled whole
     small = fitted(sd_full(), "accelerated", 22.0)
     assert (small.batch_size, small.gradient_accumulation_steps, small.gradient_checkpointing) == (8, 1, True)
     assert (small.compile_scope, small.compile_mode) == ("model", "default")  # checkpointing replays no graphs
     assert small.global_batch_size == big.global_batch_size
     plan = MemoryPlan.from_dict(small.extra[PLAN])
-    assert plan.probe[1] == Candidate(4, 2, False) and small.extra[PLAN]["probe_fields"][1]["batch_size"] == 4
+    assert plan.chosen == Candidate(8, 1, True) and plan.after[0] == Candidate(4, 2, False)
     assert "batch 8, gradient checkpointing" in plan.note()
     # the peer measured batch 32 only: batch 8 is tried as it is first, then checkpointed
     peer = MemoryPlan.from_dict(fitted(sd_full(), "peer", 22.0).extra[PLAN])
@@ -168,14 +168,16 @@ def test_a_budget_the_training_state_fills_is_refused_before_any_setting_is_trie
 @pytest.mark.parametrize("recipe", ["baseline", "peer", "accelerated"])
 def test_where_only_the_ema_does_not_fit_it_waits_in_the_cpus_memory(recipe):
     """SD-1.5's state is 16.0 GiB with the EMA and 12.8 without: at 16 GiB every recipe keeps its EMA on the CPU
-    between updates and tries its settings from the largest batch (none was measured that way); at 22 GiB none
-    does."""
+    between updates and tries, from the largest batch, the settings its footprints less the EMA do not rule out; at
+    22 GiB none does."""
     small = fitted(sd_full(), recipe, 16.0)
     plan = MemoryPlan.from_dict(small.extra[PLAN])
     assert small.ema_offload and small.ema != "off" and plan.ema_offloaded and plan.fits
-    assert plan.chosen is None and plan.probe[0] == Candidate(8, 1, False)  # the footprints hold the EMA on the GPU
+    # accelerated's batch 8, measured at 22.9 GiB unchecked and 20.3 checkpointed, needs 19.7 and 17.1 offloaded
+    first = Candidate(4, 2, False) if recipe == "accelerated" else Candidate(8, 1, False)
+    assert plan.chosen is None and plan.probe[0] == first
     assert plan.note().startswith("memory plan, 16.0 GiB (gpu_memory_gib): the EMA kept in the CPU's memory between "
-                                  "updates; not measured for this recipe: batch 8")
+                                  f"updates; not measured for this recipe: {first.describe()}")
     assert all(fields.get("ema_offload", True) for fields in small.extra[PLAN]["probe_fields"])
     assert not training_state(small).ema and training_state(small).gib == pytest.approx(12.81, abs=0.01)
     assert not fitted(sd_full(), recipe, 22.0).ema_offload
@@ -184,6 +186,18 @@ def test_where_only_the_ema_does_not_fit_it_waits_in_the_cpus_memory(recipe):
     dreambooth = base_config("full", family="dreambooth", data_root="/d", instance_prompt="a photo of sks dog")
     assert training_state(apply_recipe("peer", dreambooth)).fix.endswith(", or train LoRA adapters (--set lora_rank=4)")
     assert training_state(apply_recipe("peer", dreambooth.replace(lora_rank=4))) is None  # adapters: only they train
+
+
+def test_an_offloaded_ema_takes_its_bytes_off_the_measured_footprint():
+    """Footprints are measured with the EMA on the GPU; offloaded, the estimate is that less the EMA's fp32 copy
+    (3.2 GiB for SD-1.5's 860M parameters), and nothing where the family does not count its parameters."""
+    on_gpu = apply_recipe("accelerated", sd_full())
+    offloaded = on_gpu.replace(ema_offload=True)
+    ema_gib = training_state(on_gpu).gib - training_state(offloaded).gib
+    assert ema_gib == pytest.approx(3.20, abs=0.01)
+    assert footprint_gib(offloaded) == pytest.approx(footprint_gib(on_gpu) - ema_gib)
+    checkpointed = on_gpu.replace(gradient_checkpointing=True)
+    assert footprint_gib(checkpointed.replace(ema_offload=True)) == pytest.approx(20.32 - ema_gib)
 
 
 def test_a_batch_size_the_user_named_wins_over_the_plan():
@@ -245,7 +259,8 @@ def mock_out_of_memory_above(monkeypatch, limit: int, after_calls: int = 0) -> l
         if torch.is_grad_enabled():
             seen.append(batch[0].shape[0])
             if batch[0].shape[0] > limit and len(seen) > after_calls:
-                raise torch.OutOfMemoryError(f"CUDA out of memory (mocked: batch {batch[0].shape[0]} > {limit})")
+                raise torch.OutOfMemoryError(f"CUDA out of memory (mocked: batch {batch[0].shape[0]} > {limit}). "
+                                             "Tried to allocate 2.00 GiB. If reserved but unallocated memory is large")
         return loss(self, module, batch, precision)
 
     monkeypatch.setattr(ClassificationTask, "loss", limited_loss)
@@ -263,6 +278,9 @@ def test_an_unmeasured_setting_gives_way_to_the_next_from_step_0(smoke_data, tmp
     assert [r["step"] for r in records] == [0, 1, 2, 3, 4]  # the stopped attempt left no step behind
     out = capsys.readouterr().out
     assert "batch 12 ran out of memory before its timed steps" in out
+    # each attempt says where it ran out, with what in use, before the next one starts
+    assert "memory plan: out of memory at step 1 of 5" in out and " at batch 12: " in out
+    assert "(Tried to allocate 2.00 GiB)" in out  # PyTorch's own account
     assert "batch 12 as configured (not measured; batch 12, gradient checkpointing if it runs out of memory" in out
     assert not (tmp_path / "swin_transformer" / "baseline" / SEARCH_DIR).exists()
 
@@ -420,7 +438,7 @@ def test_an_overridden_recipe_reads_its_recipes_footprints(monkeypatch):
     """``accelerated+ema=foreach`` in 22 GiB skips batch 8 unchecked, which accelerated measured at 22.9 GiB: it
     compiled, ran out of memory and compiled again when the footprints were read by the run's full name."""
     plan = MemoryPlan.from_dict(fitted(on_a_gpu(monkeypatch), "accelerated", 22.0, {"ema": "foreach"}).extra[PLAN])
-    assert plan.probe[0] == Candidate(8, 1, True)
+    assert plan.chosen == Candidate(8, 1, True) and plan.estimate_gib == 20.32  # measured checkpointed
 
 
 def test_probed_settings_start_the_precompile_workers_that_fit(monkeypatch):

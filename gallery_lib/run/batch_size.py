@@ -22,7 +22,7 @@ import torch
 
 from gallery_lib.config import ConfigError, RunConfig
 from gallery_lib.config.step_size import at_batch_size
-from gallery_lib.run.memory_plan import PLAN, MemoryPlan
+from gallery_lib.run.memory_plan import PLAN, MemoryPlan, OutOfMemory
 
 TRIAL_STEPS = 3
 """Training steps per trial: the first steps compile and autotune, which changes peak memory."""
@@ -35,6 +35,15 @@ def is_out_of_memory(exc: BaseException) -> bool:
     if oom_type is not None and isinstance(exc, oom_type):
         return True
     return isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower()
+
+
+def allocator_detail(exc: BaseException) -> str:
+    """PyTorch's own account of an out-of-memory error behind ``exc`` (what it tried to allocate, what was free, and
+    how much of the reserved memory was allocated), in parentheses; empty where there is none."""
+    text = " ".join(str(exc.__cause__ or exc).split())
+    start = text.find("Tried to allocate")
+    end = text.find(" If reserved but unallocated")
+    return f" ({text[start:end if end > start else None].rstrip('.')})" if start >= 0 else ""
 
 
 def free_memory() -> None:
@@ -162,6 +171,8 @@ def train_first_that_fits(cfg: RunConfig, train: Callable[[RunConfig], dict],
         except Exception as exc:
             if not is_out_of_memory(exc) or getattr(exc, "step", None) is not None and exc.step >= window:
                 raise
+            said = str(exc) if isinstance(exc, OutOfMemory) else "out of memory"  # where, how much, at which setting
+            log(f"[gallery] memory plan: {said}{allocator_detail(exc)}")
         finally:
             torch._dynamo.reset()  # compiled graphs and their guards keep the attempt's model alive
         free_memory()
