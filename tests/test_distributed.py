@@ -23,7 +23,7 @@ from gallery_lib.data.loader import TrainLoader, sampled_loader
 from gallery_lib.run import launch as launch_module
 from gallery_lib.run.checkpoint import LATEST, Checkpointer, CheckpointError, read_checkpoint
 from gallery_lib.run.failure import read_failure
-from gallery_lib.run.launch import Nodes, RunResult, launch, torchrun_command
+from gallery_lib.run.launch import Nodes, Processes, RunResult, launch, torchrun_command
 from gallery_lib.run.metrics import read_metrics
 from gallery_lib.run.train import run
 
@@ -364,16 +364,19 @@ def test_multi_node_flags_reach_torchrun(smoke_data, tmp_path, monkeypatch):
                         RunResult(cfg, cfg.run_dir, summary={}))
     assert main(args + ["--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint", "node0:29500"]) == 0
     (cfg, nodes), = launched
-    command = torchrun_command(cfg, tmp_path / "config.json", nodes)
+    processes = Processes(cfg.nproc_per_node, cfg.max_restarts)
+    command = torchrun_command(processes, tmp_path / "config.json", nodes)
     assert "--standalone" not in command
     assert command[3:8] == ["--nnodes=2", "--node-rank=1", "--rdzv-endpoint=node0:29500", "--nproc-per-node=2", "-m"]
 
     parsed = build_parser().parse_args(args + ["--nnodes", "2", "--rdzv_endpoint", "n0:1", "--rdzv-backend", "c10d",
                                                "--rdzv-id", "job7"])
     nodes = Nodes(parsed.nnodes, parsed.node_rank, parsed.rdzv_endpoint, parsed.rdzv_backend, parsed.rdzv_id)
-    nodes.check(cfg)
+    nodes.check(cfg.find_batch_size)
+    with pytest.raises(ConfigError, match="find_batch_size=True is invalid on several nodes"):
+        nodes.check(find_batch_size=True)
     assert nodes.torchrun_flags() == ["--nnodes=2", "--rdzv-endpoint=n0:1", "--rdzv-backend=c10d", "--rdzv-id=job7"]
-    assert torchrun_command(cfg, tmp_path / "config.json")[3:5] == ["--standalone", "--nproc-per-node=2"]
+    assert torchrun_command(processes, tmp_path / "config.json")[3:5] == ["--standalone", "--nproc-per-node=2"]
 
 
 @pytest.mark.parametrize("nodes, message", [
@@ -386,7 +389,7 @@ def test_multi_node_flags_reach_torchrun(smoke_data, tmp_path, monkeypatch):
 ])
 def test_bad_node_flags_are_refused(nodes, message):
     with pytest.raises(ConfigError, match=message):
-        nodes.check(RunConfig(model="swin_micro"))
+        nodes.check()
 
 
 def test_bad_node_flags_print_the_fix_without_a_traceback(capsys):

@@ -221,18 +221,19 @@ def test_the_check_reads_data_prep(tmp_path):
 
 # In run/ and the parts below it a function takes the section of the config it needs; recipes and the app handle
 # whole configs by their nature. The goal is 10 or fewer; this ceiling only falls, each time one is rewritten.
-WHOLE_CONFIG_CEILING = 24
+WHOLE_CONFIG_CEILING = 31
 WHOLE_CONFIG_FOLDERS = ("run", "data", "models", "tasks", "accel")
 
 
 def whole_config_functions(root: Path = REPO) -> list[str]:
-    """``module:function`` for each function in those folders with a parameter annotated ``RunConfig``."""
+    """``module:function`` for each function in those folders with a parameter annotated ``RunConfig``, or one
+    named ``cfg`` without an annotation (the same config, unseen by a type checker)."""
     found = []
     for folder in WHOLE_CONFIG_FOLDERS:
         for path in sorted((root / "gallery_lib" / folder).rglob("*.py")):
             for node in ast.walk(ast.parse(path.read_text())):
                 if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and any(
-                        arg.annotation is not None and "RunConfig" in ast.unparse(arg.annotation)
+                        "RunConfig" in ast.unparse(arg.annotation) if arg.annotation is not None else arg.arg == "cfg"
                         for arg in node.args.posonlyargs + node.args.args + node.args.kwonlyargs):
                     found.append(f"{module_name(path, root)}:{node.name}")
     return found
@@ -248,5 +249,7 @@ def test_few_functions_below_the_recipes_take_the_whole_config():
 def test_the_count_sees_a_function_taking_the_whole_config(tmp_path):
     module = tmp_path / "gallery_lib" / "run" / "planted.py"
     module.parent.mkdir(parents=True)
-    module.write_text("def planted(cfg: 'RunConfig', *, other: int) -> None: ...\ndef fine(steps: int): ...\n")
-    assert whole_config_functions(tmp_path) == ["gallery_lib.run.planted:planted"]
+    module.write_text("def planted(cfg: 'RunConfig', *, other: int) -> None: ...\ndef fine(steps: int): ...\n"
+                      "def unannotated(model, cfg): ...\ndef section(cfg: 'Training'): ...\n")
+    assert whole_config_functions(tmp_path) == ["gallery_lib.run.planted:planted",
+                                                "gallery_lib.run.planted:unannotated"]

@@ -16,7 +16,7 @@ import gallery_lib.run.launch
 from gallery_lib.run.batch_size import find_batch_size, is_out_of_memory, next_batch_size
 from gallery_lib.config import ConfigError, RunConfig
 from gallery_lib.data import RobustImageFolder
-from gallery_lib.run.launch import launch, torchrun_command
+from gallery_lib.run.launch import Processes, launch, torchrun_command
 from gallery_lib.run.metrics import read_metrics
 from gallery_lib.run.train import run
 
@@ -187,8 +187,10 @@ def test_bad_search_arguments(kwargs, match):
 
 def test_torchrun_command_passes_max_restarts(tmp_path):
     cfg = RunConfig(model="swin_micro")
-    assert not any("max-restarts" in arg for arg in torchrun_command(cfg, tmp_path / "c.json"))
-    assert "--max-restarts=2" in torchrun_command(cfg.replace(max_restarts=2), tmp_path / "c.json")
+    assert not any("max-restarts" in arg for arg in torchrun_command(Processes(), tmp_path / "c.json"))
+    restarting = cfg.replace(max_restarts=2)
+    processes = Processes(restarting.nproc_per_node, restarting.max_restarts)
+    assert "--max-restarts=2" in torchrun_command(processes, tmp_path / "c.json")
     with pytest.raises(ConfigError, match="max_restarts"):
         cfg.replace(max_restarts=-1)
 
@@ -270,9 +272,9 @@ NAN_ON_SOME_RANKS = textwrap.dedent("""
         calls.append(None)
         return value * float("nan") if RANK in NAN_AT.get(len(calls) - 1, ()) else value
 
-    def keep_model(model, cfg, precision):
+    def keep_model(model, *args, **kwargs):
         models.append(model)
-        return build_optimizer(model, cfg, precision)
+        return build_optimizer(model, *args, **kwargs)
 
     ClassificationTask.loss = loss
     train.build_optimizer = keep_model

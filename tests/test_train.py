@@ -399,15 +399,16 @@ def test_one_process_runs_the_training_module_without_torchrun(smoke_data, tmp_p
     agent would add only its start-up), and a launcher that itself runs under torchrun hands down no ranks."""
     import sys
 
-    from gallery_lib.run.launch import Nodes, torchrun_command, train_command
+    from gallery_lib.run.launch import Nodes, Processes, torchrun_command, train_command
 
     cfg = micro_cfg(smoke_data, tmp_path, steps=2, warmup_steps=0, log_every=1)
     config = tmp_path / "config.json"
-    assert train_command(cfg, config) == [sys.executable, "-m", "gallery_lib.run.train", "--config", str(config)]
-    for torchrun in (cfg.replace(nproc_per_node=2), cfg.replace(max_restarts=1)):
+    one = Processes(cfg.nproc_per_node, cfg.max_restarts)
+    assert train_command(one, config) == [sys.executable, "-m", "gallery_lib.run.train", "--config", str(config)]
+    for torchrun in (Processes(per_node=2), Processes(max_restarts=1)):
         assert train_command(torchrun, config) == torchrun_command(torchrun, config)
     several_nodes = Nodes(nnodes=2, node_rank=0, rdzv_endpoint="n0:1")
-    assert train_command(cfg, config, several_nodes) == torchrun_command(cfg, config, several_nodes)
+    assert train_command(one, config, several_nodes) == torchrun_command(one, config, several_nodes)
     for name, value in {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "3", "MASTER_ADDR": "10.0.0.9",
                         "MASTER_PORT": "1", "TORCHELASTIC_RESTART_COUNT": "2"}.items():
         monkeypatch.setenv(name, value)

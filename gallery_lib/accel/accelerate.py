@@ -32,6 +32,7 @@ import torch.utils.checkpoint
 
 from gallery_lib.config import RunConfig
 from gallery_lib.config.sections.acceleration import Compile as CompileSettings
+from gallery_lib.config.sections.acceleration import Parallel as ParallelSettings
 from gallery_lib.accel.compile.plan import CompilePlan
 from gallery_lib.accel.compile.cpu_codegen import use_safe_cpu_codegen
 from gallery_lib.accel.distributed import DistInfo, apply_zero2, keep_block_graphs_whole_under_ddp, wrap_ddp
@@ -76,7 +77,8 @@ def apply_accelerations(model: torch.nn.Module, cfg: RunConfig, precision: Preci
         notes.append(note)
     precision.cast_model(model)
     notes.append(f"precision: {precision.describe()}")
-    train_module, template = _apply_data_parallel(model, cfg, dist, notes)
+    train_module, template = _apply_data_parallel(model, cfg.sections.parallel, cfg.model_family.block_types, dist,
+                                                  notes)
     tuning = "".join(text for on, text in (
         (cfg.coordinate_descent_tuning, ", coordinate-descent tuning of its kernels"),
         (cfg.tiled_reductions, ", reductions tiled in 2D"),
@@ -122,20 +124,21 @@ def compile_kwargs(settings: CompileSettings) -> dict[str, Any]:
     return {"options": {**options, **extra}}
 
 
-def _apply_data_parallel(model: torch.nn.Module, cfg: RunConfig, dist: DistInfo,
-                         notes: list[str]) -> tuple[torch.nn.Module, torch.nn.Module | None]:
-    """The module the loop trains (DDP-wrapped, or ``model`` sharded in place) and, for ZeRO-2, the plain template."""
-    if cfg.data_parallel == "zero2":
-        blocks, template = apply_zero2(model, cfg.model_family.block_types, dist)
+def _apply_data_parallel(model: torch.nn.Module, parallel: ParallelSettings, block_types: tuple[str, ...],
+                         dist: DistInfo, notes: list[str]) -> tuple[torch.nn.Module, torch.nn.Module | None]:
+    """The module the loop trains (DDP-wrapped, or ``model`` sharded in place at its ``block_types``) and, for
+    ZeRO-2, the plain template."""
+    if parallel.data_parallel == "zero2":
+        blocks, template = apply_zero2(model, block_types, dist)
         notes.append(f"ZeRO-2 over {dist.world_size} process(es): FSDP2 fully_shard(reshard_after_forward=False) of "
                      f"{len(blocks)} blocks and the root; gradients and optimizer state sharded")
         return model, template
-    train_module = wrap_ddp(model, dist, bucket_cap_mb=cfg.ddp_bucket_cap_mb, static_graph=cfg.ddp_static_graph,
-                            grad_compression=cfg.ddp_grad_compression)
+    train_module = wrap_ddp(model, dist, bucket_cap_mb=parallel.ddp_bucket_cap_mb,
+                            static_graph=parallel.ddp_static_graph, grad_compression=parallel.ddp_grad_compression)
     if train_module is not model:
-        notes.append(f"DDP over {dist.world_size} processes: gradients as bucket views, {cfg.ddp_bucket_cap_mb} MB "
-                     f"buckets{', static graph' if cfg.ddp_static_graph else ''}"
-                     f"{', bf16 all-reduce' if cfg.ddp_grad_compression == 'bf16' else ''}")
+        notes.append(f"DDP over {dist.world_size} processes: gradients as bucket views, {parallel.ddp_bucket_cap_mb} "
+                     f"MB buckets{', static graph' if parallel.ddp_static_graph else ''}"
+                     f"{', bf16 all-reduce' if parallel.ddp_grad_compression == 'bf16' else ''}")
     return train_module, None
 
 

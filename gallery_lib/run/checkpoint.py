@@ -76,8 +76,9 @@ def resume_signature(cfg: RunConfig) -> dict[str, Any]:
     return {name: getattr(cfg, name) for name in fields}
 
 
-def config_hash(cfg: RunConfig) -> str:
-    text = json.dumps(resume_signature(cfg), sort_keys=True)
+def config_hash(signature: dict[str, Any]) -> str:
+    """A short hash of a run's ``resume_signature``."""
+    text = json.dumps(signature, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -200,10 +201,11 @@ def _unreadable(path: Path, exc: Exception) -> CheckpointError:
         f"{path.parent / LATEST}, or delete {path.parent} to start fresh.")
 
 
-def check_compatible(meta: dict[str, Any], cfg: RunConfig, path: Path) -> None:
-    if meta["config_hash"] == config_hash(cfg):
+def check_compatible(meta: dict[str, Any], ours: dict[str, Any], path: Path) -> None:
+    """``CheckpointError`` where the checkpoint at ``path`` (its ``meta``) was written by a run whose
+    ``resume_signature`` differs from ``ours``."""
+    if meta["config_hash"] == config_hash(ours):
         return
-    ours = resume_signature(cfg)
     diffs = [f"{k}: saved {meta['signature'].get(k)!r}, now {ours[k]!r}" for k in ours
              if meta["signature"].get(k) != ours[k]]
     if not diffs:  # saved before a field moved out of the signature (prediction_type of classifiers)
@@ -269,11 +271,12 @@ class Checkpointer:
         """What ``step_<step>.pt`` holds; with ``shards`` (the shard folder's name) the model, optimizer and EMA are
         there instead."""
         masters = list(self.precision.master_params.values())
+        signature = resume_signature(self.cfg)
         state = {
             "format": FORMAT_VERSION,
             "meta": {"step": step, "torch_version": str(torch.__version__),
-                     "gallery_lib_version": gallery_lib.__version__, "config_hash": config_hash(self.cfg),
-                     "signature": resume_signature(self.cfg), "world_size": self.dist.world_size,
+                     "gallery_lib_version": gallery_lib.__version__, "config_hash": config_hash(signature),
+                     "signature": signature, "world_size": self.dist.world_size,
                      "data_parallel": self.cfg.data_parallel,
                      "global_batch": self.cfg.batch_size * self.dist.world_size},
             "model": None if shards else self.model.state_dict(),
@@ -332,7 +335,7 @@ class Checkpointer:
             raise CheckpointError(f"{path} was written by a data_parallel={saved_mode!r} run and this run is "
                                   f"data_parallel={self.cfg.data_parallel!r} (their checkpoints differ): resume with "
                                   f"data_parallel={saved_mode!r}.")
-        check_compatible(meta, self.cfg, path)
+        check_compatible(meta, resume_signature(self.cfg), path)
         world, batch = self.dist.world_size, self.cfg.batch_size
         if self.sharded and meta["global_batch"] != batch * world:
             fix = (f"set batch_size={meta['global_batch'] // world}" if meta["global_batch"] % world == 0

@@ -24,7 +24,7 @@ import sys
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from gallery_lib.config import ConfigError, RunConfig, validate_for_machine
 from gallery_lib.run.checkpoint import CheckpointError, check_fresh_start, continues_itself
@@ -81,8 +81,9 @@ class Nodes:
     def standalone(self) -> bool:
         return self.nnodes == 1 and self.rdzv_endpoint is None
 
-    def check(self, cfg: RunConfig) -> None:
-        """``ConfigError`` naming the fix for flags that torchrun would refuse or misread."""
+    def check(self, find_batch_size: bool = False) -> None:
+        """``ConfigError`` naming the fix for flags that torchrun would refuse or misread (with a run that searches
+        its batch size: ``find_batch_size``)."""
         if self.nnodes < 1:
             raise ConfigError(f"--nnodes {self.nnodes} is invalid: expected an integer >= 1.")
         if self.rdzv_backend not in (None, *RDZV_BACKENDS):
@@ -103,7 +104,7 @@ class Nodes:
         if self.node_rank is not None and not 0 <= self.node_rank < self.nnodes:
             raise ConfigError(f"--node-rank {self.node_rank} is invalid with --nnodes {self.nnodes}: expected 0 to "
                               f"{self.nnodes - 1}.")
-        if cfg.find_batch_size:
+        if find_batch_size:
             raise ConfigError("find_batch_size=True is invalid on several nodes: search with one process, then set "
                               "batch_size to the size it chose.")
 
@@ -115,38 +116,48 @@ class Nodes:
         return [f"{flag}={value}" for flag, value in given.items() if value is not None]
 
 
-def torchrun_command(cfg: RunConfig, config_path: Path, nodes: Nodes = Nodes()) -> list[str]:
-    restarts = [f"--max-restarts={cfg.max_restarts}"] if cfg.max_restarts > 0 else []
+def torchrun_command(processes: Processes, config_path: Path, nodes: Nodes = Nodes()) -> list[str]:
+    restarts = [f"--max-restarts={processes.max_restarts}"] if processes.max_restarts > 0 else []
     return [sys.executable, "-m", "torch.distributed.run", *nodes.torchrun_flags(),
-            f"--nproc-per-node={cfg.nproc_per_node}", *restarts, "-m", "gallery_lib.run.train", "--config",
+            f"--nproc-per-node={processes.per_node}", *restarts, "-m", "gallery_lib.run.train", "--config",
             str(config_path)]
 
 
-def train_command(cfg: RunConfig, config_path: Path, nodes: Nodes = Nodes()) -> list[str]:
+def train_command(processes: Processes, config_path: Path, nodes: Nodes = Nodes()) -> list[str]:
     """``torchrun_command``, or the training module itself for one process on one node without restarts."""
-    if _single_process(cfg, nodes):
+    if processes.single(nodes):
         return [sys.executable, "-m", "gallery_lib.run.train", "--config", str(config_path)]
-    return torchrun_command(cfg, config_path, nodes)
+    return torchrun_command(processes, config_path, nodes)
 
 
-def _single_process(cfg: RunConfig, nodes: Nodes) -> bool:
-    return cfg.nproc_per_node == 1 and nodes.standalone and cfg.max_restarts == 0
+@dataclass(frozen=True)
+class Processes:
+    """The training processes a run starts on this node, and how often torchrun restarts them."""
+
+    per_node: int = 1
+    max_restarts: int = 0
+
+    def single(self, nodes: Nodes) -> bool:
+        """One process on one node without restarts: it runs without torchrun."""
+        return self.per_node == 1 and nodes.standalone and self.max_restarts == 0
 
 
 _TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
-def _child_env(cfg: RunConfig, device: str, single_process: bool = False) -> dict[str, str]:
-    env = dict(os.environ, PYTHONUNBUFFERED="1", **family_env(cfg.model_family))
+def _child_env(processes: Processes, device: str, *, deterministic: bool, family: dict[str, str],
+               single_process: bool = False) -> dict[str, str]:
+    """The training processes' environment: this one's, with ``family`` (how they find an external family)."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **family)
     if single_process:  # a launcher that itself runs under torchrun must not hand its ranks down
         for name in [*_TORCHRUN_ENV, *(key for key in env if key.startswith("TORCHELASTIC_"))]:
             env.pop(name, None)
     if device == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         # torchrun sets 1 thread per process when it starts several; split the cores instead.
-        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // cfg.nproc_per_node))
-    if cfg.deterministic:
+        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // processes.per_node))
+    if deterministic:
         env.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    if cfg.max_restarts > 0:
+    if processes.max_restarts > 0:
         # torchrun's rendezvous store, shared with the workers by default, keeps the process group's keys of the
         # attempt before: restarted workers could read a dead rank's address and fail to connect.
         env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
@@ -192,10 +203,10 @@ def keep_earlier_run(run_dir: Path) -> Path | None:
     return target
 
 
-def refuse_if_it_does_not_fit(cfg: RunConfig, run_dir: Path) -> None:
-    """``RunFailed`` before anything starts when the memory plan found no measured setting that fits: one line,
-    recorded as the run's failure, so that the other recipes still run and the report shows it."""
-    plan = cfg.extra.get(PLAN)
+def refuse_if_it_does_not_fit(plan: dict[str, Any] | None, run_dir: Path) -> None:
+    """``RunFailed`` before anything starts when the memory ``plan`` (``None``: none was made) found no measured
+    setting that fits: one line, recorded as the run's failure, so that the other recipes still run and the report
+    shows it."""
     if plan is None or plan.get("chosen") is not None or plan.get("probe_fields"):
         return
     failure = RunFailure("does_not_fit", MemoryPlan.from_dict(plan).does_not_fit())
@@ -223,10 +234,10 @@ def launch(cfg: RunConfig, *, echo: Callable[[str], None] | None = print, consol
     node's part of a job over several (module docstring)."""
     if console not in CONSOLE_MODES:
         raise ConfigError(f"console={console!r} is not known: choose one of {', '.join(CONSOLE_MODES)}.")
-    nodes.check(cfg)
+    nodes.check(cfg.find_batch_size)
     device = preflight(cfg)
     run_dir = cfg.run_dir.resolve()
-    refuse_if_it_does_not_fit(cfg, run_dir)
+    refuse_if_it_does_not_fit(cfg.extra.get(PLAN), run_dir)
     cfg = cfg.replace(output_dir=str(Path(cfg.output_dir).resolve()), data_dir=str(Path(cfg.data_dir).resolve()),
                       resume_from=str(Path(cfg.resume_from).expanduser().resolve()) if cfg.resume_from else None)
     # on several nodes rank 0's writer alone replaces the file
@@ -236,9 +247,11 @@ def launch(cfg: RunConfig, *, echo: Callable[[str], None] | None = print, consol
             echo(f"[gallery] {cfg.recipe}: the earlier run in this folder moved to {kept}")
     config_path = cfg.save(run_dir / "config.json")
     clear_failure(run_dir)
-    proc = subprocess.Popen(train_command(cfg, config_path, nodes), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, bufsize=1,
-                            env=_child_env(cfg, device, _single_process(cfg, nodes)), cwd=os.getcwd())
+    processes = Processes(cfg.nproc_per_node, cfg.max_restarts)
+    env = _child_env(processes, device, deterministic=cfg.deterministic, family=family_env(cfg.model_family),
+                     single_process=processes.single(nodes))
+    proc = subprocess.Popen(train_command(processes, config_path, nodes), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, bufsize=1, env=env, cwd=os.getcwd())
     tail: deque[str] = deque(maxlen=200)  # room for torchrun's own traceback and summary
     bar = StepProgress(cfg.recipe, enabled=False if echo is None else progress)
     assert proc.stdout is not None

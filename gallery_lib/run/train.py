@@ -63,7 +63,10 @@ from gallery_lib.run.nonfinite import NonfiniteGuard
 from gallery_lib.run.profiling import StepProfiler
 from gallery_lib.config.family import WorkerMemory
 from gallery_lib.config.quiet import quiet_known_noise
+from gallery_lib.config.sections.job import Checkpoint as CheckpointSettings
 from gallery_lib.config.sections.training import EMA as EMASettings
+from gallery_lib.config.sections.training import Optimizer as OptimizerSettings
+from gallery_lib.config.sections.training import Training as TrainingSettings
 from gallery_lib.run.step_log import StepLog
 from gallery_lib.run.summary import build_summary, describe_summary
 from gallery_lib.run.timing import reset_peak_memory
@@ -88,19 +91,22 @@ def configure_backends(deterministic: bool, sdpa_math: bool) -> None:
     torch.backends.cuda.enable_cudnn_sdp(fused_sdpa)
 
 
-def build_optimizer(model: torch.nn.Module, cfg: RunConfig, precision: Precision) -> torch.optim.Optimizer:
-    """AdamW or Nesterov SGD (``cfg.optimizer``) without weight decay on norms, biases and position tables (the Swin
-    reference; diffusers decays every UNet parameter, but its 1-D tensors are a rounding error of its 860M)."""
+def build_optimizer(model: torch.nn.Module, settings: OptimizerSettings, precision: Precision, *, lr: float,
+                    averages_ema: bool = False) -> torch.optim.Optimizer:
+    """AdamW or Nesterov SGD (``settings.optimizer``) at peak learning rate ``lr``, without weight decay on norms,
+    biases and position tables (the Swin reference; diffusers decays every UNet parameter, but its 1-D tensors are a
+    rounding error of its 860M). ``averages_ema``: an ``AdamWWithEma``, which takes the EMA's update into its pass
+    (``ema_in_pass``)."""
     from timm.optim import param_groups_weight_decay
 
     no_decay = model.no_weight_decay() if hasattr(model, "no_weight_decay") else ()
-    groups = param_groups_weight_decay(model, cfg.weight_decay, no_weight_decay_list=no_decay)
+    groups = param_groups_weight_decay(model, settings.weight_decay, no_weight_decay_list=no_decay)
     groups = precision.optimizer_params(groups)
-    kwargs = {"fused": True} if cfg.fused_optimizer else {}
-    if cfg.optimizer == "sgd":
-        return torch.optim.SGD(groups, lr=cfg.peak_lr, momentum=0.9, nesterov=True, **kwargs)
-    adamw = AdamWWithEma if ema_in_pass(cfg, precision.dtype) else torch.optim.AdamW
-    return adamw(groups, lr=cfg.peak_lr, betas=(0.9, 0.999), eps=1e-8, **kwargs)
+    kwargs = {"fused": True} if settings.fused_optimizer else {}
+    if settings.optimizer == "sgd":
+        return torch.optim.SGD(groups, lr=lr, momentum=0.9, nesterov=True, **kwargs)
+    adamw = AdamWWithEma if averages_ema else torch.optim.AdamW
+    return adamw(groups, lr=lr, betas=(0.9, 0.999), eps=1e-8, **kwargs)
 
 
 def build_ema(model: torch.nn.Module, settings: EMASettings, optimizer: torch.optim.Optimizer,
@@ -167,19 +173,21 @@ def _cap_memory(gpu_memory_gib: float | None, precompile_workers: int, measured:
         os.environ[WORKER_CAP_ENV] = f"{share:.3f}"
 
 
-def _out_of_memory(cfg: RunConfig, step: int | None) -> OutOfMemory:
-    """The one-line out-of-memory error of a run of ``cfg`` at ``step`` (``None``: before its first)."""
-    plan = cfg.extra.get(PLAN)
-    return out_of_memory(step, cfg.steps, memory_in_use_gib(), plan["budget_gib"] if plan else cfg.gpu_memory_gib,
-                         Candidate(cfg.batch_size, cfg.gradient_accumulation_steps, cfg.gradient_checkpointing),
-                         MemoryPlan.from_dict(plan) if plan else None, cfg.extra.get(NAMED, ()))
+def _out_of_memory(training: TrainingSettings, extra: dict, step: int | None) -> OutOfMemory:
+    """The one-line out-of-memory error of a run with these ``training`` settings (and the memory plan and the
+    names the user set, in its ``extra``) at ``step`` (``None``: before its first)."""
+    plan = extra.get(PLAN)
+    current = Candidate(training.batch_size, training.gradient_accumulation_steps, training.gradient_checkpointing)
+    return out_of_memory(step, training.steps, memory_in_use_gib(),
+                         plan["budget_gib"] if plan else training.gpu_memory_gib, current,
+                         MemoryPlan.from_dict(plan) if plan else None, extra.get(NAMED, ()))
 
 
-def explain_out_of_memory(exc: BaseException, cfg: RunConfig) -> BaseException:
+def explain_out_of_memory(exc: BaseException, training: TrainingSettings, extra: dict) -> BaseException:
     """``exc`` as ``OutOfMemory`` when the GPU ran out before the first step (one from a step is one already)."""
     if isinstance(exc, OutOfMemory) or not is_out_of_memory(exc):
         return exc
-    return _out_of_memory(cfg, None)
+    return _out_of_memory(training, extra, None)
 
 
 def _train(cfg: RunConfig, dist: DistInfo, extra_summary: dict | None = None) -> dict:
@@ -204,7 +212,8 @@ def _train_from(setup_start: float, cfg: RunConfig, dist: DistInfo, plan: Compil
     on_exit.callback(loader.close)  # its workers stop as the run ends, not at interpreter exit
     flops_per_sample = task.train_flops_per_sample()
     accelerated = apply_accelerations(model, cfg, precision, dist, plan)
-    optimizer = build_optimizer(model, cfg, precision)
+    optimizer = build_optimizer(model, cfg.sections.optimizer, precision, lr=cfg.peak_lr,
+                                averages_ema=ema_in_pass(cfg, precision.dtype))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.lr_warmup_steps, cfg.steps))
     ema, ema_note = build_ema(model, cfg.sections.ema, optimizer, accelerated.template)
     if ema_note:
@@ -224,7 +233,7 @@ def _train_from(setup_start: float, cfg: RunConfig, dist: DistInfo, plan: Compil
 
     ckpt = Checkpointer(cfg, dist, model=accelerated.module, optimizer=optimizer, scheduler=scheduler,
                         precision=precision, loader=loader, ema=ema)
-    start, counters, resumed = _resume_or_start(cfg, dist, ckpt, log)
+    start, counters, resumed = _resume_or_start(cfg.run_dir, cfg.sections.checkpoint, dist, ckpt, log)
     warmup_steps = min(cfg.warmup_steps, cfg.steps - start - 1)  # a restarted process compiles and warms up again
     guard = NonfiniteGuard(cfg, precision, dist, counters)
     writer = _metrics_writer(cfg.run_dir, cfg.report_to, start, resumed) if dist.is_main else None
@@ -269,7 +278,8 @@ def _train_from(setup_start: float, cfg: RunConfig, dist: DistInfo, plan: Compil
                     raise guard.error(step, saved_to or ckpt.directory, start)
     except Exception as exc:
         if is_out_of_memory(exc):
-            raise _out_of_memory(cfg, step) from exc  # one line: where, how much, what to try
+            # one line: where, how much, what to try
+            raise _out_of_memory(cfg.sections.training, cfg.extra, step) from exc
         raise
 
     summary = build_summary(cfg, dist, step_log, warmup_steps=warmup_steps, profiled_steps=profiled,
@@ -325,11 +335,12 @@ def _exported_module(model: torch.nn.Module, ema, template: torch.nn.Module | No
     return trained if template is None else gather_full_module(trained, template, dist)
 
 
-def _resume_or_start(cfg: RunConfig, dist: DistInfo, ckpt: Checkpointer, log) -> tuple[int, dict, bool]:
-    """The first step, the non-finite counters and whether the run continues itself (from its own checkpoint, after
-    ``resume`` or a torchrun restart), so that it appends to its metrics."""
-    source = resume_source(cfg.run_dir, cfg.sections.checkpoint, restarted=dist.restarts > 0)
-    own = source is not None and is_own_checkpoint(cfg.run_dir, source)
+def _resume_or_start(run_dir: Path, settings: CheckpointSettings, dist: DistInfo, ckpt: Checkpointer,
+                     log) -> tuple[int, dict, bool]:
+    """The first step, the non-finite counters and whether the run in ``run_dir`` continues itself (from its own
+    checkpoint, after ``resume`` or a torchrun restart), so that it appends to its metrics."""
+    source = resume_source(run_dir, settings, restarted=dist.restarts > 0)
+    own = source is not None and is_own_checkpoint(run_dir, source)
     if not own:  # a fresh start, or one from another run's checkpoint: this run's folder must hold none of its own
         ckpt.check_fresh_start()
     if source is None:
@@ -340,10 +351,10 @@ def _resume_or_start(cfg: RunConfig, dist: DistInfo, ckpt: Checkpointer, log) ->
     if not own:
         return start, counters, False  # metrics.jsonl starts afresh
     if dist.is_main:  # steps >= start are trained again: their old records must not appear twice
-        moved = supersede_steps(cfg.run_dir / "metrics.jsonl", start)
+        moved = supersede_steps(run_dir / "metrics.jsonl", start)
         if moved:
             log(f"[gallery] {moved} metrics line(s) of the stopped run from step {start} on are superseded: "
-                f"moved to {superseded_path(cfg.run_dir / 'metrics.jsonl')}")
+                f"moved to {superseded_path(run_dir / 'metrics.jsonl')}")
     return start, counters, True
 
 
@@ -400,13 +411,13 @@ def _update(model, optimizer, scheduler, ema, precision: Precision, clip_grad: f
         ema.update_from_scaler(model, precision.scaler, scale_before)
 
 
-def _count_every_node(cfg: RunConfig, dist: DistInfo) -> RunConfig:
-    """With several nodes, ``nproc_per_node`` counts every node's processes inside the training processes, so that
-    the global batch, the learning-rate rule, the summary and the checkpoints count the whole job."""
-    if dist.world_size <= cfg.nproc_per_node:
-        return cfg
-    return cfg.replace(nproc_per_node=dist.world_size,
-                       extra={**cfg.extra, "nnodes": dist.world_size // cfg.nproc_per_node})
+def _every_node(nproc_per_node: int, world_size: int, extra: dict) -> dict:
+    """With several nodes, the fields to replace so that ``nproc_per_node`` counts every node's processes inside the
+    training processes: the global batch, the learning-rate rule, the summary and the checkpoints count the whole
+    job. Nothing with one node."""
+    if world_size <= nproc_per_node:
+        return {}
+    return dict(nproc_per_node=world_size, extra={**extra, "nnodes": world_size // nproc_per_node})
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -418,7 +429,7 @@ def main(argv: list[str] | None = None) -> int:
     # The launcher checked this machine's GPUs; this process now sees its own alone.
     device_type = validate_for_machine(cfg, cuda_devices=cfg.nproc_per_node if own_gpu else None)
     dist = init_distributed(device_type, zero2=cfg.data_parallel == "zero2", own_gpu=own_gpu)
-    cfg = _count_every_node(cfg, dist)
+    cfg = cfg.replace(**_every_node(cfg.nproc_per_node, dist.world_size, cfg.extra))
     if dist.is_main:
         clear_failure(cfg.run_dir)  # a torchrun restart tries again
         if dist.restarts:
@@ -428,7 +439,8 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 run(cfg, dist)
             except Exception as exc:  # the rank's log gets the traceback; the console one line
-                failure = failure_from_exception(explain_out_of_memory(exc, cfg), log_path)
+                failure = failure_from_exception(
+                    explain_out_of_memory(exc, cfg.sections.training, cfg.extra), log_path)
                 if dist.is_main:  # why the run stopped, for the launcher and the reports
                     failure.write(cfg.run_dir)
                 raise StoppedRun(failure) from exc
