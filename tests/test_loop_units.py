@@ -29,14 +29,15 @@ def cfg(**kw) -> RunConfig:
 
 def guard(**kw) -> NonfiniteGuard:
     c = cfg(max_nonfinite_steps=2, **kw)
-    return NonfiniteGuard(c, Precision.from_settings(c.sections.precision, "cpu"), CPU)
+    return NonfiniteGuard(c.max_nonfinite_steps, c.fused_optimizer, Precision.from_settings(c.sections.precision,
+                                                                                            "cpu"), CPU)
 
 
 def test_device_guard_with_a_grad_scaler_skips_a_bad_step_through_the_scaler():
     """fp16 with a fused optimizer: no host sync; a NaN loss makes the scaler skip the step and back off its scale."""
     c = cfg(max_nonfinite_steps=2, fused_optimizer=True, amp_dtype="float16")
     precision = Precision.from_settings(c.sections.precision, "cpu")
-    g = NonfiniteGuard(c, precision, CPU)
+    g = NonfiniteGuard(c.max_nonfinite_steps, c.fused_optimizer, precision, CPU)
     assert g.mode == "device" and precision.scaler is not None
     weight = torch.nn.Parameter(torch.ones(3, 2).t())  # not contiguous, as channels_last weights are not
     optimizer = torch.optim.SGD([weight], lr=0.5, fused=True)
@@ -83,12 +84,13 @@ def test_device_guard_hands_the_optimizer_a_flag_and_counts_it_when_read_back():
 
 def test_guard_off_never_checks_and_resumes_its_counters():
     c = cfg(max_nonfinite_steps=0)
-    off = NonfiniteGuard(c, Precision.from_settings(c.sections.precision, "cpu"), CPU)
+    off = NonfiniteGuard(c.max_nonfinite_steps, c.fused_optimizer, Precision.from_settings(c.sections.precision,
+                                                                                           "cpu"), CPU)
     calls = []
     assert off.update(torch.tensor(float("nan")), None, lambda: calls.append(1)) is False and calls == [1]
     assert off.mode == "off" and not off.should_stop()
-    resumed = NonfiniteGuard(cfg(), Precision.from_settings(cfg().sections.precision, "cpu"), CPU,
-                             {"nonfinite_in_a_row": 1, "nonfinite_steps": 3})
+    resumed = NonfiniteGuard(cfg().max_nonfinite_steps, False, Precision.from_settings(cfg().sections.precision, "cpu"),
+                             CPU, {"nonfinite_in_a_row": 1, "nonfinite_steps": 3})
     assert resumed.counters() == {"nonfinite_in_a_row": 1, "nonfinite_steps": 3}
 
 
@@ -97,7 +99,8 @@ def test_step_log_writes_each_step_once_per_flush(tmp_path):
     path = tmp_path / "metrics.jsonl"
     loader = SimpleNamespace(skipped=3)
     with MetricsWriter(path) as writer:
-        log = StepLog(c, CPU, writer, loader, start=0, warmup_steps=2, log=lines.append)
+        log = StepLog(CPU, writer, loader, steps=c.steps, log_every=c.log_every, global_batch_size=c.global_batch_size,
+                      start=0, warmup_steps=2, log=lines.append)
         for step in range(4):
             log.record(torch.tensor(float(step)), 0.1 * step, step == 2)
             assert log.due(step + 1) == (step == 3)

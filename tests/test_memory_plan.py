@@ -455,3 +455,18 @@ def test_notebooks_run_the_peer_on_a_gpu_only(monkeypatch):
 
     assert notebook_recipes(sd_full()) == ["baseline", "compiled", "accelerated"]
     assert notebook_recipes(on_a_gpu(monkeypatch)) == ["baseline", "compiled", "peer", "accelerated"]
+
+
+@pytest.mark.gpu
+def test_gpu_out_of_memory_is_one_line_with_the_setting_to_try(smoke_data, tmp_path):
+    """A real CUDA out-of-memory error under a cap far below what batch 96 needs (20 MiB for the allocator): the run
+    stops in one line that names where, the memory reserved of the cap, and the next setting to try."""
+    cfg = planned_cfg(smoke_data, tmp_path, device="cuda", batch_size=96, gpu_memory_gib=0.02,
+                      memory_plan="off").replace(extra={})
+    with pytest.raises(RunFailed) as stopped:
+        launch(cfg, echo=None)
+    failure = stopped.value.failure
+    assert failure.kind == "out_of_memory", failure.reason
+    assert re.fullmatch(r"out of memory (at step 1 of 5|before the first step \(.*\)) with \d+\.\d GiB reserved of "
+                        r"0\.0 GiB at batch 96: try batch 96, gradient checkpointing \(--batch_size 96 "
+                        r"--gradient_accumulation_steps 1 --gradient_checkpointing\)", failure.reason), failure.reason

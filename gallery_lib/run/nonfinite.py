@@ -26,11 +26,11 @@ import torch
 from gallery_lib.accel.distributed import DistInfo, all_reduce_sum
 
 
-def guard_mode(cfg, precision) -> str:
+def guard_mode(max_nonfinite_steps: int, fused_optimizer: bool) -> str:
     """``off``, ``device`` or ``host``: see the module docstring."""
-    if cfg.max_nonfinite_steps == 0:
+    if max_nonfinite_steps == 0:
         return "off"
-    return "device" if cfg.fused_optimizer else "host"
+    return "device" if fused_optimizer else "host"
 
 
 def nonfinite_flag(loss: torch.Tensor, dist: DistInfo) -> torch.Tensor:
@@ -62,10 +62,11 @@ def all_ranks_finite(loss: torch.Tensor, dist: DistInfo) -> bool:
 class NonfiniteGuard:
     """Runs each step's update unless the loss is not finite, and counts the skipped steps."""
 
-    def __init__(self, cfg, precision, dist: DistInfo, counters: dict[str, int] | None = None) -> None:
-        self.mode = guard_mode(cfg, precision)
+    def __init__(self, max_nonfinite_steps: int, fused_optimizer: bool, precision, dist: DistInfo,
+                 counters: dict[str, int] | None = None) -> None:
+        self.mode = guard_mode(max_nonfinite_steps, fused_optimizer)
         self.scaler = precision.scaler
-        self.limit = cfg.max_nonfinite_steps
+        self.limit = max_nonfinite_steps
         self.dist = dist
         counters = counters or {}
         self.in_a_row = counters.get("nonfinite_in_a_row", 0)

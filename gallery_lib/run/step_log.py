@@ -19,9 +19,10 @@ from gallery_lib.run.timing import StepTimer, peak_memory_mb
 
 
 class StepLog:
-    def __init__(self, cfg, dist: DistInfo, writer: MetricsWriter | None, loader, *, start: int,
-                 warmup_steps: int, log: Callable[[str], Any]) -> None:
-        self.cfg, self.dist, self.writer, self.loader, self.log = cfg, dist, writer, loader, log
+    def __init__(self, dist: DistInfo, writer: MetricsWriter | None, loader, *, steps: int, log_every: int,
+                 global_batch_size: int, start: int, warmup_steps: int, log: Callable[[str], Any]) -> None:
+        self.dist, self.writer, self.loader, self.log = dist, writer, loader, log
+        self.steps, self.log_every, self.global_batch_size = steps, log_every, global_batch_size
         self.device = dist.device
         self.start, self.warmup_steps = start, warmup_steps
         self.step_times: list[float] = []
@@ -41,7 +42,7 @@ class StepLog:
         self._timer.mark()
 
     def due(self, steps_done: int) -> bool:
-        return steps_done % self.cfg.log_every == 0 or steps_done == self.cfg.steps
+        return steps_done % self.log_every == 0 or steps_done == self.steps
 
     def flush(self, steps_done: int) -> list[bool]:
         """Reads back and writes the pending steps (the last of which is step ``steps_done - 1``); returns their skip
@@ -51,7 +52,7 @@ class StepLog:
         values = mean_over_ranks(torch.stack(losses).float(), self.dist).cpu().tolist()
         skips = [flag if isinstance(flag, bool) else bool(flag.item()) for flag in flags]
         peak = peak_memory_mb(self.device)
-        batch = self.cfg.global_batch_size
+        batch = self.global_batch_size
         first = steps_done - len(values)
         for i, (loss, ms, lr, skipped) in enumerate(zip(values, times, lrs, skips)):
             record = {"type": "step", "step": first + i, "loss": loss, "lr": lr, "step_time_ms": ms,
@@ -63,9 +64,9 @@ class StepLog:
         self.step_times.extend(times)
         self.losses.extend(values)
         self._pending.clear()
-        self.log(f"[gallery] step {steps_done}/{self.cfg.steps} | loss {values[-1]:.4f} | "
+        self.log(f"[gallery] step {steps_done}/{self.steps} | loss {values[-1]:.4f} | "
                  f"{batch * 1e3 / times[-1]:.1f} img/s | {times[-1]:.1f} ms/step | peak {peak / 1024:.2f} GiB"
-                 f"{eta(times, self.cfg.steps - steps_done)}")
+                 f"{eta(times, self.steps - steps_done)}")
         return skips
 
 

@@ -235,7 +235,7 @@ def _train_from(setup_start: float, cfg: RunConfig, dist: DistInfo, plan: Compil
                         precision=precision, loader=loader, ema=ema)
     start, counters, resumed = _resume_or_start(cfg.run_dir, cfg.sections.checkpoint, dist, ckpt, log)
     warmup_steps = min(cfg.warmup_steps, cfg.steps - start - 1)  # a restarted process compiles and warms up again
-    guard = NonfiniteGuard(cfg, precision, dist, counters)
+    guard = NonfiniteGuard(cfg.max_nonfinite_steps, cfg.fused_optimizer, precision, dist, counters)
     writer = _metrics_writer(cfg.run_dir, cfg.report_to, start, resumed) if dist.is_main else None
     batches = _batches(loader, cfg.reuse_batch)
     first_batch = next(batches)
@@ -249,7 +249,8 @@ def _train_from(setup_start: float, cfg: RunConfig, dist: DistInfo, plan: Compil
     update = functools.partial(_update, model, optimizer, scheduler, ema, precision, cfg.clip_grad,
                                cfg.clip_in_optimizer)
     cuda_graphs = cfg.sections.compile.cuda_graphs
-    step_log = StepLog(cfg, dist, writer, loader, start=start, warmup_steps=warmup_steps, log=log)
+    step_log = StepLog(dist, writer, loader, steps=cfg.steps, log_every=cfg.log_every,
+                       global_batch_size=cfg.global_batch_size, start=start, warmup_steps=warmup_steps, log=log)
     # the last steps, left out of the speed figures: the profiler can slow the steps after it too
     profiled = max(0, min(cfg.profile_steps, cfg.steps - start - warmup_steps - 1))
     profiler = StepProfiler(profiled if dist.is_main else 0, cfg.steps - profiled, dist.device, cfg.run_dir, log)
