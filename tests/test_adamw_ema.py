@@ -207,7 +207,9 @@ def test_the_rule_of_which_runs_average_in_the_pass(change, expected):
     cfg = RunConfig(**{"model": "swin_micro", "device": "cpu", "ema": "fused", "ema_in_optimizer": True,
                        "fused_optimizer": True, **change})
     dtype = torch.float16 if cfg.amp_dtype == "float16" else torch.bfloat16
-    assert ema_in_pass(cfg, dtype) is expected
+    sections = cfg.sections
+    assert ema_in_pass(sections.ema, sections.optimizer, sections.precision, data_parallel=cfg.data_parallel,
+                       amp_dtype=dtype) is expected
 
 
 def test_triton_training_loop_with_the_ema_in_the_pass(smoke_data, tmp_path, monkeypatch, path):

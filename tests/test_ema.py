@@ -316,7 +316,11 @@ def test_the_ema_is_offloaded_where_the_config_asks_and_says_so():
     assert "foreach update (stream asked, but its weights wait in the CPU's memory" in ema.change.what
     assert "its weights kept in the CPU's memory between updates" in ema.change.what
     cfg = RunConfig(model="swin_micro", ema="foreach", ema_offload=True, ema_in_optimizer=True, fused_optimizer=True)
-    assert not ema_in_pass(cfg, torch.bfloat16) and ema_in_pass(cfg.replace(ema_offload=False), torch.bfloat16)
+    def in_pass(run: RunConfig) -> bool:
+        return ema_in_pass(run.sections.ema, run.sections.optimizer, run.sections.precision,
+                           data_parallel=run.data_parallel, amp_dtype=torch.bfloat16)
+
+    assert not in_pass(cfg) and in_pass(cfg.replace(ema_offload=False))
     with pytest.raises(ConfigError, match="ema_offload=True keeps the EMA in the CPU's memory, but ema='off'"):
         RunConfig(model="swin_micro", ema_offload=True)
     with pytest.raises(ConfigError, match="ema_offload=True is invalid with data_parallel='zero2'"):

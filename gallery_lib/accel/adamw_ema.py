@@ -21,18 +21,23 @@ from typing import Any
 import torch
 
 from gallery_lib.accel.kernels import adamw_ema as one_pass
+from gallery_lib.config.sections.training import EMA as EMASettings
+from gallery_lib.config.sections.training import Optimizer as OptimizerSettings
+from gallery_lib.config.sections.training import Precision as PrecisionSettings
 from gallery_lib.accel.kernels._triton_utils import use_triton
 
 _UNSUPPORTED = ("amsgrad", "maximize", "capturable", "differentiable")
 
 
-def ema_in_pass(cfg, amp_dtype: torch.dtype | None) -> bool:
-    """Whether a run of ``cfg`` (its autocast dtype ``amp_dtype``) builds an ``AdamWWithEma``: it asks for it, keeps an
-    EMA on the GPU (not offloaded to the CPU's memory), and steps a fused AdamW on fp32 weights the EMA averages (not
-    O2's masters, nor ZeRO-2's shards); float16 brings a GradScaler, whose skipped steps must not move the EMA."""
-    return bool(cfg.ema_in_optimizer and cfg.ema != "off" and not cfg.ema_offload and cfg.optimizer == "adamw"
-                and cfg.fused_optimizer and cfg.amp_level != "O2" and amp_dtype != torch.float16
-                and cfg.data_parallel != "zero2")
+def ema_in_pass(ema: EMASettings, optimizer: OptimizerSettings, precision: PrecisionSettings, *, data_parallel: str,
+                amp_dtype: torch.dtype | None) -> bool:
+    """Whether a run with these settings (its autocast dtype ``amp_dtype``) builds an ``AdamWWithEma``: it asks for
+    it, keeps an EMA on the GPU (not offloaded to the CPU's memory), and steps a fused AdamW on fp32 weights the EMA
+    averages (not O2's masters, nor ZeRO-2's shards); float16 brings a GradScaler, whose skipped steps must not move
+    the EMA."""
+    return bool(ema.ema_in_optimizer and ema.ema != "off" and not ema.ema_offload and optimizer.optimizer == "adamw"
+                and optimizer.fused_optimizer and precision.amp_level != "O2" and amp_dtype != torch.float16
+                and data_parallel != "zero2")
 
 
 class AdamWWithEma(torch.optim.AdamW):

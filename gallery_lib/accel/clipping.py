@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from gallery_lib.config.sections.training import Optimizer as OptimizerSettings
+
 _EPS = 1e-6  # clip_grad_norm_'s: the factor is max_norm / (norm + 1e-6)
 
 
@@ -25,11 +27,11 @@ def can_fold(optimizer: torch.optim.Optimizer, grads: list[torch.Tensor]) -> boo
             and not any(hasattr(g, "to_local") for g in grads))
 
 
-def run_folds(cfg, amp_dtype: torch.dtype | None) -> bool:
-    """Whether a run of ``cfg`` (its autocast dtype ``amp_dtype``) clips in its optimizer's pass: ``can_fold``'s rule
-    read from the config (float16 brings a GradScaler; ZeRO-2 shards the gradients)."""
-    return bool(cfg.clip_in_optimizer and cfg.clip_grad and cfg.fused_optimizer and amp_dtype != torch.float16
-                and cfg.data_parallel != "zero2")
+def run_folds(optimizer: OptimizerSettings, *, data_parallel: str, amp_dtype: torch.dtype | None) -> bool:
+    """Whether a run with these ``optimizer`` settings (its autocast dtype ``amp_dtype``) clips in its optimizer's
+    pass: ``can_fold``'s rule read from the config (float16 brings a GradScaler; ZeRO-2 shards the gradients)."""
+    return bool(optimizer.clip_in_optimizer and optimizer.clip_grad and optimizer.fused_optimizer
+                and amp_dtype != torch.float16 and data_parallel != "zero2")
 
 
 def clip_then_step(optimizer: torch.optim.Optimizer, params: list[torch.Tensor], max_norm: float | None,

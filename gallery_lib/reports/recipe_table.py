@@ -49,7 +49,8 @@ def _optimizer(cfg: RunConfig, device: str) -> str:
     from gallery_lib.accel.precision import resolve_amp_dtype
 
     name = ("fused " if cfg.fused_optimizer else "") + cfg.optimizer
-    folds = run_folds(cfg, resolve_amp_dtype(cfg.sections.precision, device))
+    folds = run_folds(cfg.sections.optimizer, data_parallel=cfg.data_parallel,
+                      amp_dtype=resolve_amp_dtype(cfg.sections.precision, device))
     return name + (", clipping in its pass" if folds else "")
 
 

@@ -213,7 +213,9 @@ def _train_from(setup_start: float, cfg: RunConfig, dist: DistInfo, plan: Compil
     flops_per_sample = task.train_flops_per_sample()
     accelerated = apply_accelerations(model, cfg, precision, dist, plan)
     optimizer = build_optimizer(model, cfg.sections.optimizer, precision, lr=cfg.peak_lr,
-                                averages_ema=ema_in_pass(cfg, precision.dtype))
+                                averages_ema=ema_in_pass(cfg.sections.ema, cfg.sections.optimizer,
+                                                         cfg.sections.precision, data_parallel=cfg.data_parallel,
+                                                         amp_dtype=precision.dtype))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.lr_warmup_steps, cfg.steps))
     ema, ema_note = build_ema(model, cfg.sections.ema, optimizer, accelerated.template)
     if ema_note:
