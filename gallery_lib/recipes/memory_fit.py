@@ -80,10 +80,8 @@ def _less_the_offloaded_ema(cfg: RunConfig, measured: float | None) -> float | N
     where the family does not count the trained parameters."""
     if measured is None or not cfg.ema_offload:
         return measured
-    state = training_state(cfg.replace(ema_offload=False))
-    if state is None or not state.ema:
-        return None
-    return measured - (state.gib - replace(state, ema=False).gib)
+    state = training_state(cfg)
+    return None if state is None else measured - state.buffer_gib
 
 
 def recipe_of(cfg: RunConfig) -> str:

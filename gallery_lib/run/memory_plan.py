@@ -238,7 +238,12 @@ class TrainingState:
     @property
     def gib(self) -> float:
         buffers = 2 + (2 if self.optimizer == "adamw" else 1) + (1 if self.ema else 0)
-        return self.parameters * 4 * buffers / 2**30
+        return self.buffer_gib * buffers
+
+    @property
+    def buffer_gib(self) -> float:
+        """One fp32 copy of the trained parameters: the weights, the gradients, each moment, or the EMA."""
+        return self.parameters * 4 / 2**30
 
     def describe(self) -> str:
         optimizer = "AdamW's moments" if self.optimizer == "adamw" else "the momentum"
