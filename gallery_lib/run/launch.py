@@ -145,11 +145,11 @@ class Processes:
 _TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
-def _child_env(processes: Processes, device: str, *, deterministic: bool, family: dict[str, str],
-               single_process: bool = False) -> dict[str, str]:
+def _child_env(processes: Processes, nodes: Nodes, device: str, *, deterministic: bool,
+               family: dict[str, str]) -> dict[str, str]:
     """The training processes' environment: this one's, with ``family`` (how they find an external family)."""
     env = dict(os.environ, PYTHONUNBUFFERED="1", **family)
-    if single_process:  # a launcher that itself runs under torchrun must not hand its ranks down
+    if processes.single(nodes):  # a launcher that itself runs under torchrun must not hand its ranks down
         for name in [*_TORCHRUN_ENV, *(key for key in env if key.startswith("TORCHELASTIC_"))]:
             env.pop(name, None)
     if device == "cpu" and "OMP_NUM_THREADS" not in os.environ:
@@ -248,8 +248,7 @@ def launch(cfg: RunConfig, *, echo: Callable[[str], None] | None = print, consol
     config_path = cfg.save(run_dir / "config.json")
     clear_failure(run_dir)
     processes = Processes(cfg.nproc_per_node, cfg.max_restarts)
-    env = _child_env(processes, device, deterministic=cfg.deterministic, family=family_env(cfg.model_family),
-                     single_process=processes.single(nodes))
+    env = _child_env(processes, nodes, device, deterministic=cfg.deterministic, family=family_env(cfg.model_family))
     proc = subprocess.Popen(train_command(processes, config_path, nodes), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, bufsize=1, env=env, cwd=os.getcwd())
     tail: deque[str] = deque(maxlen=200)  # room for torchrun's own traceback and summary
