@@ -120,8 +120,10 @@ def test_step_log_writes_each_step_once_per_flush(tmp_path):
 def test_summary_reads_the_steady_steps_after_warm_up():
     c = cfg()
     log = SimpleNamespace(step_times=[50.0, 30.0, 10.0, 12.0, 11.0], losses=[5.0, 4.0, 3.0, 2.0, 1.0], start=3)
-    summary = build_summary(c, CPU, log, warmup_steps=2, setup_time=1.5, precompile_seconds=0.0, probe_seconds=0.2,
-                            skipped_samples=1, nonfinite_steps=0, notes=["n"], flops_per_sample=None, extra=7)
+    summary = build_summary(CPU, log, job=c.sections.job, data=c.sections.data, ema=c.sections.ema, steps=c.steps,
+                            global_batch_size=c.global_batch_size, run_dir=c.run_dir, warmup_steps=2, setup_time=1.5,
+                            precompile_seconds=0.0, probe_seconds=0.2, skipped_samples=1, nonfinite_steps=0,
+                            notes=["n"], flops_per_sample=None, extra=7)
     assert summary["median_step_time_ms"] == 11.0 and summary["warmup_time_s"] == pytest.approx(0.08)
     assert summary["samples_per_s"] == pytest.approx(4e3 / 11.0) and summary["resumed_from_step"] == 3
     assert summary["mean_loss_last_10"] == 3.0 and summary["final_loss"] == 1.0 and summary["extra"] == 7

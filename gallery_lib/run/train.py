@@ -285,8 +285,9 @@ def _train_from(setup_start: float, cfg: RunConfig, dist: DistInfo, plan: Compil
             raise _out_of_memory(cfg.sections.training, cfg.extra, step) from exc
         raise
 
-    summary = build_summary(cfg, dist, step_log, warmup_steps=warmup_steps, profiled_steps=profiled,
-                            setup_time=setup_time,
+    summary = build_summary(dist, step_log, job=cfg.sections.job, data=cfg.sections.data, ema=cfg.sections.ema,
+                            steps=cfg.steps, global_batch_size=cfg.global_batch_size, run_dir=cfg.run_dir,
+                            warmup_steps=warmup_steps, profiled_steps=profiled, setup_time=setup_time,
                             precompile_seconds=plan.precompile_seconds, probe_seconds=probe.seconds,
                             skipped_samples=loader.skipped, nonfinite_steps=guard.total, notes=accelerated.notes,
                             flops_per_sample=flops_per_sample, **task.summary(), **extra_summary,
