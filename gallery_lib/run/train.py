@@ -194,7 +194,8 @@ def _train(cfg: RunConfig, dist: DistInfo, extra_summary: dict | None = None) ->
     """One training run of ``cfg`` at its batch size; ``extra_summary`` is merged into the summary record."""
     setup_start = time.perf_counter()
     # its precompile workers warm up while the model and the data are set up
-    with CompilePlan(cfg, dist) as plan, contextlib.ExitStack() as on_exit:
+    with CompilePlan(dist, compile=cfg.sections.compile, family=cfg.model_family, job=cfg.sections.job,
+                     batch_size=cfg.batch_size, image_size=cfg.image_size) as plan, contextlib.ExitStack() as on_exit:
         return _train_from(setup_start, cfg, dist, plan, on_exit, extra_summary or {})
 
 
