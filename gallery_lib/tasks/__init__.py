@@ -27,8 +27,8 @@ class Task(Protocol):
     """What the model learns, e.g. ``classification``."""
     options: ClassVar[type]
     """The frozen dataclass of the task's own settings (``cfg.options``), declared with ``gallery_lib.config.settings``;
-    its ``check(cfg)`` holds the rules that tie them to the run's fields, ``resume_fields`` those a resumed run
-    must share with its checkpoint."""
+    its ``check(training=)`` holds the rules that tie them to the run's training settings, ``resume_fields`` those a
+    resumed run must share with its checkpoint."""
     model: torch.nn.Module
     loader: Any
     dataset: Any

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from gallery_lib.data.device_decode import PIPELINES
+from gallery_lib.config.sections.training import Training as TrainingSettings
 from gallery_lib.config.settings import ConfigError, setting
 
 
@@ -49,8 +50,10 @@ class ClassificationOptions:
         """These settings as a run on ``device_type`` applies them: without a GPU, the CPU image pipeline."""
         return self if device_type == "cuda" else dataclasses.replace(self, image_pipeline="cpu")
 
-    def check(self, cfg) -> None:
-        check_mixup_batch(cfg.batch_size, self.mixup_alpha, self.cutmix_alpha)
+    def check(self, *, training: TrainingSettings) -> None:
+        """The rules that tie these settings to the run's ``training`` settings (Mixup's even batch) and to each
+        other."""
+        check_mixup_batch(training.batch_size, self.mixup_alpha, self.cutmix_alpha)
         if self.image_pipeline != "cpu" and (self.auto_augment or self.color_jitter):
             raise ConfigError(f"image_pipeline={self.image_pipeline!r} crops and flips on the GPU, but auto_augment "
                               "and color_jitter are CPU transforms: set auto_augment=None and color_jitter=0, or "

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from gallery_lib.config.sections.training import Training as TrainingSettings
 from gallery_lib.config.settings import ConfigError, setting
 from gallery_lib.tasks.text_to_image import TextToImageOptions, TextToImageTask, _no_progress_bars
 
@@ -55,7 +56,9 @@ class DreamBoothOptions(TextToImageOptions):
 
     resume_fields = ("prediction_type", "lora_rank", "train_text_encoder", "with_prior_preservation")
 
-    def check(self, cfg) -> None:
+    def check(self, *, training: TrainingSettings) -> None:
+        """The rules among these settings (the prompts and the identifier); none ties them to the run's ``training``
+        settings."""
         if self.identifier not in self.instance_prompt.split():
             raise ConfigError(f"instance_prompt={self.instance_prompt!r} does not contain the identifier "
                               f"{self.identifier!r}: the subject is learnt under that word, e.g. "

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from gallery_lib.data.loader import TrainLoader, SampleSeeded, sampled_loader
 from gallery_lib.models.sd_parts import PREDICTION_TYPES, assemble_pipeline, tokenize, training_target
+from gallery_lib.config.sections.training import Training as TrainingSettings
 from gallery_lib.config.settings import ConfigError, setting
 
 
@@ -43,8 +44,8 @@ class TextToImageOptions:
     resume_fields = ("prediction_type",)
     """Settings a resumed run must share with its checkpoint (beside the run's own)."""
 
-    def check(self, cfg) -> None:
-        pass
+    def check(self, *, training: TrainingSettings) -> None:
+        """No rule ties these settings to the run's ``training`` settings."""
 
 
 class TextToImageTask:
