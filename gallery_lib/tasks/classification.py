@@ -89,10 +89,11 @@ class ClassificationTask:
         self.criterion = _fused_soft_cross_entropy if opts.fused_loss else _timm_soft_cross_entropy()
 
     @staticmethod
-    def check_data(cfg) -> None:
-        """Refuses, before launch, a missing folder (``FileNotFoundError``) or one that is not class folders
-        (``train/<class>/<image>``; ``ConfigError``)."""
-        model, train = cfg.model, Path(cfg.data_dir, "train")
+    def check_data(*, model: str, data_dir: str, options: ClassificationOptions) -> None:
+        """Refuses, before launch, a missing ``data_dir`` (``FileNotFoundError``) or one that is not class folders
+        (``train/<class>/<image>``; ``ConfigError``), saying how to prepare ``model``'s data. The task's ``options``
+        do not change what a classifier's data looks like."""
+        train = Path(data_dir, "train")
         if not train.is_dir():
             raise FileNotFoundError(f"no training data at {train}: prepare it with `gallery prepare --model {model}`, "
                                     "or pass --data-dir a folder with train/<class>/<images>.")

@@ -68,12 +68,14 @@ class DreamBoothOptions(TextToImageOptions):
                               "class prompt describes any member of the class, e.g. 'a photo of dog'.")
 
 
-def instance_dir(cfg) -> Path:
-    return Path(cfg.instance_data_dir or Path(cfg.data_dir) / INSTANCE_FOLDER)
+def instance_dir(options: DreamBoothOptions, data_dir: str) -> Path:
+    """The folder of subject pictures: ``options.instance_data_dir``, else ``<data_dir>/instance``."""
+    return Path(options.instance_data_dir or Path(data_dir) / INSTANCE_FOLDER)
 
 
-def class_dir(cfg) -> Path:
-    return Path(cfg.class_data_dir or Path(cfg.data_dir) / CLASS_FOLDER)
+def class_dir(options: DreamBoothOptions, data_dir: str) -> Path:
+    """The folder of class pictures: ``options.class_data_dir``, else ``<data_dir>/class``."""
+    return Path(options.class_data_dir or Path(data_dir) / CLASS_FOLDER)
 
 
 class UNetWithTextEncoder(torch.nn.Module):
@@ -114,9 +116,9 @@ class DreamBoothTask(TextToImageTask):
 
         transform = caption_image_transform(cfg.image_size, center_crop=True)
         prior = cfg.with_prior_preservation
-        self.dataset = DreamBoothPairs(ImageFiles(instance_dir(cfg), transform),
-                                       ImageFiles(class_dir(cfg), transform, limit=cfg.num_class_images) if prior
-                                       else None)
+        self.dataset = DreamBoothPairs(ImageFiles(instance_dir(cfg.options, cfg.data_dir), transform),
+                                       ImageFiles(class_dir(cfg.options, cfg.data_dir), transform,
+                                                  limit=cfg.num_class_images) if prior else None)
         prompts = [cfg.instance_prompt] + ([cfg.class_prompt] if prior else [])
         # The batch's token ids: the instance prompt for its first half, the class prompt for the second.
         self.input_ids = tokenize(self.parts.tokenizer, prompts).repeat_interleave(cfg.batch_size, 0).to(self.device)
@@ -178,18 +180,19 @@ class DreamBoothTask(TextToImageTask):
         return F.mse_loss(prediction, target, reduction="mean") + self.cfg.prior_loss_weight * prior_loss
 
     @staticmethod
-    def check_data(cfg) -> None:
+    def check_data(*, model: str, data_dir: str, options: DreamBoothOptions) -> None:
         """Refuses, before launch, a missing or empty instance folder, and with prior preservation a class folder
-        with fewer than ``num_class_images`` pictures (``ConfigError``, saying the fix)."""
+        with fewer than ``num_class_images`` pictures (``ConfigError``, saying the fix: how to prepare ``model``'s
+        data, or which of the ``options`` to set); the folders are the ``options``' own, else in ``data_dir``."""
         from gallery_lib.data.dreambooth import image_files
 
-        folders = [("instance", instance_dir(cfg), 1, "instance_data_dir")]
-        if cfg.with_prior_preservation:
-            folders.append(("class", class_dir(cfg), cfg.num_class_images, "class_data_dir"))
+        folders = [("instance", instance_dir(options, data_dir), 1, "instance_data_dir")]
+        if options.with_prior_preservation:
+            folders.append(("class", class_dir(options, data_dir), options.num_class_images, "class_data_dir"))
         for kind, folder, needed, option in folders:
             if not folder.is_dir():
                 raise ConfigError(f"no {kind} pictures: {folder} is not a folder. Prepare the mock data with "
-                                  f"`gallery prepare --model {cfg.model}`, or set {option}= to a folder of images.")
+                                  f"`gallery prepare --model {model}`, or set {option}= to a folder of images.")
             found = len(image_files(folder))
             if found < needed:
                 fix = ("add pictures, or lower num_class_images (diffusers would generate the missing ones with "

@@ -148,12 +148,12 @@ class TextToImageTask:
 
     # ----------------------------------------------------------------- the step
     @staticmethod
-    def check_data(cfg) -> None:
-        """Refuses, before launch, a missing folder (``FileNotFoundError``) or one that is not a caption folder
-        (images with ``metadata.jsonl``; ``ConfigError``)."""
+    def check_data(*, model: str, data_dir: str, options: TextToImageOptions) -> None:
+        """Refuses, before launch, a missing ``data_dir`` (``FileNotFoundError``) or one that is not a caption folder
+        (images with ``metadata.jsonl``; ``ConfigError``), saying how to prepare ``model``'s data. The task's
+        ``options`` do not change what its data looks like."""
         from gallery_lib.data.captions import find_caption_folder
 
-        data_dir, model = cfg.data_dir, cfg.model
         if not Path(data_dir).is_dir():
             raise FileNotFoundError(f"no training data at {data_dir}: prepare it with `gallery prepare --model "
                                     f"{model}`, or pass --data-dir a folder of images with train/metadata.jsonl.")
