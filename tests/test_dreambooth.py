@@ -120,10 +120,10 @@ def test_prior_preservation_adds_the_weighted_class_half(dreambooth_data, tmp_pa
     class_mse = torch.nn.functional.mse_loss(prediction[half:], target[half:])
     assert class_mse > 0 and not torch.isclose(instance_mse, class_mse)
     for weight in (0.0, 1.0, 2.5):
-        task.cfg = cfg.replace(prior_loss_weight=weight)
+        task.settings = cfg.replace(prior_loss_weight=weight).options
         loss = seeded(lambda: task.loss(task.model, batch, precision))
         torch.testing.assert_close(loss, instance_mse + weight * class_mse)
-    task.cfg = cfg.replace(with_prior_preservation=False)  # the same step without a class half
+    task.settings = cfg.replace(with_prior_preservation=False).options  # the same step without a class half
     assert seeded(lambda: task.loss(task.model, {**batch, "pixels": batch["pixels"][:half],
                                                  "input_ids": batch["input_ids"][:half]}, precision)) > 0
 

@@ -221,7 +221,7 @@ def test_the_check_reads_data_prep(tmp_path):
 
 # In run/ and the parts below it a function takes the section of the config it needs; recipes and the app handle
 # whole configs by their nature. The goal is 10 or fewer; this ceiling only falls, each time one is rewritten.
-WHOLE_CONFIG_CEILING = 26
+WHOLE_CONFIG_CEILING = 10
 WHOLE_CONFIG_FOLDERS = ("run", "data", "models", "tasks", "accel")
 
 

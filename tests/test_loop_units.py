@@ -27,6 +27,12 @@ def cfg(**kw) -> RunConfig:
                         "device": "cpu", **kw})
 
 
+def compile_plan(c: RunConfig) -> CompilePlan:
+    """The CPU compile plan of a run of ``c``, as the loop opens it."""
+    return CompilePlan(CPU, compile=c.sections.compile, family=c.model_family, job=c.sections.job,
+                       batch_size=c.batch_size, image_size=c.image_size)
+
+
 def guard(**kw) -> NonfiniteGuard:
     c = cfg(max_nonfinite_steps=2, **kw)
     return NonfiniteGuard(c.max_nonfinite_steps, c.fused_optimizer, Precision.from_settings(c.sections.precision,
@@ -120,8 +126,10 @@ def test_step_log_writes_each_step_once_per_flush(tmp_path):
 def test_summary_reads_the_steady_steps_after_warm_up():
     c = cfg()
     log = SimpleNamespace(step_times=[50.0, 30.0, 10.0, 12.0, 11.0], losses=[5.0, 4.0, 3.0, 2.0, 1.0], start=3)
-    summary = build_summary(c, CPU, log, warmup_steps=2, setup_time=1.5, precompile_seconds=0.0, probe_seconds=0.2,
-                            skipped_samples=1, nonfinite_steps=0, notes=["n"], flops_per_sample=None, extra=7)
+    summary = build_summary(CPU, log, job=c.sections.job, data=c.sections.data, ema=c.sections.ema, steps=c.steps,
+                            global_batch_size=c.global_batch_size, run_dir=c.run_dir, warmup_steps=2, setup_time=1.5,
+                            precompile_seconds=0.0, probe_seconds=0.2, skipped_samples=1, nonfinite_steps=0,
+                            notes=["n"], flops_per_sample=None, extra=7)
     assert summary["median_step_time_ms"] == 11.0 and summary["warmup_time_s"] == pytest.approx(0.08)
     assert summary["samples_per_s"] == pytest.approx(4e3 / 11.0) and summary["resumed_from_step"] == 3
     assert summary["mean_loss_last_10"] == 3.0 and summary["final_loss"] == 1.0 and summary["extra"] == 7
@@ -132,7 +140,7 @@ def test_summary_reads_the_steady_steps_after_warm_up():
 def test_compile_plan_compiles_the_family_blocks_and_reports_the_caches():
     c = cfg(compile=True, compile_scope="blocks")
     lines = []
-    with CompilePlan(c, CPU) as plan:
+    with compile_plan(c) as plan:
         assert plan.workers is None  # no precompile_workers asked for
         model = c.model_family.build(c.model, num_classes=4)
         names = plan.compile_blocks(model, backend="eager")
@@ -143,7 +151,7 @@ def test_compile_plan_compiles_the_family_blocks_and_reports_the_caches():
         record = plan.summary(lines.append)
     assert set(record) == {"compile_cache", "compile_phases_s"} and "graphs_traced" in record["compile_cache"]
     assert lines and lines[0].startswith("[gallery] compilation in this run:")
-    with CompilePlan(cfg(), CPU) as eager:
+    with compile_plan(cfg()) as eager:
         assert eager.summary(lines.append) == {}
 
 
@@ -154,12 +162,12 @@ def test_compile_whole_compiles_the_named_containers_in_place_of_their_blocks():
     model = c.model_family.build(c.model, num_classes=4).eval()
     x = torch.randn(2, 3, *model.patch_embed.img_size)
     expected = model(x)
-    with CompilePlan(c, CPU) as plan:
+    with compile_plan(c) as plan:
         names = plan.compile_blocks(model, backend="eager")
     stages = [n for n, m in model.named_modules() if type(m).__name__ == "SwinTransformerStage"]
     assert names == stages and len(stages) > 1  # the stages whole, none of the blocks inside them again
     torch.testing.assert_close(model(x), expected, rtol=0, atol=0)
-    with CompilePlan(c.replace(compile_whole="SwinTransformerStage,SwinStage"), CPU) as plan:
+    with compile_plan(c.replace(compile_whole="SwinTransformerStage,SwinStage")) as plan:
         with pytest.raises(ConfigError, match=r"compile_whole names SwinStage, not a class of SwinTransformer's "
                                               r"modules: name classes that hold its blocks \(SwinTransformerStage\)"):
             plan.compile_blocks(c.model_family.build(c.model, num_classes=4), backend="eager")
@@ -173,7 +181,7 @@ def test_compile_plan_counts_only_what_its_run_compiled():
 
     counters["inductor"]["fxgraph_cache_miss"] += 5  # an earlier compilation in this process
     counters["stats"]["unique_graphs"] += 2
-    with CompilePlan(cfg(compile=True, compile_scope="blocks"), CPU) as plan:
+    with compile_plan(cfg(compile=True, compile_scope="blocks")) as plan:
         counters["inductor"]["fxgraph_cache_miss"] += 1  # this run's own
         record = plan.summary(lambda line: None)["compile_cache"]
     assert record["fx_graph_misses"] == 1 and record["graphs_traced"] == 0 and record["aot_autograd_hits"] == 0
@@ -185,7 +193,7 @@ def test_compile_plan_reports_where_its_own_compile_time_went(monkeypatch):
 
     monkeypatch.setattr(utils, "compilation_time_metrics", {"entire_frame_compile": [4.0], "gc": [0.5]})
     lines = []
-    with CompilePlan(cfg(compile=True, compile_scope="blocks"), CPU) as plan:
+    with compile_plan(cfg(compile=True, compile_scope="blocks")) as plan:
         utils.compilation_time_metrics["entire_frame_compile"].append(2.5)  # this run's own
         utils.compilation_time_metrics["CUDAGraphNode.record"] = [0.5, 1.0]
         phases = plan.summary(lines.append)["compile_phases_s"]
@@ -221,7 +229,7 @@ def test_warm_marker_keys_and_a_stale_marker(tmp_path, monkeypatch):
     warm.mark_warm(key, hint)
     assert warm.is_warm(key) and warm.hinted_warm(hint) and warm.marker_dir().parent == tmp_path
     # A plan that skipped its workers on this marker, whose run then missed the caches (emptied under the marker):
-    with CompilePlan(cfg(compile=True, compile_scope="blocks"), CPU) as plan:
+    with compile_plan(cfg(compile=True, compile_scope="blocks")) as plan:
         plan.cached_key = key
         from torch._dynamo.utils import counters
 

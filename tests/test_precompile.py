@@ -223,16 +223,17 @@ def test_a_second_run_of_the_same_graphs_starts_no_workers(tmp_path, monkeypatch
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     family = SimpleNamespace(block_types=(Block,), block_modules=(Block.__module__,))
-    cfg = SimpleNamespace(model="toy", recipe="accelerated", batch_size=2, image_size=8, precompile_workers=2,
-                          precompile_overlap=True, precompile_first_use=True, compile=True, model_family=family,
-                          compile_whole_types=())
+    settings = SimpleNamespace(precompile_workers=2, precompile_overlap=True, precompile_first_use=True,
+                               compile=True, compile_whole_types=())
+    run = {"family": family, "job": SimpleNamespace(model="toy", recipe="accelerated"), "batch_size": 2,
+           "image_size": 8}
     cpu = DistInfo(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
     model = Model()
     x = torch.randn(2, 6, 8)
 
     def plan_run(batch: torch.Tensor) -> tuple[CompilePlan, bool, list[str], bool]:
         lines, ran = [], []
-        with CompilePlan(cfg, cpu) as plan:
+        with CompilePlan(cpu, compile=settings, **run) as plan:
             started = plan.workers is not None
             plan.compile_blocks(model, backend="eager")
             precompiled = plan.precompile(model, lambda: model(batch), lines.append, lambda: ran.append(1))
@@ -268,9 +269,10 @@ def test_without_workers_a_run_waits_for_another_compiling_the_same_graphs(tmp_p
 
     monkeypatch.setattr(warm, "marker_dir", lambda: tmp_path / "markers")  # beside the session's compile cache
     family = SimpleNamespace(block_types=(Block,), block_modules=(Block.__module__,))
-    cfg = SimpleNamespace(model="toy", recipe="accelerated", batch_size=2, image_size=8, precompile_workers=0,
-                          precompile_overlap=True, precompile_first_use=True, compile=True, model_family=family,
-                          compile_whole_types=())
+    settings = SimpleNamespace(precompile_workers=0, precompile_overlap=True, precompile_first_use=True,
+                               compile=True, compile_whole_types=())
+    run = {"family": family, "job": SimpleNamespace(model="toy", recipe="accelerated"), "batch_size": 2,
+           "image_size": 8}
     cpu = DistInfo(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
     batch, other_batch = torch.randn(2, 6, 8), torch.randn(1, 6, 8)
 
@@ -293,7 +295,7 @@ def test_without_workers_a_run_waits_for_another_compiling_the_same_graphs(tmp_p
 
     def plan_run(x: torch.Tensor, before_its_first_step_is_done=lambda plan: True) -> list[str]:
         lines = []
-        with CompilePlan(cfg, cpu) as plan:
+        with CompilePlan(cpu, compile=settings, **run) as plan:
             model = Model()  # each run its own model, as in its own process
             plan.compile_blocks(model, backend="eager")
             assert not plan.precompile(model, lambda: model(x), lines.append, lambda: None)

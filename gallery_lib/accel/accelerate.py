@@ -63,7 +63,9 @@ def apply_accelerations(model: torch.nn.Module, cfg: RunConfig, precision: Preci
                         compile_plan: CompilePlan | None = None) -> AcceleratedModel:
     """``model`` with ``cfg``'s accelerations; ``compile_plan`` is the run's (opened before the model was built, so its
     precompile workers start early), else one without workers."""
-    plan = compile_plan if compile_plan is not None else CompilePlan(cfg.replace(precompile_workers=0), dist)
+    plan = compile_plan if compile_plan is not None else CompilePlan(
+        dist, compile=cfg.replace(precompile_workers=0).sections.compile, family=cfg.model_family, job=cfg.sections.job,
+        batch_size=cfg.batch_size, image_size=cfg.image_size)
     notes: list[str] = []
     attention = None
     if cfg.channels_last:

@@ -101,7 +101,7 @@ class RunConfig:
         check_settings(self)
         check_settings(self.options)
         self._check_across()
-        self.options.check(self)
+        self.options.check(training=self.sections.training)
 
     def _check_across(self) -> None:
         """The rules that involve more than one section."""

@@ -153,9 +153,9 @@ def dreambooth_preview(cfg, count: int = 4):
     from gallery_lib.data.dreambooth import ImageFiles
     from gallery_lib.tasks.dreambooth import class_dir, instance_dir
 
-    folders = [(instance_dir(cfg), cfg.instance_prompt)]
+    folders = [(instance_dir(cfg.options, cfg.data_dir), cfg.instance_prompt)]
     if cfg.with_prior_preservation:
-        folders.append((class_dir(cfg), cfg.class_prompt))
+        folders.append((class_dir(cfg.options, cfg.data_dir), cfg.class_prompt))
     images, titles = [], []
     for folder, prompt in folders:
         pictures = ImageFiles(folder, transform=None)

@@ -43,7 +43,10 @@ import torch.distributed
 
 import gallery_lib
 from gallery_lib.config import RunConfig
-from gallery_lib.config.sections import Checkpoint
+from gallery_lib.config.sections import SECTION_OF, Checkpoint, Data, Job
+from gallery_lib.config.sections.acceleration import Parallel as ParallelSettings
+from gallery_lib.config.sections.training import Precision as PrecisionSettings
+from gallery_lib.config.sections.training import Training as TrainingSettings
 from gallery_lib.accel.distributed import DistInfo
 from gallery_lib.accel.precision import Precision
 from gallery_lib.run.sharded_checkpoint import SUFFIX as SHARDED_SUFFIX, load_sharded, save_sharded
@@ -69,11 +72,16 @@ def checkpoint_dir(run_dir: Path) -> Path:
     return run_dir / "checkpoints"
 
 
-def resume_signature(cfg: RunConfig) -> dict[str, Any]:
-    fields = RESUME_FIELDS + cfg.options.resume_fields
-    if cfg.data_parallel == "zero2":
+def resume_signature(*, job: Job, data: Data, training: TrainingSettings, parallel: ParallelSettings,
+                     precision: PrecisionSettings, options: Any) -> dict[str, Any]:
+    """The values a resumed run must share with its checkpoint: ``RESUME_FIELDS``, each read from its section, then
+    the task's ``options.resume_fields`` (ZeRO-2 leaves out ``RESHARDABLE``)."""
+    sections = {"job": job, "data": data, "training": training, "parallel": parallel, "precision": precision}
+    fields = RESUME_FIELDS + options.resume_fields
+    if parallel.data_parallel == "zero2":
         fields = tuple(name for name in fields if name not in RESHARDABLE)
-    return {name: getattr(cfg, name) for name in fields}
+    return {name: getattr(sections[SECTION_OF[name]], name) if name in SECTION_OF else getattr(options, name)
+            for name in fields}
 
 
 def config_hash(signature: dict[str, Any]) -> str:
@@ -271,7 +279,7 @@ class Checkpointer:
         """What ``step_<step>.pt`` holds; with ``shards`` (the shard folder's name) the model, optimizer and EMA are
         there instead."""
         masters = list(self.precision.master_params.values())
-        signature = resume_signature(self.cfg)
+        signature = self._signature()
         state = {
             "format": FORMAT_VERSION,
             "meta": {"step": step, "torch_version": str(torch.__version__),
@@ -328,6 +336,12 @@ class Checkpointer:
         _set_rng_state(saved_rng[self.dist.rank % len(saved_rng)], self.dist.device)
         return meta["step"], dict(state["counters"])
 
+    def _signature(self) -> dict[str, Any]:
+        """This run's ``resume_signature``."""
+        sections = self.cfg.sections
+        return resume_signature(job=sections.job, data=sections.data, training=sections.training,
+                                parallel=sections.parallel, precision=sections.precision, options=self.cfg.options)
+
     def _check_fits(self, meta: dict[str, Any], path: Path) -> None:
         """``CheckpointError`` unless the checkpoint at ``path`` (its ``meta``) can continue this run."""
         saved_mode = meta.get("data_parallel", "ddp")
@@ -335,7 +349,7 @@ class Checkpointer:
             raise CheckpointError(f"{path} was written by a data_parallel={saved_mode!r} run and this run is "
                                   f"data_parallel={self.cfg.data_parallel!r} (their checkpoints differ): resume with "
                                   f"data_parallel={saved_mode!r}.")
-        check_compatible(meta, resume_signature(self.cfg), path)
+        check_compatible(meta, self._signature(), path)
         world, batch = self.dist.world_size, self.cfg.batch_size
         if self.sharded and meta["global_batch"] != batch * world:
             fix = (f"set batch_size={meta['global_batch'] // world}" if meta["global_batch"] % world == 0

@@ -171,7 +171,7 @@ def preflight(cfg: RunConfig) -> str:
     device = validate_for_machine(cfg)
     check_data = getattr(cfg.model_family.task, "check_data", None)
     if check_data is not None:
-        check_data(cfg)
+        check_data(model=cfg.model, data_dir=cfg.data_dir, options=cfg.options)
     try:
         # a fresh start, or from another run's checkpoint: none of its own to mix
         if not continues_itself(cfg.run_dir, cfg.sections.checkpoint):

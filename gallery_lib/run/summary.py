@@ -5,31 +5,36 @@ Speed figures are over the steady-state steps (after warm-up), warm-up and compi
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from gallery_lib.accel.distributed import DistInfo, all_reduce_sum
+from gallery_lib.config.sections import Data, Job
+from gallery_lib.config.sections.training import EMA as EMASettings
 from gallery_lib.models.flops import measured_matmul_tflops
 from gallery_lib.run.memory_plan import Candidate
 from gallery_lib.run.step_log import StepLog
 from gallery_lib.run.timing import peak_memory_mb, peak_reserved_mb, seconds_to_steady, summarize_times
 
 
-def build_summary(cfg, dist: DistInfo, step_log: StepLog, *, warmup_steps: int, setup_time: float,
+def build_summary(dist: DistInfo, step_log: StepLog, *, job: Job, data: Data, ema: EMASettings, steps: int,
+                  global_batch_size: int, run_dir: Path, warmup_steps: int, setup_time: float,
                   precompile_seconds: float, probe_seconds: float, skipped_samples: int, nonfinite_steps: int,
                   notes: list[str], flops_per_sample: float | None, profiled_steps: int = 0,
                   **records: Any) -> dict[str, Any]:
-    """The summary record; ``records`` (task figures, compile and attention reports, ...) are merged in last.
-    Every rank calls it: the skipped samples are summed over ranks. The speed figures are over the steps after
+    """The summary record of a run of ``steps`` steps at ``global_batch_size`` (its ``job``, ``data`` and ``ema``
+    settings, its folder ``run_dir``); ``records`` (task figures, compile and attention reports, ...) are merged in
+    last. Every rank calls it: the skipped samples are summed over ranks. The speed figures are over the steps after
     warm-up and before the last ``profiled_steps`` (run under the profiler)."""
     times, losses = step_log.step_times, step_log.losses
     timing = summarize_times(times[warmup_steps:len(times) - profiled_steps])
     return {
-        "type": "summary", "model": cfg.model, "recipe": cfg.recipe, "profile": cfg.profile,
+        "type": "summary", "model": job.model, "recipe": job.recipe, "profile": job.profile,
         "device_name": torch.cuda.get_device_name(dist.device) if dist.device.type == "cuda" else "CPU",
-        "world_size": dist.world_size, "global_batch_size": cfg.global_batch_size, "image_size": cfg.image_size,
-        "steps": cfg.steps, "warmup_steps": warmup_steps, "profiled_steps": profiled_steps,
+        "world_size": dist.world_size, "global_batch_size": global_batch_size, "image_size": data.image_size,
+        "steps": steps, "warmup_steps": warmup_steps, "profiled_steps": profiled_steps,
         "resumed_from_step": step_log.start,
         "setup_time_s": setup_time, "precompile_time_s": precompile_seconds,
         "warmup_time_s": sum(times[:warmup_steps]) / 1e3, **timing, "warmup_step_times_ms": times[:warmup_steps],
@@ -37,15 +42,15 @@ def build_summary(cfg, dist: DistInfo, step_log: StepLog, *, warmup_steps: int, 
         "to_steady_speed_s": precompile_seconds + seconds_to_steady(times[:warmup_steps],
                                                                     timing["median_step_time_ms"]),
         "attention_probe_time_s": probe_seconds,  # the side forward that reads PyTorch's SDPA choices
-        "samples_per_s": cfg.global_batch_size * 1e3 / timing["median_step_time_ms"],
+        "samples_per_s": global_batch_size * 1e3 / timing["median_step_time_ms"],
         "peak_mem_mb": peak_memory_mb(dist.device),
         "peak_mem_kind": "cuda_max_allocated" if dist.device.type == "cuda" else "cpu_max_rss",
         "peak_reserved_mb": peak_reserved_mb(dist.device),
         "final_loss": losses[-1], "mean_loss_last_10": sum(losses[-10:]) / len(losses[-10:]),
         "skipped_samples": int(all_reduce_sum(float(skipped_samples), dist)), "nonfinite_steps": nonfinite_steps,
-        "reuse_batch": cfg.reuse_batch, "notes": notes, "ema": cfg.ema, "train_flops_per_sample": flops_per_sample,
+        "reuse_batch": data.reuse_batch, "notes": notes, "ema": ema.ema, "train_flops_per_sample": flops_per_sample,
         "matmul_tflops": measured_matmul_tflops(dist.device), "torch_version": torch.__version__,
-        "output_dir": str(cfg.run_dir), **records,
+        "output_dir": str(run_dir), **records,
     }
 
 

@@ -194,7 +194,8 @@ def _train(cfg: RunConfig, dist: DistInfo, extra_summary: dict | None = None) ->
     """One training run of ``cfg`` at its batch size; ``extra_summary`` is merged into the summary record."""
     setup_start = time.perf_counter()
     # its precompile workers warm up while the model and the data are set up
-    with CompilePlan(cfg, dist) as plan, contextlib.ExitStack() as on_exit:
+    with CompilePlan(dist, compile=cfg.sections.compile, family=cfg.model_family, job=cfg.sections.job,
+                     batch_size=cfg.batch_size, image_size=cfg.image_size) as plan, contextlib.ExitStack() as on_exit:
         return _train_from(setup_start, cfg, dist, plan, on_exit, extra_summary or {})
 
 
@@ -285,8 +286,9 @@ def _train_from(setup_start: float, cfg: RunConfig, dist: DistInfo, plan: Compil
             raise _out_of_memory(cfg.sections.training, cfg.extra, step) from exc
         raise
 
-    summary = build_summary(cfg, dist, step_log, warmup_steps=warmup_steps, profiled_steps=profiled,
-                            setup_time=setup_time,
+    summary = build_summary(dist, step_log, job=cfg.sections.job, data=cfg.sections.data, ema=cfg.sections.ema,
+                            steps=cfg.steps, global_batch_size=cfg.global_batch_size, run_dir=cfg.run_dir,
+                            warmup_steps=warmup_steps, profiled_steps=profiled, setup_time=setup_time,
                             precompile_seconds=plan.precompile_seconds, probe_seconds=probe.seconds,
                             skipped_samples=loader.skipped, nonfinite_steps=guard.total, notes=accelerated.notes,
                             flops_per_sample=flops_per_sample, **task.summary(), **extra_summary,

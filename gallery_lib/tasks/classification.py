@@ -5,12 +5,17 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from gallery_lib.data.device_decode import PIPELINES
+from gallery_lib.config.sections import Data, Job
+from gallery_lib.config.sections.training import Training as TrainingSettings
 from gallery_lib.config.settings import ConfigError, setting
+
+if TYPE_CHECKING:
+    from gallery_lib.config.family import ModelFamily
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -49,8 +54,10 @@ class ClassificationOptions:
         """These settings as a run on ``device_type`` applies them: without a GPU, the CPU image pipeline."""
         return self if device_type == "cuda" else dataclasses.replace(self, image_pipeline="cpu")
 
-    def check(self, cfg) -> None:
-        check_mixup_batch(cfg.batch_size, self.mixup_alpha, self.cutmix_alpha)
+    def check(self, *, training: TrainingSettings) -> None:
+        """The rules that tie these settings to the run's ``training`` settings (Mixup's even batch) and to each
+        other."""
+        check_mixup_batch(training.batch_size, self.mixup_alpha, self.cutmix_alpha)
         if self.image_pipeline != "cpu" and (self.auto_augment or self.color_jitter):
             raise ConfigError(f"image_pipeline={self.image_pipeline!r} crops and flips on the GPU, but auto_augment "
                               "and color_jitter are CPU transforms: set auto_augment=None and color_jitter=0, or "
@@ -68,28 +75,35 @@ class ClassificationTask:
     name = "classification"
     options = ClassificationOptions
 
-    def __init__(self, cfg, dist, precision) -> None:
+    def __init__(self, dist, precision, *, family: ModelFamily, job: Job, data: Data, options: ClassificationOptions,
+                 batch_size: int, channels_last: bool, pretrained: str | None) -> None:
+        """The classifier ``job.model`` of ``family`` (from the ``pretrained`` weights, when given) and its loader of
+        the ``data`` section's class folders, augmented as the task's ``options`` say, in batches of ``batch_size``
+        (channels-last with ``channels_last``)."""
         from gallery_lib.data import RobustImageFolder, build_train_loader
 
-        self.cfg, self.precision = cfg, precision
-        opts: ClassificationOptions = cfg.options
-        self.dataset = RobustImageFolder(cfg.data_dir, split="train")
-        self.pipeline = opts.for_device(dist.device.type).image_pipeline
+        self.family, self.job, self.data, self.precision = family, job, data, precision
+        self.settings = options
+        """The run's task settings (an instance of ``options``)."""
+        self.batch_size, self.channels_last = batch_size, channels_last
+        self.dataset = RobustImageFolder(data.data_dir, split="train")
+        self.pipeline = options.for_device(dist.device.type).image_pipeline
         self.loader = build_train_loader(
-            self.dataset, batch_size=cfg.batch_size, image_size=cfg.image_size, device=dist.device,
-            num_workers=cfg.num_workers, seed=cfg.seed, world_size=dist.world_size, rank=dist.rank,
-            auto_augment=opts.auto_augment, re_prob=opts.re_prob, mixup_alpha=opts.mixup_alpha,
-            cutmix_alpha=opts.cutmix_alpha, label_smoothing=opts.label_smoothing, color_jitter=opts.color_jitter,
-            channels_last=cfg.channels_last, pipeline=self.pipeline)
-        self.model = cfg.model_family.build(cfg.model, num_classes=self.dataset.num_classes, image_size=cfg.image_size,
-                                 pretrained_file=cfg.pretrained).to(dist.device)
-        self.criterion = _fused_soft_cross_entropy if opts.fused_loss else _timm_soft_cross_entropy()
+            self.dataset, batch_size=batch_size, image_size=data.image_size, device=dist.device,
+            num_workers=data.num_workers, seed=job.seed, world_size=dist.world_size, rank=dist.rank,
+            auto_augment=options.auto_augment, re_prob=options.re_prob, mixup_alpha=options.mixup_alpha,
+            cutmix_alpha=options.cutmix_alpha, label_smoothing=options.label_smoothing,
+            color_jitter=options.color_jitter, channels_last=channels_last, pipeline=self.pipeline)
+        self.model = family.build(job.model, num_classes=self.dataset.num_classes, image_size=data.image_size,
+                                  pretrained_file=pretrained).to(dist.device)
+        self.criterion = _fused_soft_cross_entropy if options.fused_loss else _timm_soft_cross_entropy()
 
     @staticmethod
-    def check_data(cfg) -> None:
-        """Refuses, before launch, a missing folder (``FileNotFoundError``) or one that is not class folders
-        (``train/<class>/<image>``; ``ConfigError``)."""
-        model, train = cfg.model, Path(cfg.data_dir, "train")
+    def check_data(*, model: str, data_dir: str, options: ClassificationOptions) -> None:
+        """Refuses, before launch, a missing ``data_dir`` (``FileNotFoundError``) or one that is not class folders
+        (``train/<class>/<image>``; ``ConfigError``), saying how to prepare ``model``'s data. The task's ``options``
+        do not change what a classifier's data looks like."""
+        train = Path(data_dir, "train")
         if not train.is_dir():
             raise FileNotFoundError(f"no training data at {train}: prepare it with `gallery prepare --model {model}`, "
                                     "or pass --data-dir a folder with train/<class>/<images>.")
@@ -106,16 +120,16 @@ class ClassificationTask:
         return self.criterion(output.float(), targets)
 
     def describe(self) -> str:
-        asked = self.cfg.options.image_pipeline
+        asked = self.settings.image_pipeline
         pipeline = self.pipeline + (f" ({asked} asked for; there is no CUDA device)" if asked != self.pipeline else "")
         return f"{len(self.dataset)} images, {self.dataset.num_classes} classes, image pipeline {pipeline}"
 
     def train_flops_per_sample(self) -> float | None:
         from gallery_lib.models.flops import train_flops_per_sample
 
-        size = self.cfg.image_size
+        size = self.data.image_size
         return train_flops_per_sample(
-            lambda: self.cfg.model_family.build(self.cfg.model, num_classes=self.dataset.num_classes, image_size=size),
+            lambda: self.family.build(self.job.model, num_classes=self.dataset.num_classes, image_size=size),
             lambda model: model(torch.randn(1, 3, size, size)).float().sum())
 
     def summary(self) -> dict[str, Any]:
@@ -134,8 +148,8 @@ class ClassificationTask:
         autocast; nothing when the data has no ``val`` split."""
         from gallery_lib.data.classification import validation_loader
 
-        loader = validation_loader(self.cfg.data_dir, image_size=self.cfg.image_size, batch_size=self.cfg.batch_size,
-                                   channels_last=self.cfg.channels_last)
+        loader = validation_loader(self.data.data_dir, image_size=self.data.image_size, batch_size=self.batch_size,
+                                   channels_last=self.channels_last)
         if loader is None:
             return {}
         device = next(model.parameters()).device

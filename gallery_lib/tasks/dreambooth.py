@@ -17,13 +17,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 
+from gallery_lib.config.sections import Data, Job
+from gallery_lib.config.sections.training import Training as TrainingSettings
 from gallery_lib.config.settings import ConfigError, setting
 from gallery_lib.tasks.text_to_image import TextToImageOptions, TextToImageTask, _no_progress_bars
+
+if TYPE_CHECKING:
+    from gallery_lib.config.family import ModelFamily
 
 INSTANCE_FOLDER, CLASS_FOLDER = "instance", "class"
 LORA_TARGETS = {"unet": ("to_k", "to_q", "to_v", "to_out.0"), "text_encoder": ("q_proj", "k_proj", "v_proj",
@@ -55,7 +60,9 @@ class DreamBoothOptions(TextToImageOptions):
 
     resume_fields = ("prediction_type", "lora_rank", "train_text_encoder", "with_prior_preservation")
 
-    def check(self, cfg) -> None:
+    def check(self, *, training: TrainingSettings) -> None:
+        """The rules among these settings (the prompts and the identifier); none ties them to the run's ``training``
+        settings."""
         if self.identifier not in self.instance_prompt.split():
             raise ConfigError(f"instance_prompt={self.instance_prompt!r} does not contain the identifier "
                               f"{self.identifier!r}: the subject is learnt under that word, e.g. "
@@ -65,12 +72,14 @@ class DreamBoothOptions(TextToImageOptions):
                               "class prompt describes any member of the class, e.g. 'a photo of dog'.")
 
 
-def instance_dir(cfg) -> Path:
-    return Path(cfg.instance_data_dir or Path(cfg.data_dir) / INSTANCE_FOLDER)
+def instance_dir(options: DreamBoothOptions, data_dir: str) -> Path:
+    """The folder of subject pictures: ``options.instance_data_dir``, else ``<data_dir>/instance``."""
+    return Path(options.instance_data_dir or Path(data_dir) / INSTANCE_FOLDER)
 
 
-def class_dir(cfg) -> Path:
-    return Path(cfg.class_data_dir or Path(cfg.data_dir) / CLASS_FOLDER)
+def class_dir(options: DreamBoothOptions, data_dir: str) -> Path:
+    """The folder of class pictures: ``options.class_data_dir``, else ``<data_dir>/class``."""
+    return Path(options.class_data_dir or Path(data_dir) / CLASS_FOLDER)
 
 
 class UNetWithTextEncoder(torch.nn.Module):
@@ -89,40 +98,46 @@ class DreamBoothTask(TextToImageTask):
     name = "dreambooth"
     options = DreamBoothOptions
 
-    def __init__(self, cfg, dist, precision) -> None:
+    def __init__(self, dist, precision, *, family: ModelFamily, job: Job, data: Data, options: DreamBoothOptions,
+                 batch_size: int, channels_last: bool, pretrained: str | None) -> None:
+        """The SD parts of ``job.model`` (``family``; from the ``pretrained`` weights, when given), what trains of
+        them, and the loader of the subject's pictures (with prior preservation, the class's too), ``batch_size`` of
+        each per batch, as the task's ``options`` and the ``data`` section say (channels-last with
+        ``channels_last``)."""
         from gallery_lib.data.captions import caption_image_transform
         from gallery_lib.data.dreambooth import DreamBoothPairs, ImageFiles
         from gallery_lib.models.sd_parts import tokenize
 
-        self._build_parts(cfg, dist, precision)
+        self._build_parts(dist, precision, family=family, job=job, data=data, options=options, batch_size=batch_size,
+                          channels_last=channels_last, pretrained=pretrained)
         unet, text_encoder = self.parts.unet, self.parts.text_encoder
-        if cfg.lora_rank:
-            _add_lora(unet, cfg.lora_rank, LORA_TARGETS["unet"])
-            if cfg.train_text_encoder:
-                _add_lora(text_encoder, cfg.lora_rank, LORA_TARGETS["text_encoder"])
-        elif cfg.train_text_encoder:
+        if options.lora_rank:
+            _add_lora(unet, options.lora_rank, LORA_TARGETS["unet"])
+            if options.train_text_encoder:
+                _add_lora(text_encoder, options.lora_rank, LORA_TARGETS["text_encoder"])
+        elif options.train_text_encoder:
             text_encoder.requires_grad_(True)
-        if cfg.train_text_encoder:  # trained: fp32 weights under autocast, like the UNet
+        if options.train_text_encoder:  # trained: fp32 weights under autocast, like the UNet
             self.model = UNetWithTextEncoder(unet, text_encoder.train()).to(self.device)
         else:
             text_encoder.to(self.device, dtype=self.frozen_dtype)
             self.model = unet.to(self.device)
         self.model.train()
 
-        transform = caption_image_transform(cfg.image_size, center_crop=True)
-        prior = cfg.with_prior_preservation
-        self.dataset = DreamBoothPairs(ImageFiles(instance_dir(cfg), transform),
-                                       ImageFiles(class_dir(cfg), transform, limit=cfg.num_class_images) if prior
-                                       else None)
-        prompts = [cfg.instance_prompt] + ([cfg.class_prompt] if prior else [])
+        transform = caption_image_transform(data.image_size, center_crop=True)
+        prior = options.with_prior_preservation
+        self.dataset = DreamBoothPairs(ImageFiles(instance_dir(options, data.data_dir), transform),
+                                       ImageFiles(class_dir(options, data.data_dir), transform,
+                                                  limit=options.num_class_images) if prior else None)
+        prompts = [options.instance_prompt] + ([options.class_prompt] if prior else [])
         # The batch's token ids: the instance prompt for its first half, the class prompt for the second.
-        self.input_ids = tokenize(self.parts.tokenizer, prompts).repeat_interleave(cfg.batch_size, 0).to(self.device)
+        self.input_ids = tokenize(self.parts.tokenizer, prompts).repeat_interleave(batch_size, 0).to(self.device)
         self._build_loader(self.dataset, dist)
 
     # ----------------------------------------------------------------- batches
     def _pair_pixels(self, instance: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
         """The batch's images: the instance half, then (with prior preservation) the class half."""
-        return self._pixels(torch.cat([instance, other]) if self.cfg.with_prior_preservation else instance)
+        return self._pixels(torch.cat([instance, other]) if self.settings.with_prior_preservation else instance)
 
     def _to_device(self, batch) -> dict[str, torch.Tensor]:
         instance, other, _ = batch
@@ -139,7 +154,7 @@ class DreamBoothTask(TextToImageTask):
         """The latent distribution of ``pixels`` and the conditioning: the prompts' embeddings, or their token ids
         when the text encoder trains (it then runs inside the trained module)."""
         latent = self.parts.vae.encode(pixels).latent_dist
-        if self.cfg.train_text_encoder:
+        if self.settings.train_text_encoder:
             return latent.mean, latent.std, input_ids
         return latent.mean, latent.std, self.parts.text_encoder(input_ids, return_dict=False)[0]
 
@@ -147,7 +162,7 @@ class DreamBoothTask(TextToImageTask):
     def _cache(self, batches) -> None:
         """Encodes every example of the epoch-0 ``batches`` once, and the prompts once."""
         means, stds = [], []
-        halves = 2 if self.cfg.with_prior_preservation else 1
+        halves = 2 if self.settings.with_prior_preservation else 1
         for instance, other, _ in batches:
             pixels = self._pair_pixels(instance, other)
             latent = self.parts.vae.encode(pixels).latent_dist
@@ -159,34 +174,35 @@ class DreamBoothTask(TextToImageTask):
 
     def _encode_prompts(self) -> torch.Tensor:
         """The batch's conditioning: each prompt encoded once and repeated (token ids when the text encoder trains)."""
-        if self.cfg.train_text_encoder:
+        if self.settings.train_text_encoder:
             return self.input_ids
-        distinct = self.input_ids[::self.cfg.batch_size]
-        return self.parts.text_encoder(distinct, return_dict=False)[0].repeat_interleave(self.cfg.batch_size, 0)
+        distinct = self.input_ids[::self.batch_size]
+        return self.parts.text_encoder(distinct, return_dict=False)[0].repeat_interleave(self.batch_size, 0)
 
     # ----------------------------------------------------------------- the step
     def loss(self, module: torch.nn.Module, batch: dict[str, torch.Tensor], precision) -> torch.Tensor:
         prediction, target = self._denoise(module, batch, precision)
         prediction, target = prediction.float(), target.float()
-        if not self.cfg.with_prior_preservation:
+        if not self.settings.with_prior_preservation:
             return F.mse_loss(prediction, target, reduction="mean")
         (prediction, prior_prediction), (target, prior_target) = prediction.chunk(2), target.chunk(2)
         prior_loss = F.mse_loss(prior_prediction, prior_target, reduction="mean")
-        return F.mse_loss(prediction, target, reduction="mean") + self.cfg.prior_loss_weight * prior_loss
+        return F.mse_loss(prediction, target, reduction="mean") + self.settings.prior_loss_weight * prior_loss
 
     @staticmethod
-    def check_data(cfg) -> None:
+    def check_data(*, model: str, data_dir: str, options: DreamBoothOptions) -> None:
         """Refuses, before launch, a missing or empty instance folder, and with prior preservation a class folder
-        with fewer than ``num_class_images`` pictures (``ConfigError``, saying the fix)."""
+        with fewer than ``num_class_images`` pictures (``ConfigError``, saying the fix: how to prepare ``model``'s
+        data, or which of the ``options`` to set); the folders are the ``options``' own, else in ``data_dir``."""
         from gallery_lib.data.dreambooth import image_files
 
-        folders = [("instance", instance_dir(cfg), 1, "instance_data_dir")]
-        if cfg.with_prior_preservation:
-            folders.append(("class", class_dir(cfg), cfg.num_class_images, "class_data_dir"))
+        folders = [("instance", instance_dir(options, data_dir), 1, "instance_data_dir")]
+        if options.with_prior_preservation:
+            folders.append(("class", class_dir(options, data_dir), options.num_class_images, "class_data_dir"))
         for kind, folder, needed, option in folders:
             if not folder.is_dir():
                 raise ConfigError(f"no {kind} pictures: {folder} is not a folder. Prepare the mock data with "
-                                  f"`gallery prepare --model {cfg.model}`, or set {option}= to a folder of images.")
+                                  f"`gallery prepare --model {model}`, or set {option}= to a folder of images.")
             found = len(image_files(folder))
             if found < needed:
                 fix = ("add pictures, or lower num_class_images (diffusers would generate the missing ones with "
@@ -196,14 +212,14 @@ class DreamBoothTask(TextToImageTask):
 
     # ----------------------------------------------------------------- reporting and export
     def describe(self) -> str:
-        d = self.dataset
-        text = f"{len(d.instance)} pictures of {self.cfg.instance_prompt!r}"
+        d, opts = self.dataset, self.settings
+        text = f"{len(d.instance)} pictures of {opts.instance_prompt!r}"
         if d.class_images is not None:
-            text += (f" and {len(d.class_images)} of {self.cfg.class_prompt!r} (prior preservation, weight "
-                     f"{self.cfg.prior_loss_weight:g})")
-        trained = "UNet" + (" and text encoder" if self.cfg.train_text_encoder else "")
-        how = f"LoRA rank {self.cfg.lora_rank} on the {trained}" if self.cfg.lora_rank else f"the whole {trained}"
-        text += f" at {self.cfg.image_size} px; trains {how}, from {self.parts.source}"
+            text += (f" and {len(d.class_images)} of {opts.class_prompt!r} (prior preservation, weight "
+                     f"{opts.prior_loss_weight:g})")
+        trained = "UNet" + (" and text encoder" if opts.train_text_encoder else "")
+        how = f"LoRA rank {opts.lora_rank} on the {trained}" if opts.lora_rank else f"the whole {trained}"
+        text += f" at {self.data.image_size} px; trains {how}, from {self.parts.source}"
         if self.cache_time_s is not None:
             text += f"; latents and prompt embeddings cached in {self.cache_time_s:.1f} s"
         return text
@@ -211,12 +227,13 @@ class DreamBoothTask(TextToImageTask):
     def train_flops_per_sample(self) -> float | None:
         """Per example: the UNet's forward + backward for each of its images (two with prior preservation); with
         LoRA the frozen UNet's backward computes input gradients only. The text encoder is not counted."""
-        per_image = self._unet_train_flops(frozen_weights=bool(self.cfg.lora_rank))
-        return per_image * (2 if self.cfg.with_prior_preservation else 1) if per_image else None
+        per_image = self._unet_train_flops(frozen_weights=bool(self.settings.lora_rank))
+        return per_image * (2 if self.settings.with_prior_preservation else 1) if per_image else None
 
     def summary(self) -> dict[str, Any]:
         trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
-        return {"cache_time_s": self.cache_time_s, "trainable_parameters": trainable, "lora_rank": self.cfg.lora_rank}
+        return {"cache_time_s": self.cache_time_s, "trainable_parameters": trainable,
+                "lora_rank": self.settings.lora_rank}
 
     def evaluate(self, model: torch.nn.Module) -> dict[str, Any]:
         return {}  # no held-out score: the report's sample grid shows what the model learned
@@ -227,18 +244,18 @@ class DreamBoothTask(TextToImageTask):
         ``<run_dir>/pipeline`` to load them into. Returns the folder to load."""
         from gallery_lib.models.sd_parts import assemble_pipeline
 
-        unet, text_encoder = (model.unet, model.text_encoder) if self.cfg.train_text_encoder else (model, None)
+        unet, text_encoder = (model.unet, model.text_encoder) if self.settings.train_text_encoder else (model, None)
         self._saved_parts_on_cpu(unet, text_encoder)
         run_dir = Path(run_dir)
-        if not self.cfg.lora_rank:
+        if not self.settings.lora_rank:
             with _no_progress_bars():
                 assemble_pipeline(self.parts, unet=unet, text_encoder=text_encoder).save_pretrained(
                     run_dir / "pipeline")
             return str(run_dir / "pipeline")
         save_lora(run_dir / "lora", unet, text_encoder)
-        if self.cfg.pretrained is None:  # the base the adapters were trained on exists nowhere else
+        if self.pretrained is None:  # the base the adapters were trained on exists nowhere else
             base_unet = _without_lora(unet)
-            base_text = _without_lora(text_encoder) if self.cfg.train_text_encoder else None
+            base_text = _without_lora(text_encoder) if self.settings.train_text_encoder else None
             with _no_progress_bars():
                 assemble_pipeline(self.parts, unet=base_unet, text_encoder=base_text).save_pretrained(
                     run_dir / "pipeline")

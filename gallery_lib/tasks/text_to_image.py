@@ -19,14 +19,19 @@ import contextlib
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 
 from gallery_lib.data.loader import TrainLoader, SampleSeeded, sampled_loader
 from gallery_lib.models.sd_parts import PREDICTION_TYPES, assemble_pipeline, tokenize, training_target
+from gallery_lib.config.sections import Data, Job
+from gallery_lib.config.sections.training import Training as TrainingSettings
 from gallery_lib.config.settings import ConfigError, setting
+
+if TYPE_CHECKING:
+    from gallery_lib.config.family import ModelFamily
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -43,30 +48,40 @@ class TextToImageOptions:
     resume_fields = ("prediction_type",)
     """Settings a resumed run must share with its checkpoint (beside the run's own)."""
 
-    def check(self, cfg) -> None:
-        pass
+    def check(self, *, training: TrainingSettings) -> None:
+        """No rule ties these settings to the run's ``training`` settings."""
 
 
 class TextToImageTask:
     name = "text-to-image"
     options = TextToImageOptions
 
-    def __init__(self, cfg, dist, precision) -> None:
+    def __init__(self, dist, precision, *, family: ModelFamily, job: Job, data: Data, options: TextToImageOptions,
+                 batch_size: int, channels_last: bool, pretrained: str | None) -> None:
+        """The SD parts of ``job.model`` (``family``; from the ``pretrained`` weights, when given), the UNet to train,
+        and the loader of the ``data`` section's caption folder in batches of ``batch_size``, trained as the task's
+        ``options`` say (channels-last with ``channels_last``)."""
         from gallery_lib.data.captions import CaptionFolder, caption_image_transform
 
-        self._build_parts(cfg, dist, precision)
+        self._build_parts(dist, precision, family=family, job=job, data=data, options=options, batch_size=batch_size,
+                          channels_last=channels_last, pretrained=pretrained)
         self.parts.text_encoder.to(self.device, dtype=self.frozen_dtype)
         self.model = self.parts.unet.to(self.device).train()
-        self.dataset = CaptionFolder(cfg.data_dir, split="train",
-                                     transform=caption_image_transform(cfg.image_size, center_crop=True))
+        self.dataset = CaptionFolder(data.data_dir, split="train",
+                                     transform=caption_image_transform(data.image_size, center_crop=True))
         self._build_loader(_Tokenized(self.dataset, self.parts.tokenizer), dist)
 
-    def _build_parts(self, cfg, dist, precision) -> None:
-        """The SD parts of ``cfg.model``, the frozen VAE on the device, the noise schedule."""
-        self.cfg, self.device = cfg, dist.device
-        self.parts = cfg.model_family.build(cfg.model, pretrained=cfg.pretrained,
-                                            prediction_type=cfg.prediction_type, image_size=cfg.image_size,
-                                            init_device=self.device)
+    def _build_parts(self, dist, precision, *, family: ModelFamily, job: Job, data: Data,
+                     options: TextToImageOptions, batch_size: int, channels_last: bool, pretrained: str | None) -> None:
+        """Keeps the run's settings (``__init__``'s arguments); builds the SD parts of ``job.model``, the frozen VAE
+        on the device, the noise schedule."""
+        self.job, self.data = job, data
+        self.settings = options
+        """The run's task settings (an instance of ``options``)."""
+        self.batch_size, self.channels_last, self.pretrained = batch_size, channels_last, pretrained
+        self.device = dist.device
+        self.parts = family.build(job.model, pretrained=pretrained, prediction_type=options.prediction_type,
+                                  image_size=data.image_size, init_device=self.device)
         # diffusers casts the frozen models to the mixed-precision dtype; the trained UNet keeps fp32 weights.
         self.frozen_dtype = precision.dtype or torch.float32
         # nn.Module.to: diffusers' own .to(dtype) warns of fp32-only modules even when the VAE lists none
@@ -77,35 +92,35 @@ class TextToImageTask:
     def _build_loader(self, source: torch.utils.data.Dataset, dist) -> None:
         """``self.loader`` over ``source``; with ``cache_latents``, over the indices of the cache ``_cache`` fills
         from ``source`` first."""
-        cfg = self.cfg
+        cache_latents = self.settings.cache_latents
         self.cache_time_s = None
-        if cfg.cache_latents:
+        if cache_latents:
             start = time.perf_counter()
             self._cache(self._first_epoch(source))
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             self.cache_time_s = time.perf_counter() - start
             source = _Indices(len(source))
-        loader = sampled_loader(source, batch_size=cfg.batch_size, device=self.device,
-                                num_workers=0 if cfg.cache_latents else cfg.num_workers, seed=cfg.seed,
+        loader = sampled_loader(source, batch_size=self.batch_size, device=self.device,
+                                num_workers=0 if cache_latents else self.data.num_workers, seed=self.job.seed,
                                 world_size=dist.world_size, rank=dist.rank)
-        self.loader = TrainLoader(loader, self.dataset,
-                                  finish=self._from_cache if cfg.cache_latents else self._to_device)
+        self.loader = TrainLoader(loader, self.dataset, finish=self._from_cache if cache_latents else self._to_device)
 
     def _first_epoch(self, source: torch.utils.data.Dataset) -> torch.utils.data.DataLoader:
         """Every sample of ``source`` in order, each loaded as the training loader loads it in epoch 0."""
-        cfg = self.cfg
+        seed = self.job.seed
         # Its own generator: a DataLoader without one draws its worker seed from the global RNG, which would shift
         # every later noise draw against a run that does not cache.
-        return torch.utils.data.DataLoader(SampleSeeded(source, cfg.seed), batch_size=cfg.batch_size,
-                                           sampler=[(k, 0) for k in range(len(source))], num_workers=cfg.num_workers,
-                                           generator=torch.Generator().manual_seed(cfg.seed))
+        return torch.utils.data.DataLoader(SampleSeeded(source, seed), batch_size=self.batch_size,
+                                           sampler=[(k, 0) for k in range(len(source))],
+                                           num_workers=self.data.num_workers,
+                                           generator=torch.Generator().manual_seed(seed))
 
     # ----------------------------------------------------------------- batches
     def _pixels(self, images: torch.Tensor) -> torch.Tensor:
         """uint8 images on the device, in the frozen VAE's dtype and in [-1, 1]."""
         pixels = images.to(self.device, non_blocking=True).to(self.frozen_dtype).div_(127.5).sub_(1.0)
-        if self.cfg.channels_last:
+        if self.channels_last:
             pixels = pixels.contiguous(memory_format=torch.channels_last)
         return pixels
 
@@ -147,12 +162,12 @@ class TextToImageTask:
 
     # ----------------------------------------------------------------- the step
     @staticmethod
-    def check_data(cfg) -> None:
-        """Refuses, before launch, a missing folder (``FileNotFoundError``) or one that is not a caption folder
-        (images with ``metadata.jsonl``; ``ConfigError``)."""
+    def check_data(*, model: str, data_dir: str, options: TextToImageOptions) -> None:
+        """Refuses, before launch, a missing ``data_dir`` (``FileNotFoundError``) or one that is not a caption folder
+        (images with ``metadata.jsonl``; ``ConfigError``), saying how to prepare ``model``'s data. The task's
+        ``options`` do not change what its data looks like."""
         from gallery_lib.data.captions import find_caption_folder
 
-        data_dir, model = cfg.data_dir, cfg.model
         if not Path(data_dir).is_dir():
             raise FileNotFoundError(f"no training data at {data_dir}: prepare it with `gallery prepare --model "
                                     f"{model}`, or pass --data-dir a folder of images with train/metadata.jsonl.")
@@ -182,7 +197,7 @@ class TextToImageTask:
                                   device=latents.device).long()
         noisy = self.noise_scheduler.add_noise(latents, noise, timesteps)
         target = training_target(self.noise_scheduler, latents, noise, timesteps)
-        if self.cfg.channels_last:
+        if self.channels_last:
             noisy = noisy.contiguous(memory_format=torch.channels_last)
         with precision.autocast():
             prediction = module(noisy, timesteps, context, return_dict=False)[0]
@@ -190,7 +205,7 @@ class TextToImageTask:
 
     # ----------------------------------------------------------------- reporting and export
     def describe(self) -> str:
-        text = (f"{len(self.dataset)} captioned images at {self.cfg.image_size} px, {self.cfg.prediction_type} "
+        text = (f"{len(self.dataset)} captioned images at {self.data.image_size} px, {self.settings.prediction_type} "
                 f"prediction, UNet from {self.parts.source}")
         if self.parts.offline_tokenizer:
             text += "; captions tokenized by the offline stand-in CLIP tokenizer (no downloaded vocabulary)"
@@ -208,7 +223,7 @@ class TextToImageTask:
         from gallery_lib.models.flops import train_flops_per_sample
 
         unet = self.parts.unet
-        latent = self.cfg.image_size // self.parts.latent_downsample
+        latent = self.data.image_size // self.parts.latent_downsample
         context_shape = (1, self.parts.text_encoder.config.max_position_embeddings,
                          self.parts.text_encoder.config.hidden_size)
 
@@ -221,7 +236,7 @@ class TextToImageTask:
         return train_flops_per_sample(build, loss_of)
 
     def summary(self) -> dict[str, Any]:
-        return {"cache_time_s": self.cache_time_s, "prediction_type": self.cfg.prediction_type,
+        return {"cache_time_s": self.cache_time_s, "prediction_type": self.settings.prediction_type,
                 "offline_tokenizer": self.parts.offline_tokenizer}
 
     def evaluate(self, model: torch.nn.Module) -> dict[str, Any]:

@@ -1,7 +1,8 @@
 """The compile plan of one run, owned in one place: what is compiled, whether it was precompiled, what the caches did.
 
-A run opens it first (``with CompilePlan(cfg, dist) as plan``): with ``precompile_workers`` its worker processes start
-then, so that their imports, CUDA context and compile pool come up while the model and the data are set up.
+A run opens it first (``with CompilePlan(dist, compile=..., ...) as plan``, from its compile settings): with
+``precompile_workers`` its worker processes start then, so that their imports, CUDA context and compile pool come up
+while the model and the data are set up.
 ``apply_accelerations`` compiles the model's repeated blocks through it (``compile_blocks``), the loop has it
 precompile them from one recorded forward before the first step (``precompile``), and the summary reads what it did
 (``summary``: the precompile report and the compile-cache statistics of this run alone).
@@ -22,19 +23,28 @@ from typing import Any, Callable
 from torch import nn
 
 from gallery_lib.accel.distributed import DistInfo
+from gallery_lib.config.family import ModelFamily
+from gallery_lib.config.sections import Job
+from gallery_lib.config.sections.acceleration import Compile as CompileSettings
 
 
 class CompilePlan(contextlib.AbstractContextManager):
-    def __init__(self, cfg, dist: DistInfo) -> None:
-        self.cfg = cfg
+    def __init__(self, dist: DistInfo, *, compile: CompileSettings, family: ModelFamily, job: Job, batch_size: int,
+                 image_size: int) -> None:
+        """The plan of a run with these ``compile`` settings of a model of ``family``; with ``precompile_workers``,
+        its ``job``'s model and recipe, ``batch_size`` and ``image_size`` key the hint that such a run left its graphs
+        in the caches (``precompile.warm``)."""
+        self.settings = compile
+        """The run's compile settings."""
+        self.family = family
         self.dist = dist
         self.workers = None
         self.hint = None
         """With ``precompile_workers``: the coarse key of this kind of run (``precompile.warm``)."""
-        if cfg.precompile_workers:  # RunConfig allows it only with compile=True and compile_scope='blocks'
+        if compile.precompile_workers:  # its section allows it only with compile=True and compile_scope='blocks'
             from gallery_lib.accel.compile.precompile import warm
 
-            self.hint = warm.hint_key(cfg.model, cfg.recipe, cfg.batch_size, cfg.image_size, dist.world_size,
+            self.hint = warm.hint_key(job.model, job.recipe, batch_size, image_size, dist.world_size,
                                       dist.device.type)
             if not warm.hinted_warm(self.hint):  # a second run of the same kind most likely needs no workers
                 self.workers = self._start_workers()
@@ -60,8 +70,8 @@ class CompilePlan(contextlib.AbstractContextManager):
         from gallery_lib.accel.compile.precompile import CompileWorkers
 
         # Every rank compiles the same graphs for its own device: the machine's workers are shared out.
-        return CompileWorkers(max(1, self.cfg.precompile_workers // self.dist.world_size), self.dist.device,
-                              imports=self.cfg.model_family.block_modules)
+        return CompileWorkers(max(1, self.settings.precompile_workers // self.dist.world_size), self.dist.device,
+                              imports=self.family.block_modules)
 
     def __exit__(self, *exc: object) -> None:
         if self.workers is not None:
@@ -73,8 +83,8 @@ class CompilePlan(contextlib.AbstractContextManager):
         """Compiles each of the model family's repeated blocks in place (``regional_compile``); returns their names."""
         from gallery_lib.accel.compile.regional import regional_compile, with_block_defaults
 
-        whole = self.cfg.compile_whole_types
-        blocks = tuple(self.cfg.model_family.block_types)
+        whole = self.settings.compile_whole_types
+        blocks = tuple(self.family.block_types)
         _refuse_absent_classes(model, whole, blocks)
         # Outermost match wins: a class compiled whole takes the family's blocks inside it into its graph.
         self.blocks = regional_compile(model, whole + blocks, **compile_kwargs)
@@ -89,7 +99,7 @@ class CompilePlan(contextlib.AbstractContextManager):
         when an earlier run left every graph in the caches (the first step loads them, and no worker starts).
         Without workers the first step compiles: this waits for another run on the machine compiling the same graphs,
         or else holds them for this run until ``first_step_done``."""
-        if not self.blocks or not self.cfg.precompile_workers and self.dist.world_size > 1:
+        if not self.blocks or not self.settings.precompile_workers and self.dist.world_size > 1:
             return False  # (ranks of one run record the same graphs: one waiting would stall the others' collectives)
         from gallery_lib.accel.compile.precompile import precompile_blocks, record_block_calls, warm
         from gallery_lib.accel.compile.precompile.record import backend_flags
@@ -98,7 +108,7 @@ class CompilePlan(contextlib.AbstractContextManager):
         calls, _ = record_block_calls(model, forward, self.blocks)
         key = warm.graph_set_key((c.graph_key for c in calls), self.compile_kwargs, backend_flags(),
                                  self.dist.device)
-        if not self.cfg.precompile_workers:
+        if not self.settings.precompile_workers:
             self._compile_once_on_this_machine(key, len(calls), log)
             return False
         if warm.is_warm(key):
@@ -117,8 +127,9 @@ class CompilePlan(contextlib.AbstractContextManager):
             self.workers = self._start_workers()
         self.report = precompile_blocks(model, forward, self.blocks, workers=self.workers,
                                         compile_kwargs=self.compile_kwargs, log=log,
-                                        load=self.cfg.precompile_overlap, meanwhile=meanwhile,
-                                        warm_kernels=self.cfg.precompile_first_use and self.dist.device.type == "cuda",
+                                        load=self.settings.precompile_overlap, meanwhile=meanwhile,
+                                        warm_kernels=(self.settings.precompile_first_use
+                                                      and self.dist.device.type == "cuda"),
                                         recorded=(calls, time.perf_counter() - start))
         if not self.report.failures and not self.report.load_failures:
             warm.mark_warm(key, self.hint)
@@ -160,7 +171,7 @@ class CompilePlan(contextlib.AbstractContextManager):
         record: dict[str, Any] = {}
         if self.report is not None:
             record["precompile"] = dataclasses.asdict(self.report)
-        if self.cfg.compile:
+        if self.settings.compile:
             from gallery_lib.accel.compile.regional import (compile_cache_stats, describe_compile_cache,
                                                             phase_seconds_since)
 
