@@ -49,6 +49,18 @@ def test_candidates_keep_the_global_batch_fastest_first():
     assert all(c.batch_size % 2 == 0 for c in candidates(12, 1, False, ()))  # an even one stays even (Mixup pairs)
 
 
+def test_a_compiled_recipe_tries_each_batch_uncompiled_before_a_smaller_one():
+    options = candidates(8, 1, False, named=(), compiled=True)
+    assert [(c.batch_size, c.checkpointing, c.uncompiled) for c in options[:5]] == [
+        (8, False, False), (8, True, False), (8, False, True), (8, True, True), (4, False, False)]
+    assert not any(c.uncompiled for c in candidates(8, 1, False, named=["compile"], compiled=True))  # named: stays
+    assert options[3].describe() == "batch 8, gradient checkpointing, uncompiled"
+    plan = MemoryPlan(16.0, "gpu_memory_gib", None, probe=tuple(options[2:]), after=tuple(options[3:]))
+    assert plan.fix_after_oom(options[2]) == (
+        "try batch 8, gradient checkpointing, uncompiled (--batch_size 8 --gradient_accumulation_steps 1 "
+        "--gradient_checkpointing --set compile=false)")
+
+
 def test_named_settings_stay():
     assert {c.batch_size for c in candidates(8, 1, False, named=["batch_size"])} == {8}
     assert {(c.batch_size, c.accumulation) for c in candidates(8, 2, False, ["gradient_accumulation_steps"])} == {
@@ -133,11 +145,34 @@ def test_sd_recipes_get_the_same_plan_logic_from_their_measured_footprints():
     assert (small.compile_scope, small.compile_mode) == ("model", "default")  # checkpointing replays no graphs
     assert small.global_batch_size == big.global_batch_size
     plan = MemoryPlan.from_dict(small.extra[PLAN])
-    assert plan.chosen == Candidate(8, 1, True) and plan.after[0] == Candidate(4, 2, False)
+    assert plan.chosen == Candidate(8, 1, True) and plan.after[0] == Candidate(8, 1, False, uncompiled=True)
     assert "batch 8, gradient checkpointing" in plan.note()
     # the peer measured batch 32 only: batch 8 is tried as it is first, then checkpointed
     peer = MemoryPlan.from_dict(fitted(sd_full(), "peer", 22.0).extra[PLAN])
     assert peer.probe[:2] == (Candidate(8, 1, False), Candidate(8, 1, True))
+
+
+def test_in_16_gib_accelerated_sd_tries_its_full_batch_uncompiled_first():
+    """Compiled, SD-1.5's batch 8 checkpointed ran out of memory in 16 GiB (as did 4 x 2); eager, it needs 14.7 GiB
+    (benchmarks/RESULTS.md#memory-plan). Uncompiled, the recipe keeps its other switches and drops those that act
+    only through the compiler, and names the setting in its plan."""
+    small = fitted(sd_full(), "accelerated", 16.0)
+    plan = MemoryPlan.from_dict(small.extra[PLAN])
+    assert plan.probe[:2] == (Candidate(8, 1, False, uncompiled=True), Candidate(8, 1, True, uncompiled=True))
+    assert not small.compile and small.precompile_workers == 0 and not small.channels_last_graphs
+    assert small.cache_latents and small.kernels and small.ema_offload  # what is not the compiler's stays
+    checkpointed = small.replace(**small.extra[PLAN]["probe_fields"][1])
+    assert checkpointed.gradient_checkpointing and not checkpointed.compile
+    assert "not measured for this recipe: batch 8, uncompiled" in plan.note()
+    assert Candidate(8, 1, False) not in plan.probe  # compiled batch 8 is measured not to fit
+    # the recipes that do not compile have nothing to turn off
+    assert not any(c.uncompiled for c in MemoryPlan.from_dict(fitted(sd_full(), "baseline", 16.0).extra[PLAN]).probe)
+
+
+def test_a_user_turns_a_compiled_recipe_uncompiled_in_one_setting():
+    cfg = _resolved(sd_full(), "accelerated", {"compile": False})
+    assert cfg.recipe == "accelerated+no-compile" and not cfg.compile and cfg.cache_latents
+    assert (cfg.precompile_workers, cfg.compile_whole, cfg.channels_last_graphs) == (0, "", False)
 
 
 def test_the_training_state_is_counted_as_built():
@@ -173,8 +208,9 @@ def test_where_only_the_ema_does_not_fit_it_waits_in_the_cpus_memory(recipe):
     small = fitted(sd_full(), recipe, 16.0)
     plan = MemoryPlan.from_dict(small.extra[PLAN])
     assert small.ema_offload and small.ema != "off" and plan.ema_offloaded and plan.fits
-    # accelerated's batch 8, measured at 22.9 GiB unchecked and 20.3 checkpointed, needs 19.7 and 17.1 offloaded
-    first = Candidate(4, 2, False) if recipe == "accelerated" else Candidate(8, 1, False)
+    # accelerated's batch 8, measured at 22.9 GiB unchecked and 20.3 checkpointed, needs 19.7 and 17.1 offloaded:
+    # its batch 8 uncompiled comes next, before smaller compiled steps
+    first = Candidate(8, 1, False, uncompiled=True) if recipe == "accelerated" else Candidate(8, 1, False)
     assert plan.chosen is None and plan.probe[0] == first
     assert plan.note().startswith("memory plan, 16.0 GiB (gpu_memory_gib): the EMA kept in the CPU's memory between "
                                   f"updates; not measured for this recipe: {first.describe()}")
@@ -272,7 +308,8 @@ def test_an_unmeasured_setting_gives_way_to_the_next_from_step_0(smoke_data, tmp
     summary = run(planned_cfg(smoke_data, tmp_path))
     assert seen[:2] == [12, 12] and set(seen[2:]) == {6}  # batch 12, then checkpointed, then 6 x 2
     assert summary["global_batch_size"] == 12 and summary["steps"] == 5
-    assert summary["memory_plan"]["chosen"] == {"batch_size": 6, "accumulation": 2, "checkpointing": False}
+    assert summary["memory_plan"]["chosen"] == {"batch_size": 6, "accumulation": 2, "checkpointing": False,
+                                                "uncompiled": False}
     assert summary["memory_plan"]["gave_way"] == ["batch 12", "batch 12, gradient checkpointing"]
     records, last = read_metrics(tmp_path / "swin_transformer" / "baseline" / "metrics.jsonl")
     assert [r["step"] for r in records] == [0, 1, 2, 3, 4]  # the stopped attempt left no step behind

@@ -47,6 +47,9 @@ class Footprint:
     reserved_gib: Mapping[int, float]
     """Batch size per process -> peak ``torch.cuda.max_memory_reserved``, in GiB."""
     gradient_checkpointing: bool = False
+    uncompiled: bool = False
+    """Measured with the recipe's ``torch.compile`` turned off (the memory plan's setting where no compiled one
+    fits)."""
     samples_per_s: Mapping[int, float] = field(default_factory=dict)
     """Speed at those batch sizes, where it was measured in the same runs."""
     source: str = ""

@@ -85,3 +85,16 @@ def kept_as_named(cfg: RunConfig, named: Iterable[str]) -> RunConfig:
 def _step_pixels(cfg: RunConfig) -> int:
     """The pixels of a step's images per process."""
     return cfg.batch_size * cfg.image_size ** 2
+
+
+COMPILE_ONLY = {"compile_mode": "default", "compile_scope": "model", "compile_whole": "", "precompile_workers": 0,
+                "coordinate_descent_tuning": False, "tiled_reductions": False, "channels_last_graphs": False}
+"""The settings that act only through ``torch.compile``, at their defaults."""
+
+
+def uncompiled(cfg: RunConfig, named: Iterable[str] = ()) -> RunConfig:
+    """``cfg`` with ``torch.compile`` off and the settings that act only through it (``COMPILE_ONLY``, but those in
+    ``named``) at their defaults: the memory plan's setting where no compiled step fits, and a compiled recipe with a
+    user's ``compile=false``."""
+    left = {name: value for name, value in COMPILE_ONLY.items() if name not in set(named)}
+    return cfg.replace(compile=False, **left, extra={k: v for k, v in cfg.extra.items() if k != GRAPHS_BY_BATCH})

@@ -13,6 +13,7 @@ from typing import Any, Callable
 
 from gallery_lib.config import ConfigError, RunConfig
 from gallery_lib.config.family import ModelSpec
+from gallery_lib.config.step_size import uncompiled
 from gallery_lib.run.memory_plan import (NAMED, PLAN, PLANNED_FIELDS, Budget, Candidate, TrainingState, candidates,
                                          choose, estimate_gib, workers_that_fit)
 
@@ -34,14 +35,16 @@ def fit_to_memory(cfg: RunConfig, resolve: Callable[[dict[str, Any]], RunConfig]
         cfg = resolve({})
     configured = Candidate(cfg.batch_size, cfg.gradient_accumulation_steps, cfg.gradient_checkpointing)
     options, configs = [], []
-    for option in candidates(configured.batch_size, configured.accumulation, configured.checkpointing, named):
+    for option in candidates(configured.batch_size, configured.accumulation, configured.checkpointing, named,
+                             compiled=cfg.compile):
         try:
-            configs.append(cfg if option == configured else resolve(option.fields()))
+            compiled = cfg if replace(option, uncompiled=False) == configured else resolve(option.fields())
+            configs.append(uncompiled(compiled, named) if option.uncompiled else compiled)
         except ConfigError:  # a setting this recipe cannot run (a ladder rung's CUDA graphs under checkpointing)
             continue
         options.append(option)
-    plan = replace(choose(options, [footprint_gib(c) for c in configs], budget, configured, training_state(cfg)),
-                   ema_offloaded=offloaded)
+    estimates = [footprint_gib(config, option.uncompiled) for option, config in zip(options, configs)]
+    plan = replace(choose(options, estimates, budget, configured, training_state(cfg)), ema_offloaded=offloaded)
     settings = (plan.chosen,) if plan.chosen is not None else plan.probe
     if not settings:
         return cfg.replace(extra={**cfg.extra, PLAN: plan.as_dict()})
@@ -58,16 +61,17 @@ def fit_to_memory(cfg: RunConfig, resolve: Callable[[dict[str, Any]], RunConfig]
     return cfg.replace(extra={**cfg.extra, PLAN: noted})
 
 
-def footprint_gib(cfg: RunConfig) -> float | None:
+def footprint_gib(cfg: RunConfig, uncompiled: bool = False) -> float | None:
     """The run's peak reserved memory from its family's measurements at other batch sizes, or ``None`` where this
-    recipe, image size, checkpointing, accumulation or process count was not measured."""
+    recipe, image size, checkpointing, accumulation or process count was not measured, or the recipe's compilation
+    turned off (``uncompiled``) was not."""
     spec = _spec(cfg)
     if (spec is None or cfg.image_size != spec.default_image_size or cfg.nproc_per_node != 1
             or cfg.gradient_accumulation_steps != 1):  # measured without accumulation, which turns CUDA graphs off
         return None
     for footprint in cfg.model_family.memory_footprints:
-        if (footprint.model, footprint.recipe, footprint.gradient_checkpointing) == (
-                cfg.model, recipe_of(cfg), cfg.gradient_checkpointing):
+        if (footprint.model, footprint.recipe, footprint.gradient_checkpointing, footprint.uncompiled) == (
+                cfg.model, recipe_of(cfg), cfg.gradient_checkpointing, uncompiled):
             estimate = estimate_gib(dict(footprint.reserved_gib), cfg.batch_size)
             return _less_the_offloaded_ema(cfg, estimate)
     return None

@@ -22,7 +22,7 @@ import os
 from typing import Any, Callable
 
 from gallery_lib.config.step_size import (GRAPHS_BY_BATCH, graph_mode_for_batch, graphs_can_replay, kept_as_named,
-                                         with_large_step_switches, without_graphs_where_they_cannot_replay)
+                                         uncompiled, with_large_step_switches, without_graphs_where_they_cannot_replay)
 from gallery_lib.config import ConfigError, RunConfig, resolve_device, visible_cuda_devices
 from gallery_lib.recipes.memory_fit import fit_to_memory
 from gallery_lib.run.memory_plan import NAMED, read_budget
@@ -186,6 +186,8 @@ def _resolved(base: RunConfig, recipe: str, overrides: dict[str, Any]) -> RunCon
         whole = overrides.get("compile_scope", "blocks") != "blocks"
         left_out = {name: off for name, off in (("precompile_workers", 0), ("compile_whole", "")) if whole
                     and name not in overrides}
+        if overrides.get("compile") is False:  # the recipe's compile-only switches go with it
+            cfg = uncompiled(cfg, named=overrides)
         cfg = cfg.replace(recipe=f"{recipe}+{label}", **left_out, **overrides)
     return kept_as_named(cfg, overrides)  # what the user named stays at every batch size
 

@@ -39,7 +39,7 @@ figure for the process less its peak reserved was 0.77-1.27 GiB for SD-1.5 (benc
 HEADROOM = 0.04
 """Kept free above a measured peak: repeated runs of one setting reserved up to 3.6% apart (SD-1.5 accelerated at
 batch 32: 40.8-42.3 GiB)."""
-PLANNED_FIELDS = ("batch_size", "gradient_accumulation_steps", "gradient_checkpointing")
+PLANNED_FIELDS = ("batch_size", "gradient_accumulation_steps", "gradient_checkpointing", "compile")
 
 
 @dataclass(frozen=True)
@@ -61,15 +61,18 @@ class Candidate:
     batch_size: int
     accumulation: int
     checkpointing: bool
+    uncompiled: bool = False
+    """The recipe's ``torch.compile`` turned off (``uncompiled``), for a compiled step that does not fit."""
 
     def describe(self) -> str:
         text = f"batch {self.batch_size}"
         if self.accumulation > 1:
             text += f" x {self.accumulation} accumulation steps"
-        return text + (", gradient checkpointing" if self.checkpointing else "")
+        return text + (", gradient checkpointing" if self.checkpointing else "") + (
+            ", uncompiled" if self.uncompiled else "")
 
     def fields(self) -> dict[str, Any]:
-        """As ``RunConfig`` fields."""
+        """As ``RunConfig`` fields, but for ``uncompiled``, which ``uncompiled()`` applies to a resolved recipe."""
         return {"batch_size": self.batch_size, "gradient_accumulation_steps": self.accumulation,
                 "gradient_checkpointing": self.checkpointing}
 
@@ -157,13 +160,16 @@ class MemoryPlan:
 
 def _as_flags(candidate: Candidate) -> str:
     flags = f"--batch_size {candidate.batch_size} --gradient_accumulation_steps {candidate.accumulation}"
-    return flags + (" --gradient_checkpointing" if candidate.checkpointing else "")
+    return flags + (" --gradient_checkpointing" if candidate.checkpointing else "") + (
+        " --set compile=false" if candidate.uncompiled else "")
 
 
-def candidates(batch_size: int, accumulation: int, checkpointing: bool, named: Iterable[str]) -> list[Candidate]:
+def candidates(batch_size: int, accumulation: int, checkpointing: bool, named: Iterable[str],
+               compiled: bool = False) -> list[Candidate]:
     """The settings at the same global batch (``batch_size * accumulation``), fastest first: the batch per step from
-    the largest down, each without checkpointing (unless it is on) and then with it. A named field stays as it is; an
-    even batch stays even (Mixup and CutMix pair its images)."""
+    the largest down, each without checkpointing (unless it is on) and then with it; for a ``compiled`` recipe, each
+    batch's settings again uncompiled before the next smaller batch. A named field stays as it is; an even batch
+    stays even (Mixup and CutMix pair its images)."""
     named = set(named)
     total = batch_size * accumulation
     if "batch_size" in named:
@@ -175,8 +181,11 @@ def candidates(batch_size: int, accumulation: int, checkpointing: bool, named: I
         sizes = [size for size in range(total, 0, -1) if total % size == 0 and size % step == 0]
     switches = [checkpointing] if "gradient_checkpointing" in named or checkpointing else [False, True]
     # Checkpointing's extra forward costs less than a smaller step, which also replays no CUDA graphs: SD-1.5's peer
-    # in 22 GiB ran 56.5 img/s checkpointed at batch 8 and 18.7 at 2 x 4 (benchmarks/RESULTS.md#memory-plan).
-    return [Candidate(size, total // size, on) for size in sizes for on in switches]
+    # in 22 GiB ran 56.5 img/s checkpointed at batch 8 and 18.7 at 2 x 4 (benchmarks/RESULTS.md#memory-plan); so did
+    # eager code at the full batch (its baseline: 40.8). Compiled steps need more memory than eager ones: in 16 GiB
+    # only SD-1.5's eager step fits (benchmarks/RESULTS.md#memory-plan).
+    modes = [False, True] if compiled and "compile" not in named else [False]
+    return [Candidate(size, total // size, on, eager) for size in sizes for eager in modes for on in switches]
 
 
 def estimate_gib(points: dict[int, float], batch_size: int) -> float | None:

@@ -178,6 +178,8 @@ def _out_of_memory(training: TrainingSettings, extra: dict, step: int | None) ->
     names the user set, in its ``extra``) at ``step`` (``None``: before its first)."""
     plan = extra.get(PLAN)
     current = Candidate(training.batch_size, training.gradient_accumulation_steps, training.gradient_checkpointing)
+    if plan and plan.get("chosen") and Candidate(**plan["chosen"]).fields() == current.fields():
+        current = Candidate(**plan["chosen"])  # which also says whether the plan turned compilation off
     return out_of_memory(step, training.steps, memory_in_use_gib(),
                          plan["budget_gib"] if plan else training.gpu_memory_gib, current,
                          MemoryPlan.from_dict(plan) if plan else None, extra.get(NAMED, ()))
