@@ -1,12 +1,15 @@
 """The results as data: one row per measured run of a recipe (or a bench variant) in ``benchmarks/results.jsonl``.
 
 Every result file under ``benchmarks/results/`` that records runs is read: ``gallery bench`` records (``rows``, one per
-model and recipe; ``gallery bench --timm-model``'s name the ``variant``) and the memory plan's cap runs (``runs``,
-one per recipe, ``benchmarks/gpu_memory_caps.sh``). A row says where it came from (the file, its commit and source
-hash, the command's machine and stack) and what was measured: model, recipe, batch per step, samples per second, the
-step time's p20 / median / p80 and the peak reserved GPU memory. Rows that record no speed (a failed run, a CPU run of
-the memory bench) are left out; the files that record something else (kernel sweeps, loss curves, logs) stay the
-evidence that ``RESULTS.md`` cites.
+model and recipe; ``gallery bench --timm-model``'s name the ``variant``), ``benchmarks/bench_recipes.py`` records
+(``results``, one per recipe), the ladders' merged records (``rows``, one per rung: ``benchmarks/bench_ladder.py
+--merge`` and the ``your_model`` notebook's) and the memory plan's cap runs (``runs``, one per recipe,
+``benchmarks/gpu_memory_caps.sh``). A row says where it came from (the file, its commit and source hash, the
+command's machine and stack) and what was measured: model, recipe (a ladder's rung), batch per process and the
+processes, samples per second, the step time's p20 / median / p80, the peak reserved and allocated GPU memory, and,
+where recorded, the seconds to steady speed with the compile caches' state. Rows that record no speed (a failed run,
+a CPU run of the memory bench) are left out; the files that record something else (kernel sweeps, loss curves, logs)
+stay the evidence that ``RESULTS.md`` cites.
 
     python benchmarks/results_index.py           # writes benchmarks/results.jsonl
     python benchmarks/results_index.py --check   # exit status 1 when the committed index differs from the files
@@ -24,8 +27,9 @@ from typing import Any, Iterator
 BENCHMARKS = Path(__file__).resolve().parent
 RESULTS = BENCHMARKS / "results"
 INDEX = BENCHMARKS / "results.jsonl"
-FIELDS = ("file", "commit", "source_sha256", "date", "gpu", "torch", "model", "recipe", "batch_size", "samples_per_s",
-          "step_ms_p20", "step_ms_p50", "step_ms_p80", "peak_reserved_gib")
+FIELDS = ("file", "commit", "source_sha256", "date", "gpu", "torch", "model", "recipe", "batch_size", "processes",
+          "samples_per_s", "step_ms_p20", "step_ms_p50", "step_ms_p80", "peak_reserved_gib", "peak_allocated_gib",
+          "to_steady_s", "compile_caches")
 
 
 def index_rows(results: Path = RESULTS) -> list[dict[str, Any]]:
@@ -45,23 +49,68 @@ def index_rows(results: Path = RESULTS) -> list[dict[str, Any]]:
 def _measured(record: dict[str, Any], file: str) -> Iterator[dict[str, Any]]:
     source = {"file": file, "commit": _short(record.get("commit")), "source_sha256": record.get("source_sha256"),
               "date": record.get("date"), "gpu": record.get("gpu") or record.get("device"),
-              "torch": record.get("torch")}
-    for row in record.get("rows") or ():
-        if isinstance(row, dict) and row.get("samples_per_s") and (row.get("recipe") or row.get("variant")):
-            yield {**source, "gpu": source["gpu"] or row.get("device"), "model": row.get("model"),
-                   "recipe": row.get("recipe") or row.get("variant"), "batch_size": row.get("batch_size"),
-                   "samples_per_s": row["samples_per_s"], "step_ms_p20": row.get("p20_step_ms"),
-                   "step_ms_p50": row.get("median_step_ms"), "step_ms_p80": row.get("p80_step_ms"),
-                   "peak_reserved_gib": row.get("peak_reserved_gib")}
+              "torch": record.get("torch") or _first_part(record).get("torch")}
+    for row in _dicts(record.get("rows")):
+        if row.get("samples_per_s") and (row.get("recipe") or row.get("variant")):
+            yield {**source, **_bench_row(row), "gpu": source["gpu"] or row.get("device")}
+        elif row.get("rung") and row.get("img_per_s"):
+            yield {**source, **_rung(row, record), "gpu": source["gpu"] or row.get("device")}
+    for run in _dicts(record.get("results")):
+        if run.get("samples_per_s") and run.get("recipe") and run.get("median_step_time_ms"):
+            yield {**source, **_recipe_run(run["recipe"], run, record.get("model"))}
     runs = record.get("runs")
     for recipe, run in (runs.items() if isinstance(runs, dict) else ()):
         if isinstance(run, dict) and run.get("samples_per_s"):
-            reserved = run.get("peak_reserved_mb")
-            yield {**source, "model": _flag(record.get("command", ""), "--model"), "recipe": recipe,
-                   "batch_size": run.get("global_batch_size"), "samples_per_s": run["samples_per_s"],
-                   "step_ms_p20": run.get("p20_step_time_ms"), "step_ms_p50": run.get("median_step_time_ms"),
-                   "step_ms_p80": run.get("p80_step_time_ms"),
-                   "peak_reserved_gib": None if reserved is None else reserved / 1024}
+            yield {**source, **_recipe_run(recipe, run, _flag(record.get("command", ""), "--model"))}
+
+
+def _bench_row(row: dict[str, Any]) -> dict[str, Any]:
+    """A ``gallery bench`` row (``gallery_lib.reports.bench``): its peak memory is the allocated one."""
+    allocated = row.get("peak_mem_gib") if row.get("peak_mem_kind") == "cuda_max_allocated" else None
+    return {"model": row.get("model"), "recipe": row.get("recipe") or row.get("variant"),
+            "batch_size": row.get("batch_size"), "processes": row.get("processes"),
+            "samples_per_s": row["samples_per_s"], "step_ms_p20": row.get("p20_step_ms"),
+            "step_ms_p50": row.get("median_step_ms"), "step_ms_p80": row.get("p80_step_ms"),
+            "peak_reserved_gib": row.get("peak_reserved_gib"), "peak_allocated_gib": allocated,
+            "to_steady_s": row.get("to_steady_s"), "compile_caches": row.get("compile_caches")}
+
+
+def _rung(row: dict[str, Any], record: dict[str, Any]) -> dict[str, Any]:
+    """A ladder's rung: the recipe is the rung's name (``benchmarks/bench_ladder.py``) or its label (the
+    ``your_model`` notebook's ladder, which records one batch size for all its rungs)."""
+    return {"model": record.get("model"), "recipe": row.get("name") or row["rung"],
+            "batch_size": row.get("batch_size") or record.get("batch_size"), "processes": 1,
+            "samples_per_s": row["img_per_s"], "step_ms_p20": row.get("p20_step_ms", row.get("p20_step_time_ms")),
+            "step_ms_p50": row.get("median_step_ms", row.get("median_step_time_ms")),
+            "step_ms_p80": row.get("p80_step_ms", row.get("p80_step_time_ms")),
+            "peak_reserved_gib": row.get("peak_reserved_gib"), "peak_allocated_gib": row.get("peak_mem_gib"),
+            "to_steady_s": None, "compile_caches": row.get("compile_caches")}
+
+
+def _recipe_run(recipe: str, run: dict[str, Any], model: str | None) -> dict[str, Any]:
+    """A run of ``benchmarks/bench_recipes.py`` or of the memory plan under a cap (``benchmarks/gpu_memory_caps.sh``,
+    one process): memory in MB, the batch per process the global one over the processes."""
+    processes = run.get("world_size") or 1
+    batch = run.get("global_batch_size")
+    return {"model": model, "recipe": recipe, "batch_size": batch // processes if batch else None,
+            "processes": processes, "samples_per_s": run["samples_per_s"],
+            "step_ms_p20": run.get("p20_step_time_ms"), "step_ms_p50": run.get("median_step_time_ms"),
+            "step_ms_p80": run.get("p80_step_time_ms"), "peak_reserved_gib": _gib(run.get("peak_reserved_mb")),
+            "peak_allocated_gib": _gib(run.get("peak_mem_mb")), "to_steady_s": None, "compile_caches": None}
+
+
+def _dicts(items: Any) -> list[dict[str, Any]]:
+    return [item for item in items if isinstance(item, dict)] if isinstance(items, list) else []
+
+
+def _first_part(record: dict[str, Any]) -> dict[str, Any]:
+    """A merged ladder's first part (``parts``), which names the stack its rungs ran on."""
+    parts = _dicts(record.get("parts"))
+    return parts[0] if parts else {}
+
+
+def _gib(mb: float | None) -> float | None:
+    return None if mb is None else mb / 1024
 
 
 def _short(commit: Any) -> str | None:
