@@ -108,8 +108,8 @@ def memory_classes() -> str:
 
 
 def _plan_cell(plan) -> str:
-    """``batch 8 (22.9)``, ``batch 8, checkpointing (tried)``, ``batch 8, EMA on the CPU (tried)``, or ``does not
-    fit``."""
+    """``batch 8 (22.9)``, ``batch 8, checkpointing (tried)``, ``batch 8, uncompiled, EMA on the CPU (tried)``, or
+    ``does not fit``."""
     ema = ", EMA on the CPU" if plan.ema_offloaded else ""
     if plan.chosen is not None:
         return f"{_setting(plan.chosen)}{ema} ({plan.estimate_gib:.1f})"
@@ -120,7 +120,8 @@ def _plan_cell(plan) -> str:
 
 def _setting(candidate) -> str:
     text = f"{candidate.batch_size}" + (f" x {candidate.accumulation}" if candidate.accumulation > 1 else "")
-    return text + (", checkpointing" if candidate.checkpointing else "")
+    return text + (", checkpointing" if candidate.checkpointing else "") + (", uncompiled" if candidate.uncompiled
+                                                                            else "")
 
 
 BLOCKS = {"headline": headline_table, "cpu-gallery": cpu_gallery_time, "memory-classes": memory_classes}
