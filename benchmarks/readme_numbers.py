@@ -112,16 +112,10 @@ def _plan_cell(plan) -> str:
     ``does not fit``."""
     ema = ", EMA on the CPU" if plan.ema_offloaded else ""
     if plan.chosen is not None:
-        return f"{_setting(plan.chosen)}{ema} ({plan.estimate_gib:.1f})"
+        return f"{plan.chosen.short()}{ema} ({plan.estimate_gib:.1f})"
     if plan.probe:
-        return f"{_setting(plan.probe[0])}{ema} (tried)"
+        return f"{plan.probe[0].short()}{ema} (tried)"
     return "does not fit"
-
-
-def _setting(candidate) -> str:
-    text = f"{candidate.batch_size}" + (f" x {candidate.accumulation}" if candidate.accumulation > 1 else "")
-    return text + (", checkpointing" if candidate.checkpointing else "") + (", uncompiled" if candidate.uncompiled
-                                                                            else "")
 
 
 BLOCKS = {"headline": headline_table, "cpu-gallery": cpu_gallery_time, "memory-classes": memory_classes}

@@ -14,7 +14,7 @@ from gallery_lib.recipes.ladder import (RUNG_NAMES, RUNGS, LadderSizes, RungResu
 from gallery_lib.recipes.profiles import base_config
 from gallery_lib.config.step_size import GRAPHS_BY_BATCH, SMALL_STEP_SWITCHES
 from gallery_lib.recipes import accelerated, apply_recipe, describe
-from gallery_lib.reports.ladder import findings, ladder_plan, ladder_report, ladder_rows
+from gallery_lib.reports.ladder import findings, ladder_plan, ladder_report, ladder_rows, to_markdown
 from gallery_lib.run.train import configure_backends
 
 SIZES = LadderSizes(large_batch=48, checkpointing_batch=96, loader_workers=8)
@@ -272,3 +272,35 @@ def test_the_talks_a100_marks_are_drawn_beside_gpu_rungs_only():
     on_cpu = ladder_figure(ladder_rows(results))
     assert not any(line.get_label().startswith("the talk") for ax in on_cpu.axes for line in ax.get_lines())
     assert "not its speed" in on_cpu.texts[0].get_text()
+
+
+def test_a_rung_too_large_for_the_gpu_says_does_not_fit_and_is_no_failure(monkeypatch, tmp_path):
+    """At a small memory a rung the plan cannot fit is shown as not fitting, not as a stopped run, and the notebook
+    does not raise for it; a rung the plan changed shows the setting it ran."""
+    from gallery_lib.run.failure import RunFailure
+    from gallery_lib.run.launch import RunFailed, RunResult
+
+    too_large = "does not fit in 16.0 GiB: the smallest setting measured for it needs 17.1 GiB; use a GPU with more"
+    planned = {"changed": True, "chosen": {"batch_size": 4, "accumulation": 2, "checkpointing": True}}
+
+    def fake_launch(cfg, echo=None, console="all"):
+        if cfg.recipe.endswith("amp"):
+            raise RunFailed("refused", RunFailure(kind="does_not_fit", reason=too_large, log="rank0.log"))
+        return RunResult(cfg, cfg.run_dir, {"samples_per_s": 1.0, "memory_plan": planned})
+
+    monkeypatch.setattr("gallery_lib.recipes.ladder.launch", fake_launch)
+    results = run_ladder(base_config("smoke", family="stable_diffusion", data_root="/data"), ["tf32", "amp"],
+                         echo=None)
+    amp = results[1]
+    assert amp.does_not_fit and not amp.stopped
+    assert amp.line() == f"ladder-01-amp (fp16 AMP): {too_large}"
+    results.raise_if_failed()  # nothing stopped with an error
+    rows = ladder_rows([_result("tf32", 10.0), RungResult(amp.rung, amp.config, failure=too_large,
+                                                          builds_on="tf32", does_not_fit=True)])
+    rows[0]["setting"] = "4 x 2, checkpointing (memory plan)"  # as ladder_rows reads it from a planned summary
+    markdown = to_markdown(rows)
+    assert "| 4 x 2, checkpointing (memory plan) | 10.0 |" in markdown
+    assert f"- ladder-01-amp (fp16 AMP): {too_large}" in markdown and "stopped" not in markdown
+    summary = {**_result("tf32", 10.0).summary, "memory_plan": planned}
+    assert ladder_rows([RungResult(rung_named("tf32"), None, summary=summary)])[0]["setting"] == (
+        "4 x 2, checkpointing (memory plan)")

@@ -244,14 +244,21 @@ class RungResult:
     """The rung it builds on on this machine (``rung_parents``), whether or not that one ran too."""
     log: str | None = None
     """The log of a rung that stopped."""
+    does_not_fit: bool = False
+    """The memory plan refused it before it started: no setting of it fits the GPU's memory (``failure`` says how
+    much it needs). Not an error: the rung is too large for this GPU."""
 
     @property
     def stopped(self) -> bool:
-        """It started and stopped with an error (a rung left out on this machine did not start)."""
-        return self.config is not None and self.failure is not None
+        """It started and stopped with an error (a rung left out on this machine, or too large for its GPU, did not
+        start)."""
+        return self.config is not None and self.failure is not None and not self.does_not_fit
 
     def line(self) -> str:
-        """``ladder-13-kernels (<title>): stopped, <why>, see <log>``, or why it was left out."""
+        """``ladder-13-kernels (<title>): stopped, <why>, see <log>``, ``...: does not fit in 16.0 GiB: <why>``, or
+        why it was left out."""
+        if self.does_not_fit:
+            return f"{recipe_name(self.rung)} ({self.rung.title}): {self.failure}"
         verb = "stopped" if self.stopped else "left out"
         return (f"{recipe_name(self.rung)} ({self.rung.title}): {verb}, {self.failure}"
                 + (f", see {self.log}" if self.log else ""))
@@ -290,7 +297,9 @@ def run_ladder(base: RunConfig, rungs: list[str] | None = None, *, sizes: Ladder
                                       builds_on=parents[name]))
         except RunFailed as exc:
             reason, log = (exc.failure.reason, exc.failure.log) if exc.failure else (failure_reason(str(exc)), None)
-            results.append(RungResult(rung, cfg, failure=reason, builds_on=parents[name], log=log))
+            too_large = exc.failure is not None and exc.failure.kind == "does_not_fit"
+            results.append(RungResult(rung, cfg, failure=reason, builds_on=parents[name], log=None if too_large
+                                      else log, does_not_fit=too_large))
             if echo:
                 echo(f"[ladder] {results[-1].line()}; going on with the next rung")
     return results

@@ -18,6 +18,7 @@ from matplotlib.figure import Figure
 
 from gallery_lib.recipes.ladder import RungResult, recipe_name
 from gallery_lib.reports.comparison import CPU_TIMINGS, _png_bytes, _ReportFigure, speedup_text, with_inline_image
+from gallery_lib.run.memory_plan import Candidate
 from gallery_lib.run.summary import compile_caches
 
 LADDER_MD, LADDER_PNG, LADDER_JSON = "ladder.md", "ladder.png", "ladder.json"
@@ -40,7 +41,8 @@ def ladder_rows(results: list[RungResult]) -> list[dict[str, Any]]:
             "peak_reserved_gib": None,
             "speedup": None, "gain": None, "talk_speedup": rung.talk[0] if rung.talk else None,
             "talk_peak_mem_gb": rung.talk[1] if rung.talk else None, "failure": result.failure,
-            "failure_line": result.line() if result.failure else None,
+            "failure_line": result.line() if result.failure else None, "does_not_fit": result.does_not_fit,
+            "setting": _planned_setting(summary),
             "device": summary["device_name"] if summary else None,
             "compile_caches": compile_caches(summary) if summary else None,
         }
@@ -54,6 +56,13 @@ def ladder_rows(results: list[RungResult]) -> list[dict[str, Any]]:
             row["gain"] = row["img_per_s"] / speed[parent] if parent in speed else None
         rows.append(row)
     return rows
+
+
+def _planned_setting(summary: dict | None) -> str | None:
+    """``4 x 2, checkpointing (memory plan)`` where the memory plan changed the rung's setting to fit its GPU."""
+    plan = (summary or {}).get("memory_plan") or {}
+    return f"{Candidate(**plan['chosen']).short()} (memory plan)" if plan.get("changed") and plan.get("chosen") \
+        else None
 
 
 def findings(rows: list[dict[str, Any]]) -> list[str]:
@@ -118,7 +127,7 @@ def to_markdown(rows: list[dict[str, Any]]) -> str:
     lines = [head, "|" + "---|" * head.count(" | ") + "---|"]
     for row in _ran(rows):
         step = f"{row['median_step_ms']:.1f} [{row['p20_step_ms']:.1f}-{row['p80_step_ms']:.1f}]"
-        lines.append(f"| {row['rung']} ({row['title']}) | {_fmt(row['batch_size'], '{}')} | "
+        lines.append(f"| {row['rung']} ({row['title']}) | {row.get('setting') or _fmt(row['batch_size'], '{}')} | "
                      f"{_fmt(row['img_per_s'], '{:.1f}')} | {step} | {_memory(row)} | "
                      f"{speedup_text(row['speedup'], row['device'])} | "
                      f"{speedup_text(row['gain'], row['device'])} | "

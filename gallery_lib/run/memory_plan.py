@@ -71,6 +71,11 @@ class Candidate:
         return text + (", gradient checkpointing" if self.checkpointing else "") + (
             ", uncompiled" if self.uncompiled else "")
 
+    def short(self) -> str:
+        """For a table cell: ``8``, ``4 x 2, checkpointing``, ``8, checkpointing, uncompiled``."""
+        text = f"{self.batch_size}" + (f" x {self.accumulation}" if self.accumulation > 1 else "")
+        return text + (", checkpointing" if self.checkpointing else "") + (", uncompiled" if self.uncompiled else "")
+
     def fields(self) -> dict[str, Any]:
         """As ``RunConfig`` fields, but for ``uncompiled``, which ``uncompiled()`` applies to a resolved recipe."""
         return {"batch_size": self.batch_size, "gradient_accumulation_steps": self.accumulation,
