@@ -260,6 +260,7 @@ def test_a_run_that_does_not_fit_is_refused_before_it_starts(tmp_path, smoke_dat
     assert stopped.value.failure.kind == "does_not_fit"
     assert read_failure(cfg.run_dir).reason.startswith("does not fit in 16.0 GiB")
     assert not (cfg.run_dir / "logs").exists()  # nothing started
+    assert stopped.value.failure.line("accelerated").startswith("accelerated: does not fit in 16.0 GiB: ")
 
 
 def test_out_of_memory_names_the_step_the_memory_and_the_setting_to_try():

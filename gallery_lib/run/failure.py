@@ -35,7 +35,10 @@ class RunFailure:
     """The step the failure concerns (the first non-finite loss), numbered as ``metrics.jsonl`` numbers them."""
 
     def line(self, name: str) -> str:
-        """``<name>: stopped, <reason>, see <log>``."""
+        """``<name>: stopped, <reason>, see <log>``; a run refused before it started, too large for the GPU, is no
+        stopped run: ``<name>: does not fit in 16.0 GiB: ...``."""
+        if self.kind == "does_not_fit":
+            return f"{name}: {self.reason.rstrip(' .')}"
         return f"{name}: stopped, {self.reason.rstrip(' .')}" + (f", see {self.log}" if self.log else "")
 
     def write(self, run_dir: str | Path) -> Path:
