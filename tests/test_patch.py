@@ -7,7 +7,7 @@ import torch
 from compile_testing import aot_graphs
 from torch import nn
 
-from gallery_lib.accel.modules import FusedGEGLU, FusedGroupNorm, FusedLayerNorm
+from gallery_lib.accel.kernels.modules import FusedGEGLU, FusedGroupNorm, FusedLayerNorm
 from gallery_lib.accel.patch import apply_kernels, revert_kernels
 
 diffusers = pytest.importorskip("diffusers")

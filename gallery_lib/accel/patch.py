@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from gallery_lib.accel.conv_bn_block import bottleneck_forward, bottleneck_problem
-from gallery_lib.accel.modules import FusedGEGLU, FusedGroupNorm, FusedLayerNorm
+from gallery_lib.accel.kernels.modules import FusedGEGLU, FusedGroupNorm, FusedLayerNorm
 
 
 @dataclass

@@ -13,7 +13,7 @@ from torch import nn
 
 from gallery_lib.accel.attention.backends import (BACKENDS, BackendSelector, _remember_devices, attention,
                                                   default_selector)
-from gallery_lib.accel.modules import compiling_for_cpu
+from gallery_lib.accel.kernels.modules import compiling_for_cpu
 
 class GalleryAttnProcessor:
     """diffusers attention processor that sends the attention product through this registry.

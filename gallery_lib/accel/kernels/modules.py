@@ -1,4 +1,5 @@
-"""Thin nn.Modules over the fused kernels, drop-in for torch's and diffusers' layers.
+"""Thin nn.Modules over the fused kernels, drop-in for torch's and diffusers' layers: the kernels package's middle
+floor, between the ops it calls and the swap table (``patch.py``) that puts them in a model.
 
 Parameter names match the modules they replace (``weight``/``bias``; ``proj`` for GEGLU), so ``state_dict`` keys
 do not change when `gallery_lib.accel.patch.apply_kernels` swaps them in. ``from_module`` builds a fused module that
