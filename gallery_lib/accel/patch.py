@@ -31,7 +31,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from gallery_lib.accel.conv_bn_block import bottleneck_forward, bottleneck_problem
+from gallery_lib.accel.kernels.conv_bn_block import bottleneck_forward, bottleneck_problem
 from gallery_lib.accel.kernels.modules import FusedGEGLU, FusedGroupNorm, FusedLayerNorm
 
 
