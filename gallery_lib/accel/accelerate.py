@@ -5,7 +5,7 @@ The order matters and is the same for every model and recipe:
 1. memory format (channels_last) - parameters must be in their final layout before anything
    captures them; gradient checkpointing is switched on here too (it changes no module, only how each
    block's forward keeps its activations);
-2. kernel swap (``gallery_lib.accel.patch``) - replaces submodules, so it goes before anything that
+2. kernel swap (``gallery_lib.accel.kernels.patch``) - replaces submodules, so it goes before anything that
    traces or snapshots the module tree;
 3. attention backend - same reason, and it changes what the compiler will see;
 4. precision (O2) - fp32 master copies are taken from the final modules, then weights are cast;
