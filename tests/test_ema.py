@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from gallery_lib.accel.ema import MODES, ModelEma
-from gallery_lib.accel.kernels._triton_utils import has_triton
+from gallery_lib.accel.kernels import has_triton
 
 CUDA = torch.cuda.is_available()
 

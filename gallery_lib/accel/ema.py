@@ -50,7 +50,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from gallery_lib.accel.kernels._triton_utils import sm_count
+from gallery_lib.accel.kernels import sm_count
 from gallery_lib.accel.kernels.ema_lerp import build_tables, foreach_copy_, foreach_lerp_, has_triton, launch_fused
 
 MODES = ("loop", "foreach", "fused", "stream")
