@@ -37,7 +37,7 @@ from gallery_lib.accel.compile.plan import CompilePlan
 from gallery_lib.accel.compile.cpu_codegen import use_safe_cpu_codegen
 from gallery_lib.accel.distributed import DistInfo, apply_zero2, keep_block_graphs_whole_under_ddp, wrap_ddp
 from gallery_lib.accel.precision import Precision
-from gallery_lib.accel.your_model import fuse_kernels, use_channels_last
+from gallery_lib.accel.on_any_model import fuse_kernels, use_channels_last
 
 if TYPE_CHECKING:  # imported where fused_attention is on: the core loop does not need the registry
     from gallery_lib.accel.attention import AttentionHook

@@ -169,7 +169,7 @@ class ModelEma:
         self.mode = mode
         self.stream_programs = stream_programs
         self.step = 0  # number of updates applied (skipped steps excluded)
-        self.change: Any = None  # what ``add_ema`` says it set up (``gallery_lib.accel.your_model.Change``)
+        self.change: Any = None  # what ``add_ema`` says it set up (``gallery_lib.accel.on_any_model.Change``)
 
         ema_model = copy.deepcopy(model) if template is None else _copy_with_template(model, template)
         self._module = ema_model.eval().requires_grad_(False)

@@ -13,7 +13,7 @@ from gallery_lib.tasks.text_to_image import TextToImageTask
 def hook_diffusers_attention(model):
     """Every attention layer of a diffusers model through ``gallery_lib.accel.attention``'s backend registry, by the
     call a model of the user's takes."""
-    from gallery_lib.accel.your_model import fuse_attention
+    from gallery_lib.accel.on_any_model import fuse_attention
     from gallery_lib.config.settings import ConfigError
 
     change = fuse_attention(model)

@@ -1,4 +1,5 @@
-"""The gallery's accelerations as one call each, on a model and a training loop that the user brings.
+"""The gallery's accelerations as one call each, on any model and training loop that the user brings: a plain
+``nn.Module``, no config and no family (``accel/accelerate.py`` applies the same calls from a run's config).
 
 Each call changes the module in place (parameters, ``state_dict`` keys and attributes keep their names) and returns
 a ``Change``: what it did on this model, the one-line reason it helps, and where the measurement behind it is.
