@@ -14,12 +14,12 @@ import pytest
 import torch
 from torch import nn
 
-from gallery_lib.accel import your_model
+from gallery_lib.accel import on_any_model
 from gallery_lib.accel.keep_if_faster import SteadyStepTimer, TrainingStep, keep_if_faster
-from gallery_lib.accel.your_model import Change, accelerate, compile_blocks, fuse_kernels, use_channels_last
+from gallery_lib.accel.on_any_model import Change, accelerate, compile_blocks, fuse_kernels, use_channels_last
 
 
-REAL_COMPILE_WHOLE = your_model.compile_whole
+REAL_COMPILE_WHOLE = on_any_model.compile_whole
 
 
 @pytest.fixture(autouse=True)
@@ -33,7 +33,7 @@ def _no_cpu_compile_check(monkeypatch):
 def _whole_model_left_to_its_own_tests(monkeypatch):
     """``accelerate(example=...)`` tries the whole model compiled last; here it changes nothing (and times nothing),
     so each test judges its one change. The tests of ``compile_whole`` put the real one back."""
-    monkeypatch.setattr(your_model, "compile_whole", lambda model, **_: NOT_WHOLE)
+    monkeypatch.setattr(on_any_model, "compile_whole", lambda model, **_: NOT_WHOLE)
 
 
 NOT_WHOLE = Change("compiled whole", "not tried in this test", "a fake", "nowhere#fake", changed=False)
@@ -119,7 +119,7 @@ class CountingTimer:
 
 def test_a_change_that_slows_the_step_is_undone_and_says_so_with_both_times(monkeypatch):
     model, clock = _net()
-    monkeypatch.setattr(your_model, "compile_blocks", _fake_change(ms=9))
+    monkeypatch.setattr(on_any_model, "compile_blocks", _fake_change(ms=9))
     x = torch.randn(4, 8)
     expected, part = model(x).detach(), model.part
     timer, said = CountingTimer(clock), []
@@ -135,7 +135,7 @@ def test_a_change_that_slows_the_step_is_undone_and_says_so_with_both_times(monk
 
 def test_a_change_that_speeds_the_step_is_kept(monkeypatch):
     model, clock = _net()
-    monkeypatch.setattr(your_model, "compile_blocks", _fake_change(ms=1))
+    monkeypatch.setattr(on_any_model, "compile_blocks", _fake_change(ms=1))
     change, _ = accelerate(model, example=torch.randn(4, 8), timer=CountingTimer(clock), cache=False, echo=None)
     assert change.changed and _judged(change) == (True, 11.0, 15.0, False)
     assert change.what == ("the 5 ms part swapped for a 1 ms one; kept: 11.0 ms with it, 15.0 ms without (this model, "
@@ -148,7 +148,7 @@ def test_a_change_that_speeds_the_step_is_kept(monkeypatch):
 def test_a_gain_within_the_noise_leaves_the_model_as_it_was(monkeypatch):
     """15.0 against 14.8 ms is 1.4%: under the 2% a change must gain, so it is undone; ``min_gain`` moves the bar."""
     model, clock = _net()
-    monkeypatch.setattr(your_model, "compile_blocks", _fake_change(ms=4.8))
+    monkeypatch.setattr(on_any_model, "compile_blocks", _fake_change(ms=4.8))
     change, _ = accelerate(model, example=torch.randn(4, 8), timer=CountingTimer(clock), cache=False, echo=None)
     assert not change.changed and model.part.ms == 5
     change, _ = accelerate(model, example=torch.randn(4, 8), timer=CountingTimer(clock), cache=False, echo=None,
@@ -158,7 +158,7 @@ def test_a_gain_within_the_noise_leaves_the_model_as_it_was(monkeypatch):
 
 def test_the_times_are_cached_and_a_second_call_times_nothing(monkeypatch, tmp_path):
     cache = tmp_path / "accelerate.json"
-    monkeypatch.setattr(your_model, "compile_blocks", _fake_change(ms=1))
+    monkeypatch.setattr(on_any_model, "compile_blocks", _fake_change(ms=1))
     model, clock = _net()
     first = CountingTimer(clock)
     change, _ = accelerate(model, example=torch.randn(4, 8), timer=first, cache=cache, echo=None)
@@ -197,7 +197,7 @@ def test_a_compiled_block_that_is_not_faster_is_compiled_no_more():
 def test_the_whole_model_compiled_replaces_its_blocks_only_where_a_step_is_faster(monkeypatch):
     """The real ``compile_blocks`` and ``compile_whole`` on a CPU, judged by a timer that reads the model (eager 10 ms,
     blocks 8 ms, the whole model ``whole_ms``); nothing runs a step, so nothing compiles."""
-    monkeypatch.setattr(your_model, "compile_whole", REAL_COMPILE_WHOLE)
+    monkeypatch.setattr(on_any_model, "compile_whole", REAL_COMPILE_WHOLE)
 
     def blocks_compiled(model):
         return [block._compiled_call_impl is not None for block in model.blocks]
@@ -241,7 +241,7 @@ def test_a_change_that_breaks_the_step_is_left_out_with_the_error(monkeypatch):
         model.part.forward = lambda x: x.view(-1, 7)  # 4 x 16 values do not reshape to 7 columns
         return Change("compiled blocks", "a broken part", "a fake", "nowhere#fake",
                       undo=lambda: vars(model.part).pop("forward"))
-    monkeypatch.setattr(your_model, "compile_blocks", breaks)
+    monkeypatch.setattr(on_any_model, "compile_blocks", breaks)
     model, clock = _net()
     change, _ = accelerate(model, example=torch.randn(4, 8), timer=CountingTimer(clock), cache=False, echo=None)
     assert not change.changed and change.what.startswith("left out: the step failed with it (RuntimeError: ")
@@ -253,7 +253,7 @@ def test_nothing_to_change_returns_as_before_and_times_nothing(monkeypatch):
     timer = CountingTimer(clock)
     assert accelerate(model, example=torch.randn(4, 8), compile=False, timer=timer, echo=None) == []
     unchanged = Change("compiled blocks", "nothing to compile", "a fake", "nowhere#fake", changed=False)
-    monkeypatch.setattr(your_model, "compile_blocks", lambda model, **_: unchanged)
+    monkeypatch.setattr(on_any_model, "compile_blocks", lambda model, **_: unchanged)
     assert accelerate(model, example=torch.randn(4, 8), timer=timer, echo=None) == [unchanged, NOT_WHOLE]
     assert timer.calls == 0 and model.base.calls == 0
 
@@ -278,7 +278,7 @@ def test_the_timed_steps_leave_weights_gradients_buffers_and_random_state_as_the
                           nn.LazyLinear(2))
     x = torch.randn(2, 3, 6, 6)
     model(x).sum().backward()  # a gradient the user has, and running statistics moved once
-    monkeypatch.setattr(your_model, "compile_blocks", lambda model, **_: Change(
+    monkeypatch.setattr(on_any_model, "compile_blocks", lambda model, **_: Change(
         "compiled blocks", "a no-op", "a fake", "nowhere#fake", undo=lambda: None))
     before = copy.deepcopy(model.state_dict())
     grads = [p.grad.clone() for p in model.parameters()]

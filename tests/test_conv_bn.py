@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from gallery_lib.accel.kernels.conv_bn import scale_bias_relu_conv
-from gallery_lib.accel.patch import apply_kernels
+from gallery_lib.accel.kernels.patch import apply_kernels
 from gallery_lib.config import ConfigError, RunConfig, validate_for_machine
 
 timm_resnet = pytest.importorskip("timm.models.resnet")

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from gallery_lib.accel.ema import MODES, ModelEma
-from gallery_lib.accel.kernels._triton_utils import has_triton
+from gallery_lib.accel.kernels import has_triton
 
 CUDA = torch.cuda.is_available()
 
@@ -308,7 +308,7 @@ def test_an_offloaded_ema_averages_as_the_one_on_the_device():
 
 def test_the_ema_is_offloaded_where_the_config_asks_and_says_so():
     from gallery_lib.accel.adamw_ema import ema_in_pass
-    from gallery_lib.accel.your_model import add_ema
+    from gallery_lib.accel.on_any_model import add_ema
     from gallery_lib.config import ConfigError, RunConfig
 
     ema = add_ema(_Net(), mode="stream", offload=True, echo=None)

@@ -11,7 +11,7 @@ from torch import nn
 
 from gallery_lib.accel.kernels import _triton_utils as tu
 from gallery_lib.accel.kernels import set_triton_enabled, soft_cross_entropy
-from gallery_lib.accel.modules import FusedGEGLU, FusedGroupNorm, FusedLayerNorm
+from gallery_lib.accel.kernels.modules import FusedGEGLU, FusedGroupNorm, FusedLayerNorm
 
 STEPS = 30
 

@@ -1,7 +1,8 @@
 """The library's layers: imports flow one way, from the application down to the base, and no module (and no folder)
 imports itself back through others. Every import counts: those inside functions, a name taken from the package root
 (``from gallery_lib import compare``), and a string that names a module (``importlib.import_module("...")``, a
-table of module names). ``data_prep/`` is checked too. docs/DESIGN.md says which layer is which."""
+table of module names). ``data_prep/`` is checked too. docs/DESIGN.md says which layer is which. Inside
+``accel/kernels/`` the same holds for its floors: ops, the layers built from them, the swap table."""
 
 from __future__ import annotations
 
@@ -166,6 +167,40 @@ def test_every_allowed_violation_still_exists():
     assert not set(ALLOWED) - lines, "ALLOWED lists imports that are gone: remove them"
 
 
+KERNELS = "gallery_lib.accel.kernels"
+KERNEL_FLOORS = {  # gallery_lib/accel/kernels/__init__.py: every other module of the package is an op (floor 0)
+    f"{KERNELS}.modules": 1, f"{KERNELS}.conv_bn_block": 1,  # the layers built from the ops
+    f"{KERNELS}.patch": 2,  # the swap table that puts them in a model
+}
+
+
+def in_kernels(module: str) -> bool:
+    return module == KERNELS or module.startswith(f"{KERNELS}.")
+
+
+def kernel_floor_violations(graph: dict[str, set[str]]) -> list[str]:
+    """Imports inside the kernels package that go up its floors (an op importing a layer, a layer the table)."""
+    return sorted(f"{module} imports {target}" for module, imported in graph.items() if in_kernels(module)
+                  for target in imported
+                  if in_kernels(target) and KERNEL_FLOORS.get(target, 0) > KERNEL_FLOORS.get(module, 0))
+
+
+def private_kernel_imports(graph: dict[str, set[str]]) -> list[str]:
+    """Modules outside the kernels package that import one of its private modules (``_triton_utils``)."""
+    return sorted(f"{module} imports {target}" for module, imported in graph.items() if not in_kernels(module)
+                  for target in imported if target.startswith(f"{KERNELS}._"))
+
+
+def test_the_kernels_import_down_their_floors():
+    found = kernel_floor_violations(import_graph())
+    assert not found, "imports up the kernels' floors (ops -> modules -> patch):\n" + "\n".join(found)
+
+
+def test_the_library_calls_the_kernels_by_their_public_names():
+    found = private_kernel_imports(import_graph())
+    assert not found, "private kernel modules imported from outside the package:\n" + "\n".join(found)
+
+
 # The checker's own tests: each plants a violation in a small package and sees it caught.
 
 def plant(tmp_path: Path, files: dict[str, str]) -> dict[str, set[str]]:
@@ -210,6 +245,18 @@ def test_the_check_sees_folders_of_one_layer_import_each_other(tmp_path):
     })
     assert not cycles(graph)  # no module imports itself back ...
     assert cycles(folder_graph(graph)) == ["gallery_lib.models -> gallery_lib.tasks -> gallery_lib.models"]
+
+
+def test_the_check_sees_an_import_up_the_kernels_floors(tmp_path):
+    graph = plant(tmp_path, {
+        "gallery_lib/accel/kernels/geglu.py": "def later():\n    from gallery_lib.accel.kernels.modules import m\n",
+        "gallery_lib/accel/kernels/modules.py": "from gallery_lib.accel.kernels.geglu import geglu\n",
+        "gallery_lib/accel/kernels/patch.py": "from gallery_lib.accel.kernels.modules import m\n",
+        "gallery_lib/accel/kernels/_triton_utils.py": "",
+        "gallery_lib/accel/ema.py": "from gallery_lib.accel.kernels._triton_utils import sm_count\n",
+    })
+    assert kernel_floor_violations(graph) == [f"{KERNELS}.geglu imports {KERNELS}.modules"]
+    assert private_kernel_imports(graph) == [f"gallery_lib.accel.ema imports {KERNELS}._triton_utils"]
 
 
 def test_the_check_reads_data_prep(tmp_path):

@@ -56,7 +56,7 @@ def test_the_inputs_a_block_receives():
 def test_the_fused_geglu_replaces_three_autograd_nodes_by_one():
     from diffusers.models.activations import GEGLU
 
-    from gallery_lib.accel.modules import FusedGEGLU
+    from gallery_lib.accel.kernels.modules import FusedGEGLU
 
     geglu, x = GEGLU(8, 16), torch.randn(2, 5, 8)
     eager, fused = mech.autograd_nodes(geglu(x)), mech.autograd_nodes(FusedGEGLU.from_module(geglu)(x))

@@ -7,8 +7,8 @@ import torch
 from compile_testing import aot_graphs
 from torch import nn
 
-from gallery_lib.accel.modules import FusedGEGLU, FusedGroupNorm, FusedLayerNorm
-from gallery_lib.accel.patch import apply_kernels, revert_kernels
+from gallery_lib.accel.kernels.modules import FusedGEGLU, FusedGroupNorm, FusedLayerNorm
+from gallery_lib.accel.kernels.patch import apply_kernels, revert_kernels
 
 diffusers = pytest.importorskip("diffusers")
 swin = pytest.importorskip("timm.models.swin_transformer")
@@ -183,7 +183,7 @@ def test_on_a_cpu_the_fused_layers_compile_to_the_graphs_of_the_layers_they_repl
 
 
 def test_the_config_offers_exactly_the_ops_of_the_swap_table():
-    from gallery_lib.accel.patch import KERNEL_OPS as TABLE_OPS
+    from gallery_lib.accel.kernels.patch import KERNEL_OPS as TABLE_OPS
     from gallery_lib.config import KERNEL_OPS
 
     assert set(KERNEL_OPS) == set(TABLE_OPS)

@@ -1,4 +1,4 @@
-"""The accelerations as one call each on a model the user brings (``gallery_lib.accel.your_model``): each changes
+"""The accelerations as one call each on a model the user brings (``gallery_lib.accel.on_any_model``): each changes
 the module in place, says what it changed, computes the same function, and points at a section RESULTS.md has."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 import gallery_lib
-from gallery_lib.accel.your_model import (Change, accelerate, add_ema, compile_blocks, fuse_attention, fuse_kernels,
-                                          repeated_block_type, use_channels_last)
+from gallery_lib.accel.on_any_model import (Change, accelerate, add_ema, compile_blocks, fuse_attention,
+                                            fuse_kernels, repeated_block_type, use_channels_last)
 
 RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "RESULTS.md"
 

@@ -5,7 +5,7 @@ The order matters and is the same for every model and recipe:
 1. memory format (channels_last) - parameters must be in their final layout before anything
    captures them; gradient checkpointing is switched on here too (it changes no module, only how each
    block's forward keeps its activations);
-2. kernel swap (``gallery_lib.accel.patch``) - replaces submodules, so it goes before anything that
+2. kernel swap (``gallery_lib.accel.kernels.patch``) - replaces submodules, so it goes before anything that
    traces or snapshots the module tree;
 3. attention backend - same reason, and it changes what the compiler will see;
 4. precision (O2) - fp32 master copies are taken from the final modules, then weights are cast;
@@ -37,7 +37,7 @@ from gallery_lib.accel.compile.plan import CompilePlan
 from gallery_lib.accel.compile.cpu_codegen import use_safe_cpu_codegen
 from gallery_lib.accel.distributed import DistInfo, apply_zero2, keep_block_graphs_whole_under_ddp, wrap_ddp
 from gallery_lib.accel.precision import Precision
-from gallery_lib.accel.your_model import fuse_kernels, use_channels_last
+from gallery_lib.accel.on_any_model import fuse_kernels, use_channels_last
 
 if TYPE_CHECKING:  # imported where fused_attention is on: the core loop does not need the registry
     from gallery_lib.accel.attention import AttentionHook

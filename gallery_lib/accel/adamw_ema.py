@@ -21,10 +21,10 @@ from typing import Any
 import torch
 
 from gallery_lib.accel.kernels import adamw_ema as one_pass
+from gallery_lib.accel.kernels import use_triton
 from gallery_lib.config.sections.training import EMA as EMASettings
 from gallery_lib.config.sections.training import Optimizer as OptimizerSettings
 from gallery_lib.config.sections.training import Precision as PrecisionSettings
-from gallery_lib.accel.kernels._triton_utils import use_triton
 
 _UNSUPPORTED = ("amsgrad", "maximize", "capturable", "differentiable")
 

@@ -50,7 +50,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from gallery_lib.accel.kernels._triton_utils import sm_count
+from gallery_lib.accel.kernels import sm_count
 from gallery_lib.accel.kernels.ema_lerp import build_tables, foreach_copy_, foreach_lerp_, has_triton, launch_fused
 
 MODES = ("loop", "foreach", "fused", "stream")
@@ -169,7 +169,7 @@ class ModelEma:
         self.mode = mode
         self.stream_programs = stream_programs
         self.step = 0  # number of updates applied (skipped steps excluded)
-        self.change: Any = None  # what ``add_ema`` says it set up (``gallery_lib.accel.your_model.Change``)
+        self.change: Any = None  # what ``add_ema`` says it set up (``gallery_lib.accel.on_any_model.Change``)
 
         ema_model = copy.deepcopy(model) if template is None else _copy_with_template(model, template)
         self._module = ema_model.eval().requires_grad_(False)

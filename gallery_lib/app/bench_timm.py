@@ -107,7 +107,7 @@ def parse_batch_size(values: Sequence[str]) -> int | None:
 
 def build_model(bench: TimmBench) -> torch.nn.Module:
     """The model with random weights (seed 0), on the CPU: each variant deep-copies it onto the device."""
-    from gallery_lib.accel.your_model import create_timm_model
+    from gallery_lib.accel.on_any_model import create_timm_model
 
     torch.manual_seed(0)
     try:
@@ -130,7 +130,7 @@ def apply_variant(variant: str, model: torch.nn.Module, device: str,
                   batch: tuple[torch.Tensor, torch.Tensor] | None = None) -> list[str]:
     """Changes ``model`` in place as ``variant`` does; what changed, as text. ``accelerated`` times its changes on
     ``batch`` (images, labels) where one is given."""
-    from gallery_lib.accel.your_model import accelerate, has_convolutions_beyond_a_stem, use_channels_last
+    from gallery_lib.accel.on_any_model import accelerate, has_convolutions_beyond_a_stem, use_channels_last
 
     on_gpu = device == "cuda"
     if variant == "accelerated":

@@ -13,7 +13,7 @@ from gallery_lib.tasks.text_to_image import TextToImageTask
 def hook_diffusers_attention(model):
     """Every attention layer of a diffusers model through ``gallery_lib.accel.attention``'s backend registry, by the
     call a model of the user's takes."""
-    from gallery_lib.accel.your_model import fuse_attention
+    from gallery_lib.accel.on_any_model import fuse_attention
     from gallery_lib.config.settings import ConfigError
 
     change = fuse_attention(model)
@@ -76,7 +76,7 @@ FAMILY = ModelFamily(
     peer={"cache_latents": True, "channels_last": True},
     # Matched by class name, outermost first: a Transformer2DModel compiles whole, its blocks not again.
     block_types=("Transformer2DModel", "BasicTransformerBlock", "ResnetBlock2D"),
-    block_modules=("diffusers.models.unets.unet_2d_blocks", "gallery_lib.accel.patch"),
+    block_modules=("diffusers.models.unets.unet_2d_blocks", "gallery_lib.accel.kernels.patch"),
     attention_hook=hook_diffusers_attention,
     # set for one H100: the speed over the peer at batch 32, the best throughput, the EMA's cost, the time to
     # steady speed with cold and warm caches (benchmarks/RESULTS.md#peer, #bench-h100)

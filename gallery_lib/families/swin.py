@@ -32,7 +32,7 @@ def build_swin_micro(*, num_classes: int, image_size: int = 64, pretrained_file:
 def hook_window_attention(model: torch.nn.Module):
     """Window attention through ``gallery_lib.accel.attention`` (not timm's own SDPA switch, whose bias-as-mask call
     makes PyTorch pick a slower kernel: benchmarks/RESULTS.md#attention), by the call a model of the user's takes."""
-    from gallery_lib.accel.your_model import fuse_attention
+    from gallery_lib.accel.on_any_model import fuse_attention
     from gallery_lib.config.settings import ConfigError
 
     try:

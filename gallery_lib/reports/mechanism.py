@@ -157,7 +157,7 @@ def geglu_report(base: Any) -> str:
     the autograd nodes each records (the backward replays one kernel per node)."""
     from diffusers.models.activations import GEGLU
 
-    from gallery_lib.accel.modules import FusedGEGLU
+    from gallery_lib.accel.kernels.modules import FusedGEGLU
 
     unet, device = _unet(base), device_for(base)
     shape = next(m for m in unet.modules() if type(m).__name__ in ("GEGLU", "FusedGEGLU")).proj.weight.shape

@@ -9,8 +9,8 @@ from typing import Any, Callable
 
 from torch import nn
 
-from gallery_lib.accel.your_model import (RESULTS, Change, compile_blocks, device_phrase, fuse_attention,
-                                          fuse_kernels, graphs_text, use_channels_last)
+from gallery_lib.accel.on_any_model import (RESULTS, Change, compile_blocks, device_phrase, fuse_attention,
+                                            fuse_kernels, graphs_text, use_channels_last)
 from gallery_lib.recipes import recipe_config, runs_on_gpu
 
 

@@ -34,7 +34,7 @@ class StepRung:
     times_ms: list[float]
     """Every step's time, warm-up included."""
     changes: list[Any] = field(default_factory=list)
-    """What the rung's calls said they changed (``gallery_lib.accel.your_model.Change``)."""
+    """What the rung's calls said they changed (``gallery_lib.accel.on_any_model.Change``)."""
     builds_on: str | None = None
     """The rung its gain is measured over (default: the one added before it)."""
     peer: bool = False

@@ -116,7 +116,7 @@ def build_ema(model: torch.nn.Module, settings: EMASettings, optimizer: torch.op
     ``template``: a sharded model's plain template (``AcceleratedModel.template``)."""
     if settings.ema == "off":
         return None, None
-    from gallery_lib.accel.your_model import add_ema
+    from gallery_lib.accel.on_any_model import add_ema
 
     ema = add_ema(model, optimizer, decay=settings.ema_decay, mode=settings.ema, template=template,
                   stream_programs=settings.ema_stream_programs or None, offload=settings.ema_offload, echo=None)

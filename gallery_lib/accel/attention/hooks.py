@@ -13,7 +13,7 @@ from torch import nn
 
 from gallery_lib.accel.attention.backends import (BACKENDS, BackendSelector, _remember_devices, attention,
                                                   default_selector)
-from gallery_lib.accel.modules import compiling_for_cpu
+from gallery_lib.accel.kernels.modules import compiling_for_cpu
 
 class GalleryAttnProcessor:
     """diffusers attention processor that sends the attention product through this registry.
@@ -106,12 +106,12 @@ def hook_diffusers_attention(model: nn.Module, backend: str = "auto",
 def _uses_window_attention(backend: str, qkv: torch.Tensor) -> bool:
     """``window`` (whose function falls back to its PyTorch math where the kernel cannot run), or ``auto`` where the
     window-attention kernel runs: a GPU, and window and head sizes it takes."""
-    from gallery_lib.accel.kernels import _triton_utils as tu
+    from gallery_lib.accel.kernels import use_triton
     from gallery_lib.accel.kernels.window_attention import supports
 
     if backend == "window":
         return True
-    return backend == "auto" and qkv.is_cuda and tu.use_triton(qkv) and supports(qkv.shape[1], qkv.shape[-1])
+    return backend == "auto" and qkv.is_cuda and use_triton(qkv) and supports(qkv.shape[1], qkv.shape[-1])
 
 
 def _swin_window_forward(self: nn.Module, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:

@@ -3,8 +3,7 @@
 ``scale_bias_relu_conv(x, scale, bias, weight, stride, padding)`` returns ``y = conv2d(relu(x * scale + bias),
 weight)`` and ``y``'s per-channel sum and sum of squares in fp32: the next batch norm's statistics. In a ResNet
 bottleneck, ``conv2`` and ``conv3`` read ``relu(bn(previous conv's output))``; computed this way neither the
-normalized input nor a statistics pass touches memory (`gallery_lib.accel.conv_bn_block` builds timm's bottleneck
-from it).
+normalized input nor a statistics pass touches memory (`conv_bn_block` beside it builds timm's bottleneck from it).
 
 How a call is served:
 

@@ -1,4 +1,5 @@
-"""The gallery's accelerations as one call each, on a model and a training loop that the user brings.
+"""The gallery's accelerations as one call each, on any model and training loop that the user brings: a plain
+``nn.Module``, no config and no family (``accel/accelerate.py`` applies the same calls from a run's config).
 
 Each call changes the module in place (parameters, ``state_dict`` keys and attributes keep their names) and returns
 a ``Change``: what it did on this model, the one-line reason it helps, and where the measurement behind it is.
@@ -114,15 +115,15 @@ def device_phrase(device_type: str) -> str:
 
 def fuse_kernels(model: nn.Module, ops: Iterable[str] | None = None, *, verbose: bool = False,
                  device_type: str | None = None) -> Change:
-    """Swaps the layers the gallery has fused Triton kernels for (``gallery_lib.accel.patch.KERNEL_SWAPS``: GroupNorm
-    with the SiLU after it, LayerNorm, GEGLU) for the fused modules, forward and backward; ``ops`` picks some of
-    them (default: all but ``conv_bn_relu``, which is float16 only). On a CPU the fused modules run their PyTorch
-    reference, so this is for a GPU, and the change says so (``device_type``: where the model will train; default:
-    where its parameters are).
+    """Swaps the layers the gallery has fused Triton kernels for (``gallery_lib.accel.kernels.patch.KERNEL_SWAPS``:
+    GroupNorm with the SiLU after it, LayerNorm, GEGLU) for the fused modules, forward and backward; ``ops`` picks
+    some of them (default: all but ``conv_bn_relu``, which is float16 only). On a CPU the fused modules run their
+    PyTorch reference, so this is for a GPU, and the change says so (``device_type``: where the model will train;
+    default: where its parameters are).
 
         print(fuse_kernels(unet, ops=["geglu"]))
     """
-    from gallery_lib.accel.patch import KERNEL_OPS, apply_kernels
+    from gallery_lib.accel.kernels.patch import KERNEL_OPS, apply_kernels
 
     chosen = tuple(ops) if ops is not None else tuple(op for op in KERNEL_OPS if op != "conv_bn_relu")
     unknown = sorted(set(chosen) - set(KERNEL_OPS))

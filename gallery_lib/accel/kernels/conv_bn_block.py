@@ -1,4 +1,6 @@
-"""timm's ResNet ``Bottleneck`` with its batch norms folded into the convolutions around them.
+"""timm's ResNet ``Bottleneck`` with its batch norms folded into the convolutions around them: on the kernels
+package's middle floor with ``modules.py``, a layer built from the ``conv_bn`` op that the swap table (``patch.py``)
+puts in a model.
 
 `bottleneck_forward` computes what ``Bottleneck.forward`` computes, in training and in eval mode, with the same
 parameters and running statistics:

@@ -1,9 +1,11 @@
-"""Thin nn.Modules over the fused kernels, drop-in for torch's and diffusers' layers.
+"""Thin nn.Modules over the fused kernels, drop-in for torch's and diffusers' layers: the kernels package's middle
+floor, between the ops it calls and the swap table (``patch.py``) that puts them in a model.
 
 Parameter names match the modules they replace (``weight``/``bias``; ``proj`` for GEGLU), so ``state_dict`` keys
-do not change when `gallery_lib.accel.patch.apply_kernels` swaps them in. ``from_module`` builds a fused module that
-shares the original's parameters (optimizer state and checkpoints keep pointing at the same tensors). Compiled on a
-CPU, where there is no Triton kernel, they give the compiler the replaced layers' ops (`compiling_for_cpu`).
+do not change when `gallery_lib.accel.kernels.patch.apply_kernels` swaps them in. ``from_module`` builds a fused
+module that shares the original's parameters (optimizer state and checkpoints keep pointing at the same tensors).
+Compiled on a CPU, where there is no Triton kernel, they give the compiler the replaced layers' ops
+(`compiling_for_cpu`).
 """
 
 from __future__ import annotations

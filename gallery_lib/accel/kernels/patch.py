@@ -1,4 +1,5 @@
-"""Swap a model instance's layers for the fused ones, reversibly, keeping ``state_dict`` keys.
+"""Swap a model instance's layers for the fused ones, reversibly, keeping ``state_dict`` keys: the kernels
+package's top floor, which puts the layers of ``modules.py`` and ``conv_bn_block.py`` in a model.
 
 `apply_kernels` walks a plain ``nn.Module`` tree and replaces, per instance (never per class), as the rows of
 ``KERNEL_SWAPS`` say (the first row matching a module decides):
@@ -31,8 +32,8 @@ from typing import Callable
 import torch
 from torch import nn
 
-from gallery_lib.accel.conv_bn_block import bottleneck_forward, bottleneck_problem
-from gallery_lib.accel.modules import FusedGEGLU, FusedGroupNorm, FusedLayerNorm
+from gallery_lib.accel.kernels.conv_bn_block import bottleneck_forward, bottleneck_problem
+from gallery_lib.accel.kernels.modules import FusedGEGLU, FusedGroupNorm, FusedLayerNorm
 
 
 @dataclass
