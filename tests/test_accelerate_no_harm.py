@@ -393,3 +393,36 @@ def test_the_step_timer_times_after_its_warm_up():
         pytest.approx(20.0)
     with pytest.raises(ValueError, match="timing_steps >= 2"):
         SteadyStepTimer(timing_steps=1)
+
+
+def test_a_change_kept_eagerly_is_timed_again_once_compiled_and_left_out_where_the_compiler_beats_it(tmp_path):
+    """A kernel faster than eager code but slower than the compiler's (a larger Swin's window attention) is left out
+    once the model is compiled; one that still pays is put back; a second call decides alike from the cache. The
+    timer reads the fake changes' state (nothing runs, nothing compiles)."""
+    for compiled_with_kernel_ms, kept in ((7.0, False), (5.0, True)):
+        state = {"kernel": False, "compiled": False}
+        times = {(False, False): 10.0, (True, False): 8.0, (False, True): 6.0, (True, True): compiled_with_kernel_ms}
+
+        def switch(name, key):
+            def call():
+                state[key] = True
+                return Change(name, f"{name} on", "a fake", "nowhere#fake", undo=lambda: state.update({key: False}))
+            return call
+
+        steps = [("fused kernels all", switch("fused kernels", "kernel")),
+                 ("compiled blocks", switch("compiled blocks", "compiled"))]
+        model, _ = _net()
+        cache = tmp_path / f"accelerate_{kept}.json"
+        for timer in (lambda step, device: times[(state["kernel"], state["compiled"])], None):
+            if timer is None:  # the second call: every time from the cache
+                state.update(kernel=False, compiled=False)
+                timer = lambda step, device: pytest.fail("timed again")  # noqa: E731
+            kernels, compiled = on_any_model._kept_if_faster(model, steps, TrainingStep(model, torch.randn(4, 8)),
+                                                              timer, 0.02, cache)
+            assert state == {"kernel": kept, "compiled": True} and compiled.changed
+            assert kernels.changed is kept and kernels.decision.without_ms == 6.0
+            verdict = f"{compiled_with_kernel_ms:.1f} ms with it, 6.0 ms without (this model, batch 4, cpu, once "
+            assert verdict in kernels.what and kernels.what.startswith("fused kernels on; kept" if kept else "left out")
+        if kept:
+            kernels.undo()
+            assert not state["kernel"]

@@ -33,7 +33,8 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 from torch import nn
 
-from gallery_lib.accel.keep_if_faster import MIN_GAIN, KeepDecision, SteadyStepTimer, TrainingStep, keep_if_faster
+from gallery_lib.accel.keep_if_faster import (MIN_GAIN, KeepDecision, SteadyStepTimer, TrainingStep, faster,
+                                             keep_if_faster)
 from gallery_lib.accel.optimize import cache_file, cache_key, read_cache, write_cache
 from gallery_lib.config.quiet import quiet_known_noise
 
@@ -337,9 +338,10 @@ def accelerate(model: nn.Module, *, example: Any = None, loss_fn: Callable[[Any]
     this one. With ``example`` (what the model is called with, on its device) each change is timed: a few training
     steps (forward, ``loss_fn``, backward; no optimizer step) with it and without it, each against the state the
     changes before it left, and undone unless it is faster by more than ``min_gain`` (2%: timing noise); its
-    ``Change`` says so with both times, and ``decision`` holds them. Last, the whole model compiled (``compile_whole``,
+    ``Change`` says so with both times, and ``decision`` holds them. Then the whole model compiled (``compile_whole``,
     what a plain ``torch.compile`` user does) is timed in place of the blocks, so a model whose blocks compiled
-    alone lose to it ends no slower than that. The weights, gradients, buffers and random state
+    alone lose to it ends no slower than that. Last, once compiled, each change kept before the compiler is timed
+    again without it, and left out where the compiler's own code is as fast. The weights, gradients, buffers and random state
     are left as they were. The times are cached per model structure, input shapes and dtypes, autocast state, device
     and torch version, so the next call times nothing. Compiled blocks that are undone run eagerly again; their
     compiled code (with CUDA graphs, its memory pool) stays in Dynamo's cache until ``torch._dynamo.reset()``.
@@ -414,11 +416,16 @@ def _kept_if_faster(model: nn.Module, steps: list[tuple[str, Callable[[], Change
                     timer: Callable[[Callable[[], Any], torch.device], float], min_gain: float,
                     cache_path: os.PathLike | None) -> Iterator[Change]:
     """Each change in ``steps`` kept only where a ``step`` is faster with it than in the state before it; the times
-    come from ``cache_path`` where it has them, else from ``timer``, and go there."""
+    come from ``cache_path`` where it has them, else from ``timer``, and go there. Where the model ends compiled,
+    each change kept before the compiler is timed again under it, and left out where it no longer pays: a kernel
+    that beats eager code can lose to the compiler's (a larger Swin's window attention: RESULTS.md#your-model).
+    The changes come out once all are decided."""
     key = cache_key(model, step.args, step.kwargs)  # the model as it came, before any change
     cached = read_cache(cache_path) if cache_path else {}
     kept: list[str] = []
     current_ms: float | None = None  # the step time of the state so far, once timed
+    decided: list[Change] = []
+    before_compiling: list[tuple[int, str, Callable[[], Change], Change]] = []  # kept before the compiler
 
     def time_step() -> float:
         return timer(step, step.device)
@@ -431,10 +438,10 @@ def _kept_if_faster(model: nn.Module, steps: list[tuple[str, Callable[[], Change
                 entry = None
             change = call()
             if not change.changed:
-                yield change
+                decided.append(change)
                 continue
             if change.undo is None:  # nothing to compare it with: applied as without an example
-                yield _not_measured(change)
+                decided.append(_not_measured(change))
                 continue
             if entry is not None:
                 decision = KeepDecision.from_cache(entry, min_gain)
@@ -456,7 +463,32 @@ def _kept_if_faster(model: nn.Module, steps: list[tuple[str, Callable[[], Change
                     current_ms = decision.with_ms
             if decision.kept:
                 kept.append(label)
-            yield _decided(change, replace(decision, applied=None), step.where, min_gain, cache_path)
+                if not label.startswith("compiled"):
+                    before_compiling.append((len(decided), label, call, change))
+            decided.append(_decided(change, replace(decision, applied=None), step.where, min_gain, cache_path))
+        if any(label.startswith("compiled") for label in kept):
+            where = f"{step.where}, once compiled"
+            for index, label, call, change in reversed(before_compiling):
+                entry_key = f"{key} | {label} once compiled, after {', '.join(kept)}"
+                entry = cached.get(entry_key)
+                if isinstance(entry, dict) and "without_ms" in entry:
+                    decision = KeepDecision.from_cache(entry, min_gain)
+                    if not decision.kept:
+                        change.undo()
+                else:
+                    current_ms = _time_the_example(time_step) if current_ms is None else current_ms
+                    change.undo()
+                    without_ms = _time_the_example(time_step)
+                    decision = KeepDecision(faster(current_ms, without_ms, min_gain), current_ms, without_ms)
+                    if cache_path:
+                        write_cache(cache_path, entry_key, decision.cache_entry())
+                    if decision.kept:  # put back: the change the caller gets is the one in place
+                        change = call()
+                if not decision.kept:
+                    kept.remove(label)
+                    current_ms = None if decision.cached else decision.without_ms
+                decided[index] = _decided(change, decision, where, min_gain, cache_path)
+    yield from decided
 
 
 def _time_the_example(time_step: Callable[[], float]) -> float:
