@@ -183,3 +183,15 @@ def test_the_example_family_trains_through_gallery_train(tmp_path):
     assert trained.returncode == 0, trained.stderr[-3000:]
     summary = json.loads((out / "toy_convnet" / "baseline" / "metrics.jsonl").read_text().splitlines()[-1])
     assert summary["type"] == "summary" and summary["model"] == "toy_convnet" and summary["steps"] == 3
+
+
+def test_every_measured_footprint_names_its_committed_result_files():
+    """The memory plan reads the footprints as measurements: each names the files under ``benchmarks/results/`` that
+    hold it (a note in brackets may follow a name), and those files are committed."""
+    results = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+    for family in FAMILIES.values():
+        for footprint in family.memory_footprints:
+            names = [name.split(" (")[0].strip() for name in footprint.source.split(",")]
+            assert names and all(names), f"{family.name}: {footprint} names no result file"
+            missing = [name for name in names if not (results / name).exists()]
+            assert not missing, f"{family.name} {footprint.model} {footprint.recipe}: {missing} not committed"

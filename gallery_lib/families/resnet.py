@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from gallery_lib.config.family import ModelFamily, ModelSpec, SpeedGoal
+from gallery_lib.config.family import Footprint, ModelFamily, ModelSpec, SpeedGoal
 from gallery_lib.tasks.classification import ClassificationTask
 
 
@@ -74,4 +74,11 @@ FAMILY = ModelFamily(
     block_modules=("timm.models.resnet",),
     # set for one H100 at batch 256 (benchmarks/RESULTS.md#peer, #resnet50)
     speed_goals=(SpeedGoal("speedup", "resnet50", dict(batch_size=256, min_ratio=1.08, min_samples_per_s=6000.0)),),
+    # one H200, one call; the peer as it runs now, with CUDA graphs (#peer)
+    memory_footprints=(
+        Footprint("resnet50", "accelerated", {256: 12.60}, samples_per_s={256: 7574.3},
+                  source="peer_graphs_h200/bench_peer_graphs_resnet.json"),
+        Footprint("resnet50", "peer", {256: 14.63}, samples_per_s={256: 6985.7},
+                  source="peer_graphs_h200/bench_peer_graphs_resnet.json (peer+compile_mode=reduce-overhead)"),
+    ),
 )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from gallery_lib.config.family import ModelFamily, ModelSpec, SpeedGoal
+from gallery_lib.config.family import Footprint, ModelFamily, ModelSpec, SpeedGoal
 from gallery_lib.tasks.classification import ClassificationTask
 
 
@@ -86,4 +86,11 @@ FAMILY = ModelFamily(
     # set for one H100 at batch 128, steady steps included (benchmarks/RESULTS.md#peer)
     speed_goals=(SpeedGoal("speedup", "swin_tiny_patch4_window7_224",
                            dict(batch_size=128, min_ratio=1.3, max_spread=1.05)),),
+    # one H200, the larger of two runs each (#window-attention-sweep)
+    memory_footprints=(
+        Footprint("swin_tiny_patch4_window7_224", "accelerated", {128: 7.29}, samples_per_s={128: 6370.2},
+                  source="swin_window_sweep_h200/bench_swin_wa.json"),
+        Footprint("swin_tiny_patch4_window7_224", "peer", {128: 8.43}, samples_per_s={128: 4528.3},
+                  source="swin_window_sweep_h200/bench_swin_wa.json"),
+    ),
 )
