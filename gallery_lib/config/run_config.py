@@ -31,7 +31,7 @@ from typing import Any
 
 from gallery_lib.config import families, step_size
 from gallery_lib.config.sections import SECTION_OF, SECTION_TYPES, TASK_SECTION, Sections, build_sections, flat_values
-from gallery_lib.config.sections.acceleration import (COMPILE_MODES, COMPILE_SCOPES, CUDA_GRAPH_COMPILE_MODES,
+from gallery_lib.config.sections.acceleration import (AUTO, COMPILE_MODES, COMPILE_SCOPES, CUDA_GRAPH_COMPILE_MODES,
                                                       DATA_PARALLEL_MODES, DDP_GRAD_COMPRESSION, KERNEL_OPS,
                                                       TRITON_KERNEL_OPS, kernel_ops_as_names)
 from gallery_lib.config.sections.job import DEVICES, REPORT_TO
@@ -248,12 +248,13 @@ class RunConfig:
     def load(cls, path: str | os.PathLike) -> RunConfig:
         """Reads ``config.json``, in sections or flat as written before the sections; flat files written before the
         task settings moved to the tasks still load (their settings of other tasks, all at their off values then,
-        are dropped)."""
+        are dropped), and so do files written while the recipes noted in ``extra`` which settings they had chosen by
+        the step's size (those settings load as the intent they were, ``auto``)."""
         values = flat_values(json.loads(Path(path).read_text(encoding="utf-8")))
         if "model" in values:
             own = {f.name for f in dataclasses.fields(families.family_of(values["model"]).options)}
             values = {k: v for k, v in values.items() if k in own or k not in task_setting_names()}
-        return cls(**values)
+        return cls(**_intents_of_step_notes(values))
 
     def replace(self, **changes: Any) -> RunConfig:
         """``dataclasses.replace`` for flat (or dotted) fields, the task's settings included, with a clear error for
@@ -281,6 +282,21 @@ def task_setting_names() -> dict[str, str]:
             if family.task.name not in names:
                 names.append(family.task.name)
     return {name: " and ".join(names) for name, names in tasks.items()}
+
+
+# Notes in ``extra`` of files written before the recipes stated intent: ``compile_mode`` chosen by the step's size,
+# and the family's large-step switches (each to its value below them).
+_STEP_NOTES = ("block_graphs_by_batch", "small_step_switches")
+
+
+def _intents_of_step_notes(values: dict[str, Any]) -> dict[str, Any]:
+    """``values`` with the settings that an old file's step notes name set to ``auto``, and the notes dropped."""
+    extra = values.get("extra") or {}
+    if not set(_STEP_NOTES) & set(extra):
+        return values
+    intents = {"compile_mode": AUTO} if extra.get("block_graphs_by_batch") else {}
+    intents.update((name, AUTO) for name in extra.get("small_step_switches") or {})
+    return {**values, **intents, "extra": {k: v for k, v in extra.items() if k not in _STEP_NOTES}}
 
 
 def _check_known(values: dict[str, Any], family) -> None:
