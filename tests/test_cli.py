@@ -41,6 +41,13 @@ def test_set_overrides_any_field_and_names_the_run():
     assert off.recipe == "compiled+no-compile" and not off.compile  # a switch turned off is named as such
 
 
+def test_compile_mode_auto_is_a_choice_of_the_flag_and_of_set():
+    for argv in (("--compile_mode", "auto"), ("--set", "compile_mode=auto")):
+        args = parse("train", "--profile", "smoke", "--recipe", "compiled", *argv)
+        cfg = recipe_config(base_from_args(args), args.recipe, optimization_overrides(args))
+        assert cfg.compile_mode == "auto" and cfg.recipe == "compiled+compile_mode=auto"
+
+
 @pytest.mark.parametrize("argv, message", [
     (["train", "--profile", "smoke", "--recipe", "fastest"], "recipe='fastest' is not known"),
     (["train", "--profile", "smoke", "--batch_size", "7"], "batch_size=7 is invalid"),

@@ -244,6 +244,26 @@ def test_coordinate_descent_tuning_reaches_inductor_with_the_mode_and_trains_lik
     assert seen and all(seen)  # forward and backward graphs compiled with the tuning on
 
 
+def test_compile_mode_auto_reaches_torch_compile_and_the_log_as_the_mode_it_resolves_to():
+    """``auto`` is the recipes' intent: the run compiles with, and its log line names, the mode it resolves to for
+    its step; ``compile_kwargs`` refuses the intent unresolved."""
+    from gallery_lib.accel.accelerate import apply_accelerations, compile_kwargs
+    from gallery_lib.accel.distributed import DistInfo
+    from gallery_lib.accel.precision import Precision
+    from gallery_lib.config import RunConfig
+
+    cfg = RunConfig(model="swin_micro", device="cpu", compile=True, compile_mode="auto", gradient_accumulation_steps=2)
+    assert compile_kwargs(cfg.sections.compile, cfg.resolved_compile_mode) == {"mode": None}  # accumulated: no graphs
+    replayed = cfg.replace(gradient_accumulation_steps=1)
+    assert compile_kwargs(replayed.sections.compile, replayed.resolved_compile_mode) == {"mode": "reduce-overhead"}
+    with pytest.raises(ValueError, match="compile_mode='auto' is resolved for the run's step"):
+        compile_kwargs(cfg.sections.compile)
+    cpu = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+    notes = apply_accelerations(torch.nn.Linear(4, 4), cfg, Precision.from_settings(cfg.sections.precision, "cpu"),
+                                cpu).notes
+    assert "torch.compile(mode='default'); compilation happens in the first warm-up steps" in notes
+
+
 def test_tiled_reductions_reach_inductor_beside_the_mode_and_the_tuning():
     from gallery_lib.accel.accelerate import compile_kwargs
     from gallery_lib.config import RunConfig

@@ -173,6 +173,48 @@ def test_flat_config_json_written_before_the_sections_still_loads(name, tmp_path
     assert RunConfig.load(path) == cfg == RunConfig.from_dict(old)
 
 
+def test_a_file_with_the_old_step_notes_loads_with_the_intent_they_noted(tmp_path):
+    """Files written while the recipes noted in ``extra`` that they had chosen ``compile_mode`` and the large-step
+    kernels by the step's size (``block_graphs_by_batch``, ``small_step_switches``, read by the batch-size search to
+    choose again) load with those settings as the intent they were: the same mode and kernels at their batch, those
+    of another batch there, and no decision left in ``extra``. Without the notes, concrete values stay as written."""
+    base = base_config("full", family="stable_diffusion", data_root="/data", device="cuda")
+    cfg = apply_recipe("accelerated", base)
+    assert (cfg.compile_mode, cfg.kernel_ops, cfg.batch_size) == ("auto", "auto", 8)
+    written = cfg.to_sections()
+    written["compile"]["compile_mode"], written["kernels"]["kernel_ops"] = "reduce-overhead", "geglu"
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps({**written, "extra": {**written["extra"], "block_graphs_by_batch": True,
+                                                     "small_step_switches": {"kernel_ops": "geglu"}}}))
+    loaded = RunConfig.load(old)
+    assert loaded == cfg and (loaded.resolved_compile_mode, loaded.kernel_op_names) == ("reduce-overhead", ("geglu",))
+    large = loaded.replace(batch_size=64)
+    assert (large.resolved_compile_mode, large.kernel_op_names) == ("default", ("geglu", "group_norm_silu"))
+    concrete = tmp_path / "concrete.json"
+    concrete.write_text(json.dumps(written))
+    named = RunConfig.load(concrete).replace(batch_size=64)
+    assert (named.compile_mode, named.kernel_op_names) == ("reduce-overhead", ("geglu",))
+
+
+def test_auto_is_a_choice_resolved_for_the_step():
+    """``compile_mode='auto'`` and ``kernel_ops='auto'`` are accepted, from ``--set`` too, and resolve from the
+    config alone: CUDA graphs where the family's step is small enough and they can replay."""
+    cfg = micro(**parse_overrides(["compile=true", "compile_mode=auto", "kernels=true", "kernel_ops=auto"]))
+    assert (cfg.compile_mode, cfg.resolved_compile_mode, cfg.cuda_graphs) == ("auto", "reduce-overhead", True)
+    assert cfg.kernel_op_names == ("group_norm_silu", "layer_norm", "geglu")  # Swin names no kernels: all
+    accumulated = cfg.replace(gradient_accumulation_steps=2)  # no error: auto leaves out what cannot replay
+    assert (accumulated.resolved_compile_mode, accumulated.cuda_graphs) == ("default", False)
+    assert not cfg.replace(compile=False).cuda_graphs
+    with pytest.raises(ConfigError, match=r"compile_mode='auto' \('reduce-overhead' at batch 8\) captures CUDA graphs"):
+        validate_for_machine(cfg, cuda_devices=0)
+    with pytest.raises(ConfigError, match="compile_mode='fast' is not known: choose one of default, .*, auto"):
+        micro(compile_mode="fast")
+    with pytest.raises(ConfigError, match="kernel_ops='fast' is invalid: expected 'all', 'auto' or a comma list"):
+        micro(kernel_ops="fast")
+    with pytest.raises(ValueError, match="kernel_ops='auto' is resolved for the step"):
+        Kernels(kernel_ops="auto").kernel_op_names  # the section alone knows no step
+
+
 # a flat file of 552a0d8 loads them at their defaults
 ADDED_SINCE_THE_FIXTURES = {"clip_in_optimizer", "ema_in_optimizer", "compile_whole", "memory_plan", "gpu_memory_gib",
                             "ema_offload"}

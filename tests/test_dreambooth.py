@@ -218,12 +218,14 @@ def test_on_a_gpu_accelerated_compiles_the_whole_unet_and_blocks_when_named(monk
     monkeypatch.setattr("gallery_lib.recipes.named.runs_on_gpu", lambda base: True)
     monkeypatch.setattr("gallery_lib.recipes.named.precompile_workers_for_machine", lambda: 8)
     whole = apply_recipe("accelerated", base)
-    assert (whole.compile_scope, whole.compile_mode, whole.precompile_workers) == ("model", "reduce-overhead", 0)
+    assert (whole.compile_scope, whole.resolved_compile_mode, whole.precompile_workers) == (
+        "model", "reduce-overhead", 0)
     assert whole.channels_last and whole.channels_last_graphs and whole.ema == "fused" and whole.clip_in_optimizer
     assert whole.ema_in_optimizer
     assert whole.kernel_op_names == ("geglu",)
     blocks = recipe_config(base, "accelerated", {"compile_scope": "blocks"})
-    assert (blocks.compile_scope, blocks.compile_mode, blocks.precompile_workers) == ("blocks", "reduce-overhead", 8)
+    assert (blocks.compile_scope, blocks.resolved_compile_mode, blocks.precompile_workers) == (
+        "blocks", "reduce-overhead", 8)
     assert blocks.recipe == "accelerated+compile_scope=blocks"
 
 
@@ -238,7 +240,7 @@ def test_gpu_accelerated_recipe_trains_like_the_baseline(dreambooth_data, tmp_pa
     base = tiny(dreambooth_data, tmp_path, steps=12, amp_level="O0", device="cuda", lora_rank=lora_rank,
                 lr=1e-2 if lora_rank else 1e-3)
     accelerated = apply_recipe("accelerated", base).replace(amp_level="O0")
-    assert (accelerated.compile_scope, accelerated.compile_mode) == ("model", "reduce-overhead")
+    assert (accelerated.compile_scope, accelerated.resolved_compile_mode) == ("model", "reduce-overhead")
     assert accelerated.channels_last_graphs and accelerated.ema == "fused" and accelerated.ema_in_optimizer
     baseline = apply_recipe("baseline", base).replace(amp_level="O0")
     run(baseline)

@@ -69,8 +69,8 @@ def test_accelerated_replays_cuda_graphs_on_a_gpu_and_compiles_plainly_on_a_cpu(
     assert apply_recipe("accelerated", base.replace(device="cpu")).compile_mode == "default"
     monkeypatch.setattr("gallery_lib.recipes.named.runs_on_gpu", lambda base: True)
     fast = apply_recipe("accelerated", base)
-    assert (fast.compile, fast.compile_mode, fast.compile_scope) == (True, "reduce-overhead", "model")
-    assert apply_recipe("peer", base).compile_mode == "reduce-overhead"  # the one word a skilled user adds too
+    assert (fast.compile, fast.resolved_compile_mode, fast.compile_scope) == (True, "reduce-overhead", "model")
+    assert apply_recipe("peer", base).resolved_compile_mode == "reduce-overhead"  # the one word a skilled user adds too
 
 
 def test_swin_reads_channels_last_images_accelerated_on_a_gpu_and_the_peer_everywhere(monkeypatch):

@@ -12,7 +12,6 @@ from gallery_lib.config import ConfigError, RunConfig
 from gallery_lib.recipes.ladder import (RUNG_NAMES, RUNGS, LadderSizes, RungResult, default_sizes, ladder_base,
                                         ladder_configs, recipe_name, rung_named, rung_parents, run_ladder)
 from gallery_lib.recipes.profiles import base_config
-from gallery_lib.config.step_size import GRAPHS_BY_BATCH, SMALL_STEP_SWITCHES
 from gallery_lib.recipes import accelerated, apply_recipe, describe
 from gallery_lib.reports.ladder import findings, ladder_plan, ladder_report, ladder_rows, to_markdown
 from gallery_lib.run.train import configure_backends
@@ -57,13 +56,12 @@ def test_the_kernels_rung_is_the_accelerated_recipe_at_the_large_batch(monkeypat
     rung = configs["kernels"]
     assert configs["cuda_graphs"].compile_whole and not configs["checkpointing"].compile_whole  # as the recipe does
     reference = accelerated(base.replace(batch_size=SIZES.large_batch))
-    # The recipe notes that it chose the CUDA graphs and the kernels by the step's size; the rung names them, like
-    # every rung its switch.
-    assert reference.extra[GRAPHS_BY_BATCH] is True
-    assert reference.extra[SMALL_STEP_SWITCHES] == {"kernel_ops": "geglu"}
-    notes = (GRAPHS_BY_BATCH, SMALL_STEP_SWITCHES)
-    reference = reference.replace(extra={k: v for k, v in reference.extra.items() if k not in notes})
-    assert rung.replace(recipe="accelerated", num_workers=reference.num_workers) == reference
+    # The recipe states the CUDA graphs and the kernels as intent, resolved for the step's size; the rung names what
+    # they resolve to at its batch, like every rung its switch.
+    assert (reference.compile_mode, reference.kernel_ops) == ("auto", "auto")
+    named = reference.replace(compile_mode=reference.resolved_compile_mode, kernel_ops=reference.resolved_kernel_ops,
+                              num_workers=rung.num_workers)
+    assert rung.replace(recipe="accelerated") == named
     assert rung.kernel_op_names == ("geglu", "group_norm_silu")  # 48 images of 512 px: a large step
 
 

@@ -142,7 +142,7 @@ def test_sd_recipes_get_the_same_plan_logic_from_their_measured_footprints():
     # accelerated measured 22.9 GiB at batch 8 and 20.3 checkpointed: batch 8 checkpointed, compiled whole
     small = fitted(sd_full(), "accelerated", 22.0)
     assert (small.batch_size, small.gradient_accumulation_steps, small.gradient_checkpointing) == (8, 1, True)
-    assert (small.compile_scope, small.compile_mode) == ("model", "default")  # checkpointing replays no graphs
+    assert (small.compile_scope, small.resolved_compile_mode) == ("model", "default")  # checkpointing replays no graphs
     assert small.global_batch_size == big.global_batch_size
     plan = MemoryPlan.from_dict(small.extra[PLAN])
     assert plan.chosen == Candidate(8, 1, True) and plan.after[0] == Candidate(8, 1, False, uncompiled=True)
@@ -406,10 +406,8 @@ def test_the_cap_comes_from_the_flag_or_the_environment(monkeypatch):
 def test_accumulated_batches_replay_no_cuda_graphs():
     with pytest.raises(ConfigError, match="gradient_accumulation_steps=2 cannot run with compile_mode"):
         RunConfig(model="swin_micro", compile=True, compile_mode="reduce-overhead", gradient_accumulation_steps=2)
-    from gallery_lib.config.step_size import graphs_can_replay
-
-    assert not graphs_can_replay(RunConfig(model="swin_micro", gradient_accumulation_steps=2))
-    assert graphs_can_replay(RunConfig(model="swin_micro"))
+    assert not RunConfig(model="swin_micro", gradient_accumulation_steps=2).graphs_can_replay
+    assert RunConfig(model="swin_micro").graphs_can_replay
 
 
 def test_the_cap_is_a_no_op_on_a_cpu():
@@ -453,7 +451,7 @@ def test_every_ladder_rung_resolves_under_a_plan():
         plan = MemoryPlan.from_dict(cfg.extra[PLAN])
         settings = (plan.chosen,) if plan.chosen else plan.probe
         assert settings and cfg.global_batch_size == settings[0].batch_size * settings[0].accumulation
-        if cfg.compile_mode == "reduce-overhead":
+        if cfg.resolved_compile_mode == "reduce-overhead":
             assert not any(s.checkpointing or s.accumulation > 1 for s in settings + plan.after), rung.name
 
 

@@ -129,12 +129,12 @@ def test_accelerated_with_checkpointing_leaves_out_its_cuda_graphs(monkeypatch):
 
     monkeypatch.setattr("gallery_lib.recipes.named.runs_on_gpu", lambda base: True)
     base = base_config("full", family="stable_diffusion", data_root="/data")
-    assert apply_recipe("accelerated", base).compile_mode == "reduce-overhead"
+    assert apply_recipe("accelerated", base).resolved_compile_mode == "reduce-overhead"
     cfg = recipe_config(base, "accelerated", {"gradient_checkpointing": True})
-    assert (cfg.gradient_checkpointing, cfg.compile, cfg.compile_mode, cfg.recipe) == (
+    assert (cfg.gradient_checkpointing, cfg.compile, cfg.resolved_compile_mode, cfg.recipe) == (
         True, True, "default", "accelerated+gradient_checkpointing")
     assert cfg.compile_whole == ""  # only the measured path compiles containers whole
-    assert apply_recipe("accelerated", base.replace(gradient_checkpointing=True)).compile_mode == "default"
+    assert apply_recipe("accelerated", base.replace(gradient_checkpointing=True)).resolved_compile_mode == "default"
 
 
 @pytest.mark.parametrize("family", ["stable_diffusion", "swin_transformer"])
@@ -146,9 +146,10 @@ def test_accelerated_with_zero2_leaves_out_its_cuda_graphs_and_precompile_worker
 
     monkeypatch.setattr("gallery_lib.recipes.named.runs_on_gpu", lambda base: True)
     base = base_config("full", family=family, data_root="/data")
-    assert apply_recipe("accelerated", base).compile_mode == "reduce-overhead"
+    assert apply_recipe("accelerated", base).resolved_compile_mode == "reduce-overhead"
     cfg = recipe_config(base, "accelerated", {"data_parallel": "zero2"})
-    assert (cfg.data_parallel, cfg.compile, cfg.compile_mode, cfg.precompile_workers) == ("zero2", True, "default", 0)
+    assert (cfg.data_parallel, cfg.compile, cfg.resolved_compile_mode, cfg.precompile_workers) == (
+        "zero2", True, "default", 0)
     assert cfg.recipe == "accelerated+data_parallel=zero2" and cfg.compile_whole == ""
     assert cfg.fused_attention == apply_recipe("accelerated", base).fused_attention  # the other switches stay
 
@@ -164,7 +165,7 @@ def test_accelerated_with_the_whole_model_compiled_leaves_out_its_precompile_wor
     assert apply_recipe("accelerated", base).precompile_workers == 8
     assert apply_recipe("accelerated", base).compile_whole == "CrossAttnUpBlock2D,UpBlock2D"
     cfg = recipe_config(base, "accelerated", {"compile_scope": "model"})
-    assert (cfg.compile_scope, cfg.precompile_workers, cfg.compile_mode) == ("model", 0, "reduce-overhead")
+    assert (cfg.compile_scope, cfg.precompile_workers, cfg.resolved_compile_mode) == ("model", 0, "reduce-overhead")
     assert cfg.compile_whole == ""  # the up blocks are in the one graph anyway
     with pytest.raises(ConfigError, match="precompile_workers=4 needs"):  # named by the user: still refused
         recipe_config(base, "accelerated", {"compile_scope": "model", "precompile_workers": 4})

@@ -20,6 +20,8 @@ def test_the_table_reads_each_recipe_as_resolved_on_this_machine(monkeypatch):
     assert rows["accelerated+batch_size=6"]["compiled"] == (
         "repeated blocks, CrossAttnUpBlock2D whole, UpBlock2D whole, mode reduce-overhead, CUDA graphs")
     assert rows["accelerated+batch_size=6"]["EMA"] == "stream"  # on a GPU the update runs on a side stream
+    # the recipe states compile_mode and kernel_ops as 'auto': the table says what they resolve to at this step
+    assert "kernel_ops=geglu," in rows["accelerated+batch_size=6"]["family switches"]
     assert "(a GPU)" in gpu._repr_markdown_() and "| accelerated+batch_size=6 |" in gpu._repr_markdown_()
 
 

@@ -8,7 +8,6 @@ import torch
 from gallery_lib.config import ConfigError, RunConfig
 from gallery_lib.run.metrics import read_metrics
 from gallery_lib.recipes.profiles import base_config
-from gallery_lib.config.step_size import at_batch_size
 from gallery_lib.recipes import apply_recipe, recipe_config
 from gallery_lib.run.batch_size import trial_config
 from gallery_lib.run.train import run
@@ -69,43 +68,47 @@ def test_recipes_resolve_the_sd_switches(caption_data, tmp_path, monkeypatch):
     for cores, workers in ((16, 8), (64, 8), (6, 3), (2, 0)):
         monkeypatch.setattr("os.cpu_count", lambda cores=cores: cores)
         gpu = apply_recipe("accelerated", base.replace(device="cuda"))
-        assert (gpu.compile_mode, gpu.precompile_workers) == ("reduce-overhead", workers), cores
+        assert (gpu.resolved_compile_mode, gpu.precompile_workers) == ("reduce-overhead", workers), cores
+        # stated as intent in the config, resolved for the step as it is read; no note in extra decides it
+        assert (gpu.compile_mode, gpu.kernel_ops) == ("auto", "auto") and gpu.extra == base.extra
         assert gpu.channels_last  # +1.1 to +1.6% on an H100 (benchmarks/RESULTS.md#bench-h100)
         assert gpu.compile_whole_types == ("CrossAttnUpBlock2D", "UpBlock2D") and not accelerated.compile_whole
     # From 64 images of 512 px a step, the GPU sets the step time: the blocks run without CUDA graphs.
     at_512 = base.replace(device="cuda", image_size=512)
     for batch in (16, 32, 48):
-        assert apply_recipe("accelerated", at_512.replace(batch_size=batch)).compile_mode == "reduce-overhead", batch
+        small = apply_recipe("accelerated", at_512.replace(batch_size=batch))
+        assert small.resolved_compile_mode == "reduce-overhead" and small.cuda_graphs, batch
     for batch in (64, 96):
         large = apply_recipe("accelerated", at_512.replace(batch_size=batch))
-        assert (large.compile_mode, large.compile_scope, large.precompile_workers) == ("default", "blocks", 0)
-    assert apply_recipe("accelerated", at_512.replace(batch_size=96, image_size=256)).compile_mode == "reduce-overhead"
+        assert (large.resolved_compile_mode, large.compile_scope, large.precompile_workers) == ("default", "blocks", 0)
+    smaller_images = apply_recipe("accelerated", at_512.replace(batch_size=96, image_size=256))
+    assert smaller_images.resolved_compile_mode == "reduce-overhead"
     # From 32 images of 512 px a step, the GroupNorm+SiLU kernel too; on a CPU never (measured on GPUs only).
     for batch, ops in ((1, ("geglu",)), (16, ("geglu",)), (31, ("geglu",)), (32, ("geglu", "group_norm_silu")),
                        (96, ("geglu", "group_norm_silu"))):
         assert apply_recipe("accelerated", at_512.replace(batch_size=batch)).kernel_op_names == ops, batch
     assert apply_recipe("accelerated", at_512.replace(batch_size=32, device="cpu")).kernel_op_names == ("geglu",)
-    assert at_batch_size(apply_recipe("accelerated", at_512.replace(batch_size=8)), 64).kernel_op_names == (
+    assert trial_config(apply_recipe("accelerated", at_512.replace(batch_size=8)), 64).kernel_op_names == (
         "geglu", "group_norm_silu")
-    assert at_batch_size(apply_recipe("accelerated", at_512.replace(batch_size=64)), 8).kernel_op_names == ("geglu",)
-    # kernels named by the user stay at every batch size, and so do the CUDA graphs the recipe chose
+    assert trial_config(apply_recipe("accelerated", at_512.replace(batch_size=64)), 8).kernel_op_names == ("geglu",)
+    # kernels named by the user stay at every batch size, and the CUDA graphs the recipe chose resolve at each
     named_ops = recipe_config(at_512.replace(batch_size=64), "accelerated", {"kernel_ops": "geglu"})
-    assert at_batch_size(named_ops, 64).kernel_op_names == ("geglu",)
-    assert at_batch_size(named_ops, 8).compile_mode == "reduce-overhead"
+    assert trial_config(named_ops, 64).kernel_op_names == ("geglu",)
+    assert trial_config(named_ops, 8).resolved_compile_mode == "reduce-overhead"
     # Overrides: a batch size is read before the recipe resolves; CUDA graphs asked for by name stay.
-    assert recipe_config(at_512, "accelerated", {"batch_size": 64}).compile_mode == "default"
+    assert recipe_config(at_512, "accelerated", {"batch_size": 64}).resolved_compile_mode == "default"
     assert recipe_config(at_512.replace(batch_size=64), "accelerated",
-                         {"compile_mode": "reduce-overhead"}).compile_mode == "reduce-overhead"
-    # The batch-size search decides again at each size it tries, unless the mode was named or checkpointing rules out
-    # the graphs.
+                         {"compile_mode": "reduce-overhead"}).resolved_compile_mode == "reduce-overhead"
+    # The batch-size search's trials resolve the recipe's intent at each size they try, unless the mode was named or
+    # checkpointing rules out the graphs.
     searched = apply_recipe("accelerated", at_512.replace(batch_size=96))
-    assert [trial_config(searched, b).compile_mode for b in (96, 64, 62, 32)] == [
+    assert [trial_config(searched, b).resolved_compile_mode for b in (96, 64, 62, 32)] == [
         "default", "default", "reduce-overhead", "reduce-overhead"]
-    assert at_batch_size(searched, 32).compile_mode == "reduce-overhead"
+    assert trial_config(searched, 32).resolved_compile_mode == "reduce-overhead"
     named = recipe_config(at_512.replace(batch_size=96), "accelerated", {"compile_mode": "default"})
-    assert trial_config(named, 32).compile_mode == "default"
+    assert trial_config(named, 32).resolved_compile_mode == "default"
     recomputed = apply_recipe("accelerated", at_512.replace(batch_size=96, gradient_checkpointing=True))
-    assert trial_config(recomputed, 32).compile_mode == "default"
+    assert trial_config(recomputed, 32).resolved_compile_mode == "default"
     # checkpointed, compiled whole as the peer is, not as blocks wrapped in eager recomputation
     assert (recomputed.compile_scope, recomputed.precompile_workers, recomputed.compile_whole) == ("model", 0, "")
     assert not accelerated.channels_last  # measured on GPUs only

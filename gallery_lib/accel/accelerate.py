@@ -31,6 +31,7 @@ import torch
 import torch.utils.checkpoint
 
 from gallery_lib.config import RunConfig
+from gallery_lib.config.sections.acceleration import AUTO
 from gallery_lib.config.sections.acceleration import Compile as CompileSettings
 from gallery_lib.config.sections.acceleration import Parallel as ParallelSettings
 from gallery_lib.accel.compile.plan import CompilePlan
@@ -89,31 +90,37 @@ def apply_accelerations(model: torch.nn.Module, cfg: RunConfig, precision: Preci
         codegen_note = use_safe_cpu_codegen()  # AVX-512 C++ that this machine's compiler gets wrong: AVX2 instead
         if codegen_note:
             notes.append(codegen_note)
+    mode = cfg.resolved_compile_mode  # its ``auto`` resolved for this run's step
     if cfg.compile and cfg.compile_scope == "blocks":
         if train_module is not model:  # DDP-wrapped (ZeRO-2 shards the model in place)
             keep_block_graphs_whole_under_ddp()
         # Static shapes, as whole-model compilation has: each block shape gets its own graph.
-        names = plan.compile_blocks(model, backend="inductor", dynamic=False, **compile_kwargs(cfg.sections.compile))
+        kwargs = compile_kwargs(cfg.sections.compile, mode)
+        names = plan.compile_blocks(model, backend="inductor", dynamic=False, **kwargs)
         whole = "".join(f", {name} whole" for name in cfg.compile_whole_types)
-        notes.append(f"torch.compile(mode={cfg.compile_mode!r}{tuning}) of {len(names)} repeated blocks in place{whole}"
+        notes.append(f"torch.compile(mode={mode!r}{tuning}) of {len(names)} repeated blocks in place{whole}"
                      + (f", precompiled by {cfg.precompile_workers} processes before the first step"
                         if cfg.precompile_workers else "; compilation happens in the first warm-up steps"))
     elif cfg.compile:
-        train_module = torch.compile(train_module, **compile_kwargs(cfg.sections.compile))
-        notes.append(f"torch.compile(mode={cfg.compile_mode!r}{tuning}); compilation happens in the first warm-up "
+        train_module = torch.compile(train_module, **compile_kwargs(cfg.sections.compile, mode))
+        notes.append(f"torch.compile(mode={mode!r}{tuning}); compilation happens in the first warm-up "
                      "steps")
     return AcceleratedModel(module=model, train_module=train_module, compile_plan=plan, notes=notes,
                             attention=attention, template=template)
 
 
-def compile_kwargs(settings: CompileSettings) -> dict[str, Any]:
-    """``torch.compile``'s arguments for a run's compile ``settings`` (``cfg.sections.compile``): its mode, or, with
+def compile_kwargs(settings: CompileSettings, mode: str | None = None) -> dict[str, Any]:
+    """``torch.compile``'s arguments for a run's compile ``settings`` (``cfg.sections.compile``): its mode (``mode``,
+    the run's ``cfg.resolved_compile_mode``, where the settings' own is ``auto``), or, with
     ``coordinate_descent_tuning``, ``tiled_reductions`` or ``channels_last_graphs``, the mode's Inductor options plus
     theirs (``torch.compile`` takes a mode or options, not both). The channels_last layout leaves attention's tensors
     in their own layout (``attention_layout``)."""
     from gallery_lib.accel.compile.attention_layout import KeepAttentionLayout
 
-    mode = None if settings.compile_mode == "default" else settings.compile_mode
+    mode = mode or settings.compile_mode
+    if mode == AUTO:
+        raise ValueError("compile_mode='auto' is resolved for the run's step: pass cfg.resolved_compile_mode")
+    mode = None if mode == "default" else mode
     extra = {**({"coordinate_descent_tuning": True} if settings.coordinate_descent_tuning else {}),
              **({"triton.prefer_nd_tiling": True, "triton.tile_reductions": True} if settings.tiled_reductions else {}),
              **({"force_layout_optimization": True, "post_grad_custom_post_pass": KeepAttentionLayout()}

@@ -68,7 +68,8 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
     _flag(o, "amp_level", choices=AMP_LEVELS, help="O0 fp32, O1 autocast, O2 bf16 weights + fp32 master copies")
     _flag(o, "amp_dtype", choices=AMP_DTYPES, help="low-precision dtype (default: auto)")
     _flag(o, "compiler-opt", action="store_true", default=None, help="torch.compile the model")
-    _flag(o, "compile_mode", choices=COMPILE_MODES, help="torch.compile mode")
+    _flag(o, "compile_mode", choices=COMPILE_MODES, help="torch.compile mode (auto: CUDA graphs where the step is "
+                                                          "small enough for them to pay)")
     _flag(o, "kernel-opt", action="store_true", default=None, help="swap in gallery_lib's fused kernels")
     _flag(o, "set", action="append", default=[], metavar="FIELD=VALUE",
           help="any other RunConfig field, flat or dotted by its section, e.g. --set fused_attention=true or "

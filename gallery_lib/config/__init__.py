@@ -11,8 +11,8 @@ layer may import it.
 - ``machine``: the checks that depend on this machine (device, process count, GPU-only options);
 - ``gpu_check``: a GPU that this torch cannot use is an error (also run by ``ci/setup_env.sh`` before torch exists);
 - ``quiet``: the library messages a user cannot act on, dropped by their exact origin;
-- ``step_size``: what a recipe decides by the size of a step (CUDA graphs, a family's large-step switches), decided
-  again at another batch size.
+- ``step_size``: the intents a recipe states by the size of a step (``compile_mode='auto'``, ``kernel_ops='auto'``:
+  CUDA graphs, a family's large-step kernels), resolved from the config's own batch size wherever they are read.
 """
 
 from gallery_lib.config.machine import resolve_device, validate_for_machine, visible_cuda_devices

@@ -115,9 +115,10 @@ class ModelFamily:
     sets the step time. Set where the graphs stop measuring faster: beyond it the GPU sets the step time, and recording
     them only costs a start-up step and memory, so the blocks run without them. ``None``: CUDA graphs at every size."""
     accelerated_on_large_steps: Mapping[str, Any] = field(default_factory=dict)
-    """Switches the ``accelerated`` recipe adds on a GPU once a step's images per process hold at least
+    """The ``kernel_ops`` the ``accelerated`` recipe runs on a GPU once a step's images per process hold at least
     ``large_step_pixels``: a fused kernel that beats the compiler's code only where the step gives it work enough
-    (below that its grid leaves the GPU part idle, or it keeps the compiler from fusing its neighbours)."""
+    (below that its grid leaves the GPU part idle, or it keeps the compiler from fusing its neighbours). The recipe
+    states ``kernel_ops='auto'``, which the step resolves (``gallery_lib/config/step_size.py``)."""
     large_step_pixels: int | None = None
     """Where ``accelerated_on_large_steps`` starts (``batch_size * image_size**2``)."""
     peer: Mapping[str, Any] = field(default_factory=dict)
@@ -149,6 +150,9 @@ class ModelFamily:
             raise ValueError(f"family {self.name!r}: its task {self.task.__name__} has no `options` dataclass")
         if bool(self.accelerated_on_large_steps) != (self.large_step_pixels is not None):
             raise ValueError(f"family {self.name!r}: accelerated_on_large_steps and large_step_pixels go together")
+        if set(self.accelerated_on_large_steps) - {"kernel_ops"}:
+            raise ValueError(f"family {self.name!r}: accelerated_on_large_steps switches kernel_ops only (the setting "
+                             f"a step resolves from 'auto'), not {sorted(set(self.accelerated_on_large_steps))}")
 
     @property
     def options(self) -> type:

@@ -64,8 +64,10 @@ def validate_for_machine(cfg: RunConfig, *, cuda_devices: int | None = None, cpu
         if cfg.kernels and "conv_bn_relu" in cfg.kernel_op_names:
             _check_cudnn_fusion(cfg)
     else:
-        if cfg.sections.compile.cuda_graphs:
-            raise ConfigError(f"compile_mode={cfg.compile_mode!r} captures CUDA graphs and needs a GPU: use "
+        if cfg.cuda_graphs:
+            mode = repr(cfg.compile_mode) + ("" if cfg.compile_mode == cfg.resolved_compile_mode else
+                                             f" ({cfg.resolved_compile_mode!r} at batch {cfg.batch_size})")
+            raise ConfigError(f"compile_mode={mode} captures CUDA graphs and needs a GPU: use "
                               "compile_mode='default' on a CPU.")
         if cfg.nproc_per_node > cpu_count:
             raise ConfigError(f"nproc_per_node={cfg.nproc_per_node} but this machine has {cpu_count} CPU core(s): "

@@ -11,10 +11,12 @@ task's settings (Mixup for classifiers, cached latents for diffusion models) are
 family's ``task.options`` dataclass. Every field reads and writes under its flat name, the sections' alias table
 (``SECTION_OF``) finding its section: ``cfg.lr``, ``cfg.mixup_alpha``, ``RunConfig(lr=1e-3)``, ``cfg.replace(lr=...)``,
 ``--set lr=...``; its dotted name works wherever a name is written (``--set optimizer.lr=...``, ``RunConfig(**{
-"optimizer.lr": ...})``); ``cfg.sections.optimizer`` is the section itself. ``config.json`` holds the sections
-nested; flat files, written before the sections, load too. The rules that tie sections together are
-``_check_across``; checks that depend on the machine (GPU count, CUDA-only options) live in
-``machine.validate_for_machine``, the ``--set`` parser in ``overrides.py``.
+"optimizer.lr": ...})``); ``cfg.sections.optimizer`` is the section itself. Two settings also take an intent,
+``auto`` (``compile_mode``, ``kernel_ops``: what the recipes choose by the size of the step), which the config
+resolves for its own step wherever it is read (``resolved_compile_mode``, ``cuda_graphs``, ``kernel_op_names``;
+``step_size.py``). ``config.json`` holds the sections nested; flat files, written before the sections, load too.
+The rules that tie sections together are ``_check_across``; checks that depend on the machine (GPU count, CUDA-only
+options) live in ``machine.validate_for_machine``, the ``--set`` parser in ``overrides.py``.
 """
 
 from __future__ import annotations
@@ -27,11 +29,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gallery_lib.config import families
+from gallery_lib.config import families, step_size
 from gallery_lib.config.sections import SECTION_OF, SECTION_TYPES, TASK_SECTION, Sections, build_sections, flat_values
-from gallery_lib.config.sections.acceleration import (COMPILE_MODES, COMPILE_SCOPES, CUDA_GRAPH_COMPILE_MODES,
+from gallery_lib.config.sections.acceleration import (AUTO, COMPILE_MODES, COMPILE_SCOPES, CUDA_GRAPH_COMPILE_MODES,
                                                       DATA_PARALLEL_MODES, DDP_GRAD_COMPRESSION, KERNEL_OPS,
-                                                      TRITON_KERNEL_OPS)
+                                                      TRITON_KERNEL_OPS, kernel_ops_as_names)
 from gallery_lib.config.sections.job import DEVICES, REPORT_TO
 from gallery_lib.config.sections.training import AMP_DTYPES, AMP_LEVELS, EMA_MODES, OPTIMIZERS
 from gallery_lib.config.settings import ConfigError, check_settings, setting
@@ -112,7 +114,7 @@ class RunConfig:
         if self.find_batch_size and (self.resume or self.resume_from):
             raise ConfigError("find_batch_size=True is invalid with resume=True: a resumed run keeps the batch size "
                               "of its checkpoint. Drop find_batch_size and set batch_size to the saved run's value.")
-        cuda_graphs = self.sections.compile.cuda_graphs
+        cuda_graphs = self.cuda_graphs
         if self.gradient_checkpointing and cuda_graphs:
             # The backward recomputes each checkpointed block, which would record CUDA graphs inside the backward.
             raise ConfigError(f"gradient_checkpointing=True cannot run with compile_mode={self.compile_mode!r}: a "
@@ -165,9 +167,41 @@ class RunConfig:
         return Path(self.output_dir) / self.family / self.recipe
 
     @property
+    def step_pixels(self) -> int:
+        """The pixels of a step's images per process (``batch_size * image_size**2``): what the family's thresholds
+        of CUDA graphs and large-step kernels are in."""
+        return step_size.step_pixels(self.batch_size, self.image_size)
+
+    @property
+    def graphs_can_replay(self) -> bool:
+        """Whether CUDA graphs can replay this run's step: not with checkpointing, ZeRO-2 or accumulation
+        (``step_size.graphs_can_replay``)."""
+        return step_size.graphs_can_replay(gradient_checkpointing=self.gradient_checkpointing,
+                                           data_parallel=self.data_parallel,
+                                           gradient_accumulation_steps=self.gradient_accumulation_steps)
+
+    @property
+    def resolved_compile_mode(self) -> str:
+        """The ``torch.compile`` mode this run compiles with: ``compile_mode``, ``auto`` resolved for its step
+        (``step_size.resolved_compile_mode``). What the run, its log and the reports read."""
+        return step_size.resolved_compile_mode(self.compile_mode, self.model_family, self.step_pixels,
+                                               self.graphs_can_replay)
+
+    @property
+    def cuda_graphs(self) -> bool:
+        """Whether the compiled model replays as CUDA graphs (a resolved ``compile_mode`` that captures them)."""
+        return self.compile and self.resolved_compile_mode in CUDA_GRAPH_COMPILE_MODES
+
+    @property
+    def resolved_kernel_ops(self) -> str:
+        """The kernels ``kernels=True`` swaps in for this run: ``kernel_ops``, ``auto`` resolved for its step
+        (``step_size.resolved_kernel_ops``)."""
+        return step_size.resolved_kernel_ops(self.kernel_ops, self.model_family, self.step_pixels)
+
+    @property
     def kernel_op_names(self) -> tuple[str, ...]:
-        """``kernel_ops`` as names: every op for ``all``."""
-        return self.sections.kernels.kernel_op_names
+        """``resolved_kernel_ops`` as names: every op for ``all``."""
+        return kernel_ops_as_names(self.resolved_kernel_ops)
 
     @property
     def compile_whole_types(self) -> tuple[str, ...]:
@@ -214,12 +248,13 @@ class RunConfig:
     def load(cls, path: str | os.PathLike) -> RunConfig:
         """Reads ``config.json``, in sections or flat as written before the sections; flat files written before the
         task settings moved to the tasks still load (their settings of other tasks, all at their off values then,
-        are dropped)."""
+        are dropped), and so do files written while the recipes noted in ``extra`` which settings they had chosen by
+        the step's size (those settings load as the intent they were, ``auto``)."""
         values = flat_values(json.loads(Path(path).read_text(encoding="utf-8")))
         if "model" in values:
             own = {f.name for f in dataclasses.fields(families.family_of(values["model"]).options)}
             values = {k: v for k, v in values.items() if k in own or k not in task_setting_names()}
-        return cls(**values)
+        return cls(**_intents_of_step_notes(values))
 
     def replace(self, **changes: Any) -> RunConfig:
         """``dataclasses.replace`` for flat (or dotted) fields, the task's settings included, with a clear error for
@@ -247,6 +282,21 @@ def task_setting_names() -> dict[str, str]:
             if family.task.name not in names:
                 names.append(family.task.name)
     return {name: " and ".join(names) for name, names in tasks.items()}
+
+
+# Notes in ``extra`` of files written before the recipes stated intent: ``compile_mode`` chosen by the step's size,
+# and the family's large-step switches (each to its value below them).
+_STEP_NOTES = ("block_graphs_by_batch", "small_step_switches")
+
+
+def _intents_of_step_notes(values: dict[str, Any]) -> dict[str, Any]:
+    """``values`` with the settings that an old file's step notes name set to ``auto``, and the notes dropped."""
+    extra = values.get("extra") or {}
+    if not set(_STEP_NOTES) & set(extra):
+        return values
+    intents = {"compile_mode": AUTO} if extra.get("block_graphs_by_batch") else {}
+    intents.update((name, AUTO) for name in extra.get("small_step_switches") or {})
+    return {**values, **intents, "extra": {k: v for k, v in extra.items() if k not in _STEP_NOTES}}
 
 
 def _check_known(values: dict[str, Any], family) -> None:

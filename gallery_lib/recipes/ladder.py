@@ -145,7 +145,8 @@ RUNGS: tuple[Rung, ...] = (
          why="the UNet's convolutions read and write NHWC, the layout cuDNN's fastest kernels use, instead of "
              "converting to it and back around each one; Inductor keeps that layout inside every compiled graph, "
              "the gradients of the backward included (measured on GPUs only)."),
-    Rung("kernels", "kernels that beat the compiler", lambda cfg, s: {"kernel_ops": accelerated(cfg).kernel_ops},
+    Rung("kernels", "kernels that beat the compiler",
+         lambda cfg, s: {"kernel_ops": accelerated(cfg).resolved_kernel_ops},  # named, as each rung names its switch
          "the accelerated recipe's kernels, those that measured faster than Inductor's own code in a compiled SD "
          "step: GEGLU, and on a GPU from 32 images of 512 px a step GroupNorm+SiLU too; the compiler fuses "
          "LayerNorm (and GroupNorm+SiLU at smaller steps) itself. The gain over the rung below says whether that "

@@ -9,11 +9,10 @@ only without the EMA on the GPU, every setting keeps the EMA in the CPU's memory
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 from gallery_lib.config import ConfigError, RunConfig
 from gallery_lib.config.family import ModelSpec
-from gallery_lib.config.step_size import uncompiled
 from gallery_lib.run.memory_plan import (NAMED, PLAN, PLANNED_FIELDS, Budget, Candidate, TrainingState, candidates,
                                          choose, estimate_gib, workers_that_fit)
 
@@ -59,6 +58,19 @@ def fit_to_memory(cfg: RunConfig, resolve: Callable[[dict[str, Any]], RunConfig]
     if plan.chosen is None:  # the training process tries them in order (``run/batch_size.py``)
         noted.update(probe_fields=[_difference(cfg, other) for other in fitted], configured=configured.fields())
     return cfg.replace(extra={**cfg.extra, PLAN: noted})
+
+
+COMPILE_ONLY = {"compile_mode": "default", "compile_scope": "model", "compile_whole": "", "precompile_workers": 0,
+                "coordinate_descent_tuning": False, "tiled_reductions": False, "channels_last_graphs": False}
+"""The settings that act only through ``torch.compile``, at their defaults."""
+
+
+def uncompiled(cfg: RunConfig, named: Iterable[str] = ()) -> RunConfig:
+    """``cfg`` with ``torch.compile`` off and the settings that act only through it (``COMPILE_ONLY``, but those in
+    ``named``) at their defaults: the memory plan's setting where no compiled step fits, and a compiled recipe with a
+    user's ``compile=false``."""
+    left = {name: value for name, value in COMPILE_ONLY.items() if name not in set(named)}
+    return cfg.replace(compile=False, **left)
 
 
 def footprint_gib(cfg: RunConfig, uncompiled: bool = False) -> float | None:

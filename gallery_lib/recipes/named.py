@@ -6,7 +6,7 @@
 ``compiled``    plain ``torch.compile``: compile + bfloat16 autocast + fused optimizer + foreach EMA.
 ``peer``        the strongest plain-PyTorch setup a skilled user writes in a few lines: ``compiled`` plus the switches
                 the family declares (``ModelFamily.peer``: cached latents for diffusion, channels_last for convnets
-                and Swin), replayed as CUDA graphs on a GPU (``mode="reduce-overhead"``).
+                and Swin), replayed as CUDA graphs on a GPU where they pay (``mode="reduce-overhead"``).
                 ``accelerated`` has to beat it; ``gallery bench`` measures both.
 ``accelerated`` ``compiled`` plus the switches that measured faster for the model's family, which the family
                 declares (``ModelFamily.accelerated`` in ``gallery_lib/families/<family>.py``, each with a pointer
@@ -14,6 +14,11 @@
 
 Whether a run keeps an EMA at all is the profile's choice (``ema`` on or ``off``); a recipe only picks how the
 update runs. The plain recipes set the task settings that ``accelerated`` switches back to their defaults.
+
+What a recipe chooses by the size of the step it states as intent, ``compile_mode='auto'`` and
+``kernel_ops='auto'``, which the config resolves for its own batch size wherever it is read
+(``gallery_lib/config/step_size.py``): a run at another batch size runs what the recipe would choose there, and a
+value the user names runs as named at every size. No note in ``extra`` decides them.
 """
 
 from __future__ import annotations
@@ -21,10 +26,9 @@ from __future__ import annotations
 import os
 from typing import Any, Callable
 
-from gallery_lib.config.step_size import (GRAPHS_BY_BATCH, graph_mode_for_batch, graphs_can_replay, kept_as_named,
-                                         uncompiled, with_large_step_switches, without_graphs_where_they_cannot_replay)
-from gallery_lib.config import ConfigError, RunConfig, resolve_device, visible_cuda_devices
-from gallery_lib.recipes.memory_fit import fit_to_memory
+from gallery_lib.config import CUDA_GRAPH_COMPILE_MODES, ConfigError, RunConfig, resolve_device, visible_cuda_devices
+from gallery_lib.config.step_size import AUTO
+from gallery_lib.recipes.memory_fit import fit_to_memory, uncompiled
 from gallery_lib.run.memory_plan import NAMED, read_budget
 
 
@@ -53,12 +57,9 @@ def peer(base: RunConfig) -> RunConfig:
     gets without this library, not over the easy setup.
     """
     # The graphs made every family's plain model faster or left it the same (benchmarks/RESULTS.md#peer).
-    graphs = {"compile_mode": graph_mode_for_batch(base)} if runs_on_gpu(base) else {}
+    graphs = {"compile_mode": AUTO} if runs_on_gpu(base) else {}
     switches = {**graphs, **base.model_family.peer}
-    cfg = compiled(base).replace(recipe="peer", **without_graphs_where_they_cannot_replay(base, switches))
-    if graphs and "compile_mode" not in base.model_family.peer and graphs_can_replay(base):
-        return cfg.replace(extra={**cfg.extra, GRAPHS_BY_BATCH: True})
-    return cfg
+    return compiled(base).replace(recipe="peer", **_without_graphs_where_they_cannot_replay(base, switches))
 
 
 def accelerated(base: RunConfig) -> RunConfig:
@@ -83,18 +84,22 @@ def accelerated(base: RunConfig) -> RunConfig:
         switches.pop("compile_whole", None)
     if "ema" in switches:
         switches["ema"] = _ema_mode(base, switches["ema"])
-    graphs_by_batch = on_gpu and "compile_mode" not in switches
-    if graphs_by_batch:  # the blocks or the whole model replayed as CUDA graphs where they pay
-        switches["compile_mode"] = graph_mode_for_batch(base)
+    if on_gpu and "compile_mode" not in switches:  # the blocks or whole model replayed as CUDA graphs where they pay
+        switches["compile_mode"] = AUTO
+    if on_gpu and base.model_family.accelerated_on_large_steps:  # kernels that pay once a step gives them work enough
+        switches["kernel_ops"] = AUTO
     if on_gpu and switches.get("compile_scope") == "blocks" and base.data_parallel != "zero2":
         # precompiled in parallel; ZeRO-2's sharded blocks cannot be copied to the workers
         switches["precompile_workers"] = precompile_workers_for_machine()
-    cfg = compiled(base).replace(recipe="accelerated", **without_graphs_where_they_cannot_replay(base, switches))
-    if on_gpu:  # the kernels that pay only once a step gives them work enough
-        cfg = with_large_step_switches(cfg)
-    if graphs_by_batch and graphs_can_replay(base):
-        return cfg.replace(extra={**cfg.extra, GRAPHS_BY_BATCH: True})
-    return cfg
+    return compiled(base).replace(recipe="accelerated", **_without_graphs_where_they_cannot_replay(base, switches))
+
+
+def _without_graphs_where_they_cannot_replay(base: RunConfig, switches: dict[str, Any]) -> dict[str, Any]:
+    """``switches`` with a CUDA-graph ``compile_mode`` (a family's, at every size) turned back to ``default`` where
+    ``base`` cannot replay them (``RunConfig.graphs_can_replay``); ``auto`` leaves them out there itself."""
+    if not base.graphs_can_replay and switches.get("compile_mode") in CUDA_GRAPH_COMPILE_MODES:
+        return {**switches, "compile_mode": "default"}
+    return switches
 
 
 def notebook_recipes(base: RunConfig) -> list[str]:
@@ -189,11 +194,11 @@ def _resolved(base: RunConfig, recipe: str, overrides: dict[str, Any]) -> RunCon
         if overrides.get("compile") is False:  # the recipe's compile-only switches go with it
             cfg = uncompiled(cfg, named=overrides)
         cfg = cfg.replace(recipe=f"{recipe}+{label}", **left_out, **overrides)
-    return kept_as_named(cfg, overrides)  # what the user named stays at every batch size
+    return cfg
 
 
-# Overrides a recipe reads before it resolves: ``accelerated`` leaves out what they cannot run with, sizes its
-# CUDA graphs by the step's images, and precompiles the blocks of a ``compile_scope='blocks'`` the user names.
+# Overrides a recipe reads before it resolves: ``accelerated`` leaves out what they cannot run with and precompiles
+# the blocks of a ``compile_scope='blocks'`` the user names; the ladder's rungs scale the base's batch.
 _RECIPE_INPUTS = ("gradient_checkpointing", "data_parallel", "batch_size", "image_size", "compile_scope")
 
 # Settings that only act when a switch is on: asking for one in a recipe that leaves the switch off is a mistake.

@@ -39,13 +39,13 @@ def recipe_changes(base: Any, model: nn.Module, recipe: str = "accelerated", *,
         changes.append(fuse_kernels(model, cfg.kernel_op_names, device_type=device))
     if cfg.fused_attention:
         changes.append(fuse_attention(model))
+    mode = cfg.resolved_compile_mode  # its ``auto`` resolved for the step
     if cfg.compile and cfg.compile_scope == "blocks":
-        mode = None if cfg.compile_mode == "default" else cfg.compile_mode
-        changes.append(compile_blocks(model, mode=mode, device_type=device))
+        changes.append(compile_blocks(model, mode=None if mode == "default" else mode, device_type=device))
     elif cfg.compile:
-        graphs = graphs_text(cfg.compile_mode, device)
+        graphs = graphs_text(mode, device)
         changes.append(Change("compiled model", f"the whole {type(model).__name__} compiled as one graph (mode "
-                              f"{cfg.compile_mode}{graphs}); compilation happens in the first steps",
+                              f"{mode}{graphs}); compilation happens in the first steps",
                               "Inductor fuses the memory-bound ops across the whole step",
                               f"{RESULTS}#dreambooth"))
     if echo is not None:

@@ -72,8 +72,8 @@ def _compiled(cfg: RunConfig, device: str) -> str:
     scope = "repeated blocks" if cfg.compile_scope == "blocks" else "whole model"
     scope += "".join(f", {name} whole" for name in cfg.compile_whole_types)
     # CUDA graphs replay on a GPU only: on a CPU the mode compiles without them
-    graphs = ", CUDA graphs" if cfg.compile_mode in ("reduce-overhead", "max-autotune") and device == "cuda" else ""
-    return f"{scope}, mode {cfg.compile_mode}{graphs}"
+    graphs = ", CUDA graphs" if cfg.cuda_graphs and device == "cuda" else ""
+    return f"{scope}, mode {cfg.resolved_compile_mode}{graphs}"
 
 
 def _ema(cfg: RunConfig, device: str) -> str:
@@ -98,6 +98,7 @@ def _family_switches(cfg: RunConfig, device: str) -> str:
         if name in ("compile_scope", "compile_whole", "compile_mode", "ema", "amp_dtype") or (
                 name in ("kernels", "kernel_ops") and not cfg.kernels):
             continue  # in their own columns; kernels off (a CPU run of a GPU-only switch) say nothing
-        value = getattr(options, name) if hasattr(options, name) else getattr(cfg, name)
+        value = (getattr(options, name) if hasattr(options, name)
+                 else cfg.resolved_kernel_ops if name == "kernel_ops" else getattr(cfg, name))
         values.append(f"{name}={value}")
     return ", ".join(values) or "-"

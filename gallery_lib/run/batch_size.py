@@ -21,7 +21,6 @@ from typing import Any, Callable
 import torch
 
 from gallery_lib.config import ConfigError, RunConfig
-from gallery_lib.config.step_size import at_batch_size
 from gallery_lib.run.memory_plan import PLAN, MemoryPlan, OutOfMemory
 
 TRIAL_STEPS = 3
@@ -113,11 +112,12 @@ def find_batch_size(
 
 
 def trial_config(cfg: RunConfig, batch: int) -> RunConfig:
-    """``cfg`` cut down to one trial at ``batch`` (``step_size.at_batch_size``): ``TRIAL_STEPS`` steps, no
-    checkpoint, no export, its own folder."""
-    return at_batch_size(cfg, batch).replace(
-        steps=TRIAL_STEPS, warmup_steps=min(cfg.warmup_steps, TRIAL_STEPS - 1), find_batch_size=False,
-        checkpoint_every=0, export_model=False, output_dir=str(cfg.run_dir / SEARCH_DIR / f"batch_{batch}"))
+    """``cfg`` cut down to one trial at ``batch`` (what its recipe stated by the step's size resolves for that
+    batch: ``config/step_size.py``): ``TRIAL_STEPS`` steps, no checkpoint, no export, its own folder."""
+    return cfg.replace(
+        batch_size=batch, steps=TRIAL_STEPS, warmup_steps=min(cfg.warmup_steps, TRIAL_STEPS - 1),
+        find_batch_size=False, checkpoint_every=0, export_model=False,
+        output_dir=str(cfg.run_dir / SEARCH_DIR / f"batch_{batch}"))
 
 
 def search_run_batch_size(cfg: RunConfig, train: Callable[[RunConfig], Any],

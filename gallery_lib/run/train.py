@@ -50,7 +50,6 @@ from gallery_lib.accel.precision import Precision
 from gallery_lib.accel.torch_switches import (WORKER_CAP_ENV, cap_gpu_memory, set_deterministic_algorithms,
                                               set_float32_matmul_precision)
 from gallery_lib.config import RunConfig, validate_for_machine
-from gallery_lib.config.step_size import at_batch_size
 from gallery_lib.run.attention_probe import AttentionProbe
 from gallery_lib.run.batch_size import is_out_of_memory, search_run_batch_size, train_first_that_fits
 from gallery_lib.run.memory_plan import (NAMED, PLAN, Candidate, MemoryPlan, OutOfMemory, memory_in_use_gib,
@@ -155,8 +154,8 @@ def run(cfg: RunConfig, dist: DistInfo | None = None) -> dict:
         return _train(cfg, dist)
     check_fresh_start(cfg.run_dir, cfg.sections.checkpoint)  # now, rather than after the search
     search = search_run_batch_size(cfg, lambda trial: _train(trial, dist), log=log)
-    cfg = at_batch_size(cfg, search["chosen"]).replace(find_batch_size=False,
-                                                       extra={**cfg.extra, "batch_size_search": search})
+    cfg = cfg.replace(batch_size=search["chosen"], find_batch_size=False,
+                      extra={**cfg.extra, "batch_size_search": search})
     if dist.is_main:
         cfg.save(cfg.run_dir / "config.json")  # says what trained; a torchrun restart reloads it without searching
     log(f"[gallery] batch-size search: training at {search['chosen']} (tried {search['tried']}), from step 0")
@@ -253,7 +252,7 @@ def _train_from(setup_start: float, cfg: RunConfig, dist: DistInfo, plan: Compil
         reshard(model)  # the probe's forward left the whole weights registered
     update = functools.partial(_update, model, optimizer, scheduler, ema, precision, cfg.clip_grad,
                                cfg.clip_in_optimizer)
-    cuda_graphs = cfg.sections.compile.cuda_graphs
+    cuda_graphs = cfg.cuda_graphs
     step_log = StepLog(dist, writer, loader, steps=cfg.steps, log_every=cfg.log_every,
                        global_batch_size=cfg.global_batch_size, start=start, warmup_steps=warmup_steps, log=log)
     # the last steps, left out of the speed figures: the profiler can slow the steps after it too

@@ -7,7 +7,9 @@ from dataclasses import dataclass
 
 from gallery_lib.config.settings import ConfigError, Section, setting
 
-COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+AUTO = "auto"
+"""A setting's intent, resolved for the size of the step as it is read (``gallery_lib/config/step_size.py``)."""
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs", AUTO)
 COMPILE_SCOPES = ("model", "blocks")
 # Compile modes that capture CUDA graphs: only meaningful with a GPU.
 CUDA_GRAPH_COMPILE_MODES = ("reduce-overhead", "max-autotune")
@@ -22,6 +24,11 @@ def _comma_list(text: str) -> tuple[str, ...]:
     return tuple(part.strip() for part in text.split(",") if part.strip())
 
 
+def kernel_ops_as_names(kernel_ops: str) -> tuple[str, ...]:
+    """A concrete ``kernel_ops`` as names: every op for ``all``."""
+    return TRITON_KERNEL_OPS if kernel_ops == "all" else _comma_list(kernel_ops)
+
+
 @dataclass(frozen=True, kw_only=True)
 class Compile(Section):
     """``compile``: whether and how ``torch.compile`` compiles the model, and the Inductor switches beside it."""
@@ -29,7 +36,11 @@ class Compile(Section):
     compile: bool = setting(False, kind=bool)
     """Wrap the model in ``torch.compile``."""
     compile_mode: str = setting("default", choices=COMPILE_MODES)
-    """``torch.compile`` mode (``max-autotune-no-cudagraphs`` autotunes matmuls without CUDA graphs)."""
+    """``torch.compile`` mode (``max-autotune-no-cudagraphs`` autotunes matmuls without CUDA graphs), or ``auto``,
+    what the GPU recipes state: CUDA graphs where they pay, resolved for the step as it is read
+    (``RunConfig.resolved_compile_mode``): ``reduce-overhead`` while a step's images per process hold fewer pixels
+    than the family's ``block_graphs_below_pixels`` and the graphs can replay (no gradient checkpointing, ZeRO-2 or
+    accumulation), else ``default``. A mode named explicitly runs at every batch size."""
     compile_scope: str = setting("model", choices=COMPILE_SCOPES)
     """What ``compile`` compiles: ``model`` (the whole model, one graph) or ``blocks`` (each repeated block in place,
     ``accel/compile/regional.py``: blocks of one shape share a graph, so there is less to compile; with a CUDA-graph
@@ -86,11 +97,6 @@ class Compile(Section):
         """``compile_whole`` as class names."""
         return _comma_list(self.compile_whole)
 
-    @property
-    def cuda_graphs(self) -> bool:
-        """Whether the compiled model replays as CUDA graphs (a ``compile_mode`` that captures them)."""
-        return self.compile and self.compile_mode in CUDA_GRAPH_COMPILE_MODES
-
 
 @dataclass(frozen=True, kw_only=True)
 class Kernels(Section):
@@ -102,7 +108,10 @@ class Kernels(Section):
     """Which kernels ``kernels=True`` swaps in: ``all`` (the Triton kernels) or a comma list of ``group_norm_silu``,
     ``layer_norm``, ``geglu``, ``conv_bn_relu`` (recipes keep only those that measured faster than torch.compile's own
     code). ``conv_bn_relu`` folds a ResNet bottleneck's batch norms into cuDNN's fused convolutions; on a GPU it needs
-    ``amp_dtype='float16'`` and the ``nvidia-cudnn-frontend`` package (``ci/setup_env.sh`` installs it on a GPU)."""
+    ``amp_dtype='float16'`` and the ``nvidia-cudnn-frontend`` package (``ci/setup_env.sh`` installs it on a GPU).
+    ``auto``, what ``accelerated`` states on a GPU where its family's kernels depend on the step's size, is resolved
+    for the step as it is read (``RunConfig.kernel_op_names``): the family's ``accelerated_on_large_steps`` kernels
+    once a step's images per process hold ``large_step_pixels``, else those of its ``accelerated`` switches."""
     fused_attention: bool = setting(False, kind=bool)
     """Run window/self attention through ``scaled_dot_product_attention`` instead of explicit matmuls."""
     sdpa_math: bool = setting(False, kind=bool)
@@ -113,19 +122,21 @@ class Kernels(Section):
     """Keep image tensors (and conv weights) in channels-last memory format."""
 
     def check(self) -> None:
-        if not self.kernel_op_names or any(op not in KERNEL_OPS for op in self.kernel_op_names):
-            raise ConfigError(f"kernel_ops={self.kernel_ops!r} is invalid: expected 'all' or a comma list of "
-                              f"{', '.join(KERNEL_OPS)}.")
+        if self.kernel_ops != AUTO and (not self.kernel_op_names
+                                        or any(op not in KERNEL_OPS for op in self.kernel_op_names)):
+            raise ConfigError(f"kernel_ops={self.kernel_ops!r} is invalid: expected 'all', 'auto' or a comma list "
+                              f"of {', '.join(KERNEL_OPS)}.")
         if self.sdpa_math and self.fused_attention:
             raise ConfigError("sdpa_math=True and fused_attention=True contradict each other: the attention registry "
                               "picks its own kernels. Keep one of them.")
 
     @property
     def kernel_op_names(self) -> tuple[str, ...]:
-        """``kernel_ops`` as names: every op for ``all``."""
-        if self.kernel_ops == "all":
-            return TRITON_KERNEL_OPS
-        return _comma_list(self.kernel_ops)
+        """``kernel_ops`` as names: every op for ``all``. ``auto`` depends on the step: ``RunConfig.kernel_op_names``
+        resolves it."""
+        if self.kernel_ops == AUTO:
+            raise ValueError("kernel_ops='auto' is resolved for the step: read RunConfig.kernel_op_names")
+        return kernel_ops_as_names(self.kernel_ops)
 
 
 @dataclass(frozen=True, kw_only=True)
