@@ -69,7 +69,8 @@ def uncompiled(cfg: RunConfig, named: Iterable[str] = ()) -> RunConfig:
     """``cfg`` with ``torch.compile`` off and the settings that act only through it (``COMPILE_ONLY``, but those in
     ``named``) at their defaults: the memory plan's setting where no compiled step fits, and a compiled recipe with a
     user's ``compile=false``."""
-    left = {name: value for name, value in COMPILE_ONLY.items() if name not in set(named)}
+    named = set(named)
+    left = {name: value for name, value in COMPILE_ONLY.items() if name not in named}
     return cfg.replace(compile=False, **left)
 
 

@@ -18,8 +18,7 @@ from matplotlib.figure import Figure
 
 from gallery_lib.recipes.ladder import RungResult, recipe_name
 from gallery_lib.reports.comparison import CPU_TIMINGS, _png_bytes, _ReportFigure, speedup_text, with_inline_image
-from gallery_lib.run.memory_plan import Candidate
-from gallery_lib.run.summary import compile_caches
+from gallery_lib.run.summary import compile_caches, planned_setting
 
 LADDER_MD, LADDER_PNG, LADDER_JSON = "ladder.md", "ladder.png", "ladder.json"
 BOUGHT_NOTHING = 1.03
@@ -34,6 +33,7 @@ def ladder_rows(results: list[RungResult]) -> list[dict[str, Any]]:
     rows = []
     for result in results:
         rung, summary, parent = result.rung, result.summary, result.builds_on
+        planned = planned_setting(summary)  # where the memory plan changed the rung's setting to fit its GPU
         row: dict[str, Any] = {
             "rung": recipe_name(rung), "name": rung.name, "title": rung.title, "builds_on": parent,
             "batch_size": result.config.batch_size if result.config else None,
@@ -42,7 +42,7 @@ def ladder_rows(results: list[RungResult]) -> list[dict[str, Any]]:
             "speedup": None, "gain": None, "talk_speedup": rung.talk[0] if rung.talk else None,
             "talk_peak_mem_gb": rung.talk[1] if rung.talk else None, "failure": result.failure,
             "failure_line": result.line() if result.failure else None, "does_not_fit": result.does_not_fit,
-            "setting": _planned_setting(summary),
+            "setting": f"{planned.short()} (memory plan)" if planned else None,
             "device": summary["device_name"] if summary else None,
             "compile_caches": compile_caches(summary) if summary else None,
         }
@@ -56,13 +56,6 @@ def ladder_rows(results: list[RungResult]) -> list[dict[str, Any]]:
             row["gain"] = row["img_per_s"] / speed[parent] if parent in speed else None
         rows.append(row)
     return rows
-
-
-def _planned_setting(summary: dict | None) -> str | None:
-    """``4 x 2, checkpointing (memory plan)`` where the memory plan changed the rung's setting to fit its GPU."""
-    plan = (summary or {}).get("memory_plan") or {}
-    return f"{Candidate(**plan['chosen']).short()} (memory plan)" if plan.get("changed") and plan.get("chosen") \
-        else None
 
 
 def findings(rows: list[dict[str, Any]]) -> list[str]:

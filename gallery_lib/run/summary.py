@@ -58,14 +58,19 @@ DONE_PREFIX = "[gallery] done: "
 """How the run's last console line starts when it finished (``describe_summary``)."""
 
 
+def planned_setting(summary: dict[str, Any] | None) -> Candidate | None:
+    """The setting the memory plan changed the run to, to fit its GPU; ``None`` where it ran as configured."""
+    plan = (summary or {}).get("memory_plan") or {}
+    return Candidate(**plan["chosen"]) if plan.get("changed") and plan.get("chosen") else None
+
+
 def describe_summary(summary: dict[str, Any]) -> str:
     """The run's last log line."""
     after = f" after {summary['precompile_time_s']:.1f} s of precompilation" if summary["precompile_time_s"] else ""
     steady = (summary["steps"] - summary["resumed_from_step"] - summary["warmup_steps"]
               - summary.get("profiled_steps", 0))
-    plan = summary.get("memory_plan") or {}
-    planned = f", {Candidate(**plan['chosen']).describe()} (memory plan)" if plan.get("changed") and plan.get("chosen") \
-        else ""
+    setting = planned_setting(summary)
+    planned = f", {setting.describe()} (memory plan)" if setting else ""
     return (f"{DONE_PREFIX}{summary['samples_per_s']:.1f} img/s (median of {steady} steps after warm-up), "
             f"warm-up {summary['warmup_time_s']:.1f} s{after}, peak {summary['peak_mem_mb'] / 1024:.2f} GiB, "
             f"final loss {summary['final_loss']:.4f}{planned}")
