@@ -433,9 +433,7 @@ def _kept_if_faster(model: nn.Module, steps: list[tuple[str, Callable[[], Change
     with step.leaving_the_model_as_it_was():
         for label, call in steps:
             entry_key = f"{key} | {label} after {', '.join(kept) or 'nothing'}"
-            entry = cached.get(entry_key)
-            if not isinstance(entry, dict) or "without_ms" not in entry:  # none, or another version's: time it
-                entry = None
+            entry = _timed_before(cached, entry_key)
             change = call()
             if not change.changed:
                 decided.append(change)
@@ -470,8 +468,8 @@ def _kept_if_faster(model: nn.Module, steps: list[tuple[str, Callable[[], Change
             where = f"{step.where}, once compiled"
             for index, label, call, change in reversed(before_compiling):
                 entry_key = f"{key} | {label} once compiled, after {', '.join(kept)}"
-                entry = cached.get(entry_key)
-                if isinstance(entry, dict) and "without_ms" in entry:
+                entry = _timed_before(cached, entry_key)
+                if entry is not None:
                     decision = KeepDecision.from_cache(entry, min_gain)
                     if not decision.kept:
                         change.undo()
@@ -489,6 +487,12 @@ def _kept_if_faster(model: nn.Module, steps: list[tuple[str, Callable[[], Change
                     current_ms = None if decision.cached else decision.without_ms
                 decided[index] = _decided(change, decision, where, min_gain, cache_path)
     yield from decided
+
+
+def _timed_before(cached: dict[str, Any], entry_key: str) -> dict[str, Any] | None:
+    """The cached times of ``entry_key``; ``None`` where there are none, or another version's: time it."""
+    entry = cached.get(entry_key)
+    return entry if isinstance(entry, dict) and "without_ms" in entry else None
 
 
 def _time_the_example(time_step: Callable[[], float]) -> float:
