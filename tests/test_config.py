@@ -217,7 +217,7 @@ def test_auto_is_a_choice_resolved_for_the_step():
 
 # a flat file of 552a0d8 loads them at their defaults
 ADDED_SINCE_THE_FIXTURES = {"clip_in_optimizer", "ema_in_optimizer", "compile_whole", "memory_plan", "gpu_memory_gib",
-                            "ema_offload"}
+                            "ema_offload", "foreach_optimizer"}
 
 
 def test_every_field_has_one_section_and_keeps_its_flat_name():

@@ -25,7 +25,8 @@ from gallery_lib.run.memory_plan import (CAP_ENV, HEADROOM, NAMED, PLAN, Budget,
                                          workers_that_fit)
 from gallery_lib.run.metrics import read_metrics
 from gallery_lib.tasks.classification import ClassificationTask
-from gallery_lib.run.train import run
+from gallery_lib.run.train import build_optimizer, run
+from gallery_lib.accel.precision import Precision
 
 # A footprint of the tests' own: 10 GiB of state, 1 GiB per image; checkpointing halves the images' part.
 POINTS = {4: 14.0, 8: 18.0}
@@ -200,6 +201,26 @@ def test_a_budget_the_training_state_fills_is_refused_before_any_setting_is_trie
     assert not MemoryPlan.from_dict(fitted(sd_full(), "accelerated", 12.5).extra[PLAN]).fits  # 12.8 even without
 
 
+def test_where_the_unfused_adamws_copy_does_not_fit_the_update_runs_one_tensor_at_a_time():
+    """The baseline's unfused AdamW holds a fifth fp32 copy of SD-1.5's 860M parameters in its multi-tensor update
+    (16.0 GiB with the EMA offloaded): at 16 GiB it updates one tensor at a time; the fused recipes hold no such copy;
+    a user who names ``foreach_optimizer`` keeps it, and the run is refused before it starts."""
+    small = fitted(sd_full(), "baseline", 16.0)
+    plan = MemoryPlan.from_dict(small.extra[PLAN])
+    assert not small.foreach_optimizer and small.ema_offload and plan.per_tensor_update and plan.fits
+    assert all(fields.get("foreach_optimizer", False) is False for fields in small.extra[PLAN]["probe_fields"])
+    assert training_state(apply_recipe("baseline", sd_full())).gib == pytest.approx(16.01 + 3.20, abs=0.01)
+    for recipe in ("peer", "accelerated"):  # fused: no copy, nothing to move but the EMA
+        assert not MemoryPlan.from_dict(fitted(sd_full(), recipe, 16.0).extra[PLAN]).per_tensor_update
+    assert fitted(sd_full(), "baseline", 22.0).foreach_optimizer  # 19.2 GiB fits 22 as it is
+    kept = MemoryPlan.from_dict(fitted(sd_full(foreach_optimizer=True), "baseline", 16.0).extra[PLAN])
+    assert not kept.fits and "its multi-tensor update's copy" in kept.does_not_fit()
+    model = torch.nn.Linear(4, 4)
+    precision = Precision.from_settings(small.sections.precision, "cpu")
+    looped = build_optimizer(model, small.sections.optimizer, precision, lr=1e-3)
+    assert looped.defaults["foreach"] is False
+
+
 @pytest.mark.parametrize("recipe", ["baseline", "peer", "accelerated"])
 def test_where_only_the_ema_does_not_fit_it_waits_in_the_cpus_memory(recipe):
     """SD-1.5's state is 16.0 GiB with the EMA and 12.8 without: at 16 GiB every recipe keeps its EMA on the CPU
@@ -212,8 +233,9 @@ def test_where_only_the_ema_does_not_fit_it_waits_in_the_cpus_memory(recipe):
     # its batch 8 uncompiled comes next, before smaller compiled steps
     first = Candidate(8, 1, False, uncompiled=True) if recipe == "accelerated" else Candidate(8, 1, False)
     assert plan.chosen is None and plan.probe[0] == first
+    per_tensor = "the optimizer's update one tensor at a time; " if recipe == "baseline" else ""
     assert plan.note().startswith("memory plan, 16.0 GiB (gpu_memory_gib): the EMA kept in the CPU's memory between "
-                                  f"updates; not measured for this recipe: {first.describe()}")
+                                  f"updates; {per_tensor}not measured for this recipe: {first.describe()}")
     assert all(fields.get("ema_offload", True) for fields in small.extra[PLAN]["probe_fields"])
     assert not training_state(small).ema and training_state(small).gib == pytest.approx(12.81, abs=0.01)
     assert not fitted(sd_full(), recipe, 22.0).ema_offload

@@ -3,7 +3,8 @@ the ladder's rungs) goes through the same plan (``gallery_lib/run/memory_plan.py
 compare fairly. Each setting the plan weighs is the recipe resolved again at that setting (checkpointing, say, turns
 its CUDA graphs off), and its peak is read from the family's measured footprints. Where the training state fits
 only without the EMA on the GPU, every setting keeps the EMA in the CPU's memory between its updates
-(``ema_offload``).
+(``ema_offload``), and where it fits only without the unfused AdamW's multi-tensor copy, the update runs one tensor at
+a time (``foreach_optimizer=False``).
 """
 
 from __future__ import annotations
@@ -24,12 +25,12 @@ def fit_to_memory(cfg: RunConfig, resolve: Callable[[dict[str, Any]], RunConfig]
     if budget is None or cfg.memory_plan == "off" or cfg.find_batch_size or cfg.nproc_per_node > 1:
         return cfg  # the search sizes the batch itself; several processes were never measured
     named = cfg.extra.get(NAMED, ())
-    offloaded = _offload_fits(cfg, budget, named)
-    if offloaded:  # the weights, gradients and optimizer state fit; the EMA beside them does not: it waits on the CPU
-        on_gpu = resolve
+    moved = _state_moves(cfg, budget, named)
+    if moved:  # the state fits once the EMA waits on the CPU or the optimizer updates one tensor at a time
+        as_recipe = resolve
 
         def resolve(fields: dict[str, Any]) -> RunConfig:
-            return on_gpu({**fields, "ema_offload": True})
+            return as_recipe({**fields, **moved})
 
         cfg = resolve({})
     configured = Candidate(cfg.batch_size, cfg.gradient_accumulation_steps, cfg.gradient_checkpointing)
@@ -43,7 +44,8 @@ def fit_to_memory(cfg: RunConfig, resolve: Callable[[dict[str, Any]], RunConfig]
             continue
         options.append(option)
     estimates = [footprint_gib(config, option.uncompiled) for option, config in zip(options, configs)]
-    plan = replace(choose(options, estimates, budget, configured, training_state(cfg)), ema_offloaded=offloaded)
+    plan = replace(choose(options, estimates, budget, configured, training_state(cfg)),
+                   ema_offloaded="ema_offload" in moved, per_tensor_update="foreach_optimizer" in moved)
     settings = (plan.chosen,) if plan.chosen is not None else plan.probe
     if not settings:
         return cfg.replace(extra={**cfg.extra, PLAN: plan.as_dict()})
@@ -116,18 +118,25 @@ def training_state(cfg: RunConfig) -> TrainingState | None:
         return None
     fixes = ([", or without the EMA (--set ema=off)"] if cfg.ema != "off" else []) + (
         [", or train LoRA adapters (--set lora_rank=4)"] if "lora_rank" in settings else [])
+    foreach_copy = cfg.optimizer == "adamw" and not cfg.fused_optimizer and cfg.foreach_optimizer
     return TrainingState(spec.trained_parameters, cfg.optimizer, cfg.ema != "off" and not cfg.ema_offload,
-                         "".join(fixes))
+                         "".join(fixes), foreach_copy)
 
 
-def _offload_fits(cfg: RunConfig, budget: Budget, named: Any) -> bool:
-    """Whether the training state fills ``budget`` with the EMA on the GPU and not without it, and the EMA may move
-    to the CPU: the user did not name ``ema_offload``, and ZeRO-2 does not shard it already."""
+def _state_moves(cfg: RunConfig, budget: Budget, named: Any) -> dict[str, Any]:
+    """The fields that make a training state that fills ``budget`` fit it, taken in order until it does: the EMA to
+    the CPU between updates (unless the user named ``ema_offload``, or ZeRO-2 shards it already), then the unfused
+    optimizer's update one tensor at a time (unless the user named ``foreach_optimizer``); none where it fits as it
+    is, or does not fit even so."""
     state = training_state(cfg)
-    if (state is None or not state.ema or "ema_offload" in named or cfg.data_parallel == "zero2"
-            or state.gib < budget.gib):
-        return False
-    return replace(state, ema=False).gib < budget.gib
+    if state is None or state.gib < budget.gib:
+        return {}
+    moves = {}
+    if state.ema and "ema_offload" not in named and cfg.data_parallel != "zero2":
+        moves["ema_offload"], state = True, replace(state, ema=False)
+    if state.gib >= budget.gib and state.foreach_copy and "foreach_optimizer" not in named:
+        moves["foreach_optimizer"], state = False, replace(state, foreach_copy=False)
+    return moves if state.gib < budget.gib else {}
 
 
 def _spec(cfg: RunConfig) -> ModelSpec | None:

@@ -108,6 +108,9 @@ class MemoryPlan:
     ema_offloaded: bool = False
     """The EMA waits in the CPU's memory between its updates (``ema_offload``): the training state fits the budget
     only without it."""
+    per_tensor_update: bool = False
+    """The unfused optimizer updates one tensor at a time (``foreach_optimizer=False``): the training state fits the
+    budget only without the multi-tensor update's copy."""
 
     @property
     def fits(self) -> bool:
@@ -116,7 +119,8 @@ class MemoryPlan:
     def note(self) -> str:
         """``memory plan, 22.0 GiB (gpu_memory_gib): batch 4 x 2 accumulation steps (measured 20.1 GiB)``."""
         head = f"memory plan, {Budget(self.budget_gib, self.source).describe()}: " + (
-            "the EMA kept in the CPU's memory between updates; " if self.ema_offloaded else "")
+            "the EMA kept in the CPU's memory between updates; " if self.ema_offloaded else "") + (
+            "the optimizer's update one tensor at a time; " if self.per_tensor_update else "")
         if self.chosen is None and self.probe:
             return head + (f"not measured for this recipe: {self.probe[0].describe()}, giving way to the next "
                            "setting if it runs out of memory before its timed steps")
@@ -151,7 +155,7 @@ class MemoryPlan:
                 "state": self.state, "state_fix": self.state_fix,
                 "probe": [asdict(c) for c in self.probe], "precompile_workers": self.precompile_workers,
                 "changed": self.changed, "after": [asdict(c) for c in self.after],
-                "ema_offloaded": self.ema_offloaded, "note": self.note()}
+                "ema_offloaded": self.ema_offloaded, "per_tensor_update": self.per_tensor_update, "note": self.note()}
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> MemoryPlan:
@@ -160,7 +164,8 @@ class MemoryPlan:
                    values.get("estimate_gib"), values.get("state", ""), values.get("state_fix", ""),
                    tuple(Candidate(**c) for c in values.get("probe", ())),
                    values.get("precompile_workers"), values.get("changed", False),
-                   tuple(Candidate(**c) for c in values.get("after", ())), values.get("ema_offloaded", False))
+                   tuple(Candidate(**c) for c in values.get("after", ())), values.get("ema_offloaded", False),
+                   values.get("per_tensor_update", False))
 
 
 def _as_flags(candidate: Candidate) -> str:
@@ -248,10 +253,14 @@ class TrainingState:
     ema: bool
     fix: str = ""
     """What else shrinks it, where the run offers it: ``, or train LoRA adapters (--set lora_rank=4)``."""
+    foreach_copy: bool = False
+    """The unfused AdamW's multi-tensor update, which holds one more fp32 copy at its peak (``torch._foreach_sqrt``
+    of the second moments): SD-1.5's baseline ran out of memory in its first update at 16 GiB at every batch size
+    (benchmarks/RESULTS.md#memory-plan)."""
 
     @property
     def gib(self) -> float:
-        buffers = 2 + (2 if self.optimizer == "adamw" else 1) + (1 if self.ema else 0)
+        buffers = 2 + (2 if self.optimizer == "adamw" else 1) + (1 if self.ema else 0) + (1 if self.foreach_copy else 0)
         return self.buffer_gib * buffers
 
     @property
@@ -261,7 +270,8 @@ class TrainingState:
 
     def describe(self) -> str:
         optimizer = "AdamW's moments" if self.optimizer == "adamw" else "the momentum"
-        return (f"the weights, gradients, {optimizer}{' and the EMA' if self.ema else ''} of "
+        copy = ", its multi-tensor update's copy" if self.foreach_copy else ""
+        return (f"the weights, gradients, {optimizer}{copy}{' and the EMA' if self.ema else ''} of "
                 f"{self.parameters / 1e6:,.0f}M trained parameters")
 
 

@@ -101,7 +101,7 @@ def build_optimizer(model: torch.nn.Module, settings: OptimizerSettings, precisi
     no_decay = model.no_weight_decay() if hasattr(model, "no_weight_decay") else ()
     groups = param_groups_weight_decay(model, settings.weight_decay, no_weight_decay_list=no_decay)
     groups = precision.optimizer_params(groups)
-    kwargs = {"fused": True} if settings.fused_optimizer else {}
+    kwargs = {"fused": True} if settings.fused_optimizer else {} if settings.foreach_optimizer else {"foreach": False}
     if settings.optimizer == "sgd":
         return torch.optim.SGD(groups, lr=lr, momentum=0.9, nesterov=True, **kwargs)
     adamw = AdamWWithEma if averages_ema else torch.optim.AdamW

@@ -78,6 +78,10 @@ class Optimizer(Section):
     """Gradient-norm clipping threshold (the Swin reference uses 5.0); ``None`` disables it."""
     fused_optimizer: bool = setting(False, kind=bool)
     """Use ``torch.optim.AdamW(fused=True)``: one kernel for the whole update."""
+    foreach_optimizer: bool = setting(True, kind=bool)
+    """Without ``fused_optimizer``: PyTorch's default multi-tensor (foreach) update on a GPU, whose AdamW holds a
+    temporary fp32 copy of every parameter at its peak; ``False`` updates one tensor at a time (slower; the memory
+    plan's setting where that copy does not fit)."""
     clip_in_optimizer: bool = setting(False, kind=bool)
     """Fold gradient clipping into the fused optimizer's pass: it divides each gradient by the clip factor as it reads
     it, instead of a pass that scales every gradient in place first. The same update, one pass over the gradients
