@@ -98,19 +98,20 @@ def memory_classes() -> str:
     lines = ["| card | free for the run (GiB) | " + " | ".join(
                  f"{label} `{recipe}`" for label, _, _ in MEMORY_FAMILIES for recipe in MEMORY_RECIPES) + " |",
              "|---|---|" + "---|" * (len(MEMORY_FAMILIES) * len(MEMORY_RECIPES))]
-    for card, size, total in CARDS:
-        budget = round(total - CONTEXT_GIB, 1)
+    rows = [(f"{card} ({size})", round(total - CONTEXT_GIB, 1)) for card, size, total in CARDS]
+    rows.insert(1, ("`--gpu-memory-gib 16` (the cap measured on an H200)", 16.0))
+    for label, budget in rows:
         cells = [_plan_cell(MemoryPlan.from_dict(recipe_config(base.replace(gpu_memory_gib=budget), recipe,
                                                                {}).extra[PLAN]))
                  for base in bases for recipe in MEMORY_RECIPES]
-        lines.append(f"| {card} ({size}) | {budget:.1f} | " + " | ".join(cells) + " |")
+        lines.append(f"| {label} | {budget:.1f} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
 def _plan_cell(plan) -> str:
     """``batch 8 (22.9)``, ``batch 8, checkpointing (tried)``, ``batch 8, uncompiled, EMA on the CPU (tried)``, or
     ``does not fit``."""
-    ema = ", EMA on the CPU" if plan.ema_offloaded else ""
+    ema = (", EMA on the CPU" if plan.ema_offloaded else "") + (", AdamW per tensor" if plan.per_tensor_update else "")
     if plan.chosen is not None:
         return f"{plan.chosen.short()}{ema} ({plan.estimate_gib:.1f})"
     if plan.probe:

@@ -94,9 +94,28 @@ def table() -> dict[str, dict[str, str]]:
     return rows
 
 
+# Measured since: SD-1.5's accelerated and peer at batch 8 checkpointed uncompiled in 16 GiB. The plan now picks that
+# setting (one of those it probed before) and leaves nothing to probe.
+MEASURED_SINCE = ("stable_diffusion|cuda|accelerated|", "stable_diffusion|cuda|peer|")
+
+
+def without_probes_measured_since(pinned: dict[str, dict[str, str]], now: dict[str, dict[str, str]]):
+    """``pinned`` less the 16 GiB plans of the settings measured since, each now a setting it probed."""
+    kept = {}
+    for key, paths in pinned.items():
+        if key not in MEASURED_SINCE:
+            kept[key] = paths
+            continue
+        kept[key] = {path: cell for path, cell in paths.items() if "|plan_16" not in path}
+        for path in {path.split("_probe_")[0] for path in paths if "|plan_16_probe_" in path}:
+            probed = {cell for other, cell in paths.items() if other.startswith(path + "_probe_")}
+            assert now[key][path] in probed, (key, path)
+    return kept
+
+
 def test_every_recipe_runs_the_compile_mode_and_kernels_it_ran_when_it_chose_them_at_resolve_time():
-    pinned = json.loads(PINNED.read_text())
     now = table()
+    pinned = without_probes_measured_since(json.loads(PINNED.read_text()), now)
     # every pinned row is still there (the families that declared footprints since add memory-plan rows)
     assert set(now) == set(pinned) and all(set(paths) <= set(now[key]) for key, paths in pinned.items())
     changed = {f"{key}|{path}": (before, now[key][path]) for key, paths in pinned.items()

@@ -50,6 +50,8 @@ class Footprint:
     uncompiled: bool = False
     """Measured with the recipe's ``torch.compile`` turned off (the memory plan's setting where no compiled one
     fits)."""
+    ema_offloaded: bool = False
+    """Measured with the EMA in the CPU's memory between its updates (``ema_offload``); otherwise on the GPU."""
     samples_per_s: Mapping[int, float] = field(default_factory=dict)
     """Speed at those batch sizes, where it was measured in the same runs."""
     source: str = ""

@@ -84,12 +84,14 @@ def footprint_gib(cfg: RunConfig, uncompiled: bool = False) -> float | None:
     if (spec is None or cfg.image_size != spec.default_image_size or cfg.nproc_per_node != 1
             or cfg.gradient_accumulation_steps != 1):  # measured without accumulation, which turns CUDA graphs off
         return None
-    for footprint in cfg.model_family.memory_footprints:
-        if (footprint.model, footprint.recipe, footprint.gradient_checkpointing, footprint.uncompiled) == (
-                cfg.model, recipe_of(cfg), cfg.gradient_checkpointing, uncompiled):
-            estimate = estimate_gib(dict(footprint.reserved_gib), cfg.batch_size)
-            return _less_the_offloaded_ema(cfg, estimate)
-    return None
+    matching = [footprint for footprint in cfg.model_family.memory_footprints
+                if (footprint.model, footprint.recipe, footprint.gradient_checkpointing, footprint.uncompiled) == (
+                    cfg.model, recipe_of(cfg), cfg.gradient_checkpointing, uncompiled)]
+    offloaded = [footprint for footprint in matching if footprint.ema_offloaded]
+    if cfg.ema_offload and offloaded:  # measured as it will run
+        return estimate_gib(dict(offloaded[0].reserved_gib), cfg.batch_size)
+    on_gpu = [footprint for footprint in matching if not footprint.ema_offloaded]
+    return _less_the_offloaded_ema(cfg, estimate_gib(dict(on_gpu[0].reserved_gib), cfg.batch_size)) if on_gpu else None
 
 
 def _less_the_offloaded_ema(cfg: RunConfig, measured: float | None) -> float | None:
