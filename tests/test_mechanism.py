@@ -53,6 +53,20 @@ def test_the_inputs_a_block_receives():
     assert x.shape == (3, 128) and (x >= -0.2).all()  # after the GELU
 
 
+def test_reading_a_cnns_block_inputs_leaves_its_batchnorm_alone_and_takes_one_small_image():
+    """One 32 px image leaves resnet18's last stage one value per channel, which BatchNorm refuses in training; the
+    report reads the inputs in eval mode, restores each module's mode and moves no running statistic."""
+    import timm
+
+    model = timm.create_model("resnet18", num_classes=10).train()
+    model.layer2[0].eval()  # a mode of the user's own, kept
+    before = {name: t.clone() for name, t in model.state_dict().items()}
+    text = mech.block_graphs_report(model, "BasicBlock", torch.randn(1, 3, 32, 32))
+    assert text.startswith("one BasicBlock: 1 graph(s), 0 graph break(s)")
+    assert all(torch.equal(before[name], t) for name, t in model.state_dict().items())
+    assert model.training and model.layer4[1].bn2.training and not model.layer2[0].training
+
+
 def test_the_fused_geglu_replaces_three_autograd_nodes_by_one():
     from diffusers.models.activations import GEGLU
 

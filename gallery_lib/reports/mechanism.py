@@ -39,14 +39,19 @@ def first_of(model: nn.Module, type_name: str) -> nn.Module:
 
 
 def inputs_of(model: nn.Module, block: nn.Module, *args: Any) -> tuple:
-    """The positional inputs ``block`` receives when ``model(*args)`` runs (one forward, no gradients)."""
+    """The positional inputs ``block`` receives when ``model(*args)`` runs (one forward without gradients, in eval
+    mode: reading shapes must not move BatchNorm's running statistics, nor fail on one value per channel, as a CNN's
+    last stage has for one small image)."""
     seen: list[tuple] = []
+    training = [(module, module.training) for module in model.modules()]
     handle = block.register_forward_pre_hook(lambda _m, inputs: seen.append(inputs) if not seen else None)
     try:
         with torch.no_grad():
-            model(*args)
+            model.eval()(*args)
     finally:
         handle.remove()
+        for module, mode in training:
+            module.training = mode
     return tuple(t.detach() for t in seen[0])
 
 
@@ -200,7 +205,8 @@ def block_graphs_report(model: nn.Module, block_type: str, images: torch.Tensor)
     """What ``torch.compile`` captures of the model's first ``block_type`` block, on the inputs it gets from
     ``images``: one graph and no break is what regional compilation needs to replay the block."""
     block = first_of(model, block_type)
-    got = graphs_and_breaks(block, *inputs_of(model, block, images))
+    inputs = inputs_of(model, block, images)
+    got = graphs_and_breaks(copy.deepcopy(block), *inputs)  # a copy: tracing runs it, as training would
     lines = [f"one {block_type}: {got['graphs']} graph(s), {got['breaks']} graph break(s), "
              f"{got['ops']} ops in the graphs"]
     return "\n".join(lines + [f"  break: {r}" for r in got["reasons"]])
