@@ -181,6 +181,24 @@ def test_in_16_gib_sd_runs_its_full_batch_checkpointed_and_uncompiled():
     assert not any(c.uncompiled for c in MemoryPlan.from_dict(fitted(sd_full(), "baseline", 16.0).extra[PLAN]).probe)
 
 
+def test_in_16_gib_dreambooth_starts_each_recipe_at_the_setting_that_trained_there():
+    """Under a 16 GiB cap, the EMA on the CPU, DreamBooth's baseline and compiled trained at batch 1 as configured,
+    accelerated and the peer checkpointed (the peer's compiled batch 1 ran out of memory in CUDA-graph pools;
+    benchmarks/RESULTS.md#memory-plan). Those footprints count only where the EMA waits on the CPU: in 22 GiB it
+    stays on the GPU and the peer tries batch 1 unchecked first, four times as fast."""
+    base = base_config("full", family="dreambooth", data_root="/nonexistent", device="cpu")
+    plans = {recipe: MemoryPlan.from_dict(fitted(base, recipe, 16.0).extra[PLAN])
+             for recipe in ("baseline", "compiled", "accelerated", "peer")}
+    assert all(plan.ema_offloaded and not plan.probe for plan in plans.values())
+    assert plans["baseline"].chosen == plans["compiled"].chosen == Candidate(1, 1, False)
+    assert plans["accelerated"].chosen == plans["peer"].chosen == Candidate(1, 1, True)
+    roomier = {recipe: MemoryPlan.from_dict(fitted(base, recipe, 22.0).extra[PLAN])
+               for recipe in ("accelerated", "peer")}
+    assert not any(plan.ema_offloaded for plan in roomier.values())
+    assert roomier["accelerated"].chosen == Candidate(1, 1, False)  # its unchecked batch 1, measured at 19.7 GiB
+    assert roomier["peer"].chosen is None and roomier["peer"].probe[0] == Candidate(1, 1, False)
+
+
 def test_a_user_turns_a_compiled_recipe_uncompiled_in_one_setting():
     cfg = _resolved(sd_full(), "accelerated", {"compile": False})
     assert cfg.recipe == "accelerated+no-compile" and not cfg.compile and cfg.cache_latents
@@ -357,6 +375,30 @@ def test_an_unmeasured_setting_gives_way_to_the_next_from_step_0(smoke_data, tmp
     assert "(Tried to allocate 2.00 GiB)" in out  # PyTorch's own account
     assert "batch 12 as configured (not measured; batch 12, gradient checkpointing if it runs out of memory" in out
     assert not (tmp_path / "swin_transformer" / "baseline" / SEARCH_DIR).exists()
+
+
+def test_each_tried_setting_keeps_the_state_the_plan_moved_and_says_so():
+    """A probed setting runs with the EMA on the CPU and the update one tensor at a time where the plan moved them:
+    its summary's note says so, as the plan's did (DreamBooth's and SD-1.5's 16 GiB runs said neither)."""
+    from gallery_lib.run.batch_size import train_first_that_fits
+
+    plan = MemoryPlan(16.0, "gpu_memory_gib", None, probe=(Candidate(8, 1, False), Candidate(8, 1, True)),
+                      changed=True, ema_offloaded=True, per_tensor_update=True).as_dict()
+    plan["probe_fields"] = [{"batch_size": 8}, {"batch_size": 8, "gradient_checkpointing": True}]
+    cfg = sd_full().replace(ema_offload=True, foreach_optimizer=False)
+    attempts = []
+
+    def train(attempt):
+        attempts.append(MemoryPlan.from_dict(attempt.extra[PLAN]))
+        if len(attempts) == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory (mocked)")
+        return {}
+
+    train_first_that_fits(cfg.replace(extra={**cfg.extra, PLAN: plan}), train, log=lambda line: None)
+    assert [a.chosen for a in attempts] == [Candidate(8, 1, False), Candidate(8, 1, True)]
+    assert all(a.ema_offloaded and a.per_tensor_update for a in attempts)
+    assert "the EMA kept in the CPU's memory between updates; the optimizer's update one tensor at a time" in (
+        attempts[1].note())
 
 
 def test_a_late_out_of_memory_stops_the_run_in_one_line(smoke_data, tmp_path, monkeypatch):

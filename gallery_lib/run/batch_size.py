@@ -161,7 +161,8 @@ def train_first_that_fits(cfg: RunConfig, train: Callable[[RunConfig], dict],
         setting = options[index]
         changed = configured is None or setting.fields() != configured
         chosen = MemoryPlan(plan["budget_gib"], plan["source"], setting, None, changed=changed,
-                            after=options[index + 1:])
+                            after=options[index + 1:], ema_offloaded=plan.get("ema_offloaded", False),
+                            per_tensor_update=plan.get("per_tensor_update", False))
         attempt = cfg.replace(**fields, extra={**cfg.extra, PLAN: {**chosen.as_dict(), "gave_way": list(tried)}})
         if tried:
             log(f"[gallery] memory plan: {tried[-1]} ran out of memory before its timed steps; trying "
