@@ -104,25 +104,6 @@ def test_your_model_notebook_climbs_its_ladder_in_smoke_profile(tmp_path):
 
 @pytest.mark.notebook
 @pytest.mark.slow
-def test_your_model_notebook_takes_a_cnn_by_its_timm_name(tmp_path):
-    """A CNN in place of the ViT (timm's smallest ResNet): built at the notebook's image size, its repeated block found
-    and traced in one graph (BatchNorm in training refuses the one value per channel that one 32 px image leaves its
-    last stage, so the trace's inputs are read in eval mode), and every rung trains the same function."""
-    out_dir = tmp_path / "output"
-    executed = _runner().run_notebook(YOUR_MODEL, out_dir / "notebooks",
-                                      {"profile": "smoke", "output_dir": str(out_dir), "data_root": str(tmp_path),
-                                       "model_name": "test_resnet"}, cell_timeout=900)
-    nb = nbformat.read(executed, as_version=4)
-    assert not [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []) if o.output_type == "error"]
-    text = _stream_text(nb)
-    assert "test_resnet at 32 px" in text and "one BasicBlock: 1 graph(s), 0 graph break(s)" in text
-    record = json.loads((out_dir / "your_model" / "ladder.json").read_text())
-    assert record["model"] == "test_resnet" and len(record["rows"]) == 5
-    assert all(row["loss_difference"] < 1e-3 for row in record["rows"][1:])
-
-
-@pytest.mark.notebook
-@pytest.mark.slow
 @pytest.mark.parametrize("path", [same_worker_as_the_runs_sharing_its_graphs(path) for path in RECIPE_NOTEBOOKS])
 def test_notebook_runs_headless_in_smoke_profile(path, tmp_path):
     out_dir = tmp_path / "output"
