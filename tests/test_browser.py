@@ -250,14 +250,19 @@ def _wait_for_kernel_idle(page, timeout: float) -> None:
         time.sleep(1)
 
 
+def _prompts(page) -> list[str]:
+    """The code cells' execution prompts: ``[ ]:`` not run, ``[*]:`` queued or running, ``[3]:`` run."""
+    return page.locator(".jp-NotebookPanel:visible .jp-CodeCell .jp-InputArea-prompt").all_inner_texts()
+
+
 def _run_all_cells(page) -> None:
     """Run > Run All Cells, once more if no cell was queued: on a loaded machine the menu can swallow the click."""
-    for attempt in range(2):
+    for _ in range(2):
         page.get_by_role("menuitem", name="Run", exact=True).click()
         page.get_by_text("Run All Cells", exact=True).click()
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
-            prompts = page.locator(".jp-NotebookPanel:visible .jp-CodeCell .jp-InputArea-prompt").all_inner_texts()
+            prompts = _prompts(page)
             if any(text.strip() not in ("", "[ ]:") for text in prompts):
                 return
             time.sleep(1)
@@ -270,7 +275,7 @@ def _wait_for_all_cells(page, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     idle_since = None
     while time.monotonic() < deadline:
-        prompts = page.locator(".jp-NotebookPanel:visible .jp-CodeCell .jp-InputArea-prompt").all_inner_texts()
+        prompts = _prompts(page)
         done = prompts and all(text.strip().startswith("[") and text.strip()[1:-2].strip().isdigit()
                                for text in prompts)
         idle = _kernel_status(page) == "idle"
