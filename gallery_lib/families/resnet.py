@@ -74,11 +74,15 @@ FAMILY = ModelFamily(
     block_modules=("timm.models.resnet",),
     # set for one H100 at batch 256 (benchmarks/RESULTS.md#peer, #resnet50)
     speed_goals=(SpeedGoal("speedup", "resnet50", dict(batch_size=256, min_ratio=1.08, min_samples_per_s=6000.0)),),
-    # one H200, one call; the peer as it runs now, with CUDA graphs (#peer)
+    # one H200, the larger of the runs each; the peer as it runs now, with CUDA graphs (#peer, #memory-plan)
     memory_footprints=(
-        Footprint("resnet50", "accelerated", {256: 12.60}, samples_per_s={256: 7574.3},
-                  source="peer_graphs_h200/bench_peer_graphs_resnet.json"),
-        Footprint("resnet50", "peer", {256: 14.63}, samples_per_s={256: 6985.7},
-                  source="peer_graphs_h200/bench_peer_graphs_resnet.json (peer+compile_mode=reduce-overhead)"),
+        Footprint("resnet50", "accelerated", {256: 12.93}, samples_per_s={256: 6785.4},
+                  source="memory_plan_h200/caps_resnet_22.json"),
+        Footprint("resnet50", "peer", {256: 14.70}, samples_per_s={256: 6713.0},
+                  source="memory_plan_h200/caps_resnet_22.json"),
+        Footprint("resnet50", "compiled", {256: 12.70}, samples_per_s={256: 6572.8},
+                  source="memory_plan_h200/caps_resnet_22.json"),
+        Footprint("resnet50", "baseline", {256: 13.25}, samples_per_s={256: 2922.1},
+                  source="memory_plan_h200/caps_resnet_22.json"),
     ),
 )

@@ -86,11 +86,15 @@ FAMILY = ModelFamily(
     # set for one H100 at batch 128, steady steps included (benchmarks/RESULTS.md#peer)
     speed_goals=(SpeedGoal("speedup", "swin_tiny_patch4_window7_224",
                            dict(batch_size=128, min_ratio=1.3, max_spread=1.05)),),
-    # one H200, the larger of two runs each (#window-attention-sweep)
+    # one H200, the larger of the runs each (#window-attention-sweep, #memory-plan)
     memory_footprints=(
-        Footprint("swin_tiny_patch4_window7_224", "accelerated", {128: 7.29}, samples_per_s={128: 6370.2},
-                  source="swin_window_sweep_h200/bench_swin_wa.json"),
+        Footprint("swin_tiny_patch4_window7_224", "accelerated", {128: 7.45}, samples_per_s={128: 6105.2},
+                  source="memory_plan_h200/caps_swin_22.json"),
         Footprint("swin_tiny_patch4_window7_224", "peer", {128: 8.43}, samples_per_s={128: 4528.3},
                   source="swin_window_sweep_h200/bench_swin_wa.json"),
+        Footprint("swin_tiny_patch4_window7_224", "compiled", {128: 8.22}, samples_per_s={128: 4088.3},
+                  source="memory_plan_h200/caps_swin_22.json"),
+        Footprint("swin_tiny_patch4_window7_224", "baseline", {128: 9.63}, samples_per_s={128: 1761.3},
+                  source="memory_plan_h200/caps_swin_22.json"),
     ),
 )
