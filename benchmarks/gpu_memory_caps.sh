@@ -4,7 +4,9 @@
 #   bash benchmarks/gpu_memory_caps.sh NAME CAP [gallery run flags...]   (on the GPU machine; diffusers in .whl/)
 #   e.g. GALLERY_COMMIT=$(git rev-parse HEAD) bash benchmarks/gpu_memory_caps.sh sd_22 22 --model sd15 --steps 12
 name=$1; cap=$2; shift 2
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+# cuDNN's frontend too, for ResNet-50's conv_bn_relu kernel (.whl/cudnn, as benchmarks/gpu_tests.sh installs it)
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  $(ls .whl/cudnn/*.whl 2>/dev/null)
 python3 benchmarks/device_site.py /tmp/site
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 out=${OUT:-benchmarks/results}
