@@ -1,6 +1,7 @@
 """Test helpers: how many compiled graphs a process loaded from, or missed in, Inductor's on-disk caches; a cache
 folder of a test's own that outlives one ``with`` block (``fresh_cache`` makes a new one each time), optionally holding
-the C++ kernels another cache built; the graphs ``torch.compile`` hands the compiler (``aot_graphs``)."""
+the C++ kernels another cache built; the graphs ``torch.compile`` hands the compiler (``aot_graphs``); ``torch.compile``
+without code generation where a test checks what is wired around the compiler (``compile_without_codegen``)."""
 import contextlib
 import os
 import shutil
@@ -32,6 +33,20 @@ def compile_cache_at(path: Path) -> Iterator[Path]:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
+
+
+def compile_without_codegen(monkeypatch) -> None:
+    """Every ``torch.compile`` call of this test runs ``aot_eager``: Dynamo's capture and AOTAutograd's joint graph,
+    no Inductor code. For tests of what the library wires around the compiler (accumulation, a recipe's optimizer and
+    EMA), where a CPU's C++ kernels would cost minutes and check nothing of ours: Inductor's own numerics on the same
+    models are held by the tests that compile for real (LoRA's whole UNet in fp32, the accelerated blocks)."""
+    compile_for_real = torch.compile
+
+    def aot_eager(model=None, **kwargs):
+        kwargs = {key: value for key, value in kwargs.items() if key not in ("mode", "options", "backend")}
+        return compile_for_real(model, backend="aot_eager", **kwargs) if model is not None else (
+            lambda fn: compile_for_real(fn, backend="aot_eager", **kwargs))
+    monkeypatch.setattr(torch, "compile", aot_eager)
 
 
 # What makes a cache warm for graphs: Inductor's FX graph and AOTAutograd caches, Triton's, and the gallery's
