@@ -46,7 +46,7 @@ def test_a_model_without_checkpointing_is_refused():
         enable_gradient_checkpointing(torch.nn.Sequential(torch.nn.Linear(2, 2)))
 
 
-@pytest.mark.parametrize("recipe", ["baseline", "compiled"])
+@pytest.mark.parametrize("recipe", ["baseline", pytest.param("compiled", marks=pytest.mark.slow)])  # compiled: 30 s
 def test_accumulated_batches_train_like_one_large_batch(recipe, tmp_path, monkeypatch):
     """swin_micro without Mixup and drop-path (nothing random per batch): 2 x 4 accumulated against 8 at once. The
     compiled recipe's model is captured by Dynamo and differentiated by AOTAutograd without Inductor's kernels: the
