@@ -302,3 +302,30 @@ def test_a_rung_too_large_for_the_gpu_says_does_not_fit_and_is_no_failure(monkey
     summary = {**_result("tf32", 10.0).summary, "memory_plan": planned}
     assert ladder_rows([RungResult(rung_named("tf32"), None, summary=summary)])[0]["setting"] == (
         "4 x 2, checkpointing (memory plan)")
+
+
+# The rungs before the compile rung train eagerly: here each is one in-process run, as the notebook's would be one
+# process; the notebook test climbs the first rung and every compiled one (CI's time, RESULTS.md#ci).
+EAGER_RUNGS = RUNG_NAMES[1:RUNG_NAMES.index("compile")]
+
+
+@pytest.mark.slow
+def test_every_eager_rung_above_the_first_trains_on_a_cpu(tmp_path):
+    """amp to bf16 on the smoke ladder, each resolved on the rungs below it: each trains its 4 steps at its batch size
+    with a finite loss and lands a summary, as in the notebook."""
+    from gallery_lib.app.workflow import prepare
+    from gallery_lib.run.train import run
+
+    base = ladder_base("smoke", data_root=str(tmp_path / "data"), output_dir=str(tmp_path / "out"), device="cpu",
+                       steps=4, log_every=4)
+    prepare(base, progress=False)
+    configs = ladder_configs(base, on_gpu=False)
+    assert EAGER_RUNGS == ("amp", "loader", "fused", "attention", "batch", "ema", "zero2", "bf16")
+    for name in EAGER_RUNGS:
+        cfg = configs[name]
+        assert not cfg.compile, name
+        summary = run(cfg)
+        assert summary["type"] == "summary" and summary["recipe"] == f"ladder-{RUNG_NAMES.index(name):02d}-{name}"
+        assert summary["steps"] == 4 and summary["samples_per_s"] > 0 and torch.isfinite(
+            torch.tensor(summary["final_loss"])), (name, summary)
+        assert summary["global_batch_size"] == (4 if RUNG_NAMES.index(name) >= RUNG_NAMES.index("batch") else 2)
