@@ -68,12 +68,19 @@ def graph_group(notebook: str) -> str:
     return f"notebooks-{_SHARES_GRAPHS_WITH.get(notebook, notebook)}"
 
 
+# Fewer steps (4 timed after the profile's 4 of warm-up) and denoising steps than the profiles': each run still
+# compiles, trains, is timed, reported and sampled from, with the graphs' shapes unchanged (CI's time, RESULTS.md#ci).
+HEADLESS_PARAMETERS = {"stable_diffusion": {"steps": 8, "sample_steps": 2},
+                       "dreambooth": {"steps": 8, "sample_steps": 2}, "swin_transformer": {"steps": 8}}
+
+
 def same_worker_as_the_runs_sharing_its_graphs(path: Path):
     return pytest.param(path, id=path.stem, marks=pytest.mark.xdist_group(graph_group(path.stem)))
 
 
 @pytest.mark.notebook
 @pytest.mark.slow
+@pytest.mark.xdist_group(graph_group("your_model"))  # the browser's run loads the example family's graphs
 def test_your_model_notebook_climbs_its_ladder_in_smoke_profile(tmp_path):
     """The your_model notebook: every rung trained the same loop, said what its calls changed, and the ladder's
     table, figure and step times were written; on a CPU the speedups read n/a. Then the example family (a module
@@ -108,7 +115,7 @@ def test_your_model_notebook_climbs_its_ladder_in_smoke_profile(tmp_path):
 def test_notebook_runs_headless_in_smoke_profile(path, tmp_path):
     out_dir = tmp_path / "output"
     params = {"profile": "smoke", "output_dir": str(out_dir), "data_root": str(tmp_path / "data"),
-              "interactive": False}
+              "interactive": False, **HEADLESS_PARAMETERS.get(path.stem, {})}
     executed = _runner().run_notebook(path, out_dir / "notebooks", params, cell_timeout=900)
     nb = nbformat.read(executed, as_version=4)
     errors = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []) if o.output_type == "error"]
@@ -194,35 +201,38 @@ NOTEBOOK_CHECKS = {  # what a notebook shows beyond the recipes, the report and 
 @pytest.mark.slow
 @pytest.mark.xdist_group(graph_group("optimization_ladder"))
 def test_ladder_notebook_climbs_every_rung_in_smoke_profile(tmp_path):
-    """Every rung a CPU can run trains and lands in the ladder report; the CUDA-graph rung is reported left out."""
-    from gallery_lib.recipes.ladder import RUNGS, recipe_name
+    """The first rung and every compiled one a CPU can run train and land in the ladder report; the GPU rungs are
+    reported left out. The eager rungs between them train in-process in test_ladder.py (CI's time, RESULTS.md#ci)."""
+    from gallery_lib.recipes.ladder import RUNG_NAMES, RUNGS, recipe_name
 
     out_dir = tmp_path / "output"
+    climbed = [rung for rung in RUNGS if rung.name == "tf32" or RUNG_NAMES.index(rung.name) >= RUNG_NAMES.index(
+        "compile")]
     # 4 steps a rung (1 of warm-up, where a compiled rung compiles; 3 timed): each rung trains, is timed and lands in
-    # the table, as at 6, with 2 steps fewer in each of the 14 rung processes
+    # the table, as at 6, with 2 steps fewer in each rung process
     params = {"profile": "smoke", "output_dir": str(out_dir), "data_root": str(tmp_path / "data"),
-              "interactive": False, "steps": 4}
+              "interactive": False, "steps": 4, "rungs": [rung.name for rung in climbed]}
     executed = _runner().run_notebook(LADDER, out_dir / "notebooks", params, cell_timeout=1500)
     nb = nbformat.read(executed, as_version=4)
     errors = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []) if o.output_type == "error"]
     assert not errors
     rows = {row["name"]: row for row in json.loads((out_dir / "stable_diffusion" / "ladder.json").read_text())}
-    assert list(rows) == [rung.name for rung in RUNGS]
-    for rung in RUNGS:
+    assert list(rows) == [rung.name for rung in climbed]
+    for rung in climbed:
         summary_line = (out_dir / "stable_diffusion" / recipe_name(rung) / "metrics.jsonl")
         if rung.needs_gpu:
             assert rows[rung.name]["failure"] == "needs a GPU" and not summary_line.exists()
             continue
         summary = json.loads(summary_line.read_text().splitlines()[-1])
         assert summary["type"] == "summary" and rows[rung.name]["img_per_s"] == summary["samples_per_s"]
-    assert [rows[name]["batch_size"] for name in ("tf32", "batch", "checkpointing")] == [2, 4, 4]
+    assert [rows[name]["batch_size"] for name in ("tf32", "compile", "checkpointing")] == [2, 4, 4]
     text = _stream_text(nb)
     # a CPU ranks no rung: no fastest rung, and the findings say why
     assert "Fastest rung" not in text and "Timings on a CPU are not speedups: run on a GPU for the comparison" in text
     assert "ladder-11-cuda_graphs (CUDA graphs): left out, needs a GPU" in text
     shown = [o["data"]["text/markdown"] for c in nb.cells for o in c.get("outputs", [])
              if "text/markdown" in o.get("data", {})]
-    assert any("`sdpa_math=False`" in md for md in shown)  # the plan, read from the resolved configs
+    assert any("`compile=True`" in md for md in shown)  # the plan, read from the resolved configs
 
 
 @pytest.mark.notebook
