@@ -82,10 +82,11 @@ CARDS = (("T4", "16 GB", 15.0), ("A10G, L4", "24 GB", 22.5), ("RTX 4090", "24 GB
 """Cards people rent, by the memory ``nvidia-smi`` reports (GiB): the plan gets that less a CUDA context."""
 MEMORY_FAMILIES = (("SD-1.5", "stable_diffusion", {}),
                    ("DreamBooth", "dreambooth", {"instance_prompt": "a photo of sks dog"}))
+VISION_FAMILIES = (("Swin-T", "swin_transformer", {}), ("ResNet-50", "resnet50", {}))
 MEMORY_RECIPES = ("baseline", "peer", "accelerated")
 
 
-def memory_classes() -> str:
+def memory_classes(families=MEMORY_FAMILIES) -> str:
     """What the memory plan picks on each card for the notebooks' GPU runs (the full profile, one process), from the
     footprints each family measured (``ModelFamily.memory_footprints``): the plan's own answer, not a new
     measurement."""
@@ -94,10 +95,10 @@ def memory_classes() -> str:
     from gallery_lib.run.memory_plan import CONTEXT_GIB, PLAN, MemoryPlan
 
     bases = [base_config("full", family=family, data_root="/data", device="cuda", precompile_workers=0, **extra)
-             for _, family, extra in MEMORY_FAMILIES]
+             for _, family, extra in families]
     lines = ["| card | free for the run (GiB) | " + " | ".join(
-                 f"{label} `{recipe}`" for label, _, _ in MEMORY_FAMILIES for recipe in MEMORY_RECIPES) + " |",
-             "|---|---|" + "---|" * (len(MEMORY_FAMILIES) * len(MEMORY_RECIPES))]
+                 f"{label} `{recipe}`" for label, _, _ in families for recipe in MEMORY_RECIPES) + " |",
+             "|---|---|" + "---|" * (len(families) * len(MEMORY_RECIPES))]
     rows = [(f"{card} ({size})", round(total - CONTEXT_GIB, 1)) for card, size, total in CARDS]
     rows.insert(1, ("`--gpu-memory-gib 16` (the cap measured on an H200)", 16.0))
     for label, budget in rows:
@@ -119,7 +120,8 @@ def _plan_cell(plan) -> str:
     return "does not fit"
 
 
-BLOCKS = {"headline": headline_table, "cpu-gallery": cpu_gallery_time, "memory-classes": memory_classes}
+BLOCKS = {"headline": headline_table, "cpu-gallery": cpu_gallery_time, "memory-classes": memory_classes,
+          "memory-classes-vision": lambda: memory_classes(VISION_FAMILIES)}
 
 
 def render(readme: str) -> str:
