@@ -271,7 +271,7 @@ def test_bad_input_is_refused_in_one_line_before_anything_runs(argv, message, ca
 def test_cpu_bench_writes_rows_a_figure_and_the_goals(toy, tmp_path, capsys, monkeypatch):
     monkeypatch.delenv("GALLERY_COMMIT", raising=False)  # the commit then comes from git
     out = tmp_path / "bench.json"
-    argv = ["bench", "--models", "toy", "--recipes", "baseline,peer", "--batch-size", "4,8", "--warmup-steps", "1",
+    argv = ["bench", "--models", "toy", "--recipes", "baseline,peer", "--batch-size", "8", "--warmup-steps", "1",
             "--timed-steps", "3", "--data-root", str(tmp_path / "data"), "--output-dir", str(tmp_path / "runs"),
             "--out", str(out)]
     assert main(argv) == 0
@@ -281,8 +281,7 @@ def test_cpu_bench_writes_rows_a_figure_and_the_goals(toy, tmp_path, capsys, mon
     if head.returncode == 0:  # the code that ran (a copy without .git records None)
         assert record["commit"] == head.stdout.strip() and isinstance(record["dirty"], bool)
     assert record["device"] == "CPU" and record["torch"] and record["date"]
-    assert [(r["recipe"], r["batch_size"]) for r in record["rows"]] == [
-        ("baseline", 4), ("peer", 4), ("baseline", 8), ("peer", 8)]
+    assert [(r["recipe"], r["batch_size"]) for r in record["rows"]] == [("baseline", 8), ("peer", 8)]
     for r in record["rows"]:
         assert ROW_FIELDS <= set(r) and "error" not in r and r["model"] == "toy_convnet"
         assert r["samples_per_s"] > 0 and r["p20_step_ms"] <= r["median_step_ms"] <= r["p80_step_ms"]
@@ -309,6 +308,10 @@ def test_a_gpu_plan_times_at_least_30_steps_after_warm_up(monkeypatch, tmp_path)
     assert all(c.reuse_batch and c.steps - c.warmup_steps == 30 for c in runs)
     assert runs[0].cache_latents and runs[0].compile_scope == "model" and not runs[0].kernels
     assert len({c.run_dir for c in runs}) == 4
+    # batch sizes within a model, recipes within a batch size (the CPU bench's rows run one batch size)
+    two = plan_runs(["sd15"], ["peer", "accelerated"], {"sd15": [8, 32]}, timed_steps=None, **plan)
+    assert [(c.recipe, c.batch_size) for c in two] == [("peer", 8), ("accelerated", 8), ("peer", 32),
+                                                       ("accelerated", 32)]
     with pytest.raises(ConfigError, match="--timed-steps 10 is too few on a GPU"):
         plan_runs(["sd15"], ["peer"], {"sd15": [32]}, timed_steps=10, **plan)
 
