@@ -21,6 +21,7 @@ from gallery_lib.config import RunConfig
 from gallery_lib.run.metrics import read_metrics
 
 
+@pytest.mark.slow  # over 20 s on 2 cores: left out of the fast tier
 @pytest.mark.isa  # the reference, torch's CPU fused AdamW, takes other kernels on each instruction set
 def test_interpreter_subprocess():
     run_file_in_interpreter(__file__)

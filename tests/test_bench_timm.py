@@ -56,6 +56,7 @@ def no_speed_bars(monkeypatch):
     monkeypatch.setattr(Axes, "bar", refuse)
 
 
+@pytest.mark.slow  # over 20 s on 2 cores: left out of the fast tier
 def test_cpu_bench_writes_three_variants_a_table_and_a_figure(traced_not_compiled, no_speed_bars, tmp_path, capsys):
     model = "test_resnet"  # timm's own tiny ResNet: the three variants' tracing in seconds
     out = tmp_path / "timm.json"

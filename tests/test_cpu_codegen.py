@@ -48,6 +48,7 @@ def test_the_transpose_check_agrees_with_what_inductor_compiles_and_the_workarou
     assert _compiled_is_right()
 
 
+@pytest.mark.slow  # over 20 s on 2 cores: left out of the fast tier
 def test_a_compiled_transformer_block_trains_as_eager_in_bf16():
     """The 64-channel transformer block of the tiny SD UNet (group norm, 1x1 convolutions, self- and
     cross-attention, GEGLU) compiled in place under bf16 autocast: its output and every gradient match eager's."""

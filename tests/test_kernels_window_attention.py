@@ -8,6 +8,7 @@ from gallery_lib.accel.kernels.window_attention import window_attention, window_
 from kernel_testing import INTERPRETER_ONLY, reference_dtype, run_file_in_interpreter
 
 
+@pytest.mark.slow  # over 20 s on 2 cores: left out of the fast tier
 def test_interpreter_subprocess():
     run_file_in_interpreter(__file__)
 

@@ -8,9 +8,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 CONFTEST = Path(__file__).with_name("conftest.py")
 
 
+@pytest.mark.slow  # over 20 s on 2 cores: left out of the fast tier
 def test_an_xdist_group_runs_in_one_worker_longest_first_and_its_time_is_recorded(tmp_path):
     """Tests that share a compile must land in one worker, one after the other (``--dist loadgroup``; pytest 9.2 made
     pytest-xdist drop the groups silently), ordered by tests/durations.json, with their seconds recorded under

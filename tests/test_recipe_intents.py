@@ -18,6 +18,8 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
+import pytest
+
 from gallery_lib.config import ConfigError, RunConfig
 from gallery_lib.config.families import FAMILIES
 from gallery_lib.recipes import RECIPES, all_recipes, base_config, recipe_config
@@ -118,6 +120,7 @@ def without_probes_measured_since(pinned: dict[str, dict[str, str]], now: dict[s
     return kept
 
 
+@pytest.mark.slow  # over 20 s on 2 cores: left out of the fast tier
 def test_every_recipe_runs_the_compile_mode_and_kernels_it_ran_when_it_chose_them_at_resolve_time():
     now = table()
     pinned = without_probes_measured_since(json.loads(PINNED.read_text()), now)
