@@ -325,7 +325,7 @@ def test_every_eager_rung_above_the_first_trains_on_a_cpu(tmp_path):
         cfg = configs[name]
         assert not cfg.compile, name
         summary = run(cfg)
-        assert summary["type"] == "summary" and summary["recipe"] == f"ladder-{RUNG_NAMES.index(name):02d}-{name}"
+        assert summary["type"] == "summary" and summary["recipe"] == recipe_name(rung_named(name))
         assert summary["steps"] == 4 and summary["samples_per_s"] > 0 and torch.isfinite(
             torch.tensor(summary["final_loss"])), (name, summary)
         assert summary["global_batch_size"] == (4 if RUNG_NAMES.index(name) >= RUNG_NAMES.index("batch") else 2)
