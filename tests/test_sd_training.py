@@ -301,7 +301,7 @@ def test_gpu_cuda_graph_blocks_loaded_as_they_land_train_like_blocks_the_run_com
 
     base = tiny(caption_data, tmp_path, steps=8, amp_level="O0", device="cuda", deterministic=True)
     loaded = apply_recipe("accelerated", base).replace(precompile_workers=2)
-    assert loaded.compile_mode == "reduce-overhead" and loaded.precompile_overlap
+    assert loaded.resolved_compile_mode == "reduce-overhead" and loaded.precompile_overlap
     compiled_here = loaded.replace(recipe="accelerated+precompile_workers=0", precompile_workers=0)
     summaries = []
     for cfg in (loaded, compiled_here):
