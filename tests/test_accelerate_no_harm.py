@@ -426,3 +426,29 @@ def test_a_change_kept_eagerly_is_timed_again_once_compiled_and_left_out_where_t
         if kept:
             kernels.undo()
             assert not state["kernel"]
+
+
+def test_a_layout_kept_eagerly_is_not_timed_again_once_compiled(tmp_path):
+    """channels_last is decided before the compiler and left in place after it: a layout switched under compiled code
+    (CUDA graphs recorded in the other) broke resnet34's timed steps on a GPU. The timer reads the fake state."""
+    state = {"layout": False, "compiled": False}
+    timed = []
+
+    def switch(name, key):
+        def call():
+            state[key] = True
+            return Change(name, f"{name} on", "a fake", "nowhere#fake", undo=lambda: state.update({key: False}))
+        return call
+
+    def timer(step, device):
+        timed.append(dict(state))
+        return {(False, False): 10.0, (True, False): 8.0, (False, True): 5.0, (True, True): 6.0}[
+            (state["layout"], state["compiled"])]
+
+    steps = [("channels_last", switch("channels_last", "layout")), ("compiled blocks", switch("compiled", "compiled"))]
+    model, _ = _net()
+    layout, compiled = on_any_model._kept_if_faster(model, steps, TrainingStep(model, torch.randn(4, 8)), timer, 0.02,
+                                                    tmp_path / "accelerate.json")
+    assert state == {"layout": True, "compiled": True} and layout.changed and compiled.changed
+    assert {"layout": False, "compiled": True} not in timed  # never undone under the compiler, though it would win
+    assert "once compiled" not in layout.what
