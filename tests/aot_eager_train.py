@@ -6,7 +6,7 @@ import runpy
 
 import torch
 
-from compile_testing import aot_eager_compile
+from aot_eager_site.sitecustomize import aot_eager_compile
 
 torch.compile = aot_eager_compile(torch.compile)
 runpy.run_module("gallery_lib.run.train", run_name="__main__", alter_sys=True)

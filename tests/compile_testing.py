@@ -10,6 +10,7 @@ from typing import Iterator
 
 import torch
 
+from aot_eager_site.sitecustomize import aot_eager_compile
 from gallery_lib.accel.compile.regional import compile_cache_stats
 from gallery_lib.accel.compile.precompile import warm
 
@@ -41,16 +42,6 @@ def compile_without_codegen(monkeypatch) -> None:
     EMA), where a CPU's C++ kernels would cost minutes and check nothing of ours: Inductor's own numerics on the same
     models are held by the tests that compile for real (LoRA's whole UNet in fp32, the accelerated blocks)."""
     monkeypatch.setattr(torch, "compile", aot_eager_compile(torch.compile))
-
-
-def aot_eager_compile(compile_for_real):
-    """``torch.compile`` (``compile_for_real``) with ``backend="aot_eager"`` in place of the caller's backend, mode
-    and options; what ``compile_without_codegen`` and the processes of ``aot_eager_train.py`` put in its place."""
-    def aot_eager(model=None, **kwargs):
-        kwargs = {key: value for key, value in kwargs.items() if key not in ("mode", "options", "backend")}
-        return compile_for_real(model, backend="aot_eager", **kwargs) if model is not None else (
-            lambda fn: compile_for_real(fn, backend="aot_eager", **kwargs))
-    return aot_eager
 
 
 # What makes a cache warm for graphs: Inductor's FX graph and AOTAutograd caches, Triton's, and the gallery's

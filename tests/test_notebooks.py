@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -19,6 +20,21 @@ RECIPE_NOTEBOOKS = [path for path in NOTEBOOKS if path not in (LADDER, YOUR_MODE
 
 def _runner():
     return load_script("ci/run_notebooks.py")
+
+
+AOT_EAGER_SITE = Path(__file__).parent / "aot_eager_site"
+COMPILED_FOR_REAL = ("stable_diffusion", "dreambooth")
+"""The notebooks whose headless runs compile with Inductor, end to end through the runs' processes and their
+precompile workers; the others' runs compile without Inductor's code (``compiled_without_codegen``)."""
+
+
+def compiled_without_codegen(monkeypatch) -> None:
+    """The notebook's kernel and every process it starts run ``torch.compile`` as ``aot_eager``
+    (``tests/aot_eager_site``): for a test of what a notebook shows and wires, where Inductor's C++ kernels would cost
+    minutes of CI's CPU and check nothing of the notebook's. Inductor's code on the same models is checked in-process
+    (the Swin and UNet blocks, ResNet's conv-bn folding, a compiled transformer block) and, through a notebook's
+    processes, by the SD UNet notebooks (``COMPILED_FOR_REAL``)."""
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(AOT_EAGER_SITE), os.environ.get("PYTHONPATH")])))
 
 
 INJECTED = _runner().INJECTED  # what ci/run_notebooks.py passes (those declared)
@@ -81,11 +97,12 @@ def same_worker_as_the_runs_sharing_its_graphs(path: Path):
 @pytest.mark.notebook
 @pytest.mark.slow
 @pytest.mark.xdist_group(graph_group("your_model"))  # the browser's run loads the example family's graphs
-def test_your_model_notebook_climbs_its_ladder_in_smoke_profile(tmp_path):
+def test_your_model_notebook_climbs_its_ladder_in_smoke_profile(tmp_path, monkeypatch):
     """The your_model notebook: every rung trained the same loop, said what its calls changed, and the ladder's
     table, figure and step times were written; on a CPU the speedups read n/a. Then the example family (a module
     outside the library) trained its baseline and accelerated recipes through the gallery."""
     out_dir = tmp_path / "output"
+    compiled_without_codegen(monkeypatch)
     executed = _runner().run_notebook(YOUR_MODEL, out_dir / "notebooks",
                                       {"profile": "smoke", "output_dir": str(out_dir), "data_root": str(tmp_path)},
                                       cell_timeout=900)
@@ -112,8 +129,10 @@ def test_your_model_notebook_climbs_its_ladder_in_smoke_profile(tmp_path):
 @pytest.mark.notebook
 @pytest.mark.slow
 @pytest.mark.parametrize("path", [same_worker_as_the_runs_sharing_its_graphs(path) for path in RECIPE_NOTEBOOKS])
-def test_notebook_runs_headless_in_smoke_profile(path, tmp_path):
+def test_notebook_runs_headless_in_smoke_profile(path, tmp_path, monkeypatch):
     out_dir = tmp_path / "output"
+    if path.stem not in COMPILED_FOR_REAL:
+        compiled_without_codegen(monkeypatch)
     params = {"profile": "smoke", "output_dir": str(out_dir), "data_root": str(tmp_path / "data"),
               "interactive": False, **HEADLESS_PARAMETERS.get(path.stem, {})}
     executed = _runner().run_notebook(path, out_dir / "notebooks", params, cell_timeout=900)
@@ -200,14 +219,16 @@ NOTEBOOK_CHECKS = {  # what a notebook shows beyond the recipes, the report and 
 @pytest.mark.notebook
 @pytest.mark.slow
 @pytest.mark.xdist_group(graph_group("optimization_ladder"))
-def test_ladder_notebook_climbs_every_rung_in_smoke_profile(tmp_path):
+def test_ladder_notebook_climbs_every_rung_in_smoke_profile(tmp_path, monkeypatch):
     """The first rung and every compiled one a CPU can run train and land in the ladder report; the GPU rungs are
-    reported left out. The eager rungs between them train in-process in test_ladder.py (CI's time, RESULTS.md#ci)."""
+    reported left out. The eager rungs between them train in-process in test_ladder.py, and the compiled ones compile
+    without Inductor's code: the SD notebook's runs compile the same UNet for real (CI's time, RESULTS.md#ci)."""
     from gallery_lib.recipes.ladder import RUNGS, recipe_name
     from test_ladder import EAGER_RUNGS
 
     out_dir = tmp_path / "output"
     climbed = [rung for rung in RUNGS if rung.name not in EAGER_RUNGS]
+    compiled_without_codegen(monkeypatch)
     # 4 steps a rung (1 of warm-up, where a compiled rung compiles; 3 timed): each rung trains, is timed and lands in
     # the table, as at 6, with 2 steps fewer in each rung process
     params = {"profile": "smoke", "output_dir": str(out_dir), "data_root": str(tmp_path / "data"),
