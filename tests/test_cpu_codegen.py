@@ -1,5 +1,6 @@
 """Inductor's CPU code computes what eager does on this machine's vector ISA: the bf16 tile transposes that GCC
-miscompiles for AVX-512, and a compiled SD transformer block's gradients.
+miscompiles for AVX-512, and the gradients of the tiny SD UNet's kinds of block compiled (transformer, resnet,
+upsample).
 
 Marked ``isa``: ``ci/test.sh`` runs these again under ``ATEN_CPU_CAPABILITY=avx2`` where the CPU's default is
 AVX-512, so that both code paths are checked on such a machine.
@@ -84,3 +85,58 @@ def test_a_compiled_transformer_block_trains_as_eager_in_bf16():
         assert torch.isfinite(got).all(), i
         # The project's bf16 rule: the compiled block's error against fp32 at most twice eager bf16's.
         assert (got - exact).abs().max() <= 2 * (want - exact).abs().max() + 1e-6, i
+
+
+class _ResnetUp(torch.nn.Module):
+    """The tiny SD UNet's other kinds of block in a row: a resnet block (group norm, SiLU, 3x3 convolutions, the time
+    embedding added, a 1x1 shortcut) and a nearest-neighbour upsample with its convolution (a downsample is one more
+    strided convolution)."""
+
+    def __init__(self):
+        super().__init__()
+        from diffusers.models.resnet import ResnetBlock2D, Upsample2D
+
+        self.resnet = ResnetBlock2D(in_channels=32, out_channels=64, temb_channels=64, groups=8)
+        self.up = Upsample2D(64, use_conv=True)
+
+    def forward(self, x, temb):
+        return self.up(self.resnet(x, temb))
+
+
+@pytest.mark.slow  # a compile per block kind and precision: left out of the fast tier
+@pytest.mark.parametrize("bf16", [True, False], ids=["bf16", "fp32"])
+def test_the_unets_resnet_and_upsample_blocks_compiled_train_as_eager(bf16):
+    """The resnet and upsample blocks of the tiny SD UNet, each compiled in place: output and every
+    gradient as eager's, in bf16 autocast (error against fp32 at most twice eager bf16's) and in fp32 (to reordered
+    sums). With the transformer block above, the kinds of code SD's compiled UNet runs, on this machine's vector ISA."""
+    pytest.importorskip("diffusers")
+    from diffusers.models.resnet import ResnetBlock2D, Upsample2D
+
+    from gallery_lib.accel.compile.regional import regional_compile, undo_regional_compile
+
+    torch.manual_seed(0)
+    model = _ResnetUp()
+    x, temb = torch.randn(4, 32, 12, 12), torch.randn(4, 64)
+
+    def step(autocast: bool) -> list[torch.Tensor]:
+        model.zero_grad(set_to_none=True)
+        inp = x.clone().requires_grad_(True)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out = model(inp, temb)
+        out.float().square().mean().backward()
+        return [t.detach().float() for t in (out, inp.grad, *(p.grad for p in model.parameters()))]
+
+    exact, eager = step(autocast=False), step(autocast=bf16)
+    names = regional_compile(model, (ResnetBlock2D, Upsample2D), dynamic=False)
+    try:
+        compiled = step(autocast=bf16)
+    finally:
+        undo_regional_compile(model, names)
+        torch._dynamo.reset()
+    assert len(names) == 2 and len(compiled) == 2 + len(list(model.parameters()))
+    for i, (got, want, reference) in enumerate(zip(compiled, eager, exact)):
+        assert torch.isfinite(got).all(), i
+        if bf16:
+            assert (got - reference).abs().max() <= 2 * (want - reference).abs().max() + 1e-6, i
+        else:
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5, msg=lambda m: f"tensor {i}: {m}")

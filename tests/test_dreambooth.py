@@ -134,7 +134,7 @@ def test_prior_preservation_adds_the_weighted_class_half(dreambooth_data, tmp_pa
     pytest.param(4, "O0", 1e-4, id="lora-fp32"),
     # LoRA in bf16 is not run: its adapters are more of the same bf16 linear layers, and its wiring (peft, the frozen
     # base, the one graph) is what lora-fp32 checks at a 300 times tighter tolerance (CI's time, RESULTS.md#ci). Not
-    # in the AVX2 pass: the same UNet's bf16 kernels run there in SD's accelerated-against-baseline curves.
+    # in the AVX2 pass: test_cpu_codegen.py compiles the UNet's kinds of block there.
     pytest.param(0, "O1", 3e-2, id="full-bf16", marks=pytest.mark.xdist_group(SD_UNET_BF16))])
 def test_recipes_give_the_same_losses_step_by_step(dreambooth_data, tmp_path, lora_rank, amp_level, rtol,
                                                    monkeypatch):

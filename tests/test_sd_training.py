@@ -119,7 +119,8 @@ def test_recipes_resolve_the_sd_switches(caption_data, tmp_path, monkeypatch):
         base_config("smoke", cache_latents=True)
 
 
-@pytest.mark.isa
+# Not in the AVX2 pass, where each compiled the tiny UNet's graphs again (5 min of CI's 2 cores): there
+# test_cpu_codegen.py compiles its kinds of block, transformer, resnet and upsample, against eager (RESULTS.md#ci).
 @pytest.mark.slow
 @pytest.mark.parametrize("amp_level, rtol", [
     pytest.param("O0", 1e-4, id="O0-0.0001", marks=pytest.mark.xdist_group(SD_UNET_FP32)),
