@@ -10,7 +10,6 @@ from typing import Iterator
 
 import torch
 
-from aot_eager_site.sitecustomize import aot_eager_compile
 from gallery_lib.accel.compile.regional import compile_cache_stats
 from gallery_lib.accel.compile.precompile import warm
 
@@ -41,6 +40,8 @@ def compile_without_codegen(monkeypatch) -> None:
     no Inductor code. For tests of what the library wires around the compiler (accumulation, a recipe's optimizer and
     EMA), where a CPU's C++ kernels would cost minutes and check nothing of ours: Inductor's own numerics on the same
     models are held by the tests that compile for real (LoRA's whole UNet in fp32, the accelerated blocks)."""
+    from aot_eager_site.sitecustomize import aot_eager_compile
+
     monkeypatch.setattr(torch, "compile", aot_eager_compile(torch.compile))
 
 
