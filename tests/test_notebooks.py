@@ -23,18 +23,15 @@ def _runner():
 
 
 AOT_EAGER_SITE = Path(__file__).parent / "aot_eager_site"
-COMPILED_FOR_REAL = ("stable_diffusion",)
-"""The notebook whose headless runs compile with Inductor, end to end through the runs' processes and their precompile
-workers; the others' runs compile without Inductor's code (``compiled_without_codegen``): DreamBooth's compiled the
-same UNet again at its own shapes, 460 s of CI's 2 cores (RESULTS.md#ci)."""
 
 
 def compiled_without_codegen(monkeypatch) -> None:
     """The notebook's kernel and every process it starts run ``torch.compile`` as ``aot_eager``
-    (``tests/aot_eager_site``): for a test of what a notebook shows and wires, where Inductor's C++ kernels would cost
-    minutes of CI's CPU and check nothing of the notebook's. Inductor's code on the same models is checked in-process
-    (the Swin and UNet blocks, DreamBooth's recipes, ResNet's conv-bn folding) and, through a notebook's processes,
-    by the SD notebook (``COMPILED_FOR_REAL``)."""
+    (``tests/aot_eager_site``): a notebook test checks what the notebook shows and wires, and Inductor's C++ kernels
+    cost minutes of CI's 2 cores there (the tiny UNet's, 400-460 s in whichever notebook compiled them first:
+    RESULTS.md#ci). Inductor's code on the same models is checked in-process (the Swin and UNet blocks, SD's and
+    DreamBooth's recipes against the baseline, ResNet's conv-bn folding), and through processes by the precompile
+    tests (SD's UNet compiled by workers, then loaded by a second run)."""
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(AOT_EAGER_SITE), os.environ.get("PYTHONPATH")])))
 
 
@@ -132,8 +129,7 @@ def test_your_model_notebook_climbs_its_ladder_in_smoke_profile(tmp_path, monkey
 @pytest.mark.parametrize("path", [same_worker_as_the_runs_sharing_its_graphs(path) for path in RECIPE_NOTEBOOKS])
 def test_notebook_runs_headless_in_smoke_profile(path, tmp_path, monkeypatch):
     out_dir = tmp_path / "output"
-    if path.stem not in COMPILED_FOR_REAL:
-        compiled_without_codegen(monkeypatch)
+    compiled_without_codegen(monkeypatch)
     params = {"profile": "smoke", "output_dir": str(out_dir), "data_root": str(tmp_path / "data"),
               "interactive": False, **HEADLESS_PARAMETERS.get(path.stem, {})}
     executed = _runner().run_notebook(path, out_dir / "notebooks", params, cell_timeout=900)
@@ -223,7 +219,7 @@ NOTEBOOK_CHECKS = {  # what a notebook shows beyond the recipes, the report and 
 def test_ladder_notebook_climbs_every_rung_in_smoke_profile(tmp_path, monkeypatch):
     """The first rung and every compiled one a CPU can run train and land in the ladder report; the GPU rungs are
     reported left out. The eager rungs between them train in-process in test_ladder.py, and the compiled ones compile
-    without Inductor's code: the SD notebook's runs compile the same UNet for real (CI's time, RESULTS.md#ci)."""
+    without Inductor's code, as every notebook test's runs do (CI's time, RESULTS.md#ci)."""
     from gallery_lib.recipes.ladder import RUNGS, recipe_name
     from test_ladder import EAGER_RUNGS
 
