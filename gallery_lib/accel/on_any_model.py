@@ -342,9 +342,10 @@ def accelerate(model: nn.Module, *, example: Any = None, loss_fn: Callable[[Any]
     what a plain ``torch.compile`` user does) is timed in place of the blocks, so a model whose blocks compiled
     alone lose to it ends no slower than that. Last, once compiled, each change kept before the compiler (but
     channels_last, a layout) is timed again without it, and left out where the compiler's own code is as fast. The
-    weights, gradients, buffers and random state are left as they were. The times are cached per model structure, input shapes and dtypes, autocast state, device
-    and torch version, so the next call times nothing. Compiled blocks that are undone run eagerly again; their
-    compiled code (with CUDA graphs, its memory pool) stays in Dynamo's cache until ``torch._dynamo.reset()``.
+    weights, gradients, buffers and random state are left as they were. The times are cached per model structure,
+    input shapes and dtypes, autocast state, device and torch version, so the next call times nothing. Compiled
+    blocks that are undone run eagerly again; their compiled code (with CUDA graphs, its memory pool) stays in
+    Dynamo's cache until ``torch._dynamo.reset()``.
 
         changes = accelerate(model)    # then train as before: the same parameters, the same optimizer
         changes = accelerate(model, example=images, loss_fn=lambda logits: F.cross_entropy(logits, labels))
@@ -406,8 +407,9 @@ def accelerate(model: nn.Module, *, example: Any = None, loss_fn: Callable[[Any]
 
 
 LAYOUT_CHANGES = {"channels_last"}
-"""Changes decided before the compiler only: a layout changed under CUDA graphs recorded with the other one runs them
-on tensors they do not expect (measured: resnet34 on an H200, RESULTS.md#your-model)."""
+"""Changes decided before the compiler only: channels_last undone under the compiled resnet34 stopped its timed steps
+with an Inductor stride assertion on an H200 (RESULTS.md#your-model; why, not found: a plain compiled convnet
+switched between layouts ran fine)."""
 
 
 def _not_measured(change: Change) -> Change:
