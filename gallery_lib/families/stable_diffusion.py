@@ -82,15 +82,16 @@ FAMILY = ModelFamily(
     # steady speed with cold and warm caches (benchmarks/RESULTS.md#peer, #bench-h100)
     # Peak reserved GiB by batch at 512 px, one H200 or H100, torch 2.11 (benchmarks/RESULTS.md#memory-plan)
     memory_footprints=(
-        Footprint("sd15", "accelerated", {4: 20.06, 8: 22.94, 16: 28.60, 32: 42.29, 48: 54.85, 64: 68.06},
-                  samples_per_s={4: 74.8}, source="memory_plan_h200/bench_sdmem_1.json, bench_h100/bench_sd_b8.json, "
-                  "bench_h100/sd15_graphs_by_batch/, sd_up_blocks_h200/"),
-        Footprint("sd15", "peer", {32: 40.85}, samples_per_s={32: 132.1},
-                  source="peer_layout_h200/bench_sd_b32_cl.json"),
-        # checkpointed, compiled whole, under a 22 GiB cap; the peer's (20.29) is left out: it would win over its batch
-        # 8 unchecked, unmeasured, which fit 22 GiB at twice the speed (#memory-plan)
+        Footprint("sd15", "accelerated", {4: 20.06, 8: 23.72, 16: 28.60, 32: 42.29, 48: 54.85, 64: 68.06},
+                  samples_per_s={4: 74.8, 8: 108.8}, source="memory_plan_h200/bench_sdmem_1.json, "
+                  "memory_plan_h200/caps_sd_38_acc.json, bench_h100/sd15_graphs_by_batch/, sd_up_blocks_h200/"),
+        Footprint("sd15", "peer", {8: 21.83, 32: 40.85}, samples_per_s={8: 101.5, 32: 132.1},
+                  source="memory_plan_h200/caps_sd_38_all.json, peer_layout_h200/bench_sd_b32_cl.json"),
+        # checkpointed, compiled whole, under a 22 GiB cap (batch 8 unchecked needs more: 21.8-25.0 under a 38 GiB cap)
         Footprint("sd15", "accelerated", {8: 20.32}, gradient_checkpointing=True, samples_per_s={8: 52.8},
                   source="memory_plan_h200/caps_sd_22_acc.json"),
+        Footprint("sd15", "peer", {8: 20.30}, gradient_checkpointing=True, samples_per_s={8: 52.8},
+                  source="memory_plan_h200/caps_sd_22_pair.json, memory_plan_h200/caps_sd_22_peer_ckpt2.json"),
         # in 16 GiB, the EMA offloaded: only eager steps fit, checkpointed (the compiled ones ran out of memory); the
         # baseline's (15.57, its update one tensor at a time) is left out: with the headroom it would rule out batch 8
         # checkpointed, which ran (#memory-plan)
@@ -98,7 +99,8 @@ FAMILY = ModelFamily(
                   samples_per_s={8: 26.7}, source="memory_plan_h200/caps_sd_16_all.json"),
         Footprint("sd15", "peer", {8: 15.14}, gradient_checkpointing=True, uncompiled=True, ema_offloaded=True,
                   samples_per_s={8: 26.6}, source="memory_plan_h200/caps_sd_16_peer_eager_ckpt.json"),
-        Footprint("sd15", "baseline", {4: 22.12}, source="memory_plan_h200/bench_sdmem_1.json"),
+        Footprint("sd15", "baseline", {4: 22.12, 8: 25.01}, samples_per_s={8: 39.2},
+                  source="memory_plan_h200/bench_sdmem_1.json, memory_plan_h200/caps_sd_38_all.json"),
         Footprint("sd15", "compiled", {8: 21.26}, samples_per_s={8: 57.8}, source="memory_plan_h200/caps_sd_22.json"),
     ),
     # 8 workers of 1.3-3.5 GiB beside a training process at up to 11.8 GiB (nvidia-smi, #memory-plan)
