@@ -39,7 +39,8 @@ def compile_without_codegen(monkeypatch) -> None:
     """Every ``torch.compile`` call of this test runs ``aot_eager``: Dynamo's capture and AOTAutograd's joint graph,
     no Inductor code. For tests of what the library wires around the compiler (accumulation, a recipe's optimizer and
     EMA), where a CPU's C++ kernels would cost minutes and check nothing of ours: Inductor's own numerics on the same
-    models are held by the tests that compile for real (LoRA's whole UNet in fp32, the accelerated blocks)."""
+    models are held by the tests that compile for real (the accelerated UNet blocks in fp32, test_cpu_codegen.py's
+    blocks in bf16 and fp32)."""
     from aot_eager_site.sitecustomize import aot_eager_compile
 
     monkeypatch.setattr(torch, "compile", aot_eager_compile(torch.compile))

@@ -14,6 +14,7 @@ from gallery_lib.accel.kernels import set_triton_enabled, soft_cross_entropy
 from gallery_lib.accel.kernels.modules import FusedGEGLU, FusedGroupNorm, FusedLayerNorm
 
 STEPS = 30
+INTERPRETED_STEPS = 12
 
 
 class TorchGEGLU(nn.Module):
@@ -50,7 +51,7 @@ class TinyUNetLike(nn.Module):
         return F.cross_entropy(logits, target, label_smoothing=0.1)
 
 
-def train(fused: bool) -> list[float]:
+def train(fused: bool, steps: int = STEPS) -> list[float]:
     torch.manual_seed(0)
     baseline = TinyUNetLike(fused=False)
     model = TinyUNetLike(fused=fused)
@@ -69,7 +70,7 @@ def train(fused: bool) -> list[float]:
         target = lam * F.one_hot(a, 7) + (1 - lam) * F.one_hot(b, 7)  # Mixup-style soft targets
         batches.append((x.to(device), target.to(device)))
     losses = []
-    for step in range(STEPS):
+    for step in range(steps):
         x, target = batches[step % 2]
         loss = model(x, target)
         opt.zero_grad()
@@ -79,11 +80,11 @@ def train(fused: bool) -> list[float]:
     return losses
 
 
-def check_same_curve():
+def check_same_curve(steps: int = STEPS):
     with set_triton_enabled(False):
-        expected = train(fused=False)
-    got = train(fused=True)
-    assert expected[-1] < expected[0], "the tiny model should learn something in 30 steps"
+        expected = train(fused=False, steps=steps)
+    got = train(fused=True, steps=steps)
+    assert expected[-1] < expected[0], f"the tiny model should learn something in {steps} steps"
     torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), rtol=1e-5, atol=0)
 
 
@@ -104,9 +105,11 @@ def test_triton_path_same_loss_curve():
         assert proc.returncode == 0 and "1 passed" in proc.stdout, proc.stdout[-6000:]
         return
     tu.launch_counts.clear()
-    check_same_curve()
+    # 12 steps: the interpreter runs every kernel launch in NumPy (30 took 66-97 s of CI's 2 cores, RESULTS.md#ci);
+    # the fallback and GPU paths run 30
+    check_same_curve(steps=INTERPRETED_STEPS)
     for name in ("_gn_bwd_kernel", "_ln_bwd_kernel", "_geglu_bwd_kernel", "_ce_bwd_kernel"):
-        assert tu.launch_counts[name] == STEPS, name
+        assert tu.launch_counts[name] == INTERPRETED_STEPS, name
 
 
 @pytest.mark.gpu
