@@ -20,7 +20,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from test_notebooks import AOT_EAGER_SITE, same_worker_as_the_runs_sharing_its_graphs
+from test_notebooks import AOT_EAGER_SITE, in_its_graph_group
 
 REPO = Path(__file__).resolve().parents[1]
 # One notebook of each kind the page shows differently: a recipe notebook with the form (DreamBooth, whose batch of
@@ -156,7 +156,7 @@ def _wait_until_up(status_url: str, server: subprocess.Popen, log: Path, timeout
     raise RuntimeError(f"JupyterLab did not answer within {timeout} s:\n{log.read_text()[-3000:]}")
 
 
-@pytest.mark.parametrize("path", [same_worker_as_the_runs_sharing_its_graphs(path) for path in NOTEBOOKS])
+@pytest.mark.parametrize("path", [in_its_graph_group(path) for path in NOTEBOOKS])
 def test_notebook_runs_in_jupyterlab_in_a_real_browser(lab, path):
     from playwright.sync_api import sync_playwright
 
