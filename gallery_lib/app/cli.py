@@ -19,6 +19,7 @@ from gallery_lib.config.families import import_family_module
 from gallery_lib.recipes.profiles import PROFILES, base_config
 from gallery_lib.recipes import recipe_config
 from gallery_lib.app.bench import DEFAULT_RECIPES as _BENCH_RECIPES
+from gallery_lib.app.bench_workloads import DENOISERS
 from gallery_lib.run.checkpoint import CheckpointError
 
 DEFAULT_RECIPES = "baseline,compiled,accelerated"
@@ -245,12 +246,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from gallery_lib.reports.bench_goals import describe_goals
     from gallery_lib.app import bench
 
-    if args.timm_model is not None:
-        return cmd_bench_timm(args)
-    for flag in ("image_size", "steps"):
-        if getattr(args, flag) is not None:
-            raise ConfigError(f"--{flag.replace('_', '-')} is for --timm-model: a family's model runs at its "
-                              "profile's size and steps (--batch-size, --warmup-steps and --timed-steps change them).")
+    if args.timm_model is not None or args.diffusers_model is not None:
+        return cmd_bench_your_model(args)
+    for flag in ("image_size", "steps", "model_config"):
+        if getattr(args, flag):
+            raise ConfigError(f"--{flag.replace('_', '-')} is for --timm-model or --diffusers-model: a family's model "
+                              "runs at its profile's size and steps (--batch-size, --warmup-steps and --timed-steps "
+                              "change them).")
     models = bench.resolve_models(_recipe_list(args.models or ""), args.profile)
     recipes = _recipe_list(args.recipes)
     if not recipes:
@@ -266,21 +268,30 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_bench_timm(args: argparse.Namespace) -> int:
-    from gallery_lib.app import bench, bench_timm
+def cmd_bench_your_model(args: argparse.Namespace) -> int:
+    from gallery_lib.app import bench, bench_your_model
+    from gallery_lib.app.bench_workloads import Workload, parse_model_config
 
-    given = [f"--{flag.replace('_', '-')}" for flag, default in _FAMILY_BENCH_FLAGS.items()
-             if getattr(args, flag) != default]
+    flag = "--timm-model" if args.timm_model is not None else "--diffusers-model"
+    given = [f"--{name.replace('_', '-')}" for name, default in _FAMILY_BENCH_FLAGS.items()
+             if getattr(args, name) != default]
+    if args.timm_model is not None and args.diffusers_model is not None:
+        given.append("--diffusers-model")
     if given:
-        raise ConfigError(f"--timm-model benches one timm model (eager, peer, accelerated), not the gallery's "
-                          f"families: leave out {', '.join(given)}; it takes --batch-size, --image-size, --steps, "
-                          "--warmup-steps and --out.")
-    settings = bench_timm.resolve_bench(args.timm_model, batch_size=bench_timm.parse_batch_size(args.batch_size),
-                                        image_size=args.image_size, steps=args.steps, warmup_steps=args.warmup_steps)
+        raise ConfigError(f"{flag} benches one model (eager, peer, accelerated), not the gallery's families nor "
+                          f"another model: leave out {', '.join(given)}; it takes --batch-size, --image-size, "
+                          "--steps, --warmup-steps, --out (and with --diffusers-model --model-config).")
+    if args.timm_model is not None:
+        workload = Workload("timm", args.timm_model, parse_model_config(args.model_config))
+    else:
+        workload = Workload("diffusers", args.diffusers_model, parse_model_config(args.model_config))
+    settings = bench_your_model.resolve_bench(workload, batch_size=bench_your_model.parse_batch_size(args.batch_size),
+                                              image_size=args.image_size, steps=args.steps,
+                                              warmup_steps=args.warmup_steps)
     gpu = bench.gpu_name() if settings.device == "cuda" else None
-    out = bench.out_path(args.out, gpu, name=f"timm-{bench.slug(settings.model)}")
-    record = bench_timm.run_timm_bench(settings, out, command=args.command_line)
-    print(f"\n{bench_timm.timm_table(record)}")
+    out = bench.out_path(args.out, gpu, name=f"{workload.kind}-{bench.slug(workload.name)}")
+    record = bench_your_model.run_model_bench(settings, out, command=args.command_line)
+    print(f"\n{bench_your_model.model_table(record)}")
     written = [str(path) for path in (out, out.with_suffix(".md"), out.with_suffix(".png")) if path.exists()]
     print(f"\nwrote {', '.join(written)}")
     failed = [row for row in record["rows"] if "error" in row]
@@ -291,7 +302,8 @@ def cmd_bench_timm(args: argparse.Namespace) -> int:
 
 _FAMILY_BENCH_FLAGS = {"models": None, "recipes": BENCH_RECIPES, "profile": "auto", "processes": None,
                        "timed_steps": None, "set": [], "data_root": "data", "output_dir": "output/bench"}
-"""The flags of a bench of the gallery's families, at their defaults: ``--timm-model`` refuses any other value."""
+"""The flags of a bench of the gallery's families, at their defaults: ``--timm-model`` and ``--diffusers-model``
+refuse any other value."""
 
 
 def _add_bench_flags(p: argparse.ArgumentParser) -> None:
@@ -300,6 +312,13 @@ def _add_bench_flags(p: argparse.ArgumentParser) -> None:
           help="bench a timm model instead of the families: eager, peer (torch.compile, on a GPU with CUDA graphs and "
                "channels_last for a convolutional network) and accelerate(model), from the same initial weights "
                "through one plain loop; takes --batch-size, --image-size, --steps, --warmup-steps and --out")
+    _flag(p, "diffusers_model", metavar="CLASS",
+          help=f"bench a diffusers denoiser ({', '.join(DENOISERS)}) instead of the families, built from its class's "
+               "default config (--model-config changes it) with random weights, on noised samples with the noise's "
+               "mean squared error; as --timm-model otherwise (--image-size: the sample size, default 32 on a GPU)")
+    _flag(p, "model_config", action="append", default=[], metavar="KEY=VALUE",
+          help="with --diffusers-model: a value of the class's config, JSON or text, e.g. num_layers=12 or "
+               "block_out_channels=[64,128] (repeatable)")
     _flag(p, "models", help="comma-separated gallery models, or family shortcuts meaning the profile's model of a "
                             "family: sd, swin, resnet, dreambooth (default: every family's)")
     _flag(p, "recipes", default=defaults["recipes"],
@@ -308,9 +327,10 @@ def _add_bench_flags(p: argparse.ArgumentParser) -> None:
     _flag(p, "batch_size", action="append", default=[], metavar="[MODEL=]SIZES",
           help="comma-separated batch sizes for every model (32,48), or for one (sd=32,48); repeatable "
                "(default: the profile's); with --timm-model one size (default: 128 on a GPU, 4 on a CPU)")
-    _flag(p, "image_size", type=int, help="with --timm-model: the image size (default: 224 on a GPU, 32 on a CPU)")
-    _flag(p, "steps", type=int, help="with --timm-model: steps per variant, warm-up included (default: 60 on a GPU, "
-                                     "6 on a CPU)")
+    _flag(p, "image_size", type=int, help="with --timm-model: the image size (default: 224 on a GPU, 32 on a CPU); "
+                                          "with --diffusers-model the sample size (32 on a GPU, 8 on a CPU)")
+    _flag(p, "steps", type=int, help="with --timm-model or --diffusers-model: steps per variant, warm-up included "
+                                     "(default: 60 on a GPU, 6 or 4 on a CPU)")
     _flag(p, "profile", choices=PROFILES, default=defaults["profile"],
           help="smoke: the tiny models on a CPU; full: the GPU models; auto: full when a GPU is visible")
     _flag(p, "processes", metavar="COUNTS",
@@ -326,8 +346,9 @@ def _add_bench_flags(p: argparse.ArgumentParser) -> None:
           help="where each model's mock data is prepared (default: data)")
     _flag(p, "output_dir", default=defaults["output_dir"], help="the runs' output root (default: output/bench)")
     _flag(p, "out", help="the result file, or a folder to write it in (default: output/bench/bench-<gpu>-<date>.json, "
-                         "with --timm-model output/bench/timm-<model>-<gpu>-<date>.json); its figure is written "
-                         "beside it as .png (and, with --timm-model, its table as .md)")
+                         "with --timm-model output/bench/timm-<model>-<gpu>-<date>.json, with --diffusers-model "
+                         "diffusers-<class>-...); its figure is written beside it as .png (and, for one model, its "
+                         "table as .md)")
 
 
 def build_parser() -> argparse.ArgumentParser:
