@@ -139,6 +139,7 @@ def nothing_built(monkeypatch):
     (["--diffusers-model", "DiTTransformer2D"], "did you mean DiTTransformer2DModel?"),
     (["--diffusers-model", "UNet2DModel", "--model-config", "num_layer=2"], "UNet2DModel has no such config value"),
     (["--diffusers-model", "UNet2DModel", "--model-config", "layers"], "expected KEY=VALUE"),
+    (["--diffusers-model", "UNet2DModel", "--model-config", "sample_size=16"], "the sample size is --image-size"),
     (["--timm-model", "resnet18", "--model-config", "depth=2"], "--model-config is for --diffusers-model"),
     (["--timm-model", "resnet18", "--diffusers-model", "UNet2DModel"], "leave out --diffusers-model"),
 ])
@@ -182,6 +183,11 @@ def test_gpu_sizes_are_the_notebooks_full_profile_with_at_least_30_timed_steps()
     assert resolve_bench("resnet18", device="cpu") == ModelBench(resnet, "cpu", 4, 32, 6, 3)
     dit = Workload("diffusers", "DiTTransformer2DModel")
     assert resolve_bench(dit, device="cuda") == ModelBench(dit, "cuda", 64, 32, 60, 25)  # DiT's 256 px latents
+    # on a CPU, DiT-XL/2's 675M parameters give way to its layout at a CPU's size, unless a config is given
+    on_cpu = resolve_bench(dit, device="cpu")
+    assert (on_cpu.batch_size, on_cpu.image_size) == (2, 8) and on_cpu.workload.config["num_layers"] == 2
+    given = Workload("diffusers", "DiTTransformer2DModel", {"num_layers": 3})
+    assert resolve_bench(given, device="cpu").workload == given
     with pytest.raises(ConfigError, match="times 20 steps: too few on a GPU"):
         resolve_bench("resnet18", steps=45, device="cuda")
 
@@ -232,10 +238,8 @@ def test_a_unet2dmodel_gets_no_classes_and_a_dit_gets_one_per_sample():
     default config), a DiT's ``hidden_states``, ``timestep`` and ``class_labels`` (its adaptive norm embeds 1000)."""
     from gallery_lib.app.bench_workloads import parse_model_config
 
-    unet = Workload("diffusers", "UNet2DModel", parse_model_config([
-        "block_out_channels=[8,16]", "down_block_types=[\"DownBlock2D\",\"AttnDownBlock2D\"]",
-        "up_block_types=[\"AttnUpBlock2D\",\"UpBlock2D\"]", "norm_num_groups=4", "layers_per_block=1"]))
-    bench = resolve_bench(unet, batch_size=3, device="cpu")
+    bench = resolve_bench(Workload("diffusers", "UNet2DModel"), batch_size=3, device="cpu")  # its CPU layout
+    unet = bench.workload
     model = bench_your_model.build_model(bench)
     batch, = unet.batches(model, 1, 3, 8, "cpu")
     assert sorted(batch.inputs) == ["sample", "timestep"] and batch.inputs["sample"].shape == (3, 3, 8, 8)

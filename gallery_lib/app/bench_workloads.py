@@ -25,6 +25,14 @@ CLASSES = 1000
 DENOISERS = ("UNet2DModel", "DiTTransformer2DModel")
 """The diffusers classes the bench builds: called with noised samples and timesteps (and classes), they predict the
 noise at the sample's shape. Text-conditioned ones (``UNet2DConditionModel``) are the SD family's."""
+CPU_CONFIGS = {
+    "UNet2DModel": {"block_out_channels": [8, 16], "down_block_types": ["DownBlock2D", "AttnDownBlock2D"],
+                    "up_block_types": ["AttnUpBlock2D", "UpBlock2D"], "layers_per_block": 1, "norm_num_groups": 4},
+    "DiTTransformer2DModel": {"num_layers": 2, "num_attention_heads": 2, "attention_head_dim": 8,
+                              "norm_num_groups": 4},
+}
+"""Each class's layout at a size a CPU trains in seconds, where no ``--model-config`` is given (the default configs,
+DiT-XL/2's 675M parameters among them, are GPU models): there the bench checks the code path, not speed."""
 
 
 @dataclass(frozen=True)
@@ -48,6 +56,12 @@ class Workload:
     def label(self) -> str:
         return self.name if self.kind == "timm" else f"diffusers.{self.name}"
 
+    def on(self, device: str) -> Workload:
+        """As built on ``device``: a denoiser without ``--model-config`` on a CPU gets its class's ``CPU_CONFIGS``."""
+        if self.kind == "diffusers" and device == "cpu" and not self.config:
+            return Workload(self.kind, self.name, dict(CPU_CONFIGS[self.name]))
+        return self
+
     def check(self) -> None:
         """``ConfigError`` for a name the library does not know, with the closest it knows, before anything is
         built."""
@@ -60,6 +74,9 @@ class Workload:
             import diffusers
 
             known = set(inspect.signature(getattr(diffusers, self.name).__init__).parameters) - {"self"}
+            if "sample_size" in self.config:
+                raise ConfigError("--model-config sample_size: the sample size is --image-size (the batches are made "
+                                  "at it).")
             unknown = sorted(set(self.config) - known)
             if unknown:
                 close = difflib.get_close_matches(unknown[0], sorted(known), n=1)

@@ -58,8 +58,8 @@ DEFAULTS = {("timm", "cuda"): dict(batch_size=128, image_size=224, steps=60, war
             ("diffusers", "cuda"): dict(batch_size=64, image_size=32, steps=60, warmup_steps=25),
             ("diffusers", "cpu"): dict(batch_size=2, image_size=8, steps=4, warmup_steps=2)}
 """On a GPU, a timm model at the sizes ``benchmarks/gpu_your_model.sh`` runs the notebook at, a denoiser on 32x32
-samples (the latents of 256 px images: DiT's ImageNet size); on a CPU tiny ones: there the timings check the code
-path, not speed (a denoiser's default config is still large there: ``--model-config`` makes it smaller)."""
+samples (the latents of 256 px images: DiT's ImageNet size); on a CPU tiny ones (a denoiser without
+``--model-config`` in its ``CPU_CONFIGS`` layout): there the timings check the code path, not speed."""
 
 
 def resolve_bench(model: str | Workload, *, batch_size: int | None = None, image_size: int | None = None,
@@ -72,6 +72,7 @@ def resolve_bench(model: str | Workload, *, batch_size: int | None = None, image
     workload = Workload("timm", model) if isinstance(model, str) else model
     workload.check()
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    workload = workload.on(device)
     given = dict(batch_size=batch_size, image_size=image_size, steps=steps, warmup_steps=warmup_steps)
     sizes = {key: DEFAULTS[workload.kind, device][key] if value is None else value for key, value in given.items()}
     for key in ("batch_size", "image_size", "steps"):
