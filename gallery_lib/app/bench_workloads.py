@@ -129,25 +129,24 @@ class Workload:
             made.append(Batch({k: v.to(device) for k, v in inputs.items()}, target.to(device)))
         return made
 
-    def forward(self, model: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
-        """The model's prediction for ``inputs``: a timm model's logits, a denoiser's noise estimate."""
-        if self.kind == "timm":
-            return model(inputs["x"])
-        return model(**inputs, return_dict=False)[0]
-
-    def loss(self, prediction: Any, target: torch.Tensor) -> torch.Tensor:
-        """Cross-entropy for a classifier, the noise's mean squared error for a denoiser; in fp32 either way."""
-        if isinstance(prediction, (tuple, list)):  # a denoiser as accelerate times it: its return_dict=False tuple
-            prediction = prediction[0]
-        if self.kind == "timm":
-            return F.cross_entropy(prediction.float(), target)
-        return F.mse_loss(prediction.float(), target.float())
-
     def example(self, batch: Batch) -> Any:
-        """What ``accelerate`` times the model with: a classifier's images, a denoiser's keyword arguments."""
+        """What the model is called with (``accelerate``'s ``example``): a classifier's images, a denoiser's keyword
+        arguments."""
         if self.kind == "timm":
             return batch.inputs["x"]
         return {**batch.inputs, "return_dict": False}
+
+    def forward(self, model: torch.nn.Module, batch: Batch) -> Any:
+        """The model called on ``batch`` as ``accelerate`` calls it: a timm model's logits, a denoiser's tuple."""
+        example = self.example(batch)
+        return model(**example) if isinstance(example, dict) else model(example)
+
+    def loss(self, output: Any, target: torch.Tensor) -> torch.Tensor:
+        """Cross-entropy for a classifier, the noise's mean squared error for a denoiser (the first of its outputs);
+        in fp32 either way."""
+        if self.kind == "timm":
+            return F.cross_entropy(output.float(), target)
+        return F.mse_loss(output[0].float(), target.float())
 
 
 def parse_model_config(assignments: list[str]) -> dict[str, Any]:

@@ -147,7 +147,7 @@ def train(model: torch.nn.Module, workload: Workload, batches: Sequence[Batch], 
         batch = batches[step % len(batches)]
         torch.compiler.cudagraph_mark_step_begin()
         with torch.autocast(device, dtype=torch.bfloat16, enabled=on_gpu):
-            loss = workload.loss(workload.forward(model, batch.inputs), batch.target)
+            loss = workload.loss(workload.forward(model, batch), batch.target)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -157,7 +157,7 @@ def train(model: torch.nn.Module, workload: Workload, batches: Sequence[Batch], 
 
 
 def run_model_bench(bench: ModelBench, out: Path, *, command: str,
-                   echo: Callable[[str], Any] | None = print) -> dict:
+                    echo: Callable[[str], Any] | None = print) -> dict:
     """Trains the three variants in turn and writes ``out`` (the record), its ``.md`` table and ``.png`` figure. A
     variant that fails (out of memory, a model Dynamo cannot trace) becomes a row with an ``error``, and the bench
     goes on."""

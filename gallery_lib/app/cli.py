@@ -272,19 +272,16 @@ def cmd_bench_your_model(args: argparse.Namespace) -> int:
     from gallery_lib.app import bench, bench_your_model
     from gallery_lib.app.bench_workloads import Workload, parse_model_config
 
-    flag = "--timm-model" if args.timm_model is not None else "--diffusers-model"
+    kind, name = ("timm", args.timm_model) if args.timm_model is not None else ("diffusers", args.diffusers_model)
     given = [f"--{name.replace('_', '-')}" for name, default in _FAMILY_BENCH_FLAGS.items()
              if getattr(args, name) != default]
     if args.timm_model is not None and args.diffusers_model is not None:
         given.append("--diffusers-model")
     if given:
-        raise ConfigError(f"{flag} benches one model (eager, peer, accelerated), not the gallery's families nor "
-                          f"another model: leave out {', '.join(given)}; it takes --batch-size, --image-size, "
+        raise ConfigError(f"--{kind}-model benches one model (eager, peer, accelerated), not the gallery's families "
+                          f"nor another model: leave out {', '.join(given)}; it takes --batch-size, --image-size, "
                           "--steps, --warmup-steps, --out (and with --diffusers-model --model-config).")
-    if args.timm_model is not None:
-        workload = Workload("timm", args.timm_model, parse_model_config(args.model_config))
-    else:
-        workload = Workload("diffusers", args.diffusers_model, parse_model_config(args.model_config))
+    workload = Workload(kind, name, parse_model_config(args.model_config))
     settings = bench_your_model.resolve_bench(workload, batch_size=bench_your_model.parse_batch_size(args.batch_size),
                                               image_size=args.image_size, steps=args.steps,
                                               warmup_steps=args.warmup_steps)
