@@ -33,7 +33,7 @@ from gallery_lib.reports.provenance import result_header
 _KEYS = ("recipe", "samples_per_s", "median_step_time_ms", "p20_step_time_ms", "p80_step_time_ms", "warmup_time_s",
          "setup_time_s", "precompile_time_s", "peak_mem_mb", "final_loss", "global_batch_size", "world_size",
          "device_name", "notes", "cache_time_s", "train_flops_per_sample", "matmul_tflops", "compile_cache",
-         "precompile", "peak_reserved_mb")
+         "precompile", "peak_reserved_mb", "memory_plan")
 
 
 def run_rungs(args: argparse.Namespace) -> dict:

@@ -5,16 +5,18 @@
 # part1 tf32,amp,loader,fused,attention,batch,ema; part2 zero2,bf16,compile; part3
 # regional,cuda_graphs,cached_latents,channels_last; part4 kernels,checkpointing. On an H200 at 2c5160a, the first on a
 # fresh machine, they took 342, 320, 373 and 244 s (results/ladder_h200_2c5160a; each rung's `wall_s` in the JSON
-# says what it took). Pass GALLERY_COMMIT=<commit> to name the code.
+# says what it took). Pass GALLERY_COMMIT=<commit> to name the code. Under a cap, as on a smaller card: flags after the
+# rungs go to bench_ladder.py (e.g. --set gpu_memory_gib=16); STEPS, WARMUP and LADDER_TIMEOUT_S shorten a call.
 set -x
 part=$1
 rungs=$2
+shift 2
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 python3 benchmarks/device_site.py /tmp/site
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 out=${OUT:-benchmarks/results}
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
-python3 benchmarks/bench_ladder.py --profile full --rungs "$rungs" --steps 30 --set warmup_steps=10 \
-  --set log_every=5 --set export_model=false --output-dir /tmp/ladder --data-root /tmp/data \
-  --out "$out/ladder_$part.json" > "$out/ladder_$part.log" 2>&1
-grep "\[ladder\]\|done:\|Error\|error:\|compilation\|precompil" "$out/ladder_$part.log" | tail -40
+timeout "${LADDER_TIMEOUT_S:-86400}" python3 benchmarks/bench_ladder.py --profile full --rungs "$rungs" \
+  --steps "${STEPS:-30}" --set warmup_steps="${WARMUP:-10}" --set log_every=5 --set export_model=false \
+  --output-dir /tmp/ladder --data-root /tmp/data --out "$out/ladder_$part.json" "$@" > "$out/ladder_$part.log" 2>&1
+grep "\[ladder\]\|memory plan\|done:\|Error\|error:\|compilation\|precompil" "$out/ladder_$part.log" | tail -40
