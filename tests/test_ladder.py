@@ -12,8 +12,9 @@ from gallery_lib.config import ConfigError, RunConfig
 from gallery_lib.recipes.ladder import (RUNG_NAMES, RUNGS, LadderSizes, RungResult, default_sizes, ladder_base,
                                         ladder_configs, recipe_name, rung_named, rung_parents, run_ladder)
 from gallery_lib.recipes.profiles import base_config
-from gallery_lib.recipes import accelerated, apply_recipe, describe
+from gallery_lib.recipes import accelerated, apply_recipe, describe, recipe_config
 from gallery_lib.reports.ladder import findings, ladder_plan, ladder_report, ladder_rows, to_markdown
+from gallery_lib.run.memory_plan import NAMED, PLAN, MemoryPlan
 from gallery_lib.run.train import configure_backends
 
 SIZES = LadderSizes(large_batch=48, checkpointing_batch=96, loader_workers=8)
@@ -329,3 +330,37 @@ def test_every_eager_rung_above_the_first_trains_on_a_cpu(tmp_path):
         assert summary["steps"] == 4 and summary["samples_per_s"] > 0 and torch.isfinite(
             torch.tensor(summary["final_loss"])), (name, summary)
         assert summary["global_batch_size"] == (4 if RUNG_NAMES.index(name) >= RUNG_NAMES.index("batch") else 2)
+
+
+def test_under_a_cap_every_rung_keeps_its_global_batch_and_the_plan_sets_each_rungs_step(monkeypatch):
+    """On a 16 GiB card the rungs ran as configured and stopped out of memory (the ladder bypassed the memory plan):
+    each rung is now fitted as every recipe is, its global batch kept, and the ladder's own batch sizes are not the
+    user's to keep."""
+    monkeypatch.setattr("gallery_lib.recipes.named.runs_on_gpu", lambda base: True)
+    base = ladder_base("full", data_root="/data", device="cuda", gpu_memory_gib=16.0, precompile_workers=0)
+    assert "batch_size" not in base.extra[NAMED] and base.batch_size == 8
+    configs = ladder_configs(base, sizes=SIZES, on_gpu=True)
+    # ZeRO-2 on one process shards nothing and cannot move its EMA to the CPU: its state alone fills 16 GiB
+    assert "does not fit" in MemoryPlan.from_dict(configs.pop("zero2").extra[PLAN]).note()
+    for name, cfg in configs.items():
+        plan = MemoryPlan.from_dict(cfg.extra[PLAN])
+        settings = (plan.chosen,) if plan.chosen else plan.probe
+        wanted = {"batch": 48, "checkpointing": 96}.get(name, 8 if RUNG_NAMES.index(name) < 5 else 48)
+        assert settings and all(s.batch_size * s.accumulation == wanted for s in settings + plan.after), name
+        # the training process switches to each probed setting with its batch, not the rung's own
+        for setting, fields in zip(settings, cfg.extra[PLAN].get("probe_fields", ())):
+            assert (fields["batch_size"], fields["gradient_accumulation_steps"]) == (
+                setting.batch_size, setting.accumulation), name
+    # a 16 GiB card takes the rungs' steps smaller or checkpointed; the plan is in the rung table before a run
+    assert any(s.batch_size < 48 or s.checkpointing for s in MemoryPlan.from_dict(
+        configs["batch"].extra[PLAN]).probe)
+    table = str(ladder_plan(base, ["tf32", "batch"], sizes=SIZES))
+    assert "| on this GPU |" in table and "tries batch 8" in table and "tries batch 48" in table
+    # the same rung as a recipe of its own (`gallery run --recipes ladder-05-batch`) is planned the same way
+    alone = MemoryPlan.from_dict(recipe_config(base, "ladder-05-batch", {}).extra[PLAN])
+    assert alone.probe == MemoryPlan.from_dict(configs["batch"].extra[PLAN]).probe
+
+
+def test_a_user_batch_stays_named_on_the_ladder():
+    base = ladder_base("full", data_root="/data", batch_size=4)
+    assert "batch_size" in base.extra[NAMED] and base.batch_size == 4

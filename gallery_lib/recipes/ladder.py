@@ -28,9 +28,11 @@ from typing import Any, Callable
 from gallery_lib.config import ConfigError, RunConfig, validate_for_machine
 from gallery_lib.recipes.named import (accelerated, baseline, describe, precompile_workers_for_machine,
                                        register_recipes, runs_on_gpu)
-from gallery_lib.recipes.profiles import base_config, resolve_profile
+from gallery_lib.recipes.memory_fit import fit_to_memory
+from gallery_lib.recipes.profiles import base_config
 from gallery_lib.run.failure import RunsFailed
 from gallery_lib.run.launch import RunFailed, launch
+from gallery_lib.run.memory_plan import Budget, read_budget
 
 
 @dataclass(frozen=True)
@@ -57,9 +59,10 @@ _LARGER_BATCHES = {"full": lambda first: (48, 96), "smoke": lambda first: (2 * f
 def ladder_base(profile: str = "auto", **overrides: Any) -> RunConfig:
     """The SD base config the ladder climbs from: the profile's, at the ladder's first batch size unless
     ``batch_size`` is given."""
-    if overrides.get("batch_size") is None:
-        overrides["batch_size"] = _FIRST_BATCH.get(resolve_profile(profile))
-    return base_config(profile, family="stable_diffusion", **overrides)
+    base = base_config(profile, family="stable_diffusion", **overrides)
+    first = _FIRST_BATCH.get(base.profile)
+    # not named: the memory plan may change the ladder's own batch sizes (keeping each rung's global batch)
+    return base if overrides.get("batch_size") is not None or first is None else base.replace(batch_size=first)
 
 
 def default_sizes(base: RunConfig) -> LadderSizes:
@@ -189,8 +192,20 @@ def rung_parents(on_gpu: bool) -> dict[str, str | None]:
 
 def ladder_configs(base: RunConfig, rungs: list[str] | None = None, *, sizes: LadderSizes | None = None,
                    on_gpu: bool | None = None) -> dict[str, RunConfig | None]:
-    """The config of every rung (or of ``rungs``), by rung name; ``None`` for a rung this machine cannot run (a GPU
-    rung on a CPU). Each rung is resolved on the rungs below it, so asking for one rung resolves those too."""
+    """The config of every rung (or of ``rungs``), by rung name, as it runs here: ``None`` for a rung this machine
+    cannot run (a GPU rung on a CPU); on a GPU each fitted to the memory the run may use as every recipe is
+    (``memory_fit.py``), at the rung's global batch."""
+    on_gpu = runs_on_gpu(base) if on_gpu is None else on_gpu
+    chain = rung_chain(base, sizes=sizes, on_gpu=on_gpu)
+    budget = read_budget(base.gpu_memory_gib) if on_gpu else None
+    wanted = [rung_named(name).name for name in rungs] if rungs is not None else list(chain)
+    return {name: None if chain[name] is None else _fitted(chain[name], budget) for name in wanted}
+
+
+def rung_chain(base: RunConfig, *, sizes: LadderSizes | None = None,
+               on_gpu: bool | None = None) -> dict[str, RunConfig | None]:
+    """Every rung's config before the memory plan, by rung name: each resolved on the rung below it, with the switch
+    it adds (``None`` for a rung this machine cannot run)."""
     _check_family(base)
     sizes = sizes or default_sizes(base)
     on_gpu = runs_on_gpu(base) if on_gpu is None else on_gpu
@@ -203,9 +218,13 @@ def ladder_configs(base: RunConfig, rungs: list[str] | None = None, *, sizes: La
         parent = parents[rung.name]
         start = base if parent is None else resolved[parent]
         resolved[rung.name] = start.replace(**rung.adds(start, sizes), recipe=recipe_name(rung))
-    if rungs is None:
-        return resolved
-    return {rung_named(name).name: resolved[rung_named(name).name] for name in rungs}
+    return resolved
+
+
+def _fitted(cfg: RunConfig, budget: Budget | None) -> RunConfig:
+    """The rung with its switches, at the setting the memory plan picks: each setting it weighs is the rung's config
+    with that batch, accumulation and checkpointing (a rung that replays CUDA graphs refuses the last two)."""
+    return fit_to_memory(cfg, lambda planned: cfg.replace(**planned), budget)
 
 
 def _check_family(base: RunConfig) -> None:
@@ -219,12 +238,13 @@ def _check_family(base: RunConfig) -> None:
 def rung_recipes() -> dict[str, Callable[[RunConfig], RunConfig]]:
     """Every rung as a recipe (``base -> config``), registered beside the named recipes."""
     def make(rung: Rung) -> Callable[[RunConfig], RunConfig]:
-        def recipe(base: RunConfig) -> RunConfig:
-            cfg = ladder_configs(base)[rung.name]
+        def recipe(base: RunConfig) -> RunConfig:  # ``recipe_config`` fits it to the memory
+            cfg = rung_chain(base)[rung.name]
             if cfg is None:
                 raise ConfigError(f"the ladder's {rung.name} rung needs a GPU: this machine has none.")
             return cfg
         recipe.__doc__ = f"Optimization ladder, rung {RUNGS.index(rung)}: {rung.title}. {rung.why}"
+        recipe.planned_on_top = True  # the memory plan's setting goes on the rung, as in ``ladder_configs``
         return recipe
     return {recipe_name(rung): make(rung) for rung in RUNGS}
 

@@ -170,8 +170,13 @@ def recipe_config(base: RunConfig, recipe: str, overrides: dict[str, Any]) -> Ru
     use (``memory_fit.py``), leaving what the user named (``base_config``'s and these overrides) as named."""
     named = sorted(set(base.extra.get(NAMED, ())) | set(overrides))
 
+    on_top = getattr(all_recipes().get(recipe), "planned_on_top", False)
+
     def resolve(planned: dict[str, Any]) -> RunConfig:
-        cfg = _resolved(base.replace(**planned), recipe, overrides)
+        if on_top:  # a ladder rung sets its own batch: the plan's setting goes on the rung's config
+            cfg = _resolved(base, recipe, overrides).replace(**planned)
+        else:  # the recipe resolves its switches for the setting (checkpointing turns CUDA graphs off, say)
+            cfg = _resolved(base.replace(**planned), recipe, overrides)
         return cfg.replace(extra={**cfg.extra, NAMED: named})
 
     cfg = resolve({})

@@ -19,6 +19,7 @@ from matplotlib.figure import Figure
 from gallery_lib.recipes.ladder import RungResult, recipe_name
 from gallery_lib.reports.comparison import CPU_TIMINGS, _png_bytes, _ReportFigure, speedup_text, with_inline_image
 from gallery_lib.run.summary import compile_caches, planned_setting
+from gallery_lib.run.memory_plan import PLAN, MemoryPlan
 
 LADDER_MD, LADDER_PNG, LADDER_JSON = "ladder.md", "ladder.png", "ladder.json"
 BOUGHT_NOTHING = 1.03
@@ -231,14 +232,17 @@ def _fmt(value: Any, fmt: str) -> str:
 
 
 class LadderPlan:
-    """What each rung changes on this machine, read from the resolved configs; shows as a Markdown table."""
+    """What each rung changes on this machine, read from the resolved configs, and on a GPU the setting the memory
+    plan gives it; shows as a Markdown table."""
 
-    def __init__(self, rows: list[tuple[str, str, str, str]]) -> None:
+    def __init__(self, rows: list[tuple[str, ...]]) -> None:
         self.rows = rows
 
     def _repr_markdown_(self) -> str:
-        lines = ["| rung | builds on | switches it changes | what they do |", "|---|---|---|---|"]
-        lines += [f"| {' | '.join(row)} |" for row in self.rows]
+        planned = any(len(row) > 4 for row in self.rows)
+        head = ["rung", "builds on", "switches it changes", "what they do"] + (["on this GPU"] if planned else [])
+        lines = [f"| {' | '.join(head)} |", "|" + "---|" * len(head)]
+        lines += [f"| {' | '.join(row + ('',) * (len(head) - len(row)))} |" for row in self.rows]
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -246,23 +250,34 @@ class LadderPlan:
 
 
 def ladder_plan(base, rungs: list[str] | None = None, *, sizes=None) -> LadderPlan:
-    """Each rung's config against the config it builds on: the fields it changes, as ``field=value``."""
-    from gallery_lib.recipes.ladder import ladder_configs, rung_named, rung_parents
+    """Each rung's config against the config it builds on: the fields it changes, as ``field=value``; on a GPU, the
+    setting the memory plan picks for it (each rung keeps its global batch)."""
+    from gallery_lib.recipes.ladder import ladder_configs, rung_chain, rung_named, rung_parents
     from gallery_lib.recipes import runs_on_gpu
 
     on_gpu = runs_on_gpu(base)
-    configs = ladder_configs(base, sizes=sizes, on_gpu=on_gpu)
+    configs = rung_chain(base, sizes=sizes, on_gpu=on_gpu)
+    wanted = [rung_named(name).name for name in rungs] if rungs else list(configs)
+    fitted = ladder_configs(base, wanted, sizes=sizes, on_gpu=on_gpu)
     parents = rung_parents(on_gpu)
-    wanted = {rung_named(name).name for name in rungs} if rungs else set(configs)
     rows = []
-    for name, cfg in configs.items():
-        rung = rung_named(name)
-        under_name = parents[name]
+    for name in wanted:
+        cfg, rung, under_name = configs[name], rung_named(name), parents[name]
         if cfg is None:
             changes = "(left out: needs a GPU)"
         else:
             now, then = cfg.to_dict(), (configs[under_name] if under_name else base).to_dict()
             changes = ", ".join(f"`{k}={v}`" for k, v in now.items() if then.get(k) != v and k != "recipe")
-        if name in wanted:
-            rows.append((f"{recipe_name(rung)}: {rung.title}", under_name or "the profile", changes, rung.why))
+        row = (f"{recipe_name(rung)}: {rung.title}", under_name or "the profile", changes, rung.why)
+        plan = fitted[name].extra.get(PLAN) if fitted[name] is not None else None
+        rows.append(row + ((_plan_cell(MemoryPlan.from_dict(plan)),) if plan else ()))
     return LadderPlan(rows)
+
+
+def _plan_cell(plan: MemoryPlan) -> str:
+    """``batch 24 x 2 accumulation steps``, ``tries batch 8, then smaller``, or ``does not fit in 16.0 GiB``."""
+    if plan.chosen is not None:
+        return plan.chosen.describe() + ("" if plan.changed else " as configured")
+    if plan.probe:
+        return f"tries {plan.probe[0].describe()}, then the next setting where it runs out of memory"
+    return f"does not fit in {plan.budget_gib:.1f} GiB"
