@@ -70,6 +70,10 @@ FAMILY = ModelFamily(
     # Peak reserved GiB at batch 1, one H200, torch 2.11: the most of repeated calls (benchmarks/RESULTS.md#memory-plan)
     memory_footprints=(
         Footprint("dreambooth_sd15", "accelerated", {1: 19.71}, source="dreambooth_b1_h200/bench_db_rep2.json"),
+        Footprint("dreambooth_sd15", "baseline", {1: 20.62}, samples_per_s={1: 4.05},
+                  source="memory_plan_h200/caps_db_38_bc.json"),
+        Footprint("dreambooth_sd15", "compiled", {1: 18.42}, samples_per_s={1: 6.87},
+                  source="memory_plan_h200/caps_db_38_bc.json"),
         # each recipe's first setting that trained under a 16 GiB cap, where the plan keeps the EMA on the CPU (the
         # peer's compiled batch 1 ran out of CUDA-graph memory); the higher of two calls where there were two
         Footprint("dreambooth_sd15", "accelerated", {1: 15.04}, gradient_checkpointing=True, ema_offloaded=True,
