@@ -109,6 +109,24 @@ def memory_classes(families=MEMORY_FAMILIES) -> str:
     return "\n".join(lines)
 
 
+def ladder_classes() -> str:
+    """What the memory plan picks for each rung of the optimization ladder on each card, at the rung's global batch,
+    from the peaks the rungs measured: the plan's own answer, not a new measurement."""
+    from gallery_lib.recipes.ladder import ladder_base, ladder_configs, recipe_name, rung_named
+    from gallery_lib.run.memory_plan import CONTEXT_GIB, PLAN, MemoryPlan
+
+    base = ladder_base("full", data_root="/data", device="cuda", precompile_workers=0)
+    budgets = [(f"{card} ({size})", round(total - CONTEXT_GIB, 1)) for card, size, total in CARDS]
+    budgets.insert(1, ("`--gpu-memory-gib 16`", 16.0))
+    plans = [ladder_configs(base.replace(gpu_memory_gib=budget), on_gpu=True) for _, budget in budgets]
+    lines = ["| rung | " + " | ".join(f"{label}: {budget:.1f} GiB" for label, budget in budgets) + " |",
+             "|---|" + "---|" * len(budgets)]
+    for name in plans[0]:
+        cells = [_plan_cell(MemoryPlan.from_dict(configs[name].extra[PLAN])) for configs in plans]
+        lines.append(f"| {recipe_name(rung_named(name))} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def _plan_cell(plan) -> str:
     """``batch 8 (22.9)``, ``batch 8, checkpointing (tried)``, ``batch 8, uncompiled, EMA on the CPU (tried)``, or
     ``does not fit``."""
@@ -121,7 +139,7 @@ def _plan_cell(plan) -> str:
 
 
 BLOCKS = {"headline": headline_table, "cpu-gallery": cpu_gallery_time, "memory-classes": memory_classes,
-          "memory-classes-vision": lambda: memory_classes(VISION_FAMILIES)}
+          "memory-classes-vision": lambda: memory_classes(VISION_FAMILIES), "memory-classes-ladder": ladder_classes}
 
 
 def render(readme: str) -> str:

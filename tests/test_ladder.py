@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from gallery_lib.config import ConfigError, RunConfig
-from gallery_lib.recipes.ladder import (RUNG_NAMES, RUNGS, LadderSizes, RungResult, default_sizes, ladder_base,
-                                        ladder_configs, recipe_name, rung_named, rung_parents, run_ladder)
+from gallery_lib.recipes.ladder import (RUNG_NAMES, RUNGS, SMALLER_SIZES, LadderSizes, RungResult, default_sizes,
+                                        ladder_base, ladder_configs, recipe_name, rung_named, rung_parents, run_ladder)
 from gallery_lib.recipes.profiles import base_config
 from gallery_lib.recipes import accelerated, apply_recipe, describe, recipe_config
 from gallery_lib.reports.ladder import findings, ladder_plan, ladder_report, ladder_rows, to_markdown
@@ -26,7 +26,7 @@ def _full_base() -> RunConfig:
 
 def _changes(cfg: RunConfig, under: RunConfig) -> set[str]:
     now, then = cfg.to_dict(), under.to_dict()
-    return {name for name, value in now.items() if then[name] != value and name != "recipe"}
+    return {name for name, value in now.items() if then[name] != value and name not in ("recipe", "extra")}
 
 
 def test_each_rung_changes_only_its_own_switches():
@@ -62,7 +62,8 @@ def test_the_kernels_rung_is_the_accelerated_recipe_at_the_large_batch(monkeypat
     assert (reference.compile_mode, reference.kernel_ops) == ("auto", "auto")
     named = reference.replace(compile_mode=reference.resolved_compile_mode, kernel_ops=reference.resolved_kernel_ops,
                               num_workers=rung.num_workers)
-    assert rung.replace(recipe="accelerated") == named
+    assert rung.replace(recipe="accelerated", extra=named.extra) == named  # extra: the rung names its compile
+    assert "compile" in rung.extra[NAMED]
     assert rung.kernel_op_names == ("geglu", "group_norm_silu")  # 48 images of 512 px: a large step
 
 
@@ -292,14 +293,14 @@ def test_a_rung_too_large_for_the_gpu_says_does_not_fit_and_is_no_failure(monkey
                          echo=None)
     amp = results[1]
     assert amp.does_not_fit and not amp.stopped
-    assert amp.line() == f"ladder-01-amp (fp16 AMP): {too_large}"
+    assert amp.line() == f"ladder-01-amp (fp16 AMP): {too_large}; {SMALLER_SIZES}"
     results.raise_if_failed()  # nothing stopped with an error
     rows = ladder_rows([_result("tf32", 10.0), RungResult(amp.rung, amp.config, failure=too_large,
                                                           builds_on="tf32", does_not_fit=True)])
     rows[0]["setting"] = "4 x 2, checkpointing (memory plan)"  # as ladder_rows reads it from a planned summary
     markdown = to_markdown(rows)
     assert "| 4 x 2, checkpointing (memory plan) | 10.0 |" in markdown
-    assert f"- ladder-01-amp (fp16 AMP): {too_large}" in markdown and "stopped" not in markdown
+    assert f"- ladder-01-amp (fp16 AMP): {too_large}; {SMALLER_SIZES}" in markdown and "stopped" not in markdown
     summary = {**_result("tf32", 10.0).summary, "memory_plan": planned}
     assert ladder_rows([RungResult(rung_named("tf32"), None, summary=summary)])[0]["setting"] == (
         "4 x 2, checkpointing (memory plan)")
@@ -340,8 +341,10 @@ def test_under_a_cap_every_rung_keeps_its_global_batch_and_the_plan_sets_each_ru
     base = ladder_base("full", data_root="/data", device="cuda", gpu_memory_gib=16.0, precompile_workers=0)
     assert "batch_size" not in base.extra[NAMED] and base.batch_size == 8
     configs = ladder_configs(base, sizes=SIZES, on_gpu=True)
-    # ZeRO-2 on one process shards nothing and cannot move its EMA to the CPU: its state alone fills 16 GiB
-    assert "does not fit" in MemoryPlan.from_dict(configs.pop("zero2").extra[PLAN]).note()
+    # ZeRO-2 on one process shards nothing and cannot move its EMA to the CPU: its state alone fills 16 GiB; the
+    # rungs that replay CUDA graphs neither checkpoint nor accumulate, and measured 52-75 GiB at batch 48
+    too_large = ["zero2", "cuda_graphs", "cached_latents", "channels_last", "kernels"]
+    assert all("does not fit" in MemoryPlan.from_dict(configs.pop(name).extra[PLAN]).note() for name in too_large)
     for name, cfg in configs.items():
         plan = MemoryPlan.from_dict(cfg.extra[PLAN])
         settings = (plan.chosen,) if plan.chosen else plan.probe
@@ -351,6 +354,9 @@ def test_under_a_cap_every_rung_keeps_its_global_batch_and_the_plan_sets_each_ru
         for setting, fields in zip(settings, cfg.extra[PLAN].get("probe_fields", ())):
             assert (fields["batch_size"], fields["gradient_accumulation_steps"]) == (
                 setting.batch_size, setting.accumulation), name
+        # a compiled rung stays compiled (what it measures), and a setting measured too large is not tried
+        assert not any(s.uncompiled for s in settings + plan.after), name
+        assert (cfg.batch_size, cfg.gradient_checkpointing) != (wanted, False), name
     # a 16 GiB card takes the rungs' steps smaller or checkpointed; the plan is in the rung table before a run
     assert any(s.batch_size < 48 or s.checkpointing for s in MemoryPlan.from_dict(
         configs["batch"].extra[PLAN]).probe)

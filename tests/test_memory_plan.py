@@ -531,6 +531,9 @@ def test_every_ladder_rung_resolves_under_a_plan():
         cfg = recipe_config(base, recipe_name(rung), {})
         plan = MemoryPlan.from_dict(cfg.extra[PLAN])
         settings = (plan.chosen,) if plan.chosen else plan.probe
+        if cfg.resolved_compile_mode == "reduce-overhead" and not settings:  # batch 48 with graphs: 55-78 GiB
+            assert plan.note().endswith("GiB)") and "does not fit" in plan.note(), rung.name
+            continue
         assert settings and cfg.global_batch_size == settings[0].batch_size * settings[0].accumulation
         if cfg.resolved_compile_mode == "reduce-overhead":
             assert not any(s.checkpointing or s.accumulation > 1 for s in settings + plan.after), rung.name

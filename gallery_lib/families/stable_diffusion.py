@@ -102,6 +102,17 @@ FAMILY = ModelFamily(
         Footprint("sd15", "baseline", {4: 22.12, 8: 25.01}, samples_per_s={8: 39.2},
                   source="memory_plan_h200/bench_sdmem_1.json, memory_plan_h200/caps_sd_38_all.json"),
         Footprint("sd15", "compiled", {8: 21.26}, samples_per_s={8: 57.8}, source="memory_plan_h200/caps_sd_22.json"),
+        # the ladder's rungs at their own batch, on an H200 without a cap: on a smaller card the plan skips those
+        # settings instead of trying each (a compiled rung's try costs its compilation; #optimization-ladder)
+        *(Footprint("sd15", rung, {batch: gib}, source="ladder_h200_2c5160a/ladder.json")
+          for rung, batch, gib in (("ladder-00-tf32", 8, 83.28), ("ladder-01-amp", 8, 59.88),
+                                   ("ladder-02-loader", 8, 59.88), ("ladder-03-fused", 8, 56.88),
+                                   ("ladder-04-attention", 8, 21.17), ("ladder-05-batch", 48, 51.69),
+                                   ("ladder-06-ema", 48, 51.69), ("ladder-07-zero2", 48, 58.38),
+                                   ("ladder-08-bf16", 48, 51.69), ("ladder-09-compile", 48, 61.47),
+                                   ("ladder-10-regional", 48, 58.51), ("ladder-11-cuda_graphs", 48, 77.85),
+                                   ("ladder-12-cached_latents", 48, 54.86), ("ladder-13-channels_last", 48, 55.12),
+                                   ("ladder-14-kernels", 48, 55.18))),
     ),
     # 8 workers of 1.3-3.5 GiB beside a training process at up to 11.8 GiB (nvidia-smi, #memory-plan)
     worker_memory=WorkerMemory(trainer_gib=11.8, per_worker_gib=3.5, source="memory_plan_h200/smi_apps_sdmem.csv.gz"),

@@ -32,7 +32,7 @@ from gallery_lib.recipes.memory_fit import fit_to_memory
 from gallery_lib.recipes.profiles import base_config
 from gallery_lib.run.failure import RunsFailed
 from gallery_lib.run.launch import RunFailed, launch
-from gallery_lib.run.memory_plan import Budget, read_budget
+from gallery_lib.run.memory_plan import NAMED, Budget, read_budget
 
 
 @dataclass(frozen=True)
@@ -217,7 +217,10 @@ def rung_chain(base: RunConfig, *, sizes: LadderSizes | None = None,
             continue
         parent = parents[rung.name]
         start = base if parent is None else resolved[parent]
-        resolved[rung.name] = start.replace(**rung.adds(start, sizes), recipe=recipe_name(rung))
+        cfg = start.replace(**rung.adds(start, sizes), recipe=recipe_name(rung))
+        if cfg.compile:  # what a compiled rung measures: the memory plan keeps it compiled, or says it does not fit
+            cfg = cfg.replace(extra={**cfg.extra, NAMED: sorted({*cfg.extra.get(NAMED, ()), "compile"})})
+        resolved[rung.name] = cfg
     return resolved
 
 
@@ -252,6 +255,10 @@ def rung_recipes() -> dict[str, Callable[[RunConfig], RunConfig]]:
 register_recipes(rung_recipes())
 
 
+SMALLER_SIZES = "or climb the ladder at smaller batches (its batch_size, large_batch and checkpointing_batch)"
+"""The way out for a rung too large for the GPU, after what the memory plan says."""
+
+
 @dataclass
 class RungResult:
     """One rung's run: its config and summary, or why it did not run."""
@@ -279,7 +286,7 @@ class RungResult:
         """``ladder-13-kernels (<title>): stopped, <why>, see <log>``, ``...: does not fit in 16.0 GiB: <why>``, or
         why it was left out."""
         if self.does_not_fit:
-            return f"{recipe_name(self.rung)} ({self.rung.title}): {self.failure}"
+            return f"{recipe_name(self.rung)} ({self.rung.title}): {self.failure}; {SMALLER_SIZES}"
         verb = "stopped" if self.stopped else "left out"
         return (f"{recipe_name(self.rung)} ({self.rung.title}): {verb}, {self.failure}"
                 + (f", see {self.log}" if self.log else ""))

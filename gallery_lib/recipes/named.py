@@ -177,7 +177,7 @@ def recipe_config(base: RunConfig, recipe: str, overrides: dict[str, Any]) -> Ru
             cfg = _resolved(base, recipe, overrides).replace(**planned)
         else:  # the recipe resolves its switches for the setting (checkpointing turns CUDA graphs off, say)
             cfg = _resolved(base.replace(**planned), recipe, overrides)
-        return cfg.replace(extra={**cfg.extra, NAMED: named})
+        return cfg.replace(extra={**cfg.extra, NAMED: sorted({*named, *cfg.extra.get(NAMED, ())})})
 
     cfg = resolve({})
     return fit_to_memory(cfg, resolve, read_budget(cfg.gpu_memory_gib) if runs_on_gpu(cfg) else None)

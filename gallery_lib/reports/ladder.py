@@ -267,7 +267,8 @@ def ladder_plan(base, rungs: list[str] | None = None, *, sizes=None) -> LadderPl
             changes = "(left out: needs a GPU)"
         else:
             now, then = cfg.to_dict(), (configs[under_name] if under_name else base).to_dict()
-            changes = ", ".join(f"`{k}={v}`" for k, v in now.items() if then.get(k) != v and k != "recipe")
+            changes = ", ".join(f"`{k}={v}`" for k, v in now.items()
+                                if then.get(k) != v and k not in ("recipe", "extra"))
         row = (f"{recipe_name(rung)}: {rung.title}", under_name or "the profile", changes, rung.why)
         plan = fitted[name].extra.get(PLAN) if fitted[name] is not None else None
         rows.append(row + ((_plan_cell(MemoryPlan.from_dict(plan)),) if plan else ()))
