@@ -463,10 +463,14 @@ def test_other_errors_in_an_attempt_propagate(smoke_data, tmp_path, monkeypatch)
 
 
 def test_none_fits_is_one_config_error(smoke_data, tmp_path, monkeypatch):
+    """Every probed setting out of memory: the run does not fit this GPU, which the notebooks and the ladder show as
+    such (a ladder rung's ``does not fit``), not as a stopped run."""
     mock_out_of_memory_above(monkeypatch, limit=0)
     with pytest.raises(ConfigError, match="does not fit in 22.0 GiB: batch 12; batch 12, gradient checkpointing; "
-                                          "batch 6 x 2"):
+                                          "batch 6 x 2") as raised:
         run(planned_cfg(smoke_data, tmp_path))
+    failure = failure_from_exception(raised.value, "rank0.log")
+    assert failure.kind == "does_not_fit" and failure.line("baseline").startswith("baseline: does not fit in 22.0 GiB")
 
 
 def test_the_cap_comes_from_the_flag_or_the_environment(monkeypatch):

@@ -20,8 +20,8 @@ from typing import Any, Callable
 
 import torch
 
-from gallery_lib.config import ConfigError, RunConfig
-from gallery_lib.run.memory_plan import PLAN, MemoryPlan, OutOfMemory
+from gallery_lib.config import RunConfig
+from gallery_lib.run.memory_plan import PLAN, DoesNotFit, MemoryPlan, OutOfMemory
 
 TRIAL_STEPS = 3
 """Training steps per trial: the first steps compile and autotune, which changes peak memory."""
@@ -149,7 +149,7 @@ def train_first_that_fits(cfg: RunConfig, train: Callable[[RunConfig], dict],
     """Trains ``cfg`` at the first of its memory plan's unmeasured settings that runs: one that runs out of memory
     before its timed steps (compilation, CUDA-graph capture and the optimizer's state reach the peak in the warm-up;
     at least ``TRIAL_STEPS`` steps) gives way to the next, from step 0; later it stops the run. Costs nothing where
-    the first fits. Returns ``train``'s summary; a ``ConfigError`` naming what was tried when none fits."""
+    the first fits. Returns ``train``'s summary; ``DoesNotFit`` naming what was tried when none fits."""
     import torch._dynamo
 
     plan = dict(cfg.extra[PLAN])
@@ -178,5 +178,5 @@ def train_first_that_fits(cfg: RunConfig, train: Callable[[RunConfig], dict],
             torch._dynamo.reset()  # compiled graphs and their guards keep the attempt's model alive
         free_memory()
         tried.append(setting.describe())
-    raise ConfigError(f"does not fit in {plan['budget_gib']:.1f} GiB: {'; '.join(tried)} each ran out of memory "
-                      "before its timed steps; use a GPU with more free memory, or lower image_size or the model")
+    raise DoesNotFit(f"does not fit in {plan['budget_gib']:.1f} GiB: {'; '.join(tried)} each ran out of memory "
+                     "before its timed steps; use a GPU with more free memory, or lower image_size or the model")

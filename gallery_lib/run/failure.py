@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from gallery_lib.config.settings import ConfigError
-from gallery_lib.run.memory_plan import OutOfMemory
+from gallery_lib.run.memory_plan import DoesNotFit, OutOfMemory
 
 FAILURE_FILE = "failure.json"
 STOPPED_PREFIX = "[gallery] stopped, "
@@ -26,7 +26,8 @@ RESTARTED_PREFIX = "[gallery] torchrun restart "
 @dataclass(frozen=True)
 class RunFailure:
     kind: str
-    """``nonfinite``, ``out_of_memory``, ``does_not_fit`` (refused before it started), ``killed`` or ``error``."""
+    """``nonfinite``, ``out_of_memory``, ``does_not_fit`` (refused before it started, or every setting the memory plan
+    probed ran out of memory before its timed steps), ``killed`` or ``error``."""
     reason: str
     """A clause short enough for one line: ``loss not finite from step 1``, ``out of memory``, the error's last line."""
     log: str | None = None
@@ -69,6 +70,8 @@ def failure_from_exception(exc: BaseException, log: str | Path | None) -> RunFai
     first_step = getattr(exc, "first_step", None)
     if first_step is not None:  # NonfiniteLossError
         return RunFailure("nonfinite", f"loss not finite from step {first_step}", _str(log), first_step)
+    if isinstance(exc, DoesNotFit):  # every setting the plan probed ran out of memory: too large, not broken
+        return RunFailure("does_not_fit", " ".join(str(exc).split()))
     if isinstance(exc, OutOfMemory):  # the step, the memory in use and the setting to try: kept whole
         return RunFailure("out_of_memory", str(exc), _str(log), exc.step)
     if isinstance(exc, ConfigError) or getattr(exc, "for_the_user", False):  # says its fix: kept whole, one line

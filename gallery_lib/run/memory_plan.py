@@ -25,6 +25,8 @@ import subprocess
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable, Sequence
 
+from gallery_lib.config.settings import ConfigError
+
 NAMED = "named"
 """The note in ``RunConfig.extra`` listing the fields the user named (``base_config``'s and ``recipe_config``'s
 overrides): the plan leaves those alone."""
@@ -311,6 +313,11 @@ def worker_share_gib(cap_gib: float, workers: int, trainer_gib: float | None) ->
     compile (measured, ``WorkerMemory.trainer_gib``), else an equal share with it."""
     room = cap_gib - trainer_gib if trainer_gib is not None else cap_gib * workers / (workers + 1)
     return max(0.5, room / max(1, workers))
+
+
+class DoesNotFit(ConfigError):
+    """Every setting the plan left to probe ran out of memory before its timed steps: the run is too large for the
+    GPU, as a run the plan refuses before it starts, not broken."""
 
 
 class OutOfMemory(RuntimeError):
