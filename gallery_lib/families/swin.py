@@ -83,9 +83,9 @@ FAMILY = ModelFamily(
     block_types=("SwinTransformerBlock",),
     block_modules=("gallery_lib.families.swin",),
     attention_hook=hook_window_attention,
-    # set for one H100 at batch 128, steady steps included (benchmarks/RESULTS.md#peer)
+    # against the fair peer (channels_last, CUDA graphs) at batch 128, steady steps included (benchmarks/RESULTS.md#head)
     speed_goals=(SpeedGoal("speedup", "swin_tiny_patch4_window7_224",
-                           dict(batch_size=128, min_ratio=1.3, max_spread=1.05)),),
+                           dict(batch_size=128, min_ratio=1.4, max_spread=1.05)),),
     # one H200, the larger of the runs each (#window-attention-sweep, #memory-plan)
     memory_footprints=(
         Footprint("swin_tiny_patch4_window7_224", "accelerated", {128: 7.45}, samples_per_s={128: 6105.2},
