@@ -22,8 +22,8 @@ name=${1:?warm, or a name for the timed call}
 bench() {  # bench LOG JSON DATA_ROOT [gallery bench flags...]
   local log=$1 json=$2 data=$3
   shift 3
-  python3 -m gallery_lib.app.cli bench --profile full --data-root "$data" --output-dir "/tmp/out_$(basename "$json" .json)" \
-    --out "$json" "$@" >> "$log" 2>&1
+  python3 -m gallery_lib.app.cli bench --profile full --data-root "$data" \
+    --output-dir "/tmp/out_$(basename "$json" .json)" --out "$json" "$@" >> "$log" 2>&1
 }
 
 if [ "$name" = warm ]; then
@@ -53,4 +53,5 @@ fi
 
 bench "$out/bench_$name.log" "$out/bench_$name.json" /tmp/data --models swin,resnet,sd,dreambooth \
   --batch-size swin=128 --batch-size resnet=256 --batch-size sd=32 --batch-size dreambooth=1 --recipes peer,accelerated
-grep "\[bench\] ===\|done:\|Error\|error:\|goal\|\[met\]\|\[not met\]\|\[not measured\]" "$out/bench_$name.log" | tail -40
+grep "\[bench\] ===\|done:\|Error\|error:\|goal\|\[met\]\|\[not met\]\|\[not measured\]" \
+  "$out/bench_$name.log" | tail -40

@@ -50,7 +50,7 @@ INDEX = BENCHMARKS / "results.jsonl"
 OUTPUT = BENCHMARKS / "RESULTS.md"
 
 SECTIONS = (  # the sources in the order RESULTS.md shows them; _head.md is the title and contents
-    "_head", "swin", "sd15-recipes", "sd15-memory", "memory-plan", "peer-layout", "sd15-compile-time", "kernels",
+    "_head", "head", "swin", "sd15-recipes", "sd15-memory", "memory-plan", "peer-layout", "sd15-compile-time", "kernels",
     "ema", "attention", "refactor-check", "resnet50", "optimization-ladder", "two-gpus", "your-model", "dreambooth",
     "peer", "sd15-levers", "sd15-gn-by-batch", "bench-h100", "cpu-avx512-transpose", "cpu-gallery", "ci")
 GENERATED = ("<!-- Written by python benchmarks/results_md.py from benchmarks/results_sections/ and\n"

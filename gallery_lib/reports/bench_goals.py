@@ -2,8 +2,8 @@
 run: each met, not met, or not measured.
 
 Every verdict carries the numbers it was judged from, and a goal whose rows the run did not measure (another model,
-another batch size, a CPU's tiny configs) says so instead of judging from other numbers. The goals were set for
-one H100; the result file names the GPU the rows were measured on.
+another batch size, a CPU's tiny configs) says so instead of judging from other numbers. The goals are for an H100 or
+H200 (a speedup over the peer at a family's batch); the result file names the GPU the rows were measured on.
 """
 
 from __future__ import annotations
@@ -132,5 +132,5 @@ _CHECKS = {"speedup": speedup_goal, "throughput": throughput_goal, "ema_cost": e
 def describe_goals(rows: Sequence[Row], device: str | None) -> str:
     """The verdicts as printed lines, under a header naming where the rows were measured."""
     results = check_goals(rows)
-    head = f"The speed goals (set for one H100), from this run's own numbers on {device or 'this machine'}:"
+    head = f"The speed goals (for an H100 or H200), from this run's own numbers on {device or 'this machine'}:"
     return "\n".join([head, *(f"  {result.line()}" for result in results)])
