@@ -12,53 +12,117 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import statistics
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 
-HEADLINE = (  # (what was trained, its gallery model, the bench file holding its peer and accelerated rows, batch,
-    #            the rows' names in it: a file from a commit whose recipe differed names the row by its switch)
-    ("Swin-T, 224 px", "swin_tiny_patch4_window7_224", "swin_repeat_h200/bench_swin_rep.json", 128, "peer",
-     "accelerated"),
-    ("ResNet-50, 224 px", "resnet50", "head_1931023_h200/bench_resnet_head.json", 256, "peer", "accelerated"),
-    # ran before the peer took channels_last, and DreamBooth's recipe ema_in_optimizer: each row named by the switch
-    # (a test checks it is the recipe now)
-    ("SD-1.5 UNet, 512 px", "sd15", "peer_layout_h200/bench_sd_b32_cl.json", 32, "peer+channels_last", "accelerated"),
-    ("DreamBooth, SD-1.5 full fine-tuning, 512 px", "dreambooth_sd15", "one_pass_fixed_h200/bench_db_op_rep.json", 1,
-     "peer", "accelerated+ema_in_optimizer"),
+HEADLINE_CALLS = ("head_0537162_h200/bench_head1.json", "head_0537162_h200/bench_head2.json",
+                  "head_0537162_h200/bench_head3_db.json")
+"""The timed ``gallery bench`` calls README's headline rows come from: one commit, one machine, separate calls
+(``results/head_0537162_h200/README.md``). Each row reads every call that ran its model."""
+HEADLINE = (  # (what was trained, its gallery model, batch): the rows `peer` and `accelerated`, as the recipes ship
+    ("Swin-T, 224 px", "swin_tiny_patch4_window7_224", 128),
+    ("ResNet-50, 224 px", "resnet50", 256),
+    ("SD-1.5 UNet, 512 px", "sd15", 32),
+    ("DreamBooth, SD-1.5 full fine-tuning, 512 px", "dreambooth_sd15", 1),
 )
-CPU_GALLERY = "cpu_gallery"
-"""The folder of the CPU gallery's timings, ``gallery_<commit>.txt``; the newest file is quoted."""
+HEADLINE_COLUMNS = ("model", "GPU, batch", "calls", "`peer` img/s", "`accelerated` img/s", "speedup: median [range]",
+                    "goal", "peak reserved GiB, peer → accelerated", "commit")
+
+
+@dataclass(frozen=True)
+class HeadlineRow:
+    """One model's ``peer`` and ``accelerated`` rows from each call that ran it, and its family's speedup goal."""
+    label: str
+    model: str
+    batch: int
+    calls: list[tuple[dict, dict, dict]]
+    """(the call's record, its ``peer`` row, its ``accelerated`` row), in ``HEADLINE_CALLS``' order."""
+    goal: dict
+
+    @property
+    def ratios(self) -> list[float]:
+        return [fast["samples_per_s"] / peer["samples_per_s"] for _, peer, fast in self.calls]
+
+    @property
+    def ratio(self) -> float:
+        return statistics.median(self.ratios)
+
+    def median(self, index: int, key: str) -> float:
+        return statistics.median(call[index][key] for call in self.calls)
+
+    @property
+    def spread(self) -> float:
+        """The median call's p80/p20 of ``accelerated``'s step."""
+        return statistics.median(fast["p80_step_ms"] / fast["p20_step_ms"] for _, _, fast in self.calls)
+
+    @property
+    def met(self) -> bool:
+        return (self.ratio >= self.goal["min_ratio"] and self.spread <= self.goal.get("max_spread", float("inf"))
+                and self.median(2, "samples_per_s") >= self.goal.get("min_samples_per_s", 0.0))
+
+
+def headline_rows() -> list[HeadlineRow]:
+    """The headline's rows from ``HEADLINE_CALLS``; every call must name one commit, and every row two calls or more."""
+    from gallery_lib.reports.bench import find_row
+
+    records = [json.loads((RESULTS / path).read_text()) for path in HEADLINE_CALLS]
+    commits = {record["commit"] for record in records}
+    if len(commits) != 1:
+        raise ValueError(f"the headline's calls name {len(commits)} commits ({', '.join(sorted(commits))}): one only")
+    rows = []
+    for label, model, batch in HEADLINE:
+        calls = [(record, find_row(record["rows"], model, "peer", batch, 1),
+                  find_row(record["rows"], model, "accelerated", batch, 1)) for record in records]
+        calls = [call for call in calls if call[1] and call[2]]
+        if len(calls) < 2:
+            raise ValueError(f"{label}: {len(calls)} call(s) with peer and accelerated at batch {batch}; two or more")
+        rows.append(HeadlineRow(label, model, batch, calls, _speedup_goal(model, batch)))
+    return rows
 
 
 def headline_table() -> str:
-    """Peer against accelerated on one GPU, as ``gallery bench`` reads its rows (``gallery_lib.reports.bench``)."""
-    from gallery_lib.reports.bench import find_row
+    """Peer against accelerated on one GPU, as ``gallery bench`` reads its rows (``gallery_lib.reports.bench``): the
+    median of the calls, the range of their ratios, and the family's goal met or missed."""
     from gallery_lib.reports.bench_goals import ratio_text
 
-    lines = ["| model | GPU, batch | `peer` img/s | `accelerated` img/s | speedup "
-             "| peak reserved GiB, peer → accelerated | commit |", "|---|---|---|---|---|---|---|"]
-    for label, model, path, batch, peer_row, fast_row in HEADLINE:
-        record = json.loads((RESULTS / path).read_text())
-        rows = record["rows"]
-        peer, fast = find_row(rows, model, peer_row, batch, 1), find_row(rows, model, fast_row, batch, 1)
+    lines = ["| " + " | ".join(HEADLINE_COLUMNS) + " |", "|" + "---|" * len(HEADLINE_COLUMNS)]
+    for row in headline_rows():
+        record = row.calls[0][0]
         gpu = record["gpu"].replace("NVIDIA ", "").split(" ")[0]
-        lines.append(f"| {label} | {gpu}, {batch} | {peer['samples_per_s']:,.1f} | {fast['samples_per_s']:,.1f} | "
-                     f"{ratio_text(fast['samples_per_s'] / peer['samples_per_s'], _speedup_goal(model, batch))} | "
-                     f"{peer['peak_reserved_gib']:.1f} → {fast['peak_reserved_gib']:.1f} | "
-                     f"{record['commit'][:7]}{' (uncommitted changes)' if record.get('dirty') else ''} |")
+        low, high, goal = min(row.ratios), max(row.ratios), row.goal["min_ratio"]
+        reserved = [max(call[index]["peak_reserved_gib"] for call in row.calls) for index in (1, 2)]
+        cells = [row.label, f"{gpu}, {row.batch}", str(len(row.calls)), f"{row.median(1, 'samples_per_s'):,.1f}",
+                 f"{row.median(2, 'samples_per_s'):,.1f}",
+                 f"{ratio_text(row.ratio, goal)} [{ratio_text(low, goal)[:-1]}-{ratio_text(high, goal)[:-1]}]",
+                 f"{_goal_text(row.goal)}: {'met' if row.met else 'missed'}",
+                 f"{reserved[0]:.1f} → {reserved[1]:.1f}",
+                 f"{record['commit'][:7]}{' (uncommitted changes)' if record.get('dirty') else ''}"]
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
-def _speedup_goal(model: str, batch: int) -> float | None:
-    """The ratio over the peer that ``model``'s family sets as its goal at ``batch`` (``ModelFamily.speed_goals``): a
-    ratio just under it keeps the digits that say so."""
+def _goal_text(goal: dict) -> str:
+    """``>= 1.40x, p80/p20 <= 1.05``: a speedup goal's limits as the table shows them."""
+    text = f">= {goal['min_ratio']:.2f}x"
+    text += f", p80/p20 <= {goal['max_spread']:.2f}" if goal.get("max_spread") else ""
+    return text + (f", >= {goal['min_samples_per_s']:,.0f} img/s" if goal.get("min_samples_per_s") else "")
+
+
+def _speedup_goal(model: str, batch: int) -> dict:
+    """The speedup goal ``model``'s family sets at ``batch`` (``ModelFamily.speed_goals``): its limits."""
     from gallery_lib.config.families import family_of
 
-    return next((goal.limits["min_ratio"] for goal in family_of(model).speed_goals
-                 if goal.check == "speedup" and goal.model == model and goal.limits.get("batch_size") == batch), None)
+    return next(goal.limits for goal in family_of(model).speed_goals
+                if goal.check == "speedup" and goal.model == model and goal.limits.get("batch_size") == batch)
+
+
+CPU_GALLERY = "cpu_gallery"
+"""The folder of the CPU gallery's timings, ``gallery_<commit>.txt``; the newest file is quoted."""
 
 
 def cpu_gallery_time() -> str:
