@@ -166,9 +166,8 @@ def memory_classes(families=MEMORY_FAMILIES) -> str:
     rows = [(f"{card} ({size})", round(total - CONTEXT_GIB, 1)) for card, size, total in CARDS]
     rows.insert(1, ("`--gpu-memory-gib 16` (the cap measured on an H200)", 16.0))
     for label, budget in rows:
-        cells = [_plan_cell(MemoryPlan.from_dict(recipe_config(base.replace(gpu_memory_gib=budget), recipe,
-                                                               {}).extra[PLAN]))
-                 for base in bases for recipe in MEMORY_RECIPES]
+        cells = [MemoryPlan.from_dict(recipe_config(base.replace(gpu_memory_gib=budget), recipe, {}).extra[PLAN]
+                                      ).cell(short=True) for base in bases for recipe in MEMORY_RECIPES]
         lines.append(f"| {label} | {budget:.1f} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -186,20 +185,9 @@ def ladder_classes() -> str:
     lines = ["| rung | " + " | ".join(f"{label}: {budget:.1f} GiB" for label, budget in budgets) + " |",
              "|---|" + "---|" * len(budgets)]
     for name in plans[0]:
-        cells = [_plan_cell(MemoryPlan.from_dict(configs[name].extra[PLAN])) for configs in plans]
+        cells = [MemoryPlan.from_dict(configs[name].extra[PLAN]).cell(short=True) for configs in plans]
         lines.append(f"| {recipe_name(rung_named(name))} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
-
-
-def _plan_cell(plan) -> str:
-    """``batch 8 (22.9)``, ``batch 8, checkpointing (tried)``, ``batch 8, uncompiled, EMA on the CPU (tried)``, or
-    ``does not fit``."""
-    ema = (", EMA on the CPU" if plan.ema_offloaded else "") + (", AdamW per tensor" if plan.per_tensor_update else "")
-    if plan.chosen is not None:
-        return f"{plan.chosen.short()}{ema} ({plan.estimate_gib:.1f})"
-    if plan.probe:
-        return f"{plan.probe[0].short()}{ema} (tried)"
-    return "does not fit"
 
 
 BLOCKS = {"headline": headline_table, "cpu-gallery": cpu_gallery_time, "memory-classes": memory_classes,

@@ -594,3 +594,22 @@ def test_gpu_out_of_memory_is_one_line_with_the_setting_to_try(smoke_data, tmp_p
     assert re.fullmatch(r"out of memory (at step 1 of 5|before the first step \(.*\)) with \d+\.\d GiB reserved of "
                         r"0\.0 GiB at batch 96: try batch 96, gradient checkpointing \(--batch_size 96 "
                         r"--gradient_accumulation_steps 1 --gradient_checkpointing\)", failure.reason), failure.reason
+
+
+def test_a_plan_reads_the_same_in_the_ladder_table_and_in_readme():
+    """One plan, two cells: the notebook's rung table says it in words, README's card tables in short; both name the
+    EMA kept on the CPU, and a probed setting says that it is tried."""
+    from gallery_lib.run.memory_plan import Candidate, MemoryPlan
+
+    chosen = MemoryPlan(22.0, "gpu_memory_gib", Candidate(4, 2, True), estimate_gib=20.14, changed=True,
+                        ema_offloaded=True)
+    assert chosen.cell() == "batch 4 x 2 accumulation steps, gradient checkpointing, the EMA in the CPU's memory"
+    assert chosen.cell(short=True) == "4 x 2, checkpointing, EMA on the CPU (20.1)"
+    kept = MemoryPlan(80.0, "free", Candidate(8, 1, False), estimate_gib=None)
+    assert (kept.cell(), kept.cell(short=True)) == ("batch 8 as configured", "8")
+    probed = MemoryPlan(16.0, "gpu_memory_gib", None, probe=(Candidate(8, 1, True, uncompiled=True),))
+    assert probed.cell() == ("tries batch 8, gradient checkpointing, uncompiled, then the next setting where it runs "
+                             "out of memory")
+    assert probed.cell(short=True) == "8, checkpointing, uncompiled (tried)"
+    none = MemoryPlan(16.0, "gpu_memory_gib", None, estimate_gib=24.0)
+    assert (none.cell(), none.cell(short=True)) == ("does not fit in 16.0 GiB", "does not fit")

@@ -60,9 +60,8 @@ def ladder_base(profile: str = "auto", **overrides: Any) -> RunConfig:
     """The SD base config the ladder climbs from: the profile's, at the ladder's first batch size unless
     ``batch_size`` is given."""
     base = base_config(profile, family="stable_diffusion", **overrides)
-    first = _FIRST_BATCH.get(base.profile)
     # not named: the memory plan may change the ladder's own batch sizes (keeping each rung's global batch)
-    return base if overrides.get("batch_size") is not None or first is None else base.replace(batch_size=first)
+    return base if overrides.get("batch_size") is not None else base.replace(batch_size=_FIRST_BATCH[base.profile])
 
 
 def default_sizes(base: RunConfig) -> LadderSizes:
@@ -196,7 +195,12 @@ def ladder_configs(base: RunConfig, rungs: list[str] | None = None, *, sizes: La
     cannot run (a GPU rung on a CPU); on a GPU each fitted to the memory the run may use as every recipe is
     (``memory_fit.py``), at the rung's global batch."""
     on_gpu = runs_on_gpu(base) if on_gpu is None else on_gpu
-    chain = rung_chain(base, sizes=sizes, on_gpu=on_gpu)
+    return fit_rungs(base, rung_chain(base, sizes=sizes, on_gpu=on_gpu), rungs, on_gpu=on_gpu)
+
+
+def fit_rungs(base: RunConfig, chain: dict[str, RunConfig | None], rungs: list[str] | None = None, *,
+              on_gpu: bool) -> dict[str, RunConfig | None]:
+    """``ladder_configs`` from a chain already built (``rung_chain``): its rungs, or ``rungs``, fitted."""
     budget = read_budget(base.gpu_memory_gib) if on_gpu else None
     wanted = [rung_named(name).name for name in rungs] if rungs is not None else list(chain)
     return {name: None if chain[name] is None else _fitted(chain[name], budget) for name in wanted}

@@ -252,13 +252,13 @@ class LadderPlan:
 def ladder_plan(base, rungs: list[str] | None = None, *, sizes=None) -> LadderPlan:
     """Each rung's config against the config it builds on: the fields it changes, as ``field=value``; on a GPU, the
     setting the memory plan picks for it (each rung keeps its global batch)."""
-    from gallery_lib.recipes.ladder import ladder_configs, rung_chain, rung_named, rung_parents
+    from gallery_lib.recipes.ladder import fit_rungs, rung_chain, rung_named, rung_parents
     from gallery_lib.recipes import runs_on_gpu
 
     on_gpu = runs_on_gpu(base)
     configs = rung_chain(base, sizes=sizes, on_gpu=on_gpu)
     wanted = [rung_named(name).name for name in rungs] if rungs else list(configs)
-    fitted = ladder_configs(base, wanted, sizes=sizes, on_gpu=on_gpu)
+    fitted = fit_rungs(base, configs, wanted, on_gpu=on_gpu)
     parents = rung_parents(on_gpu)
     rows = []
     for name in wanted:
@@ -271,14 +271,5 @@ def ladder_plan(base, rungs: list[str] | None = None, *, sizes=None) -> LadderPl
                                 if then.get(k) != v and k not in ("recipe", "extra"))
         row = (f"{recipe_name(rung)}: {rung.title}", under_name or "the profile", changes, rung.why)
         plan = fitted[name].extra.get(PLAN) if fitted[name] is not None else None
-        rows.append(row + ((_plan_cell(MemoryPlan.from_dict(plan)),) if plan else ()))
+        rows.append(row + ((MemoryPlan.from_dict(plan).cell(),) if plan else ()))
     return LadderPlan(rows)
-
-
-def _plan_cell(plan: MemoryPlan) -> str:
-    """``batch 24 x 2 accumulation steps``, ``tries batch 8, then smaller``, or ``does not fit in 16.0 GiB``."""
-    if plan.chosen is not None:
-        return plan.chosen.describe() + ("" if plan.changed else " as configured")
-    if plan.probe:
-        return f"tries {plan.probe[0].describe()}, then the next setting where it runs out of memory"
-    return f"does not fit in {plan.budget_gib:.1f} GiB"
