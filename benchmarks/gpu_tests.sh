@@ -21,5 +21,6 @@ echo "commit ${GALLERY_COMMIT:-$(git rev-parse HEAD 2>/dev/null)}"
 python3 -c "import torch, triton; print(f'torch {torch.__version__}, triton {triton.__version__}')" | tee $OUT/stack.txt
 start=$(date +%s)
 cp $OUT/stack.txt $OUT/gpu_tests.txt
-timeout 560 python3 -m pytest -m gpu $files -q -p no:cacheprovider -rsE --durations=12 >> $OUT/gpu_tests.txt 2>&1
+# -v: a test per line as it ends, so a call cut short still says which passed
+timeout 560 python3 -m pytest -m gpu $files -v -p no:cacheprovider -rsE --durations=12 >> $OUT/gpu_tests.txt 2>&1
 echo "gpu tests rc=$? in $(( $(date +%s) - start )) s"; tail -25 $OUT/gpu_tests.txt
