@@ -16,6 +16,7 @@ import statistics
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -34,36 +35,44 @@ HEADLINE_COLUMNS = ("model", "GPU, batch", "calls", "`peer` img/s", "`accelerate
                     "goal", "peak reserved GiB, peer → accelerated", "commit")
 
 
+class Call(NamedTuple):
+    """One timed call's record and, in it, one model's ``peer`` and ``accelerated`` rows."""
+    record: dict
+    peer: dict
+    fast: dict
+
+
 @dataclass(frozen=True)
 class HeadlineRow:
     """One model's ``peer`` and ``accelerated`` rows from each call that ran it, and its family's speedup goal."""
     label: str
     model: str
     batch: int
-    calls: list[tuple[dict, dict, dict]]
-    """(the call's record, its ``peer`` row, its ``accelerated`` row), in ``HEADLINE_CALLS``' order."""
+    calls: list[Call]
+    """In ``HEADLINE_CALLS``' order."""
     goal: dict
 
     @property
     def ratios(self) -> list[float]:
-        return [fast["samples_per_s"] / peer["samples_per_s"] for _, peer, fast in self.calls]
+        return [call.fast["samples_per_s"] / call.peer["samples_per_s"] for call in self.calls]
 
     @property
     def ratio(self) -> float:
         return statistics.median(self.ratios)
 
-    def median(self, index: int, key: str) -> float:
-        return statistics.median(call[index][key] for call in self.calls)
+    def median(self, role: str, key: str) -> float:
+        """The median over the calls of ``key`` in the ``peer`` or ``fast`` (``accelerated``) row."""
+        return statistics.median(getattr(call, role)[key] for call in self.calls)
 
     @property
     def spread(self) -> float:
         """The median call's p80/p20 of ``accelerated``'s step."""
-        return statistics.median(fast["p80_step_ms"] / fast["p20_step_ms"] for _, _, fast in self.calls)
+        return statistics.median(call.fast["p80_step_ms"] / call.fast["p20_step_ms"] for call in self.calls)
 
     @property
     def met(self) -> bool:
         return (self.ratio >= self.goal["min_ratio"] and self.spread <= self.goal.get("max_spread", float("inf"))
-                and self.median(2, "samples_per_s") >= self.goal.get("min_samples_per_s", 0.0))
+                and self.median("fast", "samples_per_s") >= self.goal.get("min_samples_per_s", 0.0))
 
 
 def headline_rows() -> list[HeadlineRow]:
@@ -76,9 +85,9 @@ def headline_rows() -> list[HeadlineRow]:
         raise ValueError(f"the headline's calls name {len(commits)} commits ({', '.join(sorted(commits))}): one only")
     rows = []
     for label, model, batch in HEADLINE:
-        calls = [(record, find_row(record["rows"], model, "peer", batch, 1),
-                  find_row(record["rows"], model, "accelerated", batch, 1)) for record in records]
-        calls = [call for call in calls if call[1] and call[2]]
+        calls = [Call(record, find_row(record["rows"], model, "peer", batch, 1),
+                      find_row(record["rows"], model, "accelerated", batch, 1)) for record in records]
+        calls = [call for call in calls if call.peer and call.fast]
         if len(calls) < 2:
             raise ValueError(f"{label}: {len(calls)} call(s) with peer and accelerated at batch {batch}; two or more")
         rows.append(HeadlineRow(label, model, batch, calls, _speedup_goal(model, batch)))
@@ -92,12 +101,12 @@ def headline_table() -> str:
 
     lines = ["| " + " | ".join(HEADLINE_COLUMNS) + " |", "|" + "---|" * len(HEADLINE_COLUMNS)]
     for row in headline_rows():
-        record = row.calls[0][0]
+        record = row.calls[0].record
         gpu = record["gpu"].replace("NVIDIA ", "").split(" ")[0]
         low, high, goal = min(row.ratios), max(row.ratios), row.goal["min_ratio"]
-        reserved = [max(call[index]["peak_reserved_gib"] for call in row.calls) for index in (1, 2)]
-        cells = [row.label, f"{gpu}, {row.batch}", str(len(row.calls)), f"{row.median(1, 'samples_per_s'):,.1f}",
-                 f"{row.median(2, 'samples_per_s'):,.1f}",
+        reserved = [max(getattr(call, role)["peak_reserved_gib"] for call in row.calls) for role in ("peer", "fast")]
+        cells = [row.label, f"{gpu}, {row.batch}", str(len(row.calls)), f"{row.median('peer', 'samples_per_s'):,.1f}",
+                 f"{row.median('fast', 'samples_per_s'):,.1f}",
                  f"{ratio_text(row.ratio, goal)} [{ratio_text(low, goal)[:-1]}-{ratio_text(high, goal)[:-1]}]",
                  f"{_goal_text(row.goal)}: {'met' if row.met else 'missed'}",
                  f"{reserved[0]:.1f} → {reserved[1]:.1f}",
