@@ -187,7 +187,7 @@ def test_in_16_gib_dreambooth_starts_each_recipe_at_the_setting_that_trained_the
     """Under a 16 GiB cap, the EMA on the CPU, DreamBooth's baseline and compiled trained at batch 1 as configured,
     accelerated and the peer checkpointed (the peer's compiled batch 1 ran out of memory in CUDA-graph pools;
     benchmarks/RESULTS.md#memory-plan). Those footprints count only where the EMA waits on the CPU: in 22 GiB it
-    stays on the GPU and the peer tries batch 1 unchecked first, four times as fast."""
+    stays on the GPU and both run batch 1 unchecked, as measured (about five times as fast)."""
     base = base_config("full", family="dreambooth", data_root="/nonexistent", device="cpu")
     plans = {recipe: MemoryPlan.from_dict(fitted(base, recipe, 16.0).extra[PLAN])
              for recipe in ("baseline", "compiled", "accelerated", "peer")}
@@ -198,7 +198,7 @@ def test_in_16_gib_dreambooth_starts_each_recipe_at_the_setting_that_trained_the
                for recipe in ("accelerated", "peer")}
     assert not any(plan.ema_offloaded for plan in roomier.values())
     assert roomier["accelerated"].chosen == Candidate(1, 1, False)  # its unchecked batch 1, measured at 19.7 GiB
-    assert roomier["peer"].chosen is None and roomier["peer"].probe[0] == Candidate(1, 1, False)
+    assert roomier["peer"].chosen == Candidate(1, 1, False)  # measured at 19.2 GiB with channels_last
 
 
 def test_a_user_turns_a_compiled_recipe_uncompiled_in_one_setting():

@@ -71,6 +71,8 @@ FAMILY = ModelFamily(
     # Peak reserved GiB at batch 1, one H200, torch 2.11: the most of repeated calls (benchmarks/RESULTS.md#memory-plan)
     memory_footprints=(
         Footprint("dreambooth_sd15", "accelerated", {1: 19.71}, source="dreambooth_b1_h200/bench_db_rep2.json"),
+        Footprint("dreambooth_sd15", "peer", {1: 19.17}, samples_per_s={1: 25.7},  # with channels_last
+                  source="head_0537162_h200/bench_head3_db.json"),
         Footprint("dreambooth_sd15", "baseline", {1: 20.62}, samples_per_s={1: 4.05},
                   source="memory_plan_h200/caps_db_38_bc.json"),
         Footprint("dreambooth_sd15", "compiled", {1: 18.42}, samples_per_s={1: 6.87},
