@@ -286,6 +286,8 @@ def test_cpu_bench_writes_rows_a_figure_and_the_goals(toy, tmp_path, capsys, mon
         assert ROW_FIELDS <= set(r) and "error" not in r and r["model"] == "toy_convnet"
         assert r["samples_per_s"] > 0 and r["p20_step_ms"] <= r["median_step_ms"] <= r["p80_step_ms"]
         assert r["timed_steps"] == 3 and r["mfu"] is None  # no GPU matmul rate to divide by on a CPU
+        # every timed step in order, so that stretches of slow steps a median hides can be read
+        assert len(r["timed_step_ms"]) == 3 and sorted(r["timed_step_ms"])[1] == round(r["median_step_ms"], 2)
         assert 0 <= r["to_steady_s"] <= r["compile_s"]
         assert (r["compile_caches"] is None) == (r["recipe"] == "baseline")  # the peer compiles: cold or warm
     assert out.with_suffix(".png").stat().st_size > 10_000

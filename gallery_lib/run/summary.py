@@ -29,7 +29,8 @@ def build_summary(dist: DistInfo, step_log: StepLog, *, job: Job, data: Data, em
     last. Every rank calls it: the skipped samples are summed over ranks. The speed figures are over the steps after
     warm-up and before the last ``profiled_steps`` (run under the profiler)."""
     times, losses = step_log.step_times, step_log.losses
-    timing = summarize_times(times[warmup_steps:len(times) - profiled_steps])
+    timed = times[warmup_steps:len(times) - profiled_steps]
+    timing = summarize_times(timed)
     return {
         "type": "summary", "model": job.model, "recipe": job.recipe, "profile": job.profile,
         "device_name": torch.cuda.get_device_name(dist.device) if dist.device.type == "cuda" else "CPU",
@@ -38,6 +39,7 @@ def build_summary(dist: DistInfo, step_log: StepLog, *, job: Job, data: Data, em
         "resumed_from_step": step_log.start,
         "setup_time_s": setup_time, "precompile_time_s": precompile_seconds,
         "warmup_time_s": sum(times[:warmup_steps]) / 1e3, **timing, "warmup_step_times_ms": times[:warmup_steps],
+        "timed_step_times_ms": timed,  # in order: where a median hides stretches of slow steps, they show here
         # what compilation costs before the run trains at speed: precompilation, then the slow warm-up steps
         "to_steady_speed_s": precompile_seconds + seconds_to_steady(times[:warmup_steps],
                                                                     timing["median_step_time_ms"]),
