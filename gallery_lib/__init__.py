@@ -32,6 +32,7 @@ _PUBLIC = {
     "optimize": "gallery_lib.accel.optimize",
     "accelerate": "gallery_lib.accel.on_any_model",
     "add_ema": "gallery_lib.accel.on_any_model",
+    "AdamWWithEma": "gallery_lib.accel.adamw_ema",
     "use_channels_last": "gallery_lib.accel.on_any_model",
     "fuse_kernels": "gallery_lib.accel.on_any_model",
     "fuse_attention": "gallery_lib.accel.on_any_model",

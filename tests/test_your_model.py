@@ -55,7 +55,8 @@ def _losses(model: nn.Module, steps: int = 3) -> list[float]:
 
 
 def test_the_calls_are_public_and_documented_with_an_example():
-    for name in ("accelerate", "use_channels_last", "fuse_kernels", "fuse_attention", "compile_blocks", "add_ema"):
+    for name in ("accelerate", "use_channels_last", "fuse_kernels", "fuse_attention", "compile_blocks", "add_ema",
+                 "AdamWWithEma"):
         assert name in gallery_lib.__all__
         call = getattr(gallery_lib, name)
         assert call.__doc__ and "    " in call.__doc__ and name in call.__doc__, name  # an indented example
@@ -162,6 +163,27 @@ def test_an_ema_says_how_it_updates_on_this_machine():
     torch.testing.assert_close(ema.module.head.weight, before + 0.1)
     fused = add_ema(model, mode="fused", echo=None)
     assert fused.effective_mode == "foreach" and "(fused asked, but the EMA lives on cpu)" in fused.change.what
+
+
+def test_a_public_adamw_takes_the_ema_into_its_pass():
+    """``gallery_lib.AdamWWithEma`` is torch's fused AdamW whose step also averages the EMA ``add_ema`` attaches:
+    the change says so, and the average follows the weights as a separate EMA would (on a CPU without Triton's
+    interpreter the step is torch's, the average its own pass)."""
+    model, plain = TinyTransformer(), TinyTransformer()
+    plain.load_state_dict(model.state_dict())
+    optimizer = gallery_lib.AdamWWithEma(model.parameters(), lr=1e-2)
+    ema = add_ema(model, optimizer, decay=0.9, ratio_warmup=False, echo=None)
+    assert ema.change.what.startswith("in the fused AdamW's pass") and "adamw-ema" in ema.change.measured
+    reference_optimizer = torch.optim.AdamW(plain.parameters(), lr=1e-2, fused=True)
+    reference = add_ema(plain, decay=0.9, ratio_warmup=False, echo=None)
+    tokens = torch.randn(4, 8, 10, generator=torch.Generator().manual_seed(0))
+    for net, opt, average in ((model, optimizer, ema), (plain, reference_optimizer, reference)):
+        for _ in range(3):
+            net(tokens).float().square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            average.update(net)
+    torch.testing.assert_close(ema.module.head.weight, reference.module.head.weight)
 
 
 def test_every_change_points_at_a_section_results_has(tiny_unet):
