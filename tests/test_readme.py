@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 from pathlib import Path
 
 import pytest
@@ -49,12 +50,6 @@ def _calls(model: str, batch: int) -> list[tuple[dict, dict]]:
     return found
 
 
-def _median(values) -> float:
-    import statistics
-
-    return statistics.median(values)
-
-
 def test_a_speedup_keeps_the_side_of_its_goal_it_is_on():
     """A headline speedup is the median of its calls' ratios, read against its family's goal: one just under it is
     not rounded onto it."""
@@ -62,7 +57,7 @@ def test_a_speedup_keeps_the_side_of_its_goal_it_is_on():
     table = numbers.headline_table().splitlines()[2:]
     for (label, model, batch), line in zip(numbers.HEADLINE, table, strict=True):
         goal = numbers._speedup_goal(model, batch)["min_ratio"]
-        exact = _median(fast["samples_per_s"] / peer["samples_per_s"] for peer, fast in _calls(model, batch))
+        exact = statistics.median(fast["samples_per_s"] / peer["samples_per_s"] for peer, fast in _calls(model, batch))
         shown = float(_headline_cell(line, "speedup: median [range]").split("x")[0])
         assert (shown >= goal) == (exact >= goal), f"{label}: {shown}x shown for {exact:.4f} against {goal}"
 
@@ -120,10 +115,11 @@ def test_readme_names_the_rows_that_miss_their_speed_goal():
     for label, model, batch in numbers.HEADLINE:
         goal = numbers._speedup_goal(model, batch)
         calls = _calls(model, batch)
-        ok = (_median(fast["samples_per_s"] / peer["samples_per_s"] for peer, fast in calls) >= goal["min_ratio"]
-              and _median(fast["p80_step_ms"] / fast["p20_step_ms"] for _, fast in calls)
+        ratio = statistics.median(fast["samples_per_s"] / peer["samples_per_s"] for peer, fast in calls)
+        ok = (ratio >= goal["min_ratio"]
+              and statistics.median(fast["p80_step_ms"] / fast["p20_step_ms"] for _, fast in calls)
               <= goal.get("max_spread", float("inf"))
-              and _median(fast["samples_per_s"] for _, fast in calls) >= goal.get("min_samples_per_s", 0.0))
+              and statistics.median(fast["samples_per_s"] for _, fast in calls) >= goal.get("min_samples_per_s", 0.0))
         (met if ok else missed).append(label.split(",")[0])
     sentence = re.search(r"missed by (.*?); met by (.*?)\. ", " ".join(_first_screen().split()))
     assert sentence, "README's first screen says which speed goals the headline rows miss: 'missed by ...; met by ...'"

@@ -212,7 +212,7 @@ def result_row(cfg: RunConfig, summary: dict) -> dict:
         "compile_s": summary["warmup_time_s"] + (summary["precompile_time_s"] or 0.0),
         "to_steady_s": summary.get("to_steady_speed_s"), "compile_caches": compile_caches(summary),
         "warmup_step_ms": [round(ms, 1) for ms in summary["warmup_step_times_ms"]],
-        "timed_step_ms": [round(ms, 2) for ms in summary.get("timed_step_times_ms", ())],
+        "timed_step_ms": [round(ms, 2) for ms in summary["timed_step_times_ms"]],
         "flops_per_sample": summary["train_flops_per_sample"], "matmul_tflops": summary["matmul_tflops"],
         "timed_steps": summary["steps"] - summary["warmup_steps"] - summary.get("profiled_steps", 0),
         "warmup_steps": summary["warmup_steps"],
