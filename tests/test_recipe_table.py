@@ -14,8 +14,14 @@ def test_the_table_reads_each_recipe_as_resolved_on_this_machine(monkeypatch):
     assert rows["accelerated"]["compiled"] == "repeated blocks, mode default"  # the up blocks whole: on a GPU only
     monkeypatch.setattr("gallery_lib.reports.recipe_table.visible_cuda_devices", lambda: 1)
     monkeypatch.setattr("gallery_lib.recipes.named.runs_on_gpu", lambda base: True)
-    gpu = recipe_table(base.replace(device="auto"), ["baseline", ("accelerated", {"batch_size": 6})])
+    gpu = recipe_table(base.replace(device="auto"), ["baseline", ("accelerated", {"batch_size": 6}),
+                                                     ("peer", {"ema_offload": True}),
+                                                     ("accelerated", {"ema_offload": True})])
     rows = {row["recipe"]: row for row in gpu.rows}
+    # offloaded as a small GPU's plan may ask: the peer's as diffusers does it, accelerated's streamed beside the step
+    assert rows["peer+ema_offload"]["EMA"] == "foreach, in the CPU's memory between updates"
+    assert rows["accelerated+ema_offload"]["EMA"] == (
+        "stream, in the CPU's memory between updates, streamed through the GPU in chunks")
     assert rows["baseline"]["precision"] == "float16 autocast + GradScaler"
     assert rows["accelerated+batch_size=6"]["compiled"] == (
         "repeated blocks, CrossAttnUpBlock2D whole, UpBlock2D whole, mode reduce-overhead, CUDA graphs")

@@ -27,10 +27,12 @@ which parameters train.
 On a CPU (or without Triton) ``fused`` and ``stream`` fall back to ``foreach`` with one warning;
 ``effective_mode`` tells which mode runs.
 
-``offload=True`` keeps the EMA's weights in the CPU's pinned memory between updates, as diffusers' ``offload_ema``:
-each update copies them to the model's device, averages there (``foreach``) and copies them back, all on the current
-stream; a reader of the weights (``module``, ``state_dict``, ``swap``) first waits for the copies back. The training
-loop frees the gradients before that update, so the GPU holds the EMA only while the activations are gone.
+``offload=True`` keeps the EMA's weights in the CPU's pinned memory between updates, as diffusers' ``offload_ema``.
+In ``loop`` and ``foreach`` mode, as diffusers does, each update copies them to the model's device, averages there and
+copies them back, all on the current stream; the training loop frees the gradients before that update, so the GPU
+holds the EMA only while the activations are gone. In ``fused`` and ``stream`` mode on a GPU, they stream through it in
+chunks on side streams, beside the next forward (``stream``; ``gallery_lib.accel.ema_offload``). Either way a reader
+of the weights (``module``, ``state_dict``, ``swap``) first waits for the copies back.
 
 A ZeRO-2 model (FSDP2: its parameters are sharded DTensors) cannot be deep-copied; ``ModelEma(model, template=...)``
 builds the EMA module from the model's plain template instead (``gallery_lib.accel.distributed.meta_template``) and
@@ -50,6 +52,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
+from gallery_lib.accel.ema_offload import ChunkedOffload
 from gallery_lib.accel.kernels import sm_count
 from gallery_lib.accel.kernels.ema_lerp import build_tables, foreach_copy_, foreach_lerp_, has_triton, launch_fused
 
@@ -114,14 +117,14 @@ def _keep_on_cpu(module: nn.Module) -> None:
 
 def ema_mode_on(mode: str, device_type: str, offloaded: bool = False) -> tuple[str, str | None]:
     """The mode an EMA asked to run in ``mode`` runs in on ``device_type``, and why it differs (``None`` if not):
-    ``fused`` and ``stream`` need a CUDA device and Triton, and an EMA whose weights live on the GPU; they fall back
-    to ``foreach``."""
+    ``fused`` and ``stream`` need a CUDA device, and Triton where the EMA's weights live on the GPU; they fall back
+    to ``foreach``. Offloaded, both run as ``stream``: the weights stream through the GPU in chunks on side streams."""
     if mode in ("loop", "foreach"):
         return mode, None
-    if offloaded:
-        return "foreach", "its weights wait in the CPU's memory and average on the main stream"
     if device_type != "cuda":
         return "foreach", f"the EMA lives on {device_type}"
+    if offloaded:
+        return "stream", None
     if not has_triton:
         return "foreach", "Triton is not installed"
     return mode, None
@@ -140,9 +143,8 @@ class ModelEma:
             (``None``: half the device's SMs).
         template: for a model that cannot be deep-copied (ZeRO-2's sharded one), a copy of its structure with the
             parameters on the meta device; the EMA is built from it (module docstring).
-        offload: keep the EMA's weights in the CPU's pinned memory between updates (diffusers' ``offload_ema``):
-            each update copies them to the model's device, averages there (``foreach``) and copies them back, all
-            on the current stream. ``module`` is then on the CPU.
+        offload: keep the EMA's weights in the CPU's pinned memory between updates (diffusers' ``offload_ema``;
+            the module docstring says how each mode updates them). ``module`` is then on the CPU.
     """
 
     def __init__(
@@ -193,7 +195,10 @@ class ModelEma:
         self._pending = False
         self._optimizer_attached = False
         self._averaging_optimizer: Any = None
-        if self.effective_mode == "stream":
+        self._offload = None  # offloaded, in stream mode: the chunks' streams and staging buffers
+        if self.effective_mode == "stream" and offload:
+            self._offload = ChunkedOffload(self._ema_avg, self.device)
+        elif self.effective_mode == "stream":
             self._stream = torch.cuda.Stream(device=self.device)
             self._event = torch.cuda.Event()
             if stream_programs is None:
@@ -235,10 +240,14 @@ class ModelEma:
             if self._copy_names:  # its step averaged; what is left is copying the rest
                 foreach_copy_(self._ema_copy, model_copy)
         elif self.effective_mode == "stream":
-            self._stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(self._stream):
-                self._apply(model_avg, model_copy, weight, self.stream_programs)
-            self._event.record(self._stream)
+            if self._offload is not None:
+                self._offload.update(model_avg, weight, (self._ema_copy, model_copy))
+                self._copied = self._offload.done  # a reader on the host waits for the last copy out
+            else:
+                self._stream.wait_stream(torch.cuda.current_stream(self.device))
+                with torch.cuda.stream(self._stream):
+                    self._apply(model_avg, model_copy, weight, self.stream_programs)
+                self._event.record(self._stream)
             self._pending = True
             if not self._optimizer_attached:
                 self._optimizer_attached = True  # warn once
@@ -273,7 +282,7 @@ class ModelEma:
                 e.lerp_(m, weight)
         elif self.effective_mode == "foreach":
             foreach_lerp_(ema_avg, model_avg, weight)
-        else:  # fused or stream: never offloaded (ema_mode_on)
+        else:  # fused or stream, averaging the GPU's own copy (an offloaded stream EMA goes through _offload)
             key = tuple(t.data_ptr() for t in model_avg + self._ema_avg)
             if key not in self._tables:  # tensors were re-allocated (or first call): rebuild the pointer table
                 self._tables = {key: build_tables(self._ema_avg, model_avg)}
@@ -316,14 +325,20 @@ class ModelEma:
         """Makes the current stream wait for a pending side-stream update (no host sync); with ``offload``, the host
         waits for the last update's copies back to the CPU."""
         self._wait_for_copies()
+        self._order_after_update()
+
+    def _order_after_update(self) -> None:
+        """The current stream waits, on the GPU, for a pending side-stream update."""
         if self._pending:
-            torch.cuda.current_stream(self.device).wait_event(self._event)
+            done = self._offload.done if self._offload is not None else self._event
+            torch.cuda.current_stream(self.device).wait_event(done)
             self._pending = False
 
     def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> Any:
-        """Makes ``optimizer.step()`` wait for the EMA update first; returns the hook handle."""
+        """Makes ``optimizer.step()`` wait, on the GPU (the host runs on), for the EMA update first; returns the hook
+        handle."""
         self._optimizer_attached = True
-        return optimizer.register_step_pre_hook(lambda *_: self.wait())
+        return optimizer.register_step_pre_hook(lambda *_: self._order_after_update())
 
     # ----------------------------------------------------------------- evaluation and checkpoints
     @property

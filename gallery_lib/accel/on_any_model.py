@@ -293,6 +293,7 @@ def add_ema(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
         optimizer.step(); ema.update(unet)
     """
     from gallery_lib.accel.ema import ModelEma, ema_mode_on
+    from gallery_lib.accel.ema_offload import CHUNK_BYTES
 
     device_type = next(model.parameters()).device.type
     asked = ("stream" if device_type == "cuda" else "foreach") if mode == "auto" else mode
@@ -309,6 +310,11 @@ def add_ema(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
         how = f"in the fused AdamW's pass (a {how} where its kernel cannot run)"
         why, measured = ("one kernel for AdamW and the EMA, which reads each weight once instead of twice",
                          f"{RESULTS}#adamw-ema")
+    elif offload and ema.effective_mode == "stream":
+        how += (", its weights kept in the CPU's memory between updates and streamed through the GPU in "
+                f"{CHUNK_BYTES >> 20} MiB chunks on side streams")
+        why, measured = ("the copies to and from the CPU's memory run beside the next forward and backward instead of "
+                         "between them, and the GPU holds two chunks of the EMA, not a copy", f"{RESULTS}#ema")
     elif offload:
         how += ", its weights kept in the CPU's memory between updates"
         why, measured = ("the GPU holds no EMA during the forward and backward passes, whose activations need the "

@@ -82,7 +82,9 @@ def _ema(cfg: RunConfig, device: str) -> str:
     if cfg.ema == "off":
         return "none"
     if cfg.ema_offload:
-        return f"{ema_mode_on(cfg.ema, device, offloaded=True)[0]}, in the CPU's memory between updates"
+        effective = ema_mode_on(cfg.ema, device, offloaded=True)[0]
+        through = ", streamed through the GPU in chunks" if effective == "stream" else ""
+        return f"{effective}, in the CPU's memory between updates{through}"
     effective, why = ema_mode_on(cfg.ema, device)
     return cfg.ema if why is None else f"{effective} ({cfg.ema} needs a GPU)"
 

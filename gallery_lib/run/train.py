@@ -409,7 +409,7 @@ def _update(model, optimizer, scheduler, ema, precision: Precision, clip_grad: f
     scheduler.step()
     if ema is None:
         return
-    if ema.offloaded:  # its copy comes to the GPU for the update: the gradients, read no more, make room for it
+    if ema.offloaded:  # its update needs room on the GPU (a whole copy, or two chunks streamed): the gradients give it
         optimizer.zero_grad(set_to_none=True)
     if scale_before is None:
         ema.update(model)
