@@ -58,8 +58,8 @@ FAMILY = ModelFamily(
                  "compile_scope": "blocks"},
     accelerated_on_gpu={"compile_scope": "model", "channels_last": True, "channels_last_graphs": True,
                         "clip_in_optimizer": True, "ema_in_optimizer": True},
-    # as for Stable Diffusion: the frozen encoders run once, in a few plain lines, and channels_last (an independent
-    # plain script with it ran 23.9 img/s, the peer without it 21.5: #peer-layout)
+    # as for Stable Diffusion: the frozen encoders run once, in a few plain lines, and channels_last (25.4 img/s with
+    # it, 21.2 without, in one call: benchmarks/RESULTS.md#peer-layout)
     peer={"cache_latents": True, "channels_last": True},
     block_graphs_below_pixels=STABLE_DIFFUSION.block_graphs_below_pixels,  # the same UNet
     block_types=STABLE_DIFFUSION.block_types,
