@@ -76,6 +76,10 @@ class ChunkedOffload:
         on_cuda = device.type == "cuda"
         self._in = torch.cuda.Stream(device=device) if on_cuda else None
         self._out = torch.cuda.Stream(device=device) if on_cuda else None
+        if on_cuda:  # freed with the EMA, a buffer returns to the allocator only once both streams are done with it
+            for buffer in (b for pair in self._staging.values() for b in pair):
+                buffer.record_stream(self._in)
+                buffer.record_stream(self._out)
         self._averaged = [torch.cuda.Event() for _ in range(2)] if on_cuda else None
         self._freed = [torch.cuda.Event() for _ in range(2)] if on_cuda else None
         self.done = torch.cuda.Event() if on_cuda else None
