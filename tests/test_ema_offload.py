@@ -75,7 +75,8 @@ def test_gpu_a_streamed_offloaded_ema_averages_as_the_main_stream_one_holding_tw
     allocated = torch.cuda.memory_allocated()
     streamed = ModelEma(model, decay=0.9, ratio_warmup=True, mode="fused", offload=True)
     assert streamed.effective_mode == "stream" and streamed._offload is not None
-    assert torch.cuda.memory_allocated() - allocated == streamed._offload.staging_bytes  # no copy of the weights
+    staged = torch.cuda.memory_allocated() - allocated  # the staging buffers (rounded up by the allocator) ...
+    assert streamed._offload.staging_bytes <= staged <= streamed._offload.staging_bytes + (1 << 20)  # ... no copy
     streamed.attach_optimizer(opt)
     ema_bytes = sum(p.numel() * 4 for p in model.parameters())
     for step in range(6):
