@@ -68,7 +68,7 @@ def test_offloaded_fused_and_stream_run_as_stream_on_a_gpu_and_foreach_elsewhere
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 def test_gpu_a_streamed_offloaded_ema_averages_as_the_main_stream_one_holding_two_chunks():
     torch.manual_seed(0)
-    model = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(24)], nn.Conv2d(3, 8, 3)).cuda()
+    model = nn.Sequential(*[nn.Linear(2048, 2048) for _ in range(48)], nn.Conv2d(3, 8, 3)).cuda()  # 805 MB
     model[-1].to(memory_format=torch.channels_last)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
     main_stream = ModelEma(model, decay=0.9, ratio_warmup=True, mode="foreach", offload=True)
@@ -81,7 +81,7 @@ def test_gpu_a_streamed_offloaded_ema_averages_as_the_main_stream_one_holding_tw
     ema_bytes = sum(p.numel() * 4 for p in model.parameters())
     for step in range(6):
         opt.zero_grad(set_to_none=True)
-        model[:-1](torch.randn(64, 1024, device="cuda")).square().mean().backward()
+        model[:-1](torch.randn(64, 2048, device="cuda")).square().mean().backward()
         opt.step()  # waits, on the GPU, for the streamed update of the step before
         main_stream.update(model)
         if step == 0:  # the memory it takes; later steps run without a host sync, as training does
