@@ -8,6 +8,13 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 python3 benchmarks/device_site.py /tmp/site
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 out=${OUT:-benchmarks/results}
+# the GPU's clocks, power and throttle reasons beside the runs, and each log line's time, to line up slow stretches of
+# steps with what the GPU did then
+nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active \
+  --format=csv,noheader -lms 250 > "$out/smi_$name.csv" 2>&1 &
+sampler=$!
 python3 -m gallery_lib.app.cli bench --profile full --data-root /tmp/data --output-dir "/tmp/bench_$name" \
-  --out "$out/bench_$name.json" "$@" > "$out/bench_$name.log" 2>&1
+  --out "$out/bench_$name.json" "$@" 2>&1 | tee "$out/bench_$name.log" |
+  while IFS= read -r line; do printf '%(%H:%M:%S)T %s\n' -1 "$line"; done > "$out/bench_$name.stamped.log"
+kill $sampler 2>/dev/null; gzip -f "$out/smi_$name.csv"
 grep "\[bench\] ===\|done:\|Error\|error:\|goal" "$out/bench_$name.log" | tail -30
