@@ -13,8 +13,9 @@ out=${OUT:-benchmarks/results}
 nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active \
   --format=csv,noheader -lms 250 > "$out/smi_$name.csv" 2>&1 &
 sampler=$!
-python3 -m gallery_lib.app.cli bench --profile full --data-root /tmp/data --output-dir "/tmp/bench_$name" \
-  --out "$out/bench_$name.json" "$@" 2>&1 | tee "$out/bench_$name.log" |
-  while IFS= read -r line; do printf '%(%H:%M:%S)T %s\n' -1 "$line"; done > "$out/bench_$name.stamped.log"
+date "+start %F %T (nvidia-smi's clock; each line below: seconds from then)" > "$out/bench_$name.stamped.log"
+python3 benchmarks/stamp_lines.py python3 -m gallery_lib.app.cli bench --profile full --data-root /tmp/data \
+  --output-dir "/tmp/bench_$name" --out "$out/bench_$name.json" "$@" >> "$out/bench_$name.stamped.log"
+tail -n +2 "$out/bench_$name.stamped.log" | cut -c9- > "$out/bench_$name.log"  # the log as it was, unstamped
 kill $sampler 2>/dev/null; gzip -f "$out/smi_$name.csv"
 grep "\[bench\] ===\|done:\|Error\|error:\|goal" "$out/bench_$name.log" | tail -30
