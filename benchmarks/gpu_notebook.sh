@@ -1,0 +1,27 @@
+# A whole notebook in its full profile under a memory cap, as on a smaller card, timed from its first cell to its last:
+# its code cells in one process (benchmarks/run_notebook_code.py; the GPU machine has no Jupyter), the GPU's memory
+# sampled beside it. $OUT gets the log, notebook_<NAME>.json (command, commit, source hash, cap, wall time, each run's
+# summary and failure) and the notebook's report. Carry .whl (diffusers, the cuDNN frontend).
+#   device run: GALLERY_COMMIT=<sha> bash benchmarks/gpu_notebook.sh NAME NOTEBOOK CAP ['{"steps": 40}']
+#   e.g. bash benchmarks/gpu_notebook.sh sd_22 stable_diffusion 22
+name=$1; notebook=$2; cap=$3; extra=${4:-"{}"}
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  $(ls .whl/cudnn/*.whl 2>/dev/null)
+python3 benchmarks/device_site.py /tmp/site
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+out=${OUT:-benchmarks/results}
+runs=/tmp/notebook_$name
+params=$(python3 -c "import json, sys; print(json.dumps({'profile': 'full', 'gpu_memory_gib': float(sys.argv[1]),
+  'output_dir': sys.argv[2], **json.loads(sys.argv[3])}))" "$cap" "$runs" "$extra")
+nvidia-smi --query-gpu=timestamp,memory.used --format=csv,noheader,nounits -lms 500 > "$out/smi_$name.csv" 2>&1 &
+sampler=$!
+start=$SECONDS
+(cd notebooks && timeout "${NOTEBOOK_TIMEOUT_S:-86400}" python3 ../benchmarks/run_notebook_code.py "$notebook.ipynb" \
+  "$params") > "$out/notebook_$name.log" 2>&1
+code=$?
+kill "$sampler" 2>/dev/null; gzip -f "$out/smi_$name.csv"
+python3 benchmarks/run_summaries.py "$out/notebook_$name.json" "$runs" \
+  command="bash benchmarks/gpu_notebook.sh $name $notebook $cap '$extra'" notebook="$notebook" cap_gib="$cap" \
+  params="$params" exit_code="$code" wall_s="$((SECONDS - start))"
+cp "$runs"/*/report.md "$out/" 2>/dev/null
+echo "notebook $notebook under $cap GiB: rc=$code in $((SECONDS - start)) s"; tail -5 "$out/notebook_$name.log"
