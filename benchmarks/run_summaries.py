@@ -10,7 +10,7 @@ import sys
 
 import torch
 
-from gallery_lib.reports.provenance import source_version
+from gallery_lib.reports.provenance import result_header
 
 SUMMARY = ("samples_per_s", "median_step_time_ms", "p20_step_time_ms", "p80_step_time_ms", "peak_mem_mb",
            "peak_reserved_mb", "global_batch_size", "memory_plan", "final_loss", "warmup_time_s", "precompile_time_s",
@@ -40,7 +40,8 @@ def run_entry(run_dir):
 
 
 def main(path, runs, *fields):
-    record = {**{key: _value(value) for key, value in (field.split("=", 1) for field in fields)}, **source_version(),
+    # the script's own fields after the header: its ``command`` is the device script's, not this helper's
+    record = {**result_header(), **{key: _value(value) for key, value in (field.split("=", 1) for field in fields)},
               "torch": torch.__version__, "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
     record["runs"] = {os.path.basename(run_dir.rstrip("/")): run_entry(run_dir)
                       for run_dir in sorted(glob.glob(f"{runs}/*/*/"))}
