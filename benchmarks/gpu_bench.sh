@@ -3,10 +3,7 @@
 # Runs share one Inductor cache (/tmp), so a second run of a recipe in the same call shows the warm-cache start.
 name=$1; shift
 # the cuDNN frontend (.whl/cudnn/) too: ResNet-50's accelerated conv-bn fusion needs it
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-  "$(dirname "$0")"/../.whl/*.whl $(ls "$(dirname "$0")"/../.whl/cudnn/*.whl 2>/dev/null)
-python3 benchmarks/device_site.py /tmp/site
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+source "$(dirname "$0")/device_env.sh"
 out=${OUT:-benchmarks/results}
 # the GPU's clocks, power and throttle reasons beside the runs, and each log line's time, to line up slow stretches of
 # steps with what the GPU did then

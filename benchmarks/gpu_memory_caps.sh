@@ -5,10 +5,7 @@
 #   e.g. GALLERY_COMMIT=$(git rev-parse HEAD) bash benchmarks/gpu_memory_caps.sh sd_22 22 --model sd15 --steps 12
 name=$1; cap=$2; shift 2
 # cuDNN's frontend too, for ResNet-50's conv_bn_relu kernel (.whl/cudnn, as benchmarks/gpu_tests.sh installs it)
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-  $(ls .whl/cudnn/*.whl 2>/dev/null)
-python3 benchmarks/device_site.py /tmp/site
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+source "$(dirname "$0")/device_env.sh"
 out=${OUT:-benchmarks/results}
 runs=/tmp/caps_$name
 nvidia-smi --query-gpu=timestamp,memory.used --format=csv,noheader,nounits -lms 500 > "$out/smi_$name.csv" 2>&1 &

@@ -5,10 +5,7 @@
 #   device run: GALLERY_COMMIT=<sha> bash benchmarks/gpu_notebook.sh NAME NOTEBOOK CAP ['{"steps": 40}']
 #   e.g. bash benchmarks/gpu_notebook.sh sd_22 stable_diffusion 22
 name=$1; notebook=$2; cap=$3; extra=${4:-"{}"}
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-  $(ls .whl/cudnn/*.whl 2>/dev/null)
-python3 benchmarks/device_site.py /tmp/site
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+source "$(dirname "$0")/device_env.sh"
 out=${OUT:-benchmarks/results}
 runs=/tmp/notebook_$name
 params=$(python3 -c "import json, sys; print(json.dumps({'profile': 'full', 'gpu_memory_gib': float(sys.argv[1]),
