@@ -20,6 +20,7 @@ from contextlib import nullcontext
 
 import torch
 
+from gallery_lib.accel.kernels._triton_utils import dense
 from gallery_lib.accel.kernels.ema_lerp import foreach_lerp_
 
 CHUNK_BYTES = 64 << 20
@@ -43,20 +44,13 @@ def chunk_groups(tensors: list[torch.Tensor], chunk_bytes: int) -> list[list[int
     return groups
 
 
-def _dense(tensor: torch.Tensor) -> bool:
-    """Its elements fill its memory exactly, in some order of its dimensions (contiguous or channels_last)."""
-    formats = [torch.contiguous_format] + ([torch.channels_last] if tensor.dim() == 4 else []) + (
-        [torch.channels_last_3d] if tensor.dim() == 5 else [])
-    return any(tensor.is_contiguous(memory_format=f) for f in formats)
-
-
 class ChunkedOffload:
     """Averages ``host`` (the EMA's tensors in the CPU's memory) towards the model's tensors on ``device``, a chunk at
     a time through two staging buffers per dtype; on a CUDA device on two side streams, elsewhere (a test's CPU) in
     order on the host."""
 
     def __init__(self, host: list[torch.Tensor], device: torch.device, chunk_bytes: int = CHUNK_BYTES):
-        sparse = [i for i, t in enumerate(host) if not _dense(t)]
+        sparse = [i for i, t in enumerate(host) if not dense(t)]
         if sparse:
             raise ValueError(f"ChunkedOffload: tensor {sparse[0]} of the EMA has gaps or overlaps in its memory "
                              f"(shape {tuple(host[sparse[0]].shape)}, stride {host[sparse[0]].stride()}); pass dense "
@@ -72,18 +66,20 @@ class ChunkedOffload:
         self._staging = {dtype: [torch.empty(numel, dtype=dtype, device=device) for _ in range(2)]
                          for dtype, numel in largest.items()}
         self._slot_views = [self._views(group, number % 2) for number, group in enumerate(self.groups)]
-        self.staging_bytes = sum(2 * numel * dtype.itemsize for dtype, numel in largest.items())
-        on_cuda = device.type == "cuda"
-        self._in = torch.cuda.Stream(device=device) if on_cuda else None
-        self._out = torch.cuda.Stream(device=device) if on_cuda else None
-        if on_cuda:  # freed with the EMA, a buffer returns to the allocator only once both streams are done with it
-            for buffer in (b for pair in self._staging.values() for b in pair):
+        buffers = [buffer for pair in self._staging.values() for buffer in pair]
+        self.staging_bytes = sum(buffer.numel() * buffer.element_size() for buffer in buffers)
+        self._on_cuda = device.type == "cuda"
+        self._in = self._out = self.done = None
+        if self._on_cuda:
+            self._in, self._out = torch.cuda.Stream(device=device), torch.cuda.Stream(device=device)
+            for buffer in buffers:  # freed with the EMA, returned to the allocator once both streams are done with it
                 buffer.record_stream(self._in)
                 buffer.record_stream(self._out)
-        self._averaged = [torch.cuda.Event() for _ in range(2)] if on_cuda else None
-        self._freed = [torch.cuda.Event() for _ in range(2)] if on_cuda else None
-        self.done = torch.cuda.Event() if on_cuda else None
-        """Recorded after the last copy out of an update: what the next optimizer step and a host reader wait for."""
+            self._averaged = [torch.cuda.Event() for _ in range(2)]
+            self._freed = [torch.cuda.Event() for _ in range(2)]
+            self.done = torch.cuda.Event()
+            """Recorded after the last copy out of an update: what the next optimizer step and a host reader wait
+            for (``None`` off a GPU)."""
 
     def _views(self, group: list[int], slot: int) -> list[torch.Tensor]:
         """Views of a staging slot laid out as the group's host tensors (channels_last ones too), so each copy is one
@@ -98,7 +94,8 @@ class ChunkedOffload:
     def update(self, model: list[torch.Tensor], weight: float, copies: tuple[list, list] = ([], [])) -> None:
         """``host[i].lerp_(model[i], weight)`` for every ``i``, and ``copies``' ``(host, model)`` pairs copied out as
         they are (buffers, frozen weights). On a GPU it returns once the work is queued."""
-        if self._in is not None:
+        cuda = self._on_cuda
+        if cuda:
             main = torch.cuda.current_stream(self.device)
             self._in.wait_stream(main)  # the weights after the optimizer step
             self._out.wait_stream(main)
@@ -106,24 +103,24 @@ class ChunkedOffload:
             slot = number % 2
             staged = self._slot_views[number]
             with self._on(self._in):
-                if self._freed is not None:  # the slot's last group has left it (a no-op before its first use)
+                if cuda:  # the slot's last group has left it (a no-op before its first use)
                     self._in.wait_event(self._freed[slot])
                 for view, index in zip(staged, group):
                     view.copy_(self.host[index], non_blocking=True)
                 foreach_lerp_(staged, [model[i] for i in group], weight)
-                if self._averaged is not None:
+                if cuda:
                     self._averaged[slot].record(self._in)
             with self._on(self._out):
-                if self._averaged is not None:
+                if cuda:
                     self._out.wait_event(self._averaged[slot])
                 for view, index in zip(staged, group):
                     self.host[index].copy_(view, non_blocking=True)
-                if self._freed is not None:
+                if cuda:
                     self._freed[slot].record(self._out)
         with self._on(self._out):
             for host, tensor in zip(*copies):
                 host.copy_(tensor, non_blocking=True)
-            if self.done is not None:
+            if cuda:
                 self.done.record(self._out)
 
     @staticmethod
