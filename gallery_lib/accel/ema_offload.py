@@ -20,7 +20,7 @@ from contextlib import nullcontext
 
 import torch
 
-from gallery_lib.accel.kernels._triton_utils import dense
+from gallery_lib.accel.kernels import dense
 from gallery_lib.accel.kernels.ema_lerp import foreach_lerp_
 
 CHUNK_BYTES = 64 << 20

@@ -4,7 +4,8 @@ The package has three floors, and its modules import down them only:
 
 1. the ops, one module each (``geglu``, ``group_norm``, ``layer_norm``, ``cross_entropy``, ``conv_bn``,
    ``ema_lerp``, ``adamw_ema``, ``window_attention``; ``_triton_utils`` under them): the kernel functions with
-   their autograd and PyTorch reference. The four layer ops and the Triton switches are importable from here;
+   their autograd and PyTorch reference. The four layer ops, the Triton switches and ``dense`` (the layouts read
+   as flat memory) are importable from here;
 2. the layers built from them: ``modules`` (``FusedGroupNorm``, ``FusedLayerNorm``, ``FusedGEGLU``) and
    ``conv_bn_block`` (timm's ResNet bottleneck with its norms folded into the convolutions);
 3. ``patch``: the table of swaps (``KERNEL_SWAPS``) that puts those layers in a model, and ``apply_kernels``.
@@ -24,14 +25,15 @@ and registered autograd, so ``torch.compile`` traces it without a graph break. H
 runtime fusion through its Python frontend (``gallery::scale_bias_relu_conv``), with the same reference fallback.
 """
 
-from gallery_lib.accel.kernels._triton_utils import (has_triton, is_triton_enabled, set_triton_enabled, sm_count,
-                                                     use_triton)
+from gallery_lib.accel.kernels._triton_utils import (dense, has_triton, is_triton_enabled, set_triton_enabled,
+                                                     sm_count, use_triton)
 from gallery_lib.accel.kernels.cross_entropy import soft_cross_entropy
 from gallery_lib.accel.kernels.geglu import geglu
 from gallery_lib.accel.kernels.group_norm import group_norm
 from gallery_lib.accel.kernels.layer_norm import layer_norm
 
 __all__ = [
+    "dense",
     "geglu",
     "group_norm",
     "has_triton",
