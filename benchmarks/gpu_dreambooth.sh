@@ -3,9 +3,7 @@
 set -x
 mode=${1:-full}
 recipes=${2:-accelerated,compiled,baseline}
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-python3 benchmarks/device_site.py /tmp/site
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+source "$(dirname "$0")/device_env.sh"
 out=${OUT:-benchmarks/results}
 nvidia-smi --query-gpu=name,driver_version --format=csv
 extra=""

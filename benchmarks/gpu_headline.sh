@@ -12,10 +12,7 @@
 # picks its own again, alone. A timed call runs the eight runs one after another, warm: `compile_s` and
 # `to_steady_s` are warm starts, not the cold start.
 set -uo pipefail
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-  .whl/*.whl .whl/cudnn/*.whl
-python3 benchmarks/device_site.py /tmp/site
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+source "$(dirname "$0")/device_env.sh"
 out=${OUT:-benchmarks/results}
 name=${1:?warm, or a name for the timed call}
 

@@ -1,9 +1,7 @@
 # The kernel probes in one GPU call (about 5 minutes on an H200), results and logs in $OUT:
 # the one-pass AdamW + EMA against the recipe's two passes, then the GroupNorm loops' pipelining at SD's batch 32
 # and DreamBooth's batch 1.   GALLERY_COMMIT=<commit> bash benchmarks/gpu_kernel_probes.sh
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
-python3 benchmarks/device_site.py /tmp/site
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+source "$(dirname "$0")/device_env.sh"
 out=${OUT:-benchmarks/results}
 nvidia-smi --query-gpu=name --format=csv,noheader
 timeout 240 python3 benchmarks/probe_adamw_ema.py --out "$out/probe_adamw_ema.json" > "$out/probe_adamw_ema.log" 2>&1

@@ -11,9 +11,7 @@ set -x
 part=$1
 rungs=$2
 shift 2
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-python3 benchmarks/device_site.py /tmp/site
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+source "$(dirname "$0")/device_env.sh"
 out=${OUT:-benchmarks/results}
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
 timeout "${LADDER_TIMEOUT_S:-86400}" python3 benchmarks/bench_ladder.py --profile full --rungs "$rungs" \

@@ -3,9 +3,7 @@
 #   bash benchmarks/gpu_scaling.sh NAME N [gallery bench flags...]
 #   e.g.  bash benchmarks/gpu_scaling.sh sd_b32 2 --models sd --recipes accelerated --batch-size 32
 name=$1; procs=$2; shift 2
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$(dirname "$0")"/../.whl/*.whl
-python3 benchmarks/device_site.py /tmp/site
-export PYTHONPATH=${GALLERY_PYTHONPATH:-/tmp/site:$PWD} PYTHONUNBUFFERED=1
+source "$(dirname "$0")/device_env.sh"
 # on a copy of a checkout (the GPU machine's, whose .git may be older): GALLERY_COMMIT=<commit>[+dirty] names the code
 out=${OUT:-benchmarks/results}
 for n in 1 "$procs"; do

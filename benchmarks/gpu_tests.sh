@@ -3,10 +3,7 @@
 #   device run: bash benchmarks/gpu_tests.sh first    (every test file up to tests/test_kernels_group_norm.py)
 #   device run: bash benchmarks/gpu_tests.sh second   (the files after it)
 #   device run: bash benchmarks/gpu_tests.sh tests/test_ema.py ...   (the files named)
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl .whl/test/*.whl \
-  .whl/cudnn/*.whl 2>&1 | grep -v "already exists"
-python3 benchmarks/device_site.py /tmp/site
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+source "$(dirname "$0")/device_env.sh"
 files=$(ls tests/test_*.py | grep -v -e test_notebooks.py -e test_browser.py)
 split=tests/test_kernels_group_norm.py
 case "${1:-all}" in

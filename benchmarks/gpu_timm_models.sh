@@ -4,10 +4,7 @@
 #   e.g. bash benchmarks/gpu_timm_models.sh convnext_tiny resnet34:128 diffusers.DiTTransformer2DModel:64
 # Each writes timm_<MODEL>.json/.md/.png and a log under $OUT; the defaults are the bench's (224 px, batch 128; a
 # denoiser 32x32 samples, batch 64). Carry .whl (diffusers).
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-  >/dev/null 2>&1
-python3 benchmarks/device_site.py /tmp/site >/dev/null 2>&1
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+source "$(dirname "$0")/device_env.sh"
 for spec in "$@"; do
   model=${spec%%:*}; batch=${spec#*:}; [ "$batch" = "$spec" ] && batch=
   if [[ $model == diffusers.* ]]; then which=(--diffusers-model "${model#diffusers.}"); else which=(--timm-model "$model"); fi

@@ -10,10 +10,7 @@
 set -u
 mode=$1; budget=${2:-580}; t0=$SECONDS
 out=${OUT:-/tmp/two_gpus_out}; raw=/tmp/two_gpus_raw; mkdir -p "$out" "$raw"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-  --find-links .whl/cudnn .whl/*.whl nvidia-cudnn-frontend
-python3 benchmarks/device_site.py /tmp/site
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+source "$(dirname "$0")/device_env.sh"
 left() { echo $((budget - (SECONDS - t0))); }
 finish() { tar czf "$out/logs_$mode.tgz" -C "$raw" . ; echo "[two_gpus] done in $((SECONDS - t0)) s"; }
 bench() {  # NAME FLAGS...: one `gallery bench`, stopped where the call's time runs out (its JSON keeps each run)

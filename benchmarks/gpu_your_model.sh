@@ -1,9 +1,7 @@
 # The your_model notebook's ladder in the full profile on the GPU machine (224 px, batch 128), one call:
 #   device run: bash benchmarks/gpu_your_model.sh [TIMM_MODEL]   (default: the notebook's, vit_base_patch16_224;
 #   carry .whl with the diffusers wheel; results under $OUT)
-[ -d /tmp/site/diffusers ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
-python3 benchmarks/device_site.py /tmp/site
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+source "$(dirname "$0")/device_env.sh"
 model=${1:+\"model_name\": \"$1\", }
 start=$(date +%s)
 cd notebooks && timeout ${TIMEOUT:-300} python3 ../benchmarks/run_notebook_code.py your_model.ipynb \

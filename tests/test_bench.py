@@ -390,6 +390,19 @@ def test_every_benchmark_result_file_opens_with_its_command_and_commit(monkeypat
     assert len(writers) >= 10
     assert [p.name for p in writers if "result_header()" not in p.read_text()] == []
 
+def test_the_gpu_scripts_set_up_the_device_through_one_preamble():
+    """The carried wheels go into the GPU machine's /tmp/site in ``benchmarks/device_env.sh`` alone: a script that
+    installed them itself (a dozen did) drifts from it, e.g. leaves cuDNN's frontend out of one call."""
+    import re
+
+    scripts = sorted((Path(__file__).resolve().parents[1] / "benchmarks").glob("gpu_*.sh"))
+    assert len(scripts) >= 15
+    own_setup = [p.name for p in scripts if re.search(r"--target /tmp/site|device_site\.py /tmp/site", p.read_text())]
+    assert own_setup == []
+    sourcing = [p.name for p in scripts if 'source "$(dirname "$0")/device_env.sh"' in p.read_text()]
+    assert {"gpu_bench.sh", "gpu_tests.sh", "gpu_headline.sh", "gpu_ladder.sh", "gpu_timm_models.sh"} <= set(sourcing)
+
+
 
 def test_default_result_file_names_the_gpu_and_date_and_never_overwrites(monkeypatch, tmp_path):
     """Under ``output/`` of the current directory, as ``gallery run``'s runs: not in the source tree, which an
