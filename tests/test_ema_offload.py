@@ -96,3 +96,58 @@ def test_gpu_a_streamed_offloaded_ema_averages_as_the_main_stream_one_holding_tw
     want, got = main_stream.state_dict()["module"], streamed.state_dict()["module"]
     for name, tensor in want.items():
         assert torch.equal(got[name], tensor), name
+
+
+def test_a_streamed_update_copies_the_buffers_before_the_next_forward_can_write_them():
+    """BatchNorm's running statistics change in the next forward, which the side streams run beside: ``update`` copies
+    them at once, on the current stream, and leaves the side streams the frozen weights, which nothing writes."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
+    model[2].requires_grad_(False)
+    ema = ModelEma(model, decay=0.5, mode="foreach", offload=True)
+    handed = []
+
+    class SideStreams:  # what ChunkedOffload is handed, recorded when it is called
+        done = None
+
+        def update(self, model_avg, weight, copies):
+            ema_bn = dict(ema._module.named_buffers())
+            handed.append(({name: ema_bn[f"1.{name}"].clone() for name, _ in model[1].named_buffers()}, copies))
+
+    ema.effective_mode, ema._offload, ema._optimizer_attached = "stream", SideStreams(), True
+    model(torch.randn(8, 4))  # the running statistics move
+    ema.update(model)
+    (buffers_then, (to_ema, from_model)), = handed
+    for name, tensor in model[1].named_buffers():
+        assert torch.equal(buffers_then[name], tensor), name  # copied before the side streams were called
+    assert [id(t) for t in from_model] == [id(model[2].weight), id(model[2].bias)]  # the frozen weights only
+    assert [id(t) for t in to_ema] == [id(ema._module[2].weight), id(ema._module[2].bias)]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("offload", [True, False])
+def test_gpu_a_streamed_ema_keeps_the_statistics_of_its_step_while_the_next_forward_moves_them(offload):
+    """The next forward runs at once after a streamed update, as in training; the EMA's BatchNorm statistics are the
+    ones of the update's step, as the main-stream EMA's, while 400 MB of weights stream beside that forward."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(2048, 2048) for _ in range(24)], nn.BatchNorm1d(2048)).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    main_stream = ModelEma(model, decay=0.9, mode="foreach", offload=offload)
+    streamed = ModelEma(model, decay=0.9, mode="stream", offload=offload)
+    assert streamed.effective_mode == "stream"
+    streamed.attach_optimizer(opt)
+    x = torch.randn(256, 2048, device="cuda")
+    loss = model(x).square().mean()
+    for _ in range(4):
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        main_stream.update(model)
+        streamed.update(model)
+        loss = model(x * 1.5).square().mean()  # moves the running statistics beside the streamed update
+    want, got = main_stream.state_dict()["module"], streamed.state_dict()["module"]
+    for name in ("24.running_mean", "24.running_var", "24.num_batches_tracked"):
+        assert torch.equal(got[name], want[name]), name
+    for name, tensor in want.items():
+        assert torch.allclose(got[name], tensor, rtol=0, atol=1e-6), name

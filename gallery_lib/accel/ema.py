@@ -13,7 +13,8 @@ differ only in how the update ``ema = lerp(ema, param, 1 - decay)`` is launched:
   ``attach_optimizer``), ``swap``, ``state_dict`` and ``module`` make the main stream wait on the EMA's
   event. The kernel runs as persistent programs on half the SMs (``stream_programs`` sets another count), so it
   sips bandwidth beside the next forward instead of taking every SM at once: a full-width update on a side stream
-  competes with the forward for the same bandwidth, and measured slower (benchmarks/RESULTS.md#ema).
+  competes with the forward for the same bandwidth, and measured slower (benchmarks/RESULTS.md#ema). The buffers
+  are copied on the main stream when ``update`` is called: the next forward writes them (BatchNorm's statistics).
 
 The update can also run inside the optimizer's pass: ``gallery_lib.accel.adamw_ema.AdamWWithEma`` (``attach_ema``)
 applies AdamW and the EMA in one kernel, and ``update`` then counts the update and copies the buffers only.
@@ -178,6 +179,8 @@ class ModelEma:
         trained = {name for name, p in model.named_parameters() if p.requires_grad and p.is_floating_point()}
         self._avg_names = [name for name in _named_state(model) if name in trained]
         self._copy_names = [name for name in _named_state(model) if name not in trained]
+        buffers = {name for name, _ in model.named_buffers()}
+        self._is_buffer = [name in buffers for name in self._copy_names]
         ema_state = _named_state(self._module)
         self.device = next(iter(ema_state.values())).device if ema_state else torch.device("cpu")
         """Where the EMA averages: the model's device."""
@@ -237,16 +240,21 @@ class ModelEma:
         model_copy = _named_tensors(model_state, self._copy_names, "update")
 
         if self._averaging_optimizer is not None and self._averaging_optimizer.averaged_update == self.step:
-            if self._copy_names:  # its step averaged; what is left is copying the rest
-                foreach_copy_(self._ema_copy, model_copy)
+            self._copy(self._ema_copy, model_copy)  # its step averaged; what is left is copying the rest
         elif self.effective_mode == "stream":
+            # The buffers (BatchNorm's statistics) change in the next forward, which the side streams run beside: they
+            # are copied now, on the current stream. The side streams copy the frozen weights, which nothing writes.
+            buffers = [(e, m) for e, m, is_buffer in zip(self._ema_copy, model_copy, self._is_buffer) if is_buffer]
+            frozen = [(e, m) for e, m, is_buffer in zip(self._ema_copy, model_copy, self._is_buffer) if not is_buffer]
+            self._copy([e for e, _ in buffers], [m for _, m in buffers])
+            later = ([e for e, _ in frozen], [m for _, m in frozen])
             if self._offload is not None:
-                self._offload.update(model_avg, weight, (self._ema_copy, model_copy))
+                self._offload.update(model_avg, weight, later)
                 self._copied = self._offload.done  # a reader on the host waits for the last copy out
             else:
                 self._stream.wait_stream(torch.cuda.current_stream(self.device))
                 with torch.cuda.stream(self._stream):
-                    self._apply(model_avg, model_copy, weight, self.stream_programs)
+                    self._apply(model_avg, later, weight, self.stream_programs)
                 self._event.record(self._stream)
             self._pending = True
             if not self._optimizer_attached:
@@ -255,7 +263,7 @@ class ModelEma:
                               "optimizer.step()) so the optimizer does not write weights the EMA is still reading.",
                               stacklevel=2)
         else:
-            self._apply(model_avg, model_copy, weight, None)
+            self._apply(model_avg, (self._ema_copy, model_copy), weight, None)
 
     def update_from_scaler(self, model: nn.Module, scaler: torch.amp.GradScaler, scale_before: float) -> bool:
         """Updates unless the GradScaler skipped the optimizer step; returns whether it updated.
@@ -268,13 +276,11 @@ class ModelEma:
         self.update(model, skipped=skipped)
         return not skipped
 
-    def _apply(self, model_avg: list[torch.Tensor], model_copy: list[torch.Tensor], weight: float,
-               programs: int | None) -> None:
-        if self.offloaded:  # into its pinned memory, ordered on the current stream
-            for e, m in zip(self._ema_copy, model_copy):
-                e.copy_(m, non_blocking=True)
-        elif self._copy_names:
-            foreach_copy_(self._ema_copy, model_copy)
+    def _apply(self, model_avg: list[torch.Tensor], copies: tuple[list[torch.Tensor], list[torch.Tensor]],
+               weight: float, programs: int | None) -> None:
+        """Averages ``model_avg`` into the EMA and copies ``copies``' model tensors (its second list) into their EMA
+        tensors (its first), on the current stream."""
+        self._copy(*copies)
         # an offloaded EMA averages on the device, in copies of its CPU tensors (on a CPU model, the tensors themselves)
         ema_avg = [e.to(self.device, non_blocking=True) for e in self._ema_avg] if self.offloaded else self._ema_avg
         if self.effective_mode == "loop":
@@ -292,6 +298,14 @@ class ModelEma:
             foreach_lerp_(rest_e, rest_m, weight)
         if self.offloaded:
             self._copy_back(ema_avg)
+
+    def _copy(self, ema: list[torch.Tensor], model: list[torch.Tensor]) -> None:
+        """``model``'s tensors into ``ema``'s, on the current stream (offloaded: into its pinned memory)."""
+        if self.offloaded:
+            for e, m in zip(ema, model):
+                e.copy_(m, non_blocking=True)
+        elif ema:
+            foreach_copy_(ema, model)
 
     def _copy_back(self, averaged: list[torch.Tensor]) -> None:
         """An offloaded EMA's averages back into its pinned memory, ordered on the current stream; the event marks
