@@ -462,3 +462,14 @@ def test_workers_copy_the_switches_the_cache_key_reads():
         matmul.fp32_precision = precision
         torch.use_deterministic_algorithms(det, warn_only=warn_only)
         matmul.allow_fp16_reduced_precision_reduction, matmul.allow_bf16_reduced_precision_reduction = fp16, bf16
+
+
+def test_recording_the_block_calls_leaves_batchnorm_statistics_as_they_were():
+    """The recording forward runs in training mode, where BatchNorm moves its running statistics: the run's first step
+    must start from the same ones as a run without pre-compilation."""
+    model = nn.Sequential(nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)),
+                          nn.Sequential(nn.Conv2d(4, 4, 3), nn.BatchNorm2d(4))).train()
+    before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    _, seen = record_block_calls(model, lambda: model(torch.randn(2, 3, 8, 8)), ["0", "1"])
+    assert seen == 2
+    assert all(torch.equal(before[name], tensor) for name, tensor in model.state_dict().items())

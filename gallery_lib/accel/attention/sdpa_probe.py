@@ -57,16 +57,10 @@ def record_sdpa_choices(model: nn.Module, forward: Callable[[], Any]) -> dict[st
     without this registry's hooks, a run's log says which kernel PyTorch chose (a model without attention: empty).
 
     ``forward`` runs once eagerly without gradients (compiled parts too); the choices are those of a training step.
-    Nothing changes (``gallery_lib.accel.side_forward``), and ``model``'s buffers (BatchNorm statistics) are restored.
+    Nothing changes, ``model``'s buffers (BatchNorm statistics) included (``gallery_lib.accel.side_forward``).
     """
     _remember_devices(model)  # outside any compilation, before the recorder asks for device names
-    buffers = [(b, b.detach().clone()) for b in model.buffers()]
     recorder = _SdpaRecorder()
-    try:
-        with side_forward(), torch.no_grad(), recorder:
-            forward()
-    finally:
-        with torch.no_grad():
-            for buffer, saved in buffers:
-                buffer.copy_(saved)
+    with side_forward(model), torch.no_grad(), recorder:
+        forward()
     return recorder.chosen

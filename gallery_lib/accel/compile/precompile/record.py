@@ -101,8 +101,9 @@ def _cut_autograd_graph(module: nn.Module, args: tuple, output: Any) -> Any:
 def record_block_calls(model: nn.Module, forward: Callable[[], Any], names: Iterable[str]) -> tuple[list[BlockCall],
                                                                                                      int]:
     """Runs ``forward()`` once eagerly and returns the distinct graphs among the calls of the named blocks, plus the
-    number of block calls seen. RNG states are restored, so the run's random stream is unchanged. The forward's
-    autograd graph is cut after every block (``_cut_autograd_graph``): it is only ever read, never differentiated."""
+    number of block calls seen. RNG states and buffers (BatchNorm's statistics) are restored (``side_forward``), so
+    the run is unchanged. The forward's autograd graph is cut after every block (``_cut_autograd_graph``): it is only
+    ever read, never differentiated."""
     distinct: dict[tuple, BlockCall] = {}
     seen = 0
 
@@ -120,7 +121,7 @@ def record_block_calls(model: nn.Module, forward: Callable[[], Any], names: Iter
         lambda m, a, k, n=n: hook(m, a, k, n), with_kwargs=True) for n in names]
     handles += [model.get_submodule(n).register_forward_hook(_cut_autograd_graph) for n in names]
     try:
-        with side_forward():
+        with side_forward(model):
             forward()
     finally:
         for h in handles:
