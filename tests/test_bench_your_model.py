@@ -164,7 +164,7 @@ def test_a_timm_bench_result_goes_under_output_by_default_named_after_the_model(
 
 def test_on_a_gpu_the_peer_adds_cuda_graphs_and_channels_last_for_a_convnet():
     """Decided without a GPU: the calls only mark the model (compilation happens at its first step)."""
-    from gallery_lib.accel.on_any_model import create_timm_model
+    from gallery_lib.models import create_timm_model
 
     resnet = create_timm_model("resnet18", num_classes=10)
     said = apply_variant("peer", resnet, "cuda")

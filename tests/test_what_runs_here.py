@@ -10,7 +10,8 @@ import torch
 from torch import nn
 
 from gallery_lib import base_config
-from gallery_lib.accel.on_any_model import compile_blocks, create_timm_model, fuse_kernels, use_channels_last
+from gallery_lib.accel.on_any_model import compile_blocks, fuse_kernels, use_channels_last
+from gallery_lib.models import create_timm_model
 from gallery_lib.reports.recipe_preview import recipe_changes
 
 

@@ -90,7 +90,7 @@ class Workload:
         flag = f"--{self.kind}-model {self.name}"
         try:
             if self.kind == "timm":
-                from gallery_lib.accel.on_any_model import create_timm_model
+                from gallery_lib.models import create_timm_model
 
                 return create_timm_model(self.name, image_size=image_size, num_classes=CLASSES)
             import diffusers
