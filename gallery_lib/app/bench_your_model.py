@@ -2,7 +2,8 @@
 bench`` times the families.
 
 One freshly built model, deep-copied three times from the same initial weights, trains through one plain loop (the
-``your_model`` notebook's: bf16 autocast and fused AdamW on a GPU, random batches made once, the model's loss:
+``your_model`` notebook's: bf16 autocast, fused AdamW and cuDNN's autotuning on a GPU, as timm's ``train.py`` and the
+families' runs set it; random batches made once; the model's loss:
 cross-entropy for a timm classifier, the noise's mean squared error for a diffusers denoiser; ``bench_workloads``):
 
 - ``eager``: the model as built;
@@ -34,8 +35,9 @@ VARIANTS = ("eager", "peer", "accelerated")
 BATCHES = 4
 """Random batches made once and cycled through, as the notebook does."""
 TIMING = ("each variant's training steps in one process (the your_model notebook's loop: forward, the model's loss, "
-          "backward, AdamW step) on random batches made once; CUDA events per step (wall clock on a CPU); median with "
-          "p20/p80 over the steps after warm-up; warmup_s = the warm-up steps (compilation, CUDA-graph capture); "
+          "backward, AdamW step; cuDNN's autotuning on a GPU) on random batches made once; CUDA events per step (wall "
+          "clock on a CPU); median with p20/p80 over the steps after warm-up; warmup_s = the warm-up steps "
+          "(compilation, CUDA-graph capture); "
           "setup_s = the variant's changes before its first step (accelerate's timed steps)")
 
 
@@ -175,11 +177,14 @@ def run_model_bench(bench: ModelBench, out: Path, *, command: str,
     peaks: dict[str, float | None] = {}
     setups: dict[str, float] = {}
     errors: dict[str, str] = {}
+    cudnn = torch.backends.cudnn
     for variant in VARIANTS:
         say(f"[bench] {variant}")
-        try:
-            changes, losses, times_ms, peaks[variant], setups[variant] = _train_variant(variant, initial, batches,
-                                                                                        bench, say)
+        try:  # cuDNN's autotuning for every variant, accelerate's timed steps included
+            with cudnn.flags(enabled=cudnn.enabled, benchmark=bench.device == "cuda",
+                             deterministic=cudnn.deterministic, allow_tf32=cudnn.allow_tf32):
+                changes, losses, times_ms, peaks[variant], setups[variant] = _train_variant(variant, initial,
+                                                                                            batches, bench, say)
         except Exception as exc:  # the other variants still measure
             errors[variant] = failure_reason(exc)
             say(f"[bench]   failed: {errors[variant]}")
