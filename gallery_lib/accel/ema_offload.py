@@ -99,6 +99,9 @@ class ChunkedOffload:
             main = torch.cuda.current_stream(self.device)
             self._in.wait_stream(main)  # the weights after the optimizer step
             self._out.wait_stream(main)
+            # the last update's copies out have landed before this one reads the CPU's tensors again, whether or not
+            # an optimizer step waited for them in between (a no-op before the first update)
+            self._in.wait_event(self.done)
         for number, group in enumerate(self.groups):
             slot = number % 2
             staged = self._slot_views[number]
