@@ -2,7 +2,6 @@
 #   bash benchmarks/gpu_bench.sh NAME [gallery bench flags...]   e.g.  bash benchmarks/gpu_bench.sh sd_b32 --models sd --batch-size 32
 # Runs share one Inductor cache (/tmp), so a second run of a recipe in the same call shows the warm-cache start.
 name=$1; shift
-# the cuDNN frontend (.whl/cudnn/) too: ResNet-50's accelerated conv-bn fusion needs it
 source "$(dirname "$0")/device_env.sh"
 out=${OUT:-benchmarks/results}
 # the GPU's clocks, power and throttle reasons beside the runs, and each log line's time, to line up slow stretches of

@@ -4,7 +4,6 @@
 #   bash benchmarks/gpu_memory_caps.sh NAME CAP [gallery run flags...]   (on the GPU machine; diffusers in .whl/)
 #   e.g. GALLERY_COMMIT=$(git rev-parse HEAD) bash benchmarks/gpu_memory_caps.sh sd_22 22 --model sd15 --steps 12
 name=$1; cap=$2; shift 2
-# cuDNN's frontend too, for ResNet-50's conv_bn_relu kernel (.whl/cudnn, as benchmarks/gpu_tests.sh installs it)
 source "$(dirname "$0")/device_env.sh"
 out=${OUT:-benchmarks/results}
 runs=/tmp/caps_$name

@@ -7,10 +7,14 @@ import glob
 import json
 import os
 import sys
+from dataclasses import asdict
 
 import torch
 
+from gallery_lib.reports.comparison import METRICS_FILE
 from gallery_lib.reports.provenance import result_header
+from gallery_lib.run.failure import read_failure
+from gallery_lib.run.metrics import read_metrics
 
 SUMMARY = ("samples_per_s", "median_step_time_ms", "p20_step_time_ms", "p80_step_time_ms", "peak_mem_mb",
            "peak_reserved_mb", "global_batch_size", "memory_plan", "final_loss", "warmup_time_s", "precompile_time_s",
@@ -25,17 +29,17 @@ def _value(text):
 
 
 def run_entry(run_dir):
+    """What a run folder says, read as the reports read it (a line cut short by a killed run is skipped)."""
     entry = {}
-    metrics = os.path.join(run_dir, "metrics.jsonl")
+    metrics = os.path.join(run_dir, METRICS_FILE)
     if os.path.exists(metrics):
-        lines = [json.loads(line) for line in open(metrics) if line.strip()]
-        summary = next((line for line in reversed(lines) if line.get("type") == "summary"), None)
+        steps, summary = read_metrics(metrics)
         if summary:
             entry = {key: summary.get(key) for key in SUMMARY}
-        entry["losses"] = [line.get("loss") for line in lines if line.get("type") == "step"]
-    failure = os.path.join(run_dir, "failure.json")
-    if os.path.exists(failure):
-        entry["failure"] = json.load(open(failure))
+        entry["losses"] = [step.get("loss") for step in steps]
+    failure = read_failure(run_dir)
+    if failure is not None:
+        entry["failure"] = asdict(failure)
     return entry
 
 
