@@ -179,8 +179,8 @@ class ModelEma:
         trained = {name for name, p in model.named_parameters() if p.requires_grad and p.is_floating_point()}
         self._avg_names = [name for name in _named_state(model) if name in trained]
         self._copy_names = [name for name in _named_state(model) if name not in trained]
-        buffers = {name for name, _ in model.named_buffers()}
-        self._is_buffer = [name in buffers for name in self._copy_names]
+        # _named_state lists the parameters before the buffers: what is copied is the frozen weights, then the buffers
+        self._frozen_count = len(self._copy_names) - len(dict(model.named_buffers()))
         ema_state = _named_state(self._module)
         self.device = next(iter(ema_state.values())).device if ema_state else torch.device("cpu")
         """Where the EMA averages: the model's device."""
@@ -244,10 +244,9 @@ class ModelEma:
         elif self.effective_mode == "stream":
             # The buffers (BatchNorm's statistics) change in the next forward, which the side streams run beside: they
             # are copied now, on the current stream. The side streams copy the frozen weights, which nothing writes.
-            buffers = [(e, m) for e, m, is_buffer in zip(self._ema_copy, model_copy, self._is_buffer) if is_buffer]
-            frozen = [(e, m) for e, m, is_buffer in zip(self._ema_copy, model_copy, self._is_buffer) if not is_buffer]
-            self._copy([e for e, _ in buffers], [m for _, m in buffers])
-            later = ([e for e, _ in frozen], [m for _, m in frozen])
+            frozen = self._frozen_count
+            self._copy(self._ema_copy[frozen:], model_copy[frozen:])
+            later = (self._ema_copy[:frozen], model_copy[:frozen])
             if self._offload is not None:
                 self._offload.update(model_avg, weight, later)
                 self._copied = self._offload.done  # a reader on the host waits for the last copy out
