@@ -93,7 +93,8 @@ class ChunkedOffload:
 
     def update(self, model: list[torch.Tensor], weight: float, copies: tuple[list, list] = ([], [])) -> None:
         """``host[i].lerp_(model[i], weight)`` for every ``i``, and ``copies``' ``(host, model)`` pairs copied out as
-        they are (buffers, frozen weights). On a GPU it returns once the work is queued."""
+        they are (the frozen weights: ``ModelEma`` copies the buffers itself, before the next forward moves them). On a
+        GPU it returns once the work is queued."""
         cuda = self._on_cuda
         if cuda:
             main = torch.cuda.current_stream(self.device)
