@@ -131,6 +131,21 @@ def test_profiles():
         base_config("huge")
 
 
+@pytest.mark.parametrize("model", ["sd15", "dreambooth_sd15"])
+def test_a_model_named_over_the_smoke_profiles_takes_an_image_size_it_can_train_at(model):
+    """The smoke profile sizes images for its tiny model (32 px); SD-1.5 takes multiples of 64. Named on a CPU, the
+    model gets the profile's size rounded up to one it takes; a size the user gives that it cannot take is an error
+    before any run starts, naming one that fits."""
+    assert base_config("smoke", model=model).image_size == 64
+    assert base_config("smoke", model=model, image_size=128).image_size == 128
+    with pytest.raises(ConfigError, match=rf"image_size=96 does not fit '{model}': its image sizes are multiples of "
+                                          r"64\. Set image_size=128"):
+        base_config("smoke", model=model, image_size=96)
+    with pytest.raises(ConfigError, match="image_size=32 does not fit"):
+        base_config("full", model=model).replace(image_size=32)
+    assert base_config("smoke").image_size == 64 and base_config("smoke", family="stable_diffusion").image_size == 32
+
+
 @settings(max_examples=60, deadline=None)
 @given(batch=st.integers(-4, 300), steps=st.integers(-2, 50), warm=st.integers(-2, 60),
        amp=st.sampled_from(["O0", "O1", "O2", "O9", ""]), mix=st.one_of(st.floats(-1, 2), st.just(float("nan"))))

@@ -33,6 +33,9 @@ class ModelSpec:
     """The parameters its full training updates: with fp32 weights, their gradients, the optimizer's state and an EMA
     they are the memory no setting of the step lowers, the memory plan's floor (``gallery_lib/run/memory_plan.py``).
     ``None``: small enough not to matter."""
+    image_size_multiple: int = 1
+    """The image sizes it takes are multiples of this (Stable Diffusion: the VAE's downsampling times the UNet's, 64
+    for SD-1.5): another size is a config error, and a profile sized for the family's tiny model rounds up to it."""
 
 
 @dataclass(frozen=True)
@@ -164,9 +167,13 @@ class ModelFamily:
     def model_names(self) -> list[str]:
         return [spec.name for spec in self.models]
 
+    def model_spec(self, model: str) -> ModelSpec:
+        """The declaration of the family's model ``model``."""
+        return next(spec for spec in self.models if spec.name == model)
+
     def build(self, model: str, **kwargs: Any) -> Any:
         """Builds the family's model ``model`` (the task passes its arguments, e.g. ``num_classes``)."""
-        return next(spec for spec in self.models if spec.name == model).build(**kwargs)
+        return self.model_spec(model).build(**kwargs)
 
     def plain_options(self) -> dict[str, Any]:
         """The task settings that ``accelerated`` or ``peer`` switch, at their defaults: what the plain recipes run."""

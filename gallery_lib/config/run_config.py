@@ -141,6 +141,11 @@ class RunConfig:
                               "the workers compile copies of the blocks, and sharded blocks cannot be copied. Set "
                               "precompile_workers=0 (the blocks then compile in the first steps) or "
                               "data_parallel='ddp'.")
+        multiple = self.model_family.model_spec(self.model).image_size_multiple
+        if self.image_size % multiple:
+            fits = max(multiple, round(self.image_size / multiple) * multiple)
+            raise ConfigError(f"image_size={self.image_size} does not fit {self.model!r}: its image sizes are "
+                              f"multiples of {multiple}. Set image_size={fits} (--image_size {fits}).")
         if self.fused_attention and self.model_family.attention_hook is None:
             raise ConfigError(f"fused_attention=True is invalid for {self.model!r}: its family "
                               f"({self.family}) has no attention hook. Set fused_attention=false.")

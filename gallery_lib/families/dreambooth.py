@@ -11,7 +11,7 @@ from __future__ import annotations
 from functools import partial
 
 from gallery_lib.config.family import Footprint, ModelFamily, ModelSpec, SpeedGoal
-from gallery_lib.models.sd_parts import SD15_UNET_PARAMETERS, build_stable_diffusion
+from gallery_lib.models.sd_parts import SD15_UNET_PARAMETERS, build_stable_diffusion, image_size_multiple
 from gallery_lib.families.stable_diffusion import FAMILY as STABLE_DIFFUSION
 from gallery_lib.tasks.dreambooth import DreamBoothTask
 
@@ -31,9 +31,10 @@ FAMILY = ModelFamily(
     models=(
         ModelSpec("dreambooth_sd15", partial(build_stable_diffusion, "sd15"), 512, False,
                   "Stable Diffusion 1.5 (UNet trained, VAE and CLIP text encoder frozen) fine-tuned on one subject",
-                  trained_parameters=SD15_UNET_PARAMETERS),
+                  trained_parameters=SD15_UNET_PARAMETERS, image_size_multiple=image_size_multiple("sd15")),
         ModelSpec("dreambooth_tiny", partial(build_stable_diffusion, "sd_tiny"), 32, True,
-                  "the same three diffusers/transformers classes at CPU-smoke size"),
+                  "the same three diffusers/transformers classes at CPU-smoke size",
+                  image_size_multiple=image_size_multiple("sd_tiny")),
     ),
     run_profiles={
         # batch 2 (+2 class pictures): the UNet sees SD smoke's shapes, so a CPU gallery compiles them once

@@ -6,7 +6,7 @@ from __future__ import annotations
 from functools import partial
 
 from gallery_lib.config.family import Footprint, ModelFamily, ModelSpec, SpeedGoal, WorkerMemory
-from gallery_lib.models.sd_parts import SD15_UNET_PARAMETERS, build_stable_diffusion
+from gallery_lib.models.sd_parts import SD15_UNET_PARAMETERS, build_stable_diffusion, image_size_multiple
 from gallery_lib.tasks.text_to_image import TextToImageTask
 
 
@@ -38,9 +38,10 @@ FAMILY = ModelFamily(
     models=(
         ModelSpec("sd15", partial(build_stable_diffusion, "sd15"), 512, False,
                   "Stable Diffusion 1.5: UNet (860M parameters, trained), VAE and CLIP ViT-L/14 text encoder (frozen)",
-                  trained_parameters=SD15_UNET_PARAMETERS),
+                  trained_parameters=SD15_UNET_PARAMETERS, image_size_multiple=image_size_multiple("sd15")),
         ModelSpec("sd_tiny", partial(build_stable_diffusion, "sd_tiny"), 32, True,
-                  "the same three diffusers/transformers classes at CPU-smoke size"),
+                  "the same three diffusers/transformers classes at CPU-smoke size",
+                  image_size_multiple=image_size_multiple("sd_tiny")),
     ),
     run_profiles={
         "smoke": dict(model="sd_tiny", image_size=32, batch_size=4, steps=16, warmup_steps=4, log_every=4,

@@ -125,9 +125,19 @@ def _check_variant(variant: str) -> None:
         raise ValueError(f"unknown Stable Diffusion variant {variant!r}: choose one of {', '.join(SD_VARIANTS)}.")
 
 
+def image_size_multiple(variant: str) -> int:
+    """What divides the variant's image sizes: pixels per latent times the UNet's own downsampling, so that the skip
+    connections line up (64 for SD-1.5)."""
+    _check_variant(variant)
+    return _image_size_multiple(*_CONFIGS[variant][:2])
+
+
+def _image_size_multiple(unet_config: Any, vae_config: Any) -> int:
+    return 2 ** (len(vae_config["block_out_channels"]) - 1) * 2 ** (len(unet_config["block_out_channels"]) - 1)
+
+
 def _check_image_size(image_size: int, unet_config: Any, vae_config: Any) -> None:
-    """Pixels per latent times the UNet's own downsampling must divide the image, so the skip connections line up."""
-    multiple = 2 ** (len(vae_config["block_out_channels"]) - 1) * 2 ** (len(unet_config["block_out_channels"]) - 1)
+    multiple = _image_size_multiple(unet_config, vae_config)
     if not isinstance(image_size, int) or image_size <= 0 or image_size % multiple:
         nearest = max(multiple, round(image_size / multiple) * multiple) if isinstance(image_size, int) else multiple
         raise ValueError(f"image_size={image_size!r} must be a positive multiple of {multiple} for this model "

@@ -57,6 +57,10 @@ def base_config(profile: str = "auto", *, family: str | None = None, data_root: 
         # Fewer steps than the profile's: keep warm-up to at most a third so timed steps remain.
         values["warmup_steps"] = min(values["warmup_steps"], given["steps"] // 3)
     values.update(given)
+    if "image_size" not in given and values["model"] in spec.model_names():
+        # A model named over the profile's tiny one: the profile's image size rounded up to one the model takes.
+        multiple = spec.model_spec(values["model"]).image_size_multiple
+        values["image_size"] = -(-values["image_size"] // multiple) * multiple
     if values.get("gpu_memory_gib") is None and os.environ.get(CAP_ENV):
         values["gpu_memory_gib"] = _cap_from_environment(os.environ[CAP_ENV])
     values["extra"] = {**values.get("extra", {}), NAMED: sorted(set(given) - {"extra"})}
