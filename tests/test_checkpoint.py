@@ -471,5 +471,8 @@ def test_a_stopped_runs_line_keeps_the_whole_message():
     failure = failure_from_exception(error, "rank0.log")
     assert failure.reason == ("CheckpointError: checkpoint x cannot be read (RuntimeError: first second). Write "
                               "step_2.pt into latest.")
+    killed = failure_from_text("", "rank0.log", exit_code=-9)  # the out-of-memory killer leaves no Python error
+    assert killed.kind == "killed" and "out-of-memory killer" in killed.reason
+    assert failure_from_text("", "rank0.log", exit_code=-11).reason == "killed by signal 11"
     line = RunFailure("error", "incompatible run (batch_size: saved 8, now 4). ", "rank0.log").line("accelerated")
     assert line == "accelerated: stopped, incompatible run (batch_size: saved 8, now 4), see rank0.log"

@@ -14,8 +14,8 @@ from typing import Any, Callable, Iterable
 
 from gallery_lib.config import ConfigError, RunConfig
 from gallery_lib.config.family import ModelSpec
-from gallery_lib.run.memory_plan import (NAMED, PLAN, PLANNED_FIELDS, Budget, Candidate, TrainingState, candidates,
-                                         choose, estimate_gib, workers_that_fit)
+from gallery_lib.run.memory_plan import (HOST_PROCESS_GIB, NAMED, PLAN, PLANNED_FIELDS, Budget, Candidate, MemoryPlan,
+                                         TrainingState, candidates, choose, estimate_gib, workers_that_fit)
 
 
 def fit_to_memory(cfg: RunConfig, resolve: Callable[[dict[str, Any]], RunConfig], budget: Budget | None) -> RunConfig:
@@ -60,6 +60,17 @@ def fit_to_memory(cfg: RunConfig, resolve: Callable[[dict[str, Any]], RunConfig]
     if plan.chosen is None:  # the training process tries them in order (``run/batch_size.py``)
         noted.update(probe_fields=[_difference(cfg, other) for other in fitted], configured=configured.fields())
     return cfg.replace(extra={**cfg.extra, PLAN: noted})
+
+
+def refuse_beyond_host_memory(cfg: RunConfig, budget: Budget | None) -> RunConfig:
+    """A run on the CPU, with a plan that refuses it where its training state alone fills the memory the machine has
+    available (``budget``); as it is otherwise: the measured footprints are the GPU's."""
+    state = training_state(cfg)
+    if budget is None or state is None or state.gib + HOST_PROCESS_GIB < budget.gib:
+        return cfg
+    plan = MemoryPlan(budget.gib, budget.source, None, state.gib + HOST_PROCESS_GIB,
+                      f"{state.describe()} (and {HOST_PROCESS_GIB} GiB for torch and the frozen modules)", state.fix)
+    return cfg.replace(extra={**cfg.extra, PLAN: plan.as_dict()})
 
 
 COMPILE_ONLY = {"compile_mode": "default", "compile_scope": "model", "compile_whole": "", "precompile_workers": 0,

@@ -28,8 +28,8 @@ from typing import Any, Callable
 
 from gallery_lib.config import CUDA_GRAPH_COMPILE_MODES, ConfigError, RunConfig, resolve_device, visible_cuda_devices
 from gallery_lib.config.step_size import AUTO
-from gallery_lib.recipes.memory_fit import fit_to_memory, uncompiled
-from gallery_lib.run.memory_plan import NAMED, read_budget
+from gallery_lib.recipes.memory_fit import fit_to_memory, refuse_beyond_host_memory, uncompiled
+from gallery_lib.run.memory_plan import NAMED, read_budget, read_host_budget
 
 
 def baseline(base: RunConfig) -> RunConfig:
@@ -180,7 +180,9 @@ def recipe_config(base: RunConfig, recipe: str, overrides: dict[str, Any]) -> Ru
         return cfg.replace(extra={**cfg.extra, NAMED: sorted({*named, *cfg.extra.get(NAMED, ())})})
 
     cfg = resolve({})
-    return fit_to_memory(cfg, resolve, read_budget(cfg.gpu_memory_gib) if runs_on_gpu(cfg) else None)
+    if not runs_on_gpu(cfg):
+        return refuse_beyond_host_memory(cfg, read_host_budget())
+    return fit_to_memory(cfg, resolve, read_budget(cfg.gpu_memory_gib))
 
 
 def _resolved(base: RunConfig, recipe: str, overrides: dict[str, Any]) -> RunConfig:

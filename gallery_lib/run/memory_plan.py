@@ -12,7 +12,8 @@ to the next when one runs out of memory before its timed steps (``run/batch_size
 first fits). Below every setting lies the training state (``TrainingState``: weights, gradients, optimizer state and
 EMA of the trained parameters): a budget it fills is refused before any setting is tried. The plan also sizes the
 precompile workers, which hold GPU memory beside the training process while they compile
-(``ModelFamily.worker_memory``).
+(``ModelFamily.worker_memory``). A run on the CPU weighs only its training state, against the machine's available
+memory (``read_host_budget``).
 
 The functions here are pure but ``read_budget``: tests pass memory sizes of their own.
 """
@@ -38,6 +39,9 @@ CAP_ENV = "GALLERY_GPU_MEMORY_GIB"
 CONTEXT_GIB = 1.3
 """GPU memory a training process holds outside its allocator (CUDA context, kernels, cuBLAS handles): nvidia-smi's
 figure for the process less its peak reserved was 0.77-1.27 GiB for SD-1.5 (benchmarks/RESULTS.md#memory-plan)."""
+HOST_PROCESS_GIB = 1.5
+"""What a training process on the CPU holds beside its training state: torch (0.5 GiB) and SD-1.5's frozen VAE and
+text encoder (0.8 GiB); one that built sd15's parts held 4.7 GiB, its UNet 3.2 (benchmarks/RESULTS.md#memory-plan)."""
 HEADROOM = 0.04
 """Kept free above a measured peak: repeated runs of one setting reserved up to 3.6% apart (SD-1.5 accelerated at
 batch 32: 40.8-42.3 GiB)."""
@@ -50,10 +54,14 @@ class Budget:
 
     gib: float
     source: str
-    """``gpu_memory_gib`` (a cap the run enforces) or ``free`` (read from the GPU)."""
+    """``gpu_memory_gib`` (a cap the run enforces), ``free`` (read from the GPU) or ``host`` (a run on the CPU: the
+    machine's available memory, against which only the training state is weighed)."""
 
     def describe(self) -> str:
-        return f"{self.gib:.1f} GiB ({'gpu_memory_gib' if self.source == 'gpu_memory_gib' else 'free on the GPU'})"
+        return f"{self.gib:.1f} GiB ({_SOURCES.get(self.source, 'free on the GPU')})"
+
+
+_SOURCES = {"gpu_memory_gib": "gpu_memory_gib", "host": "available in the machine's memory"}
 
 
 @dataclass(frozen=True)
@@ -157,8 +165,11 @@ class MemoryPlan:
     def does_not_fit(self) -> str:
         """One line for a run that cannot start: what it needs, what it has, and the way out."""
         if self.state:
-            return (f"does not fit in {self.budget_gib:.1f} GiB: {self.state} alone take {self.estimate_gib:.1f} GiB "
-                    f"at any batch size; use a GPU with more free memory{self.state_fix}")
+            host = self.source == "host"
+            return (f"does not fit in {self.budget_gib:.1f} GiB{' available in the machine' if host else ''}: "
+                    f"{self.state} alone take {self.estimate_gib:.1f} GiB at any batch size; "
+                    f"{'run it on a GPU or a machine with more memory' if host else 'use a GPU with more free memory'}"
+                    f"{self.state_fix}")
         return (f"does not fit in {self.budget_gib:.1f} GiB: the smallest setting measured for it needs "
                 f"{self.estimate_gib:.1f} GiB; use a GPU with more free memory, or lower image_size or the model")
 
@@ -310,6 +321,17 @@ def read_budget(cap_gib: float | None) -> Budget | None:
         return Budget(float(cap_gib), "gpu_memory_gib")
     free = _free_gib(_first_visible_gpu())
     return None if free is None else Budget(max(0.0, free - CONTEXT_GIB), "free")
+
+
+def read_host_budget() -> Budget | None:
+    """The memory the machine has available (``MemAvailable`` in ``/proc/meminfo``), for a run on its CPU; ``None``
+    where it cannot be read (not Linux)."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as meminfo:
+            kib = next(int(line.split()[1]) for line in meminfo if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return None
+    return Budget(kib / 2**20, "host")
 
 
 def _first_visible_gpu() -> str:
