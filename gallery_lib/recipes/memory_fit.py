@@ -66,6 +66,8 @@ def refuse_beyond_host_memory(cfg: RunConfig, budget: Budget | None) -> RunConfi
     """A run on the CPU, with a plan that refuses it where its training state alone fills the memory the machine has
     available (``budget``); as it is otherwise: the measured footprints are the GPU's."""
     state = training_state(cfg)
+    if state is not None:  # torch's unfused AdamW updates one tensor at a time on the CPU unless told otherwise
+        state = replace(state, foreach_copy=False)
     if budget is None or state is None or state.gib + HOST_PROCESS_GIB < budget.gib:
         return cfg
     plan = MemoryPlan(budget.gib, budget.source, None, state.gib + HOST_PROCESS_GIB,
