@@ -189,7 +189,11 @@ def test_gpu_sizes_are_the_notebooks_full_profile_with_at_least_30_timed_steps()
     given = Workload("diffusers", "DiTTransformer2DModel", {"num_layers": 3})
     assert resolve_bench(given, device="cpu").workload == given
     with pytest.raises(ConfigError, match="times 20 steps: too few on a GPU"):
-        resolve_bench("resnet18", steps=45, device="cuda")
+        resolve_bench("resnet18", steps=45, warmup_steps=25, device="cuda")
+    # fewer steps given than the default, and no warm-up: a third of them warm up, as in a run's profile
+    assert resolve_bench("resnet18", steps=45, device="cuda").warmup_steps == 15
+    assert resolve_bench("resnet18", steps=3, device="cpu").warmup_steps == 1
+    assert resolve_bench("resnet18", steps=90, device="cuda").warmup_steps == 25
 
 
 def test_a_gpu_table_gives_each_variant_over_the_peer():

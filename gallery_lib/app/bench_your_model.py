@@ -77,6 +77,8 @@ def resolve_bench(model: str | Workload, *, batch_size: int | None = None, image
     workload = workload.on(device)
     given = dict(batch_size=batch_size, image_size=image_size, steps=steps, warmup_steps=warmup_steps)
     sizes = {key: DEFAULTS[workload.kind, device][key] if value is None else value for key, value in given.items()}
+    if steps is not None and warmup_steps is None:  # as a run's profile: warm-up at most a third of fewer steps
+        sizes["warmup_steps"] = min(sizes["warmup_steps"], steps // 3)
     for key in ("batch_size", "image_size", "steps"):
         if sizes[key] < 1:
             raise ConfigError(f"--{key.replace('_', '-')} {sizes[key]} is invalid: expected a positive integer.")

@@ -334,7 +334,8 @@ def _add_bench_flags(p: argparse.ArgumentParser) -> None:
           help="comma-separated process counts (GPUs) to run each recipe at, e.g. 1,2: the table gives the scaling "
                "over one process (default: nproc_per_node, 1)")
     _flag(p, "warmup_steps", type=int, help="untimed steps first, compilation included (default: the profile's; "
-                                             "with --timm-model 25 on a GPU, 3 on a CPU)")
+                                             "with --timm-model 25 on a GPU, 3 on a CPU, at most a "
+                                             "third of fewer --steps)")
     _flag(p, "timed_steps", type=int, help="steps timed after warm-up (default: 30 on a GPU, at least that; the "
                                             "profile's on a CPU)")
     _flag(p, "set", action="append", default=[], metavar="FIELD=VALUE",
