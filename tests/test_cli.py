@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -39,6 +40,18 @@ def test_set_overrides_any_field_and_names_the_run():
     assert cfg.recipe == "compiled+fused_attention+lr=0.002"
     off = recipe_config(base_from_args(args), "compiled", {"compile": False})
     assert off.recipe == "compiled+no-compile" and not off.compile  # a switch turned off is named as such
+
+
+def test_a_path_or_a_sentence_set_names_the_run_by_one_folder_of_safe_characters(tmp_path):
+    """``--set instance_data_dir=/my/photos`` trained into ``baseline+instance_data_dir=/my/photos/``: three folders
+    deep, where the report found no run."""
+    photos = tmp_path / "my photos"
+    args = parse("train", "--model", "dreambooth_tiny", "--recipe", "baseline", "--set",
+                 f"instance_data_dir={photos}/", "--set", "instance_prompt=a photo of sks cat")
+    cfg = recipe_config(base_from_args(args), args.recipe, optimization_overrides(args))
+    assert cfg.instance_data_dir == f"{photos}/" and cfg.instance_prompt == "a photo of sks cat"
+    assert cfg.recipe == "baseline+instance_data_dir=my_photos+instance_prompt=a_photo_of_sks_cat"
+    assert cfg.run_dir == Path(cfg.output_dir) / "dreambooth" / cfg.recipe
 
 
 def test_compile_mode_auto_is_a_choice_of_the_flag_and_of_set():

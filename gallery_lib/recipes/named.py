@@ -24,6 +24,7 @@ value the user names runs as named at every size. No note in ``extra`` decides t
 from __future__ import annotations
 
 import os
+import re
 from typing import Any, Callable
 
 from gallery_lib.config import CUDA_GRAPH_COMPILE_MODES, ConfigError, RunConfig, resolve_device, visible_cuda_devices
@@ -191,8 +192,7 @@ def _resolved(base: RunConfig, recipe: str, overrides: dict[str, Any]) -> RunCon
     cfg = apply_recipe(recipe, base)
     _refuse_ignored(recipe, cfg, overrides)
     if overrides:
-        label = "+".join(f"{k}={v}" if not isinstance(v, bool) else (k if v else f"no-{k}")
-                         for k, v in overrides.items())
+        label = "+".join(_label(name, value) for name, value in overrides.items())
         # The recipe's precompile workers and its classes compiled whole act on blocks: a whole model named by the
         # user compiles in its first step, as one graph.
         whole = overrides.get("compile_scope", "blocks") != "blocks"
@@ -202,6 +202,17 @@ def _resolved(base: RunConfig, recipe: str, overrides: dict[str, Any]) -> RunCon
             cfg = uncompiled(cfg, named=overrides)
         cfg = cfg.replace(recipe=f"{recipe}+{label}", **left_out, **overrides)
     return cfg
+
+
+def _label(name: str, value: Any) -> str:
+    """An override in the run's name, which is its folder's: ``ema=off``, ``no-kernels``; a path by its last part
+    (``instance_data_dir=photos``), and any character a folder name should not hold as ``_``."""
+    if isinstance(value, bool):
+        return name if value else f"no-{name}"
+    text = str(value)
+    if "/" in text or os.sep in text:
+        text = os.path.basename(os.path.normpath(text)) or text
+    return f"{name}={re.sub(r'[^A-Za-z0-9._,=-]+', '_', text)}"
 
 
 # Overrides a recipe reads before it resolves: ``accelerated`` leaves out what they cannot run with and precompiles
