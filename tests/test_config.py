@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -101,6 +102,17 @@ def test_machine_checks_before_any_work():
         validate_for_machine(micro(nproc_per_node=3), cuda_devices=0, cpu_count=2)
     with pytest.raises(ConfigError, match="captures CUDA graphs and needs a GPU"):
         validate_for_machine(micro(compile=True, compile_mode="reduce-overhead"), cuda_devices=0)
+
+
+def test_pretrained_weights_must_be_here_or_read_as_a_hub_id(tmp_path):
+    """A mistyped path is refused before the run, not read as a Hub id whose download fails inside it."""
+    sd = RunConfig(model="sd_tiny", device="cpu")
+    for missing in ("/models/sd15", "./sd15", "~/sd15-not-here", "../sd15", "a/b/c"):
+        with pytest.raises(ConfigError, match=f"pretrained='{re.escape(missing)}' is not a file or folder on this "
+                                              r"machine, nor a Hugging Face Hub id \('owner/name'\)"):
+            validate_for_machine(sd.replace(pretrained=missing), cuda_devices=0)
+    for taken in ("runwayml/stable-diffusion-v1-5", "sd-legacy/stable-diffusion-v1-5", "gpt2", str(tmp_path)):
+        assert validate_for_machine(sd.replace(pretrained=taken), cuda_devices=0) == "cpu"
 
 
 def test_recipes_differ_only_in_their_switches():

@@ -5,6 +5,8 @@ options that need a GPU or a package. The config itself is checked where it is d
 from __future__ import annotations
 
 import os
+import re
+from pathlib import Path
 
 from gallery_lib.config.gpu_check import check_gpu_usable
 from gallery_lib.config.run_config import RunConfig
@@ -38,6 +40,16 @@ def _check_cudnn_fusion(cfg: RunConfig) -> None:
                           "nvidia-cudnn-frontend (ci/setup_env.sh does so on a GPU machine), or drop conv_bn_relu.")
 
 
+def _check_pretrained(pretrained: str) -> None:
+    """Weights that are neither here nor named as on the Hugging Face Hub (``owner/name``): a path mistyped is an
+    error before the run starts, not a download that fails inside it."""
+    if Path(pretrained).expanduser().exists():
+        return
+    if not re.fullmatch(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?", pretrained) or ".." in pretrained:
+        raise ConfigError(f"pretrained={pretrained!r} is not a file or folder on this machine, nor a Hugging Face Hub "
+                          "id ('owner/name'): check the path.")
+
+
 def validate_for_machine(cfg: RunConfig, *, cuda_devices: int | None = None, cpu_count: int | None = None) -> str:
     """Checks the options that depend on this machine and returns the resolved device (``cuda``/``cpu``).
 
@@ -50,6 +62,8 @@ def validate_for_machine(cfg: RunConfig, *, cuda_devices: int | None = None, cpu
         if importlib.util.find_spec("tensorboard") is None:
             raise ConfigError("report_to='tensorboard' needs the tensorboard package: pip install tensorboard (or "
                               "pip install -e '.[tracking]'), or set report_to='none'.")
+    if cfg.pretrained is not None:
+        _check_pretrained(cfg.pretrained)
     if cuda_devices is None:
         cuda_devices = visible_cuda_devices()
     cpu_count = cpu_count or os.cpu_count() or 1
