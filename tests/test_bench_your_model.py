@@ -126,7 +126,8 @@ def nothing_built(monkeypatch):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--timm-model", "resnet181"], "--timm-model 'resnet181' is no timm model; did you mean resnet18?"),
+    (["--timm-model", "resnet181"], "--timm-model 'resnet181' is no timm model; did you mean resnet18 or "),
+    (["--timm-model", "resnet_typo"], "did you mean resnet"),  # a resnet, not tresnet_m
     (["--timm-model", "vit_tiny_patch16"], "is no timm model; did you mean vit_tiny_patch16_"),
     (["--timm-model", "resnet18", "--models", "sd"], "nor another model: leave out --models"),
     (["--timm-model", "resnet18", "--recipes", "peer", "--set", "lr=1"], "leave out --recipes, --set;"),
