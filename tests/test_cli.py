@@ -40,6 +40,10 @@ def test_set_overrides_any_field_and_names_the_run():
     assert cfg.recipe == "compiled+fused_attention+lr=0.002"
     off = recipe_config(base_from_args(args), "compiled", {"compile": False})
     assert off.recipe == "compiled+no-compile" and not off.compile  # a switch turned off is named as such
+    # how a run is carried out keeps its name, so a resumed run goes on in the folder it stopped in
+    carried = recipe_config(base_from_args(args), "compiled", {"resume": True, "checkpoint_every": 5, "lr": 0.002})
+    assert carried.recipe == "compiled+lr=0.002" and carried.resume and carried.checkpoint_every == 5
+    assert recipe_config(base_from_args(args), "compiled", {"resume": True}).recipe == "compiled"
 
 
 def test_a_path_or_a_sentence_set_names_the_run_by_one_folder_of_safe_characters(tmp_path):

@@ -192,7 +192,7 @@ def _resolved(base: RunConfig, recipe: str, overrides: dict[str, Any]) -> RunCon
     cfg = apply_recipe(recipe, base)
     _refuse_ignored(recipe, cfg, overrides)
     if overrides:
-        label = "+".join(_label(name, value) for name, value in overrides.items())
+        label = "+".join(_label(name, value) for name, value in overrides.items() if name not in _UNNAMED)
         # The recipe's precompile workers and its classes compiled whole act on blocks: a whole model named by the
         # user compiles in its first step, as one graph.
         whole = overrides.get("compile_scope", "blocks") != "blocks"
@@ -200,8 +200,13 @@ def _resolved(base: RunConfig, recipe: str, overrides: dict[str, Any]) -> RunCon
                     and name not in overrides}
         if overrides.get("compile") is False:  # the recipe's compile-only switches go with it
             cfg = uncompiled(cfg, named=overrides)
-        cfg = cfg.replace(recipe=f"{recipe}+{label}", **left_out, **overrides)
+        cfg = cfg.replace(recipe=f"{recipe}+{label}" if label else recipe, **left_out, **overrides)
     return cfg
+
+
+_UNNAMED = ("resume", "resume_from", "checkpoint_every", "keep_checkpoints", "max_restarts", "log_every", "verbose")
+"""Overrides of how a run is carried out, not of what it trains: they keep its name, and so its folder (a resumed run
+goes on in the folder of the one it resumes)."""
 
 
 def _label(name: str, value: Any) -> str:
