@@ -395,6 +395,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ConfigError, FileNotFoundError, CheckpointError) as exc:
         print(f"gallery: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as exc:  # a run's own line says where it stopped and how to go on
+        print(f"gallery: {str(exc) or 'interrupted'}", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

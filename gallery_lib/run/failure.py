@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from gallery_lib.config.settings import ConfigError
+from gallery_lib.run.interrupt import Interrupted
 from gallery_lib.run.memory_plan import DoesNotFit, OutOfMemory
 
 FAILURE_FILE = "failure.json"
@@ -27,7 +28,8 @@ RESTARTED_PREFIX = "[gallery] torchrun restart "
 class RunFailure:
     kind: str
     """``nonfinite``, ``out_of_memory``, ``does_not_fit`` (refused before it started, or every setting the memory plan
-    probed ran out of memory before its timed steps), ``killed`` or ``error``."""
+    probed ran out of memory before its timed steps), ``interrupted`` (Ctrl-C or SIGTERM, the state saved), ``killed``
+    or ``error``."""
     reason: str
     """A clause short enough for one line: ``loss not finite from step 1``, ``out of memory``, the error's last line."""
     log: str | None = None
@@ -70,6 +72,8 @@ def failure_from_exception(exc: BaseException, log: str | Path | None) -> RunFai
     first_step = getattr(exc, "first_step", None)
     if first_step is not None:  # NonfiniteLossError
         return RunFailure("nonfinite", f"loss not finite from step {first_step}", _str(log), first_step)
+    if isinstance(exc, Interrupted):  # stopped on a signal, its state saved: how to go on, in one line
+        return RunFailure("interrupted", str(exc), _str(log), exc.step)
     if isinstance(exc, DoesNotFit):  # every setting the plan probed ran out of memory: too large, not broken
         return RunFailure("does_not_fit", " ".join(str(exc).split()))
     if isinstance(exc, OutOfMemory):  # the step, the memory in use and the setting to try: kept whole

@@ -48,6 +48,15 @@ class RunFailed(RuntimeError):
         self.failure = failure
 
 
+class RunInterrupted(KeyboardInterrupt):
+    """Ctrl-C while a run trained: the run saved its step and stopped (``failure``, its line the message); no later
+    run starts."""
+
+    def __init__(self, message: str, failure: RunFailure | None = None) -> None:
+        super().__init__(message)
+        self.failure = failure
+
+
 @dataclass(frozen=True)
 class RunResult:
     config: RunConfig
@@ -256,16 +265,27 @@ def launch(cfg: RunConfig, *, echo: Callable[[str], None] | None = print, consol
     assert proc.stdout is not None
     stopped = False  # the run printed why it stopped: what follows is torchrun's report, kept for RunFailed
     printed_result = False  # global rank 0 ran on this node
-    for line in proc.stdout:
-        tail.append(line.rstrip("\n"))
-        bar.feed(line)
-        stopped = (stopped or line.startswith(STOPPED_PREFIX)) and not line.startswith(RESTARTED_PREFIX)
-        printed_result = printed_result or line.startswith(DONE_PREFIX)
-        shown = console_line(line.rstrip("\n"), cfg.recipe, console) if echo and not stopped else None
-        if shown is not None:
-            echo(shown)
+    interrupted = False
+    while True:
+        try:
+            for line in proc.stdout:
+                tail.append(line.rstrip("\n"))
+                bar.feed(line)
+                stopped = (stopped or line.startswith(STOPPED_PREFIX)) and not line.startswith(RESTARTED_PREFIX)
+                printed_result = printed_result or line.startswith(DONE_PREFIX)
+                shown = console_line(line.rstrip("\n"), cfg.recipe, console) if echo and not stopped else None
+                if shown is not None:
+                    echo(shown)
+            break
+        except KeyboardInterrupt:  # Ctrl-C reached the training process too: it saves its step, then stops
+            if interrupted:  # a second one: stop it now
+                proc.kill()
+            interrupted = True
     code = proc.wait()
     bar.close()
+    if interrupted:
+        failure = read_failure(run_dir)
+        raise RunInterrupted(failure.line(cfg.recipe) if failure else f"{cfg.recipe}: interrupted", failure)
     if code != 0:
         message = _failure_message(run_dir, code, list(tail))
         failure = read_failure(run_dir)

@@ -56,6 +56,7 @@ from gallery_lib.run.memory_plan import (NAMED, PLAN, Candidate, MemoryPlan, Out
                                          out_of_memory, worker_share_gib)
 from gallery_lib.run.checkpoint import Checkpointer, check_fresh_start, is_own_checkpoint, resume_source
 from gallery_lib.run.failure import RESTARTED_PREFIX, STOPPED_PREFIX, clear_failure, failure_from_exception
+from gallery_lib.run.interrupt import Interrupted, StopRequest
 from gallery_lib.run.logs import rank_logging
 from gallery_lib.run.metrics import MetricsWriter, superseded_path, supersede_steps
 from gallery_lib.run.nonfinite import NonfiniteGuard
@@ -272,15 +273,18 @@ def _train_from(setup_start: float, cfg: RunConfig, dist: DistInfo, plan: Compil
             step_log.record(loss, lr, skipped)
             profiler.after_step(step)
             stop = guard.should_stop()  # known now for host checks; device flags are read at the next flush
-            if step_log.due(step + 1) or ckpt.due(step + 1) or stop:
+            interrupted = STOP.requested and step + 1 < cfg.steps
+            if step_log.due(step + 1) or ckpt.due(step + 1) or stop or interrupted:
                 guard.count(step_log.flush(step + 1))
                 task.dataset.check_bad_fraction(cfg.max_bad_fraction)
                 stop = guard.should_stop()
-            if ckpt.due(step + 1) or stop:
+            if ckpt.due(step + 1) or stop or interrupted:
                 saved_to = ckpt.save(step + 1, guard.counters())
                 step_log.restart_clock()  # the save belongs to no step
                 if stop:
                     raise guard.error(step, saved_to or ckpt.directory, start)
+                if interrupted:
+                    raise Interrupted(STOP.signal, step + 1, cfg.steps, saved_to)
     except Exception as exc:
         if is_out_of_memory(exc):
             # one line: where, how much, what to try
@@ -440,6 +444,8 @@ def main(argv: list[str] | None = None) -> int:
         clear_failure(cfg.run_dir)  # a torchrun restart tries again
         if dist.restarts:
             print(f"{RESTARTED_PREFIX}{dist.restarts} of {cfg.max_restarts}: the workers start again", flush=True)
+    if dist.world_size == 1:
+        STOP.install()
     try:
         with rank_logging(Path(cfg.run_dir) / "logs", dist.rank) as log_path:
             try:
@@ -453,6 +459,11 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         shutdown()
     return 0
+
+
+STOP = StopRequest()
+"""Set by Ctrl-C or SIGTERM in a run of one process (``main`` installs it): the loop stops after the step under way,
+saving it."""
 
 
 class StoppedRun(Exception):
