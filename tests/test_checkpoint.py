@@ -126,32 +126,30 @@ def test_sigkill_mid_run_then_resume_matches_uninterrupted(reference, smoke_data
     assert all(losses[n] == step_losses(reference)[n] for n in range(killed_at, STEPS))
 
 
-def _default_sigint() -> None:  # a child that takes Ctrl-C as a terminal's would (a test runner may ignore it)
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-
-
-def _wait_for_a_step(cfg: RunConfig, proc: subprocess.Popen) -> None:
-    metrics = cfg.run_dir / "metrics.jsonl"
-    deadline = time.monotonic() + 90
-    while proc.poll() is None and time.monotonic() < deadline:
-        if metrics.exists() and '"type": "step"' in metrics.read_text():
-            return
-        time.sleep(0.01)
-    raise AssertionError("the run logged no step within 90 s")
+def _ctrl_c_after_a_step(cfg: RunConfig, command: list[str], stdout) -> tuple[subprocess.CompletedProcess, str]:
+    """Runs ``command`` in a process group of its own, as a terminal does, and sends the group SIGINT (Ctrl-C) once
+    ``cfg``'s run logged a step; the finished process and what it wrote to stdout (``stdout=PIPE``) or stderr."""
+    proc = subprocess.Popen(command, env=child_env(), stdout=stdout, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True,  # Ctrl-C as a terminal's: a test runner may ignore SIGINT
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        metrics = cfg.run_dir / "metrics.jsonl"
+        deadline = time.monotonic() + 90
+        while not (metrics.exists() and '"type": "step"' in metrics.read_text()):
+            assert proc.poll() is None and time.monotonic() < deadline, "the run logged no step within 90 s"
+            time.sleep(0.01)
+        os.killpg(proc.pid, signal.SIGINT)
+        output, errors = proc.communicate(timeout=90)
+    finally:
+        proc.kill()
+    return proc, output if stdout == subprocess.PIPE else errors
 
 
 def test_ctrl_c_saves_the_step_under_way_then_resume_matches_uninterrupted(reference, smoke_data, tmp_path):
     """Ctrl-C reaches the whole process group, the DataLoader's worker too: the step under way finishes, its state is
     saved and the run stops with one line; resumed, it trains as the run that was never stopped."""
     cfg = resume_cfg(smoke_data, tmp_path, log_every=1, num_workers=1)
-    proc = subprocess.Popen(train_command(cfg), env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True, preexec_fn=_default_sigint)
-    try:
-        _wait_for_a_step(cfg, proc)
-        os.killpg(proc.pid, signal.SIGINT)
-        output, _ = proc.communicate(timeout=90)
-    finally:
-        proc.kill()
+    proc, output = _ctrl_c_after_a_step(cfg, train_command(cfg), subprocess.PIPE)
     failure = json.loads((cfg.run_dir / "failure.json").read_text())
     stopped_at = failure["first_step"]
     assert proc.returncode == 1 and failure["kind"] == "interrupted" and 0 < stopped_at < STEPS, output
@@ -169,14 +167,7 @@ def test_ctrl_c_in_the_gallery_command_stops_with_one_line_and_no_traceback(smok
     command = [sys.executable, "-m", "gallery_lib.app.cli", "train", "--model", "swin_micro", "--device", "cpu",
                "--data_dir", str(smoke_data), "--output_dir", str(tmp_path), "--steps", "400", "--image_size", "64",
                "--batch_size", "16", "--num_workers", "0", "--set", "log_every=1"]  # log_every keeps the run's name
-    proc = subprocess.Popen(command, env=child_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True, preexec_fn=_default_sigint)
-    try:
-        _wait_for_a_step(cfg, proc)
-        os.killpg(proc.pid, signal.SIGINT)
-        _, errors = proc.communicate(timeout=90)
-    finally:
-        proc.kill()
+    proc, errors = _ctrl_c_after_a_step(cfg, command, subprocess.DEVNULL)
     assert proc.returncode == 130 and "Traceback" not in errors, errors
     assert errors.strip().startswith("gallery: baseline: stopped, interrupted (Ctrl-C) after step ")
     assert "run it again with resume=True" in errors and "\n" not in errors.strip()
