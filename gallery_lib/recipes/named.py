@@ -217,7 +217,7 @@ def _label(name: str, value: Any) -> str:
     text = str(value)
     if "/" in text or os.sep in text:
         text = os.path.basename(os.path.normpath(text)) or text
-    return f"{name}={re.sub(r'[^A-Za-z0-9._,=-]+', '_', text)}"
+    return f"{name}={re.sub(r'[^A-Za-z0-9._,=+-]+', '_', text)}"
 
 
 # Overrides a recipe reads before it resolves: ``accelerated`` leaves out what they cannot run with and precompiles
