@@ -88,8 +88,8 @@ def failure_from_text(text: str, log: str | Path | None, exit_code: int | None =
     if "out of memory" in text.lower() or "OutOfMemoryError" in text:
         return RunFailure("out_of_memory", "out of memory", _str(log))
     if exit_code == -9:  # what the kernel's out-of-memory killer sends: no Python error, no line in the log
-        return RunFailure("killed", "killed by signal 9 (SIGKILL), most often the system's out-of-memory killer: the "
-                                    "machine's memory ran out", _str(log))
+        return RunFailure("killed", "killed by signal 9 (SIGKILL), most often by the system's out-of-memory killer "
+                                    "when the machine's memory runs out", _str(log))
     if exit_code is not None and exit_code < 0:
         return RunFailure("killed", f"killed by signal {-exit_code}", _str(log))
     errors = [line.strip() for line in text.splitlines() if "Error" in line or "error" in line]
