@@ -13,7 +13,6 @@ from dataclasses import replace
 from typing import Any, Callable, Iterable
 
 from gallery_lib.config import ConfigError, RunConfig
-from gallery_lib.config.family import ModelSpec
 from gallery_lib.run.memory_plan import (HOST_PROCESS_GIB, NAMED, PLAN, PLANNED_FIELDS, Budget, Candidate, MemoryPlan,
                                          TrainingState, candidates, choose, estimate_gib, workers_that_fit)
 
@@ -93,8 +92,8 @@ def footprint_gib(cfg: RunConfig, uncompiled: bool = False) -> float | None:
     """The run's peak reserved memory from its family's measurements at other batch sizes, or ``None`` where this
     recipe, image size, checkpointing, accumulation or process count was not measured, or the recipe's compilation
     turned off (``uncompiled``) was not."""
-    spec = _spec(cfg)
-    if (spec is None or cfg.image_size != spec.default_image_size or cfg.nproc_per_node != 1
+    spec = cfg.model_family.model_spec(cfg.model)
+    if (cfg.image_size != spec.default_image_size or cfg.nproc_per_node != 1
             or cfg.gradient_accumulation_steps != 1):  # measured without accumulation, which turns CUDA graphs off
         return None
     matching = [footprint for footprint in cfg.model_family.memory_footprints
@@ -127,9 +126,9 @@ def recipe_of(cfg: RunConfig) -> str:
 def training_state(cfg: RunConfig) -> TrainingState | None:
     """The state a full training of ``cfg``'s model holds whatever its batch, where its family counts the trained
     parameters; ``None`` for LoRA adapters or O2's low-precision weights, which hold less."""
-    spec = _spec(cfg)
+    spec = cfg.model_family.model_spec(cfg.model)
     settings = cfg.to_dict()
-    if spec is None or spec.trained_parameters is None or cfg.amp_level == "O2" or settings.get("lora_rank"):
+    if spec.trained_parameters is None or cfg.amp_level == "O2" or settings.get("lora_rank"):
         return None
     fixes = ([", or without the EMA (--set ema=off)"] if cfg.ema != "off" else []) + (
         [", or train LoRA adapters (--set lora_rank=4)"] if "lora_rank" in settings else [])
@@ -152,11 +151,6 @@ def _state_moves(cfg: RunConfig, budget: Budget, named: Any) -> dict[str, Any]:
     if state.gib >= budget.gib and state.foreach_copy and "foreach_optimizer" not in named:
         moves["foreach_optimizer"], state = False, replace(state, foreach_copy=False)
     return moves if state.gib < budget.gib else {}
-
-
-def _spec(cfg: RunConfig) -> ModelSpec | None:
-    """The family's declaration of ``cfg``'s model."""
-    return next((spec for spec in cfg.model_family.models if spec.name == cfg.model), None)
 
 
 def _with_workers(cfg: RunConfig, budget: Budget) -> RunConfig:
