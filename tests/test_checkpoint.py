@@ -126,10 +126,13 @@ def test_sigkill_mid_run_then_resume_matches_uninterrupted(reference, smoke_data
     assert all(losses[n] == step_losses(reference)[n] for n in range(killed_at, STEPS))
 
 
-def _ctrl_c_after_a_step(cfg: RunConfig, command: list[str], stdout) -> tuple[subprocess.CompletedProcess, str]:
-    """Runs ``command`` in a process group of its own, as a terminal does, and sends the group SIGINT (Ctrl-C) once
-    ``cfg``'s run logged a step; the finished process and what it wrote to stdout (``stdout=PIPE``) or stderr."""
-    proc = subprocess.Popen(command, env=child_env(), stdout=stdout, stderr=subprocess.PIPE, text=True,
+def _ctrl_c_after_a_step(cfg: RunConfig, command: list[str], stdout, times: int = 1,
+                         threads: int | None = None) -> tuple[subprocess.CompletedProcess, str]:
+    """Runs ``command`` in a process group of its own, as a terminal does, and sends the group SIGINT (Ctrl-C)
+    ``times`` once ``cfg``'s run logged a step; the finished process and what it wrote to stdout (``stdout=PIPE``) or
+    stderr. ``threads``: each training process's, where not this process's own."""
+    env = child_env() if threads is None else dict(child_env(), OMP_NUM_THREADS=str(threads))
+    proc = subprocess.Popen(command, env=env, stdout=stdout, stderr=subprocess.PIPE, text=True,
                             start_new_session=True,  # Ctrl-C as a terminal's: a test runner may ignore SIGINT
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
@@ -138,7 +141,9 @@ def _ctrl_c_after_a_step(cfg: RunConfig, command: list[str], stdout) -> tuple[su
         while not (metrics.exists() and '"type": "step"' in metrics.read_text()):
             assert proc.poll() is None and time.monotonic() < deadline, "the run logged no step within 90 s"
             time.sleep(0.01)
-        os.killpg(proc.pid, signal.SIGINT)
+        for _ in range(times):
+            os.killpg(proc.pid, signal.SIGINT)
+            time.sleep(0.2)
         output, errors = proc.communicate(timeout=90)
     finally:
         proc.kill()
@@ -162,15 +167,43 @@ def test_ctrl_c_saves_the_step_under_way_then_resume_matches_uninterrupted(refer
     assert_same_state(cfg.run_dir / "checkpoints" / "step_8.pt", reference.run_dir / "checkpoints" / "step_8.pt")
 
 
+def _gallery_train(smoke_data, tmp_path, *flags: str) -> list[str]:
+    """The ``gallery train`` command of ``resume_cfg(..., steps=400)``'s run."""
+    return [sys.executable, "-m", "gallery_lib.app.cli", "train", "--model", "swin_micro", "--device", "cpu",
+            "--data_dir", str(smoke_data), "--output_dir", str(tmp_path), "--steps", "400", "--image_size", "64",
+            "--batch_size", "16", "--num_workers", "0", "--set", "log_every=1", *flags]  # log_every keeps the name
+
+
 def test_ctrl_c_in_the_gallery_command_stops_with_one_line_and_no_traceback(smoke_data, tmp_path):
     cfg = resume_cfg(smoke_data, tmp_path, steps=400, log_every=1, checkpoint_every=0)
-    command = [sys.executable, "-m", "gallery_lib.app.cli", "train", "--model", "swin_micro", "--device", "cpu",
-               "--data_dir", str(smoke_data), "--output_dir", str(tmp_path), "--steps", "400", "--image_size", "64",
-               "--batch_size", "16", "--num_workers", "0", "--set", "log_every=1"]  # log_every keeps the run's name
-    proc, errors = _ctrl_c_after_a_step(cfg, command, subprocess.DEVNULL)
+    proc, errors = _ctrl_c_after_a_step(cfg, _gallery_train(smoke_data, tmp_path), subprocess.DEVNULL)
     assert proc.returncode == 130 and "Traceback" not in errors, errors
     assert errors.strip().startswith("gallery: baseline: stopped, interrupted (Ctrl-C) after step ")
     assert "run it again with resume=True" in errors and "\n" not in errors.strip()
+
+
+def test_ctrl_c_stops_the_processes_of_a_larger_run_after_one_step_they_agree_on_and_saves_it(smoke_data, tmp_path):
+    """torchrun passes the signal on to each process (each in a session of its own); they stop after the same step,
+    which they save together, and the command says so in one line."""
+    cfg = resume_cfg(smoke_data, tmp_path, steps=400, log_every=1, checkpoint_every=0)
+    proc, errors = _ctrl_c_after_a_step(cfg, _gallery_train(smoke_data, tmp_path, "--nproc-per-node", "2"),
+                                        subprocess.DEVNULL, threads=1)  # two processes with two threads each on
+    # CI's two cores took 23 s a step: over torchrun's 30 s between passing the signal on and killing its processes
+    assert proc.returncode == 130 and "Traceback" not in errors, errors
+    stopped_at = json.loads((cfg.run_dir / "failure.json").read_text())["first_step"]
+    assert errors.strip().startswith(f"gallery: baseline: stopped, interrupted (Ctrl-C) after step {stopped_at} of "
+                                     "400, its state saved in "), errors
+    assert read_checkpoint(latest_checkpoint(cfg.run_dir / "checkpoints"))["meta"]["step"] == stopped_at
+    assert f"after step {stopped_at} of 400" in (cfg.run_dir / "logs" / "rank1.log").read_text()
+
+
+def test_a_second_ctrl_c_stops_the_run_at_once_and_says_what_is_lost(smoke_data, tmp_path):
+    cfg = resume_cfg(smoke_data, tmp_path, steps=400, log_every=1, checkpoint_every=0)
+    proc, errors = _ctrl_c_after_a_step(cfg, _gallery_train(smoke_data, tmp_path), subprocess.DEVNULL, times=2)
+    assert proc.returncode == 130 and "Traceback" not in errors, errors
+    assert errors.strip() == ("gallery: baseline: stopped, Ctrl-C twice, so at once: what it trained since its last "
+                              f"checkpoint is not saved, see {cfg.run_dir / 'logs' / 'rank0.log'}")
+    assert json.loads((cfg.run_dir / "failure.json").read_text())["kind"] == "killed"
 
 
 def test_kill_during_save_leaves_previous_checkpoint_loadable(reference, tmp_path):

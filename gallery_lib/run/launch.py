@@ -265,7 +265,7 @@ def launch(cfg: RunConfig, *, echo: Callable[[str], None] | None = print, consol
     assert proc.stdout is not None
     stopped = False  # the run printed why it stopped: what follows is torchrun's report, kept for RunFailed
     printed_result = False  # global rank 0 ran on this node
-    interrupted = False
+    interrupts = 0
     while True:
         try:
             for line in proc.stdout:
@@ -278,14 +278,20 @@ def launch(cfg: RunConfig, *, echo: Callable[[str], None] | None = print, consol
                     echo(shown)
             break
         except KeyboardInterrupt:  # Ctrl-C reached the training process too: it saves its step, then stops
-            if interrupted:  # a second one: stop it now
+            interrupts += 1
+            if interrupts > 1:  # a second one: stop it now
                 proc.kill()
-            interrupted = True
     code = proc.wait()
     bar.close()
-    if interrupted:
+    if interrupts:
         failure = read_failure(run_dir)
-        raise RunInterrupted(failure.line(cfg.recipe) if failure else f"{cfg.recipe}: interrupted", failure)
+        if failure is None or (interrupts > 1 and failure.kind != "interrupted"):  # it stopped before saving a step
+            log = failure.log if failure else _failing_log(run_dir)
+            why = "Ctrl-C twice, so at once" if interrupts > 1 else "interrupted (Ctrl-C) before it saved a step"
+            failure = RunFailure("killed", f"{why}: what it trained since its last checkpoint is not saved",
+                                 str(log) if log else None)
+            failure.write(run_dir)
+        raise RunInterrupted(failure.line(cfg.recipe), failure)
     if code != 0:
         message = _failure_message(run_dir, code, list(tail))
         failure = read_failure(run_dir)

@@ -56,7 +56,7 @@ from gallery_lib.run.memory_plan import (NAMED, PLAN, Candidate, MemoryPlan, Out
                                          out_of_memory, worker_share_gib)
 from gallery_lib.run.checkpoint import Checkpointer, check_fresh_start, is_own_checkpoint, resume_source
 from gallery_lib.run.failure import RESTARTED_PREFIX, STOPPED_PREFIX, clear_failure, failure_from_exception
-from gallery_lib.run.interrupt import Interrupted, StopRequest
+from gallery_lib.run.interrupt import AgreedStop, Interrupted, StopRequest
 from gallery_lib.run.logs import rank_logging
 from gallery_lib.run.metrics import MetricsWriter, superseded_path, supersede_steps
 from gallery_lib.run.nonfinite import NonfiniteGuard
@@ -260,6 +260,7 @@ def _train_from(setup_start: float, cfg: RunConfig, dist: DistInfo, plan: Compil
     profiled = max(0, min(cfg.profile_steps, cfg.steps - start - warmup_steps - 1))
     profiler = StepProfiler(profiled if dist.is_main else 0, cfg.steps - profiled, dist.device, cfg.run_dir, log)
     step = None
+    agreed_stop = AgreedStop(STOP, dist.world_size)
     try:
         for step in range(start, cfg.steps):
             profiler.before_step(step)
@@ -273,7 +274,7 @@ def _train_from(setup_start: float, cfg: RunConfig, dist: DistInfo, plan: Compil
             step_log.record(loss, lr, skipped)
             profiler.after_step(step)
             stop = guard.should_stop()  # known now for host checks; device flags are read at the next flush
-            interrupted = STOP.requested and step + 1 < cfg.steps
+            interrupted = agreed_stop.after_step() and step + 1 < cfg.steps
             if step_log.due(step + 1) or ckpt.due(step + 1) or stop or interrupted:
                 guard.count(step_log.flush(step + 1))
                 task.dataset.check_bad_fraction(cfg.max_bad_fraction)
@@ -284,7 +285,8 @@ def _train_from(setup_start: float, cfg: RunConfig, dist: DistInfo, plan: Compil
                 if stop:
                     raise guard.error(step, saved_to or ckpt.directory, start)
                 if interrupted:
-                    raise Interrupted(STOP.signal, step + 1, cfg.steps, saved_to)
+                    raise Interrupted(STOP.signal or "a signal to another process", step + 1, cfg.steps, saved_to)
+        agreed_stop.close()
     except Exception as exc:
         if is_out_of_memory(exc):
             # one line: where, how much, what to try
@@ -444,8 +446,7 @@ def main(argv: list[str] | None = None) -> int:
         clear_failure(cfg.run_dir)  # a torchrun restart tries again
         if dist.restarts:
             print(f"{RESTARTED_PREFIX}{dist.restarts} of {cfg.max_restarts}: the workers start again", flush=True)
-    if dist.world_size == 1:
-        STOP.install()
+    STOP.install()
     try:
         with rank_logging(Path(cfg.run_dir) / "logs", dist.rank) as log_path:
             try:
@@ -462,8 +463,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 STOP = StopRequest()
-"""Set by Ctrl-C or SIGTERM in a run of one process (``main`` installs it): the loop stops after the step under way,
-saving it."""
+"""Set by Ctrl-C or SIGTERM (``main`` installs it): the loop stops after the step under way (in a run of several
+processes, the next: ``AgreedStop``), saving it."""
 
 
 class StoppedRun(Exception):
