@@ -3,6 +3,7 @@ torchrun restarts that resume from the last checkpoint."""
 
 from __future__ import annotations
 
+import os
 import textwrap
 
 import launcher_testing
@@ -324,6 +325,7 @@ def test_nonfinite_loss_on_some_ranks_skips_the_step_on_every_rank(smoke_data, t
 
 @pytest.mark.slow  # three runs in their own processes
 def test_a_resume_appends_and_a_new_run_into_the_folder_keeps_the_earlier_one(smoke_data, tmp_path):
+    from gallery_lib.run.folder_lock import LOCK_FILE
     from gallery_lib.run.launch import EARLIER
 
     cfg = small_cfg(smoke_data, tmp_path / "out", steps=2, log_every=1, checkpoint_every=2)
@@ -331,7 +333,7 @@ def test_a_resume_appends_and_a_new_run_into_the_folder_keeps_the_earlier_one(sm
     resumed = launch(cfg.replace(steps=4, resume=True), echo=None)
     assert not (first.run_dir / EARLIER).exists()  # a resume of its own run appends to it
     assert [r["step"] for r in read_metrics(resumed.metrics_path)[0]] == [0, 1, 2, 3]
-    written = {p.name for p in first.run_dir.iterdir()}
+    written = {p.name for p in first.run_dir.iterdir()} - {LOCK_FILE}  # the lock stays for the next launch
     assert {"metrics.jsonl", "model.pt", "checkpoints", "config.json", "logs"} <= written
     first_metrics = (first.run_dir / "metrics.jsonl").read_text()
     lines: list[str] = []
@@ -341,3 +343,27 @@ def test_a_resume_appends_and_a_new_run_into_the_folder_keeps_the_earlier_one(sm
     assert (kept / "metrics.jsonl").read_text() == first_metrics  # the earlier run's results, whole
     assert {p.name for p in kept.iterdir()} == written and (kept / "checkpoints" / "latest").is_file()
     assert [r["step"] for r in read_metrics(second.metrics_path)[0]] == [0, 1]  # the new run's own, beside it
+
+
+def test_a_launch_into_the_folder_of_a_run_still_training_stops_in_one_line_and_touches_nothing(smoke_data, tmp_path):
+    """The second launch would have moved the running run's files to earlier/1 under it, and that run's model would
+    have landed over the second's."""
+    from gallery_lib.app.workflow import launch_all
+    from gallery_lib.run.folder_lock import only_run_in
+
+    cfg = small_cfg(smoke_data, tmp_path / "out", steps=2)
+    run_dir = cfg.run_dir.resolve()
+    run_dir.mkdir(parents=True)
+    (run_dir / "metrics.jsonl").write_text("the running run's\n")
+    lines: list[str] = []
+    with only_run_in(run_dir):  # what the other launch holds while its run trains
+        runs = launch_all([cfg], echo=lines.append, console="result")
+    assert sorted(p.name for p in run_dir.iterdir()) == [".running", "metrics.jsonl"]  # nothing moved or written
+    assert (run_dir / "metrics.jsonl").read_text() == "the running run's\n"
+    assert runs.failures[cfg.recipe].kind == "in_use" and not runs.finished
+    assert len(lines) == 1 and lines[0].startswith(f"[gallery] {cfg.recipe}: stopped, another run is training in "
+                                                   f"{run_dir} (process {os.getpid()} since "), lines
+    assert lines[0].endswith("wait for it to end, or give this run a folder of its own (--output-dir, "
+                             "output_dir=...)")
+    with only_run_in(run_dir):  # the lock went with the launch that held it
+        pass

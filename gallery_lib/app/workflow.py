@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterator, Sequence, Union
 
 from gallery_lib.config import ConfigError, RunConfig, validate_for_machine
 from gallery_lib.run.failure import RunFailure, RunsFailed
-from gallery_lib.run.launch import RunFailed, RunResult, launch
+from gallery_lib.run.launch import RunFailed, RunFolderInUse, RunResult, launch
 from gallery_lib.recipes.profiles import data_spec
 from gallery_lib.recipes import RECIPES, all_recipes, describe, recipe_config
 
@@ -95,7 +95,8 @@ def launch_all(configs: Sequence[RunConfig], *, echo: Callable[[str], None] | No
             runs.finished[cfg.recipe] = launch(cfg, echo=echo, console=console)
         except RunFailed as exc:
             failure = _against_finished_runs(exc.failure or RunFailure("error", str(exc).splitlines()[0]), cfg, runs)
-            failure.write(cfg.run_dir)
+            if not isinstance(exc, RunFolderInUse):  # the folder is the other run's
+                failure.write(cfg.run_dir)
             runs.failures[cfg.recipe] = failure
             if echo:
                 echo(f"[gallery] {failure.line(cfg.recipe)}")

@@ -28,8 +28,8 @@ RESTARTED_PREFIX = "[gallery] torchrun restart "
 class RunFailure:
     kind: str
     """``nonfinite``, ``out_of_memory``, ``does_not_fit`` (refused before it started, or every setting the memory plan
-    probed ran out of memory before its timed steps), ``interrupted`` (Ctrl-C or SIGTERM, the state saved), ``killed``
-    or ``error``."""
+    probed ran out of memory before its timed steps), ``interrupted`` (Ctrl-C or SIGTERM, the state saved), ``killed``,
+    ``in_use`` (another launch was training in the run's folder) or ``error``."""
     reason: str
     """A clause short enough for one line: ``loss not finite from step 1``, ``out of memory``, the error's last line."""
     log: str | None = None

@@ -17,6 +17,7 @@ summary, the others return none. Checkpoints need a filesystem that every node s
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import subprocess
@@ -24,12 +25,13 @@ import sys
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from gallery_lib.config import ConfigError, RunConfig, validate_for_machine
 from gallery_lib.run.checkpoint import CheckpointError, check_fresh_start, continues_itself
 from gallery_lib.run.failure import (RESTARTED_PREFIX, STOPPED_PREFIX, RunFailure, clear_failure, failure_from_text,
                                      read_failure)
+from gallery_lib.run.folder_lock import LOCK_FILE, FolderInUse, only_run_in
 from gallery_lib.run.memory_plan import PLAN, MemoryPlan
 from gallery_lib.run.metrics import read_metrics
 from gallery_lib.run.progress import StepProgress
@@ -46,6 +48,11 @@ class RunFailed(RuntimeError):
     def __init__(self, message: str, failure: RunFailure | None = None) -> None:
         super().__init__(message)
         self.failure = failure
+
+
+class RunFolderInUse(RunFailed):
+    """Another launch is training in the run's folder: nothing of this run started, and nothing there is its own
+    (its ``failure`` is not written there)."""
 
 
 class RunInterrupted(KeyboardInterrupt):
@@ -207,7 +214,7 @@ def keep_earlier_run(run_dir: Path) -> Path | None:
             break
     target.mkdir(parents=True)
     for entry in run_dir.iterdir():
-        if entry.name != EARLIER:
+        if entry.name not in (EARLIER, LOCK_FILE):  # the lock this launch holds stays
             entry.rename(target / entry.name)
     return target
 
@@ -246,62 +253,95 @@ def launch(cfg: RunConfig, *, echo: Callable[[str], None] | None = print, consol
     nodes.check(cfg.find_batch_size)
     device = preflight(cfg)
     run_dir = cfg.run_dir.resolve()
-    refuse_if_it_does_not_fit(cfg.extra.get(PLAN), run_dir)
-    cfg = cfg.replace(output_dir=str(Path(cfg.output_dir).resolve()), data_dir=str(Path(cfg.data_dir).resolve()),
-                      resume_from=str(Path(cfg.resume_from).expanduser().resolve()) if cfg.resume_from else None)
-    # on several nodes rank 0's writer alone replaces the file
-    if not continues_itself(cfg.run_dir, cfg.sections.checkpoint) and nodes.standalone:
-        kept = keep_earlier_run(run_dir)  # a re-run never overwrites what an earlier one wrote; a resume appends
-        if kept is not None and echo is not None:
-            echo(f"[gallery] {cfg.recipe}: the earlier run in this folder moved to {kept}")
-    config_path = cfg.save(run_dir / "config.json")
-    clear_failure(run_dir)
-    processes = Processes(cfg.nproc_per_node, cfg.max_restarts)
-    env = _child_env(processes, nodes, device, deterministic=cfg.deterministic, family=family_env(cfg.model_family))
-    proc = subprocess.Popen(train_command(processes, config_path, nodes), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, bufsize=1, env=env, cwd=os.getcwd())
-    tail: deque[str] = deque(maxlen=200)  # room for torchrun's own traceback and summary
-    bar = StepProgress(cfg.recipe, enabled=False if echo is None else progress)
+    with contextlib.ExitStack() as held:
+        if nodes.standalone:  # the nodes of a larger run share its folder
+            held.enter_context(_holding(run_dir))
+        refuse_if_it_does_not_fit(cfg.extra.get(PLAN), run_dir)
+        cfg = cfg.replace(output_dir=str(Path(cfg.output_dir).resolve()), data_dir=str(Path(cfg.data_dir).resolve()),
+                          resume_from=str(Path(cfg.resume_from).expanduser().resolve()) if cfg.resume_from else None)
+        # on several nodes rank 0's writer alone replaces the file
+        if not continues_itself(cfg.run_dir, cfg.sections.checkpoint) and nodes.standalone:
+            kept = keep_earlier_run(run_dir)  # a re-run never overwrites what an earlier one wrote; a resume appends
+            if kept is not None and echo is not None:
+                echo(f"[gallery] {cfg.recipe}: the earlier run in this folder moved to {kept}")
+        config_path = cfg.save(run_dir / "config.json")
+        clear_failure(run_dir)
+        processes = Processes(cfg.nproc_per_node, cfg.max_restarts)
+        env = _child_env(processes, nodes, device, deterministic=cfg.deterministic, family=family_env(cfg.model_family))
+        proc = subprocess.Popen(train_command(processes, config_path, nodes), stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, bufsize=1, env=env, cwd=os.getcwd())
+        output = _stream(proc, cfg.recipe, echo=echo, console=console, progress=progress)
+        code = proc.wait()
+        if output.interrupts:
+            raise _interrupted(run_dir, cfg.recipe, output.interrupts)
+        if code != 0:
+            message = _failure_message(run_dir, code, list(output.tail))
+            failure = read_failure(run_dir)
+            if failure is None:  # killed, or a rank other than 0 failed: rank 0 recorded nothing
+                failure = failure_from_text(message, _failing_log(run_dir), code)
+                failure.write(run_dir)
+            raise RunFailed(message, failure)
+        summary = _summary(run_dir, nodes, output.printed_result)
+        # Re-read: the run rewrites its config.json when a batch-size search picked the size it trained at.
+        return RunResult(config=RunConfig.load(config_path), run_dir=run_dir, summary=summary)
+
+
+@dataclass
+class _Output:
+    """What the launcher kept of a training process's output."""
+
+    tail: deque[str]
+    printed_result: bool  # global rank 0 ran on this node
+    interrupts: int  # how many Ctrl-C came while it ran
+
+
+def _stream(proc: subprocess.Popen, recipe: str, *, echo: Callable[[str], None] | None, console: str,
+            progress: bool | None) -> _Output:
+    """Passes ``proc``'s output to ``echo`` (``console_line``) and a progress bar until it ends. A Ctrl-C meanwhile
+    reached the training process too, which saves its step and stops: the output is read on; a second one kills it."""
+    output = _Output(deque(maxlen=200), False, 0)  # the tail: room for torchrun's own traceback and summary
+    bar = StepProgress(recipe, enabled=False if echo is None else progress)
     assert proc.stdout is not None
     stopped = False  # the run printed why it stopped: what follows is torchrun's report, kept for RunFailed
-    printed_result = False  # global rank 0 ran on this node
-    interrupts = 0
     while True:
         try:
             for line in proc.stdout:
-                tail.append(line.rstrip("\n"))
+                output.tail.append(line.rstrip("\n"))
                 bar.feed(line)
                 stopped = (stopped or line.startswith(STOPPED_PREFIX)) and not line.startswith(RESTARTED_PREFIX)
-                printed_result = printed_result or line.startswith(DONE_PREFIX)
-                shown = console_line(line.rstrip("\n"), cfg.recipe, console) if echo and not stopped else None
+                output.printed_result = output.printed_result or line.startswith(DONE_PREFIX)
+                shown = console_line(line.rstrip("\n"), recipe, console) if echo and not stopped else None
                 if shown is not None:
                     echo(shown)
             break
-        except KeyboardInterrupt:  # Ctrl-C reached the training process too: it saves its step, then stops
-            interrupts += 1
-            if interrupts > 1:  # a second one: stop it now
+        except KeyboardInterrupt:
+            output.interrupts += 1
+            if output.interrupts > 1:
                 proc.kill()
-    code = proc.wait()
     bar.close()
-    if interrupts:
-        failure = read_failure(run_dir)
-        if failure is None or (interrupts > 1 and failure.kind != "interrupted"):  # it stopped before saving a step
-            log = failure.log if failure else _failing_log(run_dir)
-            why = "Ctrl-C twice, so at once" if interrupts > 1 else "interrupted (Ctrl-C) before it saved a step"
-            failure = RunFailure("killed", f"{why}: what it trained since its last checkpoint is not saved",
-                                 str(log) if log else None)
-            failure.write(run_dir)
-        raise RunInterrupted(failure.line(cfg.recipe), failure)
-    if code != 0:
-        message = _failure_message(run_dir, code, list(tail))
-        failure = read_failure(run_dir)
-        if failure is None:  # killed, or a rank other than 0 failed: rank 0 recorded nothing
-            failure = failure_from_text(message, _failing_log(run_dir), code)
-            failure.write(run_dir)
-        raise RunFailed(message, failure)
-    summary = _summary(run_dir, nodes, printed_result)
-    # Re-read: the run rewrites its config.json when a batch-size search picked the size it trained at.
-    return RunResult(config=RunConfig.load(config_path), run_dir=run_dir, summary=summary)
+    return output
+
+
+def _interrupted(run_dir: Path, recipe: str, interrupts: int) -> RunInterrupted:
+    """The line of a run stopped by ``interrupts`` Ctrl-C: its own, where it saved its step; else what is lost."""
+    failure = read_failure(run_dir)
+    if failure is None or (interrupts > 1 and failure.kind != "interrupted"):  # it stopped before saving a step
+        log = failure.log if failure else _failing_log(run_dir)
+        why = "Ctrl-C twice, so at once" if interrupts > 1 else "interrupted (Ctrl-C) before it saved a step"
+        failure = RunFailure("killed", f"{why}: what it trained since its last checkpoint is not saved",
+                             str(log) if log else None)
+        failure.write(run_dir)
+    return RunInterrupted(failure.line(recipe), failure)
+
+
+@contextlib.contextmanager
+def _holding(run_dir: Path) -> Iterator[None]:
+    """``run_dir`` held for this launch (``only_run_in``), or ``RunFolderInUse`` before anything is written there."""
+    try:
+        with only_run_in(run_dir):
+            yield
+    except FolderInUse as exc:  # raised before the block runs: nothing else raises it
+        raise RunFolderInUse(str(exc), RunFailure("in_use", str(exc))) from None
 
 
 def _summary(run_dir: Path, nodes: Nodes, printed_result: bool) -> dict:
