@@ -174,8 +174,8 @@ def _check_timm_name(name: str) -> None:
         return
     names = timm.list_models()
     family = [n for n in names if n.startswith(name.split("_")[0])]  # 'resnet_typo': a resnet, not tresnet_m
-    close = difflib.get_close_matches(name, family, n=3, cutoff=0.5) or difflib.get_close_matches(name, names, n=3,
-                                                                                                  cutoff=0.6)
+    close = (difflib.get_close_matches(name, family, n=3, cutoff=0.5)
+             or difflib.get_close_matches(name, names, n=3, cutoff=0.6))
     hint = (f"did you mean {' or '.join(close)}?" if close else
             "timm.list_models('*resnet*') lists the names matching a pattern")
     raise ConfigError(f"--timm-model {name!r} is no timm model; {hint}")
