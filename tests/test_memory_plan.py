@@ -510,6 +510,56 @@ def test_the_cap_comes_from_the_flag_or_the_environment(monkeypatch):
         RunConfig(model="swin_micro", gpu_memory_gib=0)
 
 
+def test_a_cap_above_the_gpus_free_memory_gives_way_to_what_is_free(monkeypatch):
+    """On a 24 GB card where another process (a notebook's own tensors) holds some, a 22 GiB cap cannot be kept: the
+    plan weighs what is free, and says so; a cap below the free memory, or a GPU nvidia-smi cannot read, keeps the
+    cap."""
+    from gallery_lib.run import memory_plan
+
+    monkeypatch.setattr(memory_plan, "_free_gib", lambda gpu: 19.0 + memory_plan.CONTEXT_GIB)
+    assert memory_plan.read_budget(22.0) == Budget(19.0, "free_below_cap")
+    assert memory_plan.read_budget(22.0).describe() == "19.0 GiB (free on the GPU, less than gpu_memory_gib)"
+    assert memory_plan.read_budget(16.0) == Budget(16.0, "gpu_memory_gib")
+    assert memory_plan.read_budget(None) == Budget(19.0, "free")
+    monkeypatch.setattr(memory_plan, "_free_gib", lambda gpu: None)
+    assert memory_plan.read_budget(22.0) == Budget(22.0, "gpu_memory_gib")
+    assert memory_plan.read_budget(None) is None
+
+
+def test_the_launching_process_gives_back_its_cached_gpu_memory_before_the_free_memory_is_read(monkeypatch):
+    """A notebook that used the GPU itself (the ResNet-50 plain loop, the mechanism cells) keeps what its allocator
+    reserved; each run is a process of its own and would find only the rest. A process that never used CUDA is left
+    alone (emptying its cache would start a CUDA context)."""
+    from gallery_lib.run import memory_plan
+
+    calls = []
+    monkeypatch.setattr(memory_plan, "_free_gib", lambda gpu: calls.append("nvidia-smi") or 40.0)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    memory_plan.read_budget(None)
+    assert calls == ["nvidia-smi"]
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    calls.clear()
+    memory_plan.read_budget(22.0)
+    assert calls == ["empty_cache", "nvidia-smi"]
+
+
+@pytest.mark.gpu
+def test_gpu_memory_this_process_cached_goes_to_the_run():
+    """On a GPU: 2 GiB this process reserved and freed (as a notebook's plain loop leaves them) count as free for the
+    next run's plan, not as taken."""
+    from gallery_lib.run import memory_plan
+
+    torch.cuda.init()
+    held = torch.empty(2 * 2**30, dtype=torch.uint8, device="cuda")
+    del held
+    assert torch.cuda.memory_reserved() >= 2 * 2**30
+    with_cache = memory_plan._free_gib(memory_plan._first_visible_gpu())
+    budget = memory_plan.read_budget(None)
+    assert torch.cuda.memory_reserved() < 2**30
+    assert budget.gib + memory_plan.CONTEXT_GIB >= with_cache + 1.9, (budget, with_cache)
+
+
 def test_accumulated_batches_replay_no_cuda_graphs():
     with pytest.raises(ConfigError, match="gradient_accumulation_steps=2 cannot run with compile_mode"):
         RunConfig(model="swin_micro", compile=True, compile_mode="reduce-overhead", gradient_accumulation_steps=2)

@@ -1,8 +1,8 @@
 """The memory plan: before a run on a GPU, the fastest setting of its step that fits the memory the run may use, at
 the global batch it was given.
 
-The memory a run may use (``Budget``) is ``gpu_memory_gib`` when set (the run's processes are then capped to it),
-else the GPU's free memory as ``nvidia-smi`` reads it, less a CUDA context. The settings tried (``candidates``),
+The memory a run may use (``Budget``) is the GPU's free memory as ``nvidia-smi`` reads it, less a CUDA context, at
+most ``gpu_memory_gib`` when set (the run's processes are then capped to it). The settings tried (``candidates``),
 fastest first: the batch per step halved with gradient accumulation making up the rest, each size without and then
 with gradient checkpointing. A setting the user named (``RunConfig.extra[NAMED]``) is not changed. Each candidate's
 peak is read from the family's measured footprints (``ModelFamily.memory_footprints``: measured batch sizes, linear
@@ -20,9 +20,11 @@ The functions here are pure but ``read_budget``: tests pass memory sizes of thei
 
 from __future__ import annotations
 
+import gc
 import math
 import os
 import subprocess
+import sys
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable, Sequence
 
@@ -61,7 +63,8 @@ class Budget:
         return f"{self.gib:.1f} GiB ({_SOURCES.get(self.source, 'free on the GPU')})"
 
 
-_SOURCES = {"gpu_memory_gib": "gpu_memory_gib", "host": "available in the machine's memory"}
+_SOURCES = {"gpu_memory_gib": "gpu_memory_gib", "host": "available in the machine's memory",
+            "free_below_cap": "free on the GPU, less than gpu_memory_gib"}
 
 
 @dataclass(frozen=True)
@@ -315,12 +318,28 @@ def workers_that_fit(requested: int, budget_gib: float, trainer_gib: float, per_
 
 
 def read_budget(cap_gib: float | None) -> Budget | None:
-    """``cap_gib`` when given; else the free memory of the GPU this process would use, less a CUDA context, read with
-    ``nvidia-smi`` (the launcher creates no CUDA context of its own); ``None`` where it cannot be read."""
-    if cap_gib is not None:
-        return Budget(float(cap_gib), "gpu_memory_gib")
+    """The free memory of the GPU the run would use, less its CUDA context, read with ``nvidia-smi`` once this process
+    has given back what its allocator caches unused (``give_back_cached_gpu_memory``), at most ``cap_gib`` where
+    given; ``None`` where it cannot be read and no cap is given. A cap above the free memory cannot be kept: another
+    process (a notebook's own tensors) holds the rest."""
+    give_back_cached_gpu_memory()
     free = _free_gib(_first_visible_gpu())
-    return None if free is None else Budget(max(0.0, free - CONTEXT_GIB), "free")
+    free = None if free is None else max(0.0, free - CONTEXT_GIB)
+    if cap_gib is not None and (free is None or cap_gib <= free):
+        return Budget(float(cap_gib), "gpu_memory_gib")
+    return None if free is None else Budget(free, "free" if cap_gib is None else "free_below_cap")
+
+
+def give_back_cached_gpu_memory() -> None:
+    """Gives the GPU memory this process's allocator caches unused back to the driver, where this process has used
+    the GPU: a notebook that trained or measured on the GPU before launching its runs (each a process of its own)
+    kept what it had reserved (a ResNet-50 plain loop: about 13 GiB), and a run beside it would find only the rest.
+    Compiled CUDA graphs keep their memory pools until ``torch._dynamo.reset()``."""
+    torch = sys.modules.get("torch")  # a launcher that never imported torch holds no GPU memory
+    if torch is None or not torch.cuda.is_initialized():
+        return
+    gc.collect()  # tensors of cycles the collector has not reached yet
+    torch.cuda.empty_cache()
 
 
 def read_host_budget() -> Budget | None:
