@@ -4,11 +4,21 @@
 # summary and failure) and the notebook's report. Carry .whl (diffusers, the cuDNN frontend).
 #   device run: GALLERY_COMMIT=<sha> bash benchmarks/gpu_notebook.sh NAME NOTEBOOK CAP ['{"steps": 40}']
 #   e.g. bash benchmarks/gpu_notebook.sh sd_22 stable_diffusion 22
+# CAP "free:G" instead: no cap; a ballast process (gpu_ballast.py) holds all but G GiB of the GPU, which the notebook's
+# kernel and its runs then share as on a card with G GiB free (README's card tables name each card's).
 name=$1; notebook=$2; cap=$3; extra=${4:-"{}"}
 source "$(dirname "$0")/device_env.sh"
 out=${OUT:-benchmarks/results}
 runs=/tmp/notebook_$name
-params=$(python3 -c "import json, sys; print(json.dumps({'profile': 'full', 'gpu_memory_gib': float(sys.argv[1]),
+ballast=""
+if [[ $cap == free:* ]]; then
+  python3 benchmarks/gpu_ballast.py "${cap#free:}" > "$out/ballast_$name.log" 2>&1 &
+  ballast=$!
+  until grep -q "gpu_ballast" "$out/ballast_$name.log" || ! kill -0 "$ballast" 2>/dev/null; do sleep 1; done
+  cat "$out/ballast_$name.log"
+fi
+params=$(python3 -c "import json, sys; cap = sys.argv[1]
+print(json.dumps({'profile': 'full', **({} if cap.startswith('free:') else {'gpu_memory_gib': float(cap)}),
   'output_dir': sys.argv[2], **json.loads(sys.argv[3])}))" "$cap" "$runs" "$extra")
 nvidia-smi --query-gpu=timestamp,memory.used --format=csv,noheader,nounits -lms 500 > "$out/smi_$name.csv" 2>&1 &
 sampler=$!
@@ -16,7 +26,7 @@ start=$SECONDS
 (cd notebooks && timeout "${NOTEBOOK_TIMEOUT_S:-86400}" python3 ../benchmarks/run_notebook_code.py "$notebook.ipynb" \
   "$params") > "$out/notebook_$name.log" 2>&1
 code=$?
-kill "$sampler" 2>/dev/null; gzip -f "$out/smi_$name.csv"
+kill "$sampler" $ballast 2>/dev/null; gzip -f "$out/smi_$name.csv"
 python3 benchmarks/run_summaries.py "$out/notebook_$name.json" "$runs" \
   command="bash benchmarks/gpu_notebook.sh $name $notebook $cap '$extra'" notebook="$notebook" cap_gib="$cap" \
   params="$params" exit_code="$code" wall_s="$((SECONDS - start))"
