@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 from pathlib import Path
 
 import pytest
+import torch
 
 from gallery_lib.reports.step_ladder import StepLadder
 
@@ -61,3 +63,31 @@ def test_a_cpu_ladder_shows_no_speedup_and_saves_every_step(tmp_path):
 def test_too_few_steps_to_time_is_a_clear_error():
     with pytest.raises(ValueError, match="first 2 are warm-up: run more steps"):
         StepLadder(batch_size=1, warmup=2).add("short", [1.0, 1.0], [1.0, 1.0])
+
+
+def test_a_rung_out_of_gpu_memory_is_one_line_and_the_next_rung_runs(tmp_path):
+    """On a smaller GPU a rung (the peer's CUDA graphs, say) can run out of memory: it is recorded as stopped with one
+    line that says what to try, the rungs after it (one building on it included) still run, and the table and the
+    JSON say so; any other error is raised as it is."""
+    said: list[str] = []
+    ladder = StepLadder(batch_size=128, warmup=1, device="cuda")
+    with ladder.rung("plain", echo=said.append) as record:
+        record([2.0, 1.0, 0.5], [900.0, 40.0, 40.0])
+    with ladder.rung("peer", peer=True, echo=said.append) as record:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of "
+                                     "22.00 GiB of which 1.50 GiB is free. If reserved but unallocated memory ...")
+    with ladder.rung("+ blocks", builds_on="peer", echo=said.append) as record:
+        record([2.0, 1.0, 0.5], [900.0, 20.0, 20.0])
+    assert said[0] == "  -> 40.0 ms/step" and said[2] == "  -> 20.0 ms/step"
+    assert re.fullmatch(r"  -> out of memory at batch 128( with \d+\.\d GiB reserved)? \(Tried to allocate 2\.00 GiB\. "
+                        r"GPU 0 has a total capacity of 22\.00 GiB of which 1\.50 GiB is free\): try batch_size=64 in "
+                        r"the parameters cell, or a GPU with more free memory", said[1]), said[1]
+    rows = ladder.rows()
+    assert [row["rung"] for row in rows] == ["plain", "+ blocks"] and rows[1]["gain"] is None
+    assert rows[1]["over_peer"] is None
+    assert f"Stopped: peer, {said[1][5:]}." in ladder.to_markdown()
+    ladder.save(tmp_path / "ladder.json")
+    assert json.loads((tmp_path / "ladder.json").read_text())["stopped"] == {"peer": said[1][5:]}
+    with pytest.raises(ValueError, match="a bug"), ladder.rung("broken", echo=None):
+        raise ValueError("a bug")
+    assert "broken" not in ladder.stopped

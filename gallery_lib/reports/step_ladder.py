@@ -8,18 +8,28 @@ and step times to the ladder::
     ladder.add("plain PyTorch", losses, times_ms)
     ladder.add("+ compiled blocks", losses, times_ms, changes=[compile_blocks(model)])
     ladder        # in a notebook: the table and the figure
+
+or, so that a rung that runs out of GPU memory is one line and the next still runs, around each rung::
+
+    with ladder.rung("+ compiled blocks") as record:
+        record(*train(model), changes=[compile_blocks(model)])
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import traceback
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
 
 from gallery_lib.config.quiet import quiet_known_noise
 from gallery_lib.reports.comparison import CPU_TIMINGS, _png_bytes, _ReportFigure, speedup_text, with_inline_image
 from gallery_lib.reports.provenance import source_version
+from gallery_lib.run.batch_size import allocator_detail, free_memory, is_out_of_memory
 from gallery_lib.run.timing import StepTimer, summarize_times
 
 __all__ = ["StepLadder", "StepTimer"]
@@ -50,6 +60,8 @@ class StepLadder:
             raise ValueError(f"StepLadder: warmup={warmup} must be >= 0")
         self.batch_size, self.warmup, self.device = batch_size, warmup, device
         self.rungs: list[StepRung] = []
+        self.stopped: dict[str, str] = {}
+        """Rungs that ran out of GPU memory (``rung``), with the line that says so."""
         quiet_known_noise()  # its rungs train and compile in this process: the same quiet as a gallery run
 
     def add(self, name: str, losses: Sequence[float], times_ms: Sequence[float], changes: Sequence[Any] = (), *,
@@ -59,11 +71,43 @@ class StepLadder:
         if len(times_ms) <= self.warmup:
             raise ValueError(f"StepLadder.add({name!r}): {len(times_ms)} step times, but the first {self.warmup} "
                              "are warm-up: run more steps")
-        if builds_on is not None and builds_on not in [rung.name for rung in self.rungs]:
+        if builds_on is not None and builds_on not in [rung.name for rung in self.rungs] + list(self.stopped):
             raise ValueError(f"StepLadder.add({name!r}): builds_on={builds_on!r} names no rung added before it")
         self.rungs.append(StepRung(name, [float(v) for v in losses], [float(t) for t in times_ms], list(changes),
                                    builds_on, peer))
         return self.rows()[-1]
+
+    @contextlib.contextmanager
+    def rung(self, name: str, *, builds_on: str | None = None, peer: bool = False,
+             echo: Callable[[str], None] | None = print) -> Iterator[Callable[..., None]]:
+        """Around one rung: yields ``record(losses, times_ms, changes=())``, which adds it (``add``) and says its step
+        time. The rung starts from a clean compiler: what the rungs before compiled, and the memory of their CUDA
+        graphs, is dropped (each rung's warm-up is its own, and a small GPU holds one rung at a time). A rung that
+        runs out of GPU memory is recorded as stopped, in one line that says what to try, and the next one runs."""
+        torch._dynamo.reset()
+        free_memory()
+
+        def record(losses: Sequence[float], times_ms: Sequence[float], changes: Sequence[Any] = ()) -> None:
+            row = self.add(name, losses, times_ms, changes, builds_on=builds_on, peer=peer)
+            if echo:
+                echo(f"  -> {row['median_step_time_ms']:.1f} ms/step")
+
+        try:
+            yield record
+        except Exception as exc:  # noqa: BLE001 - only out of memory is the rung's to record; the rest is raised
+            if not is_out_of_memory(exc):
+                raise
+            reserved = torch.cuda.memory_reserved() / 2**30 if torch.cuda.is_available() else None
+            traceback.clear_frames(exc.__traceback__)  # the finished frames' activations, freed with the next rung
+            self.stopped[name] = self._out_of_memory_line(reserved, allocator_detail(exc))
+            if echo:
+                echo(f"  -> {self.stopped[name]}")
+
+    def _out_of_memory_line(self, reserved_gib: float | None, detail: str) -> str:
+        """``out of memory at batch 128 with 21.7 GiB reserved (Tried to allocate ...): try batch_size=64 ...``."""
+        held = f" with {reserved_gib:.1f} GiB reserved" if reserved_gib is not None else ""
+        smaller = f"batch_size={self.batch_size // 2} in the parameters cell, or " if self.batch_size > 1 else ""
+        return f"out of memory at batch {self.batch_size}{held}{detail}: try {smaller}a GPU with more free memory"
 
     def rows(self) -> list[dict[str, Any]]:
         rows: list[dict[str, Any]] = []
@@ -103,6 +147,7 @@ class StepLadder:
                 f"{gain} |" + (f" {speedup_text(row['over_peer'], device)} |" if with_peer else "")
                 + f" {row['loss_difference']:.2g} | {row['warmup_s']:.1f} |")
         lines.append("")
+        lines += [f"Stopped: {name}, {line}." for name, line in self.stopped.items()]
         capture = "" if self.device == "cpu" else ", CUDA-graph capture"
         lines.append(f"Batch {self.batch_size}; medians over the steps after the first {self.warmup} (warm-up: "
                      f"compilation{capture}), which are reported apart.")
@@ -151,7 +196,7 @@ class StepLadder:
         (what ran: the parameters or the command, the GPU)."""
         steps = [{"rung": r.name, "losses": r.losses, "times_ms": r.times_ms} for r in self.rungs]
         record = {**source_version(), **meta, "batch_size": self.batch_size, "warmup": self.warmup,
-                  "device": self.device, "rows": self.rows(), "steps": steps}
+                  "device": self.device, "rows": self.rows(), "stopped": self.stopped, "steps": steps}
         with open(path, "w", encoding="utf-8") as out:
             json.dump(record, out, indent=1)
 
