@@ -91,3 +91,23 @@ def test_a_rung_out_of_gpu_memory_is_one_line_and_the_next_rung_runs(tmp_path):
     with pytest.raises(ValueError, match="a bug"), ladder.rung("broken", echo=None):
         raise ValueError("a bug")
     assert "broken" not in ladder.stopped
+
+
+@pytest.mark.gpu
+def test_gpu_a_rung_out_of_memory_gives_its_memory_to_the_next():
+    """A real CUDA out-of-memory error inside a rung (10 TB asked for, after 2 GiB held by the rung): one line with
+    PyTorch's account and the batch to try, and the next rung starts with the 2 GiB given back."""
+    said: list[str] = []
+    ladder = StepLadder(batch_size=128, warmup=1, device="cuda")
+
+    def train():  # as the notebook's loop: the tensors it holds live in its frame
+        held = torch.empty(2 * 2**30, dtype=torch.uint8, device="cuda")
+        return torch.empty(10**13, dtype=torch.uint8, device="cuda") + held[0]
+
+    with ladder.rung("too big", echo=said.append):
+        train()
+    assert re.fullmatch(r"  -> out of memory at batch 128 with \d+\.\d GiB reserved \(Tried to allocate .*\): try "
+                        r"batch_size=64 in the parameters cell, or a GPU with more free memory", said[0]), said[0]
+    with ladder.rung("next", echo=said.append) as record:
+        assert torch.cuda.memory_reserved() < 2**30
+        record([1.0, 1.0], [1.0, 1.0])
