@@ -50,8 +50,8 @@ class Training(Section):
     """The GPU memory this run may use, in GiB: its process and its precompile workers are capped to it together
     (``torch.cuda.set_per_process_memory_fraction``; each process's CUDA context, about 1 GiB, comes on top), and
     the memory plan fits the run into it, or into the GPU's free memory where less is free. ``None``: the GPU's free
-    memory at the start. The environment variable
-    ``GALLERY_GPU_MEMORY_GIB`` sets it for every run that does not name it."""
+    memory at the start. The environment variable ``GALLERY_GPU_MEMORY_GIB`` sets it for every run that does not
+    name it."""
     max_nonfinite_steps: int = setting(5, kind=int, minimum=0, hint="0 disables the check")
     """Stop (with a checkpoint) after this many non-finite losses in a row; each such step is skipped. 0 turns
     the check off, which also removes its per-step host sync (see ``train.py``)."""
