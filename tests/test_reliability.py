@@ -4,7 +4,10 @@ torchrun restarts that resume from the last checkpoint."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import textwrap
+from pathlib import Path
 
 import launcher_testing
 import numpy as np
@@ -20,6 +23,8 @@ from gallery_lib.data import RobustImageFolder
 from gallery_lib.run.launch import Processes, launch, torchrun_command
 from gallery_lib.run.metrics import read_metrics
 from gallery_lib.run.train import run
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def small_cfg(data, out, **kw) -> RunConfig:
@@ -325,7 +330,7 @@ def test_nonfinite_loss_on_some_ranks_skips_the_step_on_every_rank(smoke_data, t
 
 @pytest.mark.slow  # three runs in their own processes
 def test_a_resume_appends_and_a_new_run_into_the_folder_keeps_the_earlier_one(smoke_data, tmp_path):
-    from gallery_lib.run.folder_lock import LOCK_FILE
+    from gallery_lib.run.folder_lock import LOCK_FILES
     from gallery_lib.run.launch import EARLIER
 
     cfg = small_cfg(smoke_data, tmp_path / "out", steps=2, log_every=1, checkpoint_every=2)
@@ -333,7 +338,8 @@ def test_a_resume_appends_and_a_new_run_into_the_folder_keeps_the_earlier_one(sm
     resumed = launch(cfg.replace(steps=4, resume=True), echo=None)
     assert not (first.run_dir / EARLIER).exists()  # a resume of its own run appends to it
     assert [r["step"] for r in read_metrics(resumed.metrics_path)[0]] == [0, 1, 2, 3]
-    written = {p.name for p in first.run_dir.iterdir()} - {LOCK_FILE}  # the lock stays for the next launch
+    assert (first.run_dir / LOCK_FILES[1]).exists()  # the training process took its lock (train.main)
+    written = {p.name for p in first.run_dir.iterdir()} - set(LOCK_FILES)  # the locks stay with the folder
     assert {"metrics.jsonl", "model.pt", "checkpoints", "config.json", "logs"} <= written
     first_metrics = (first.run_dir / "metrics.jsonl").read_text()
     lines: list[str] = []
@@ -358,7 +364,7 @@ def test_a_launch_into_the_folder_of_a_run_still_training_stops_in_one_line_and_
     lines: list[str] = []
     with only_run_in(run_dir):  # what the other launch holds while its run trains
         runs = launch_all([cfg], echo=lines.append, console="result")
-    assert sorted(p.name for p in run_dir.iterdir()) == [".running", "metrics.jsonl"]  # nothing moved or written
+    assert sorted(p.name for p in run_dir.iterdir()) == [".running", ".training", "metrics.jsonl"]  # nothing moved
     assert (run_dir / "metrics.jsonl").read_text() == "the running run's\n"
     assert runs.failures[cfg.recipe].kind == "in_use" and not runs.finished
     assert len(lines) == 1 and lines[0].startswith(f"[gallery] {cfg.recipe}: stopped, another run is training in "
@@ -366,4 +372,35 @@ def test_a_launch_into_the_folder_of_a_run_still_training_stops_in_one_line_and_
     assert lines[0].endswith("wait for it to end, or give this run a folder of its own (--output-dir, "
                              "output_dir=...)")
     with only_run_in(run_dir):  # the lock went with the launch that held it
+        pass
+
+
+def test_a_launch_stops_while_a_training_process_that_outlived_its_launcher_still_runs_there(smoke_data, tmp_path):
+    """A notebook's kernel restarted mid-run: the launcher and torchrun end, the workers (in sessions of their own)
+    train on in the folder. A launch into it would move their files away while they write; it stops in one line
+    instead, and goes ahead once they have ended."""
+    from gallery_lib.app.workflow import launch_all
+    from gallery_lib.run.folder_lock import only_run_in
+
+    cfg = small_cfg(smoke_data, tmp_path / "out", steps=2)
+    run_dir = cfg.run_dir.resolve()
+    run_dir.mkdir(parents=True)
+    (run_dir / "metrics.jsonl").write_text("the orphan's\n")
+    orphan = subprocess.Popen(  # what train.main holds in every rank, in a process the launcher no longer knows
+        [sys.executable, "-c", "import sys, time; from pathlib import Path; from gallery_lib.run.folder_lock import "
+         "hold_while_training; hold_while_training(Path(sys.argv[1])); print('held', flush=True); time.sleep(120)",
+         str(run_dir)], stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    try:
+        assert orphan.stdout.readline() == "held\n"
+        lines: list[str] = []
+        runs = launch_all([cfg], echo=lines.append, console="result")
+        assert runs.failures[cfg.recipe].kind == "in_use" and not runs.finished
+        assert lines == [f"[gallery] {cfg.recipe}: stopped, a training process of an earlier launch still runs in "
+                         f"{run_dir} (its launcher ended): wait for it to end or stop it, or give this run a folder "
+                         "of its own (--output-dir, output_dir=...)"], lines
+        assert (run_dir / "metrics.jsonl").read_text() == "the orphan's\n" and not (run_dir / "earlier").exists()
+    finally:
+        orphan.kill()
+        orphan.wait()
+    with only_run_in(run_dir):  # the lock went with the process
         pass

@@ -31,7 +31,7 @@ from gallery_lib.config import ConfigError, RunConfig, validate_for_machine
 from gallery_lib.run.checkpoint import CheckpointError, check_fresh_start, continues_itself
 from gallery_lib.run.failure import (RESTARTED_PREFIX, STOPPED_PREFIX, RunFailure, clear_failure, failure_from_text,
                                      read_failure)
-from gallery_lib.run.folder_lock import LOCK_FILE, FolderInUse, only_run_in
+from gallery_lib.run.folder_lock import LOCK_FILES, FolderInUse, only_run_in
 from gallery_lib.run.memory_plan import PLAN, MemoryPlan
 from gallery_lib.run.metrics import read_metrics
 from gallery_lib.run.progress import StepProgress
@@ -214,7 +214,7 @@ def keep_earlier_run(run_dir: Path) -> Path | None:
             break
     target.mkdir(parents=True)
     for entry in run_dir.iterdir():
-        if entry.name not in (EARLIER, LOCK_FILE):  # the lock this launch holds stays
+        if entry.name not in (EARLIER, *LOCK_FILES):  # the locks stay with the folder
             entry.rename(target / entry.name)
     return target
 

@@ -56,6 +56,7 @@ from gallery_lib.run.memory_plan import (NAMED, PLAN, Candidate, MemoryPlan, Out
                                          out_of_memory, worker_share_gib)
 from gallery_lib.run.checkpoint import Checkpointer, check_fresh_start, is_own_checkpoint, resume_source
 from gallery_lib.run.failure import RESTARTED_PREFIX, STOPPED_PREFIX, clear_failure, failure_from_exception
+from gallery_lib.run.folder_lock import hold_while_training
 from gallery_lib.run.interrupt import AgreedStop, Interrupted, StopRequest
 from gallery_lib.run.logs import rank_logging
 from gallery_lib.run.metrics import MetricsWriter, superseded_path, supersede_steps
@@ -438,6 +439,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     own_gpu = see_only_own_gpu()  # first: before anything asks CUDA for its devices
     cfg = RunConfig.load(args.config)
+    hold_while_training(Path(cfg.run_dir))  # a launch into the folder stops while this process lives
     # The launcher checked this machine's GPUs; this process now sees its own alone.
     device_type = validate_for_machine(cfg, cuda_devices=cfg.nproc_per_node if own_gpu else None)
     dist = init_distributed(device_type, zero2=cfg.data_parallel == "zero2", own_gpu=own_gpu)
