@@ -89,6 +89,19 @@ def test_missing_data_folder_is_reported(capsys, tmp_path, monkeypatch):
     assert "no training data" in err and "gallery prepare" in err
 
 
+def test_a_run_on_a_data_folder_that_is_not_there_stops_before_its_first_recipe_with_the_command_that_fills_it(
+        capsys, tmp_path, monkeypatch):
+    """`gallery run --data-dir` trains on the folder it names (it prepares only the default one): missing, the run
+    stops before any recipe starts, and the prepare command it names writes into that folder."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["run", "--model", "swin_micro", "--recipes", "baseline,accelerated", "--data-dir",
+                 "data dir/swin"]) == 2
+    out, err = capsys.readouterr()
+    assert "===" not in out and not (tmp_path / "output").exists()  # no recipe started
+    assert ("no training data at data dir/swin/train: prepare mock data there with `gallery prepare --model swin_micro "
+            "--data-dir 'data dir/swin'`") in err
+
+
 def test_list_and_console_entry_point():
     out = subprocess.run([sys.executable, "-m", "gallery_lib.app.cli", "list"], capture_output=True, text=True,
                          check=True)

@@ -12,9 +12,9 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence, Union
 
-from gallery_lib.config import ConfigError, RunConfig, validate_for_machine
+from gallery_lib.config import ConfigError, RunConfig
 from gallery_lib.run.failure import RunFailure, RunsFailed
-from gallery_lib.run.launch import RunFailed, RunFolderInUse, RunResult, launch
+from gallery_lib.run.launch import RunFailed, RunFolderInUse, RunResult, launch, preflight
 from gallery_lib.recipes.profiles import data_spec
 from gallery_lib.recipes import RECIPES, all_recipes, describe, recipe_config
 
@@ -81,9 +81,10 @@ def run_recipes(base: RunConfig, recipes: Sequence[RecipeSpec], *,
 
 def launch_all(configs: Sequence[RunConfig], *, echo: Callable[[str], None] | None = print,
                console: str = "all") -> RecipeRuns:
-    """Launches already-resolved run configs one after another (each validated before any starts)."""
+    """Launches already-resolved run configs one after another (each checked, its data included, before any
+    starts)."""
     for cfg in configs:
-        validate_for_machine(cfg)
+        preflight(cfg)
     runs = RecipeRuns()
     for cfg in configs:
         if echo and console == "all":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import shlex
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -105,8 +106,9 @@ class ClassificationTask:
         do not change what a classifier's data looks like."""
         train = Path(data_dir, "train")
         if not train.is_dir():
-            raise FileNotFoundError(f"no training data at {train}: prepare it with `gallery prepare --model {model}`, "
-                                    "or pass --data-dir a folder with train/<class>/<images>.")
+            raise FileNotFoundError(f"no training data at {train}: prepare mock data there with `gallery prepare "
+                                    f"--model {model} --data-dir {shlex.quote(str(data_dir))}`, or pass --data-dir a "
+                                    "folder with train/<class>/<images>.")
         if not any(child.is_dir() and not child.name.startswith(".") for child in train.iterdir()):
             kind = " (it looks like a caption folder, for Stable Diffusion)" if (train / "metadata.jsonl").is_file() \
                 else ""

@@ -16,6 +16,7 @@ the text encoder and the image decoding, at the price of a one-off encoding pass
 from __future__ import annotations
 
 import contextlib
+import shlex
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -169,8 +170,9 @@ class TextToImageTask:
         from gallery_lib.data.captions import find_caption_folder
 
         if not Path(data_dir).is_dir():
-            raise FileNotFoundError(f"no training data at {data_dir}: prepare it with `gallery prepare --model "
-                                    f"{model}`, or pass --data-dir a folder of images with train/metadata.jsonl.")
+            raise FileNotFoundError(f"no training data at {data_dir}: prepare mock data there with `gallery prepare "
+                                    f"--model {model} --data-dir {shlex.quote(str(data_dir))}`, or pass --data-dir a "
+                                    "folder of images with train/metadata.jsonl.")
         try:
             find_caption_folder(Path(data_dir), "train")
         except FileNotFoundError as exc:
