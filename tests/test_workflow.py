@@ -26,6 +26,7 @@ def test_a_stopped_recipe_is_recorded_and_the_next_one_runs(tmp_path, monkeypatc
                        output_dir=str(tmp_path / "out"))
     log = str(tmp_path / "out" / "rank0.log")
     launched, echoed = [], []
+    monkeypatch.setattr("gallery_lib.app.workflow.preflight", lambda cfg: "cpu")  # no data: the runs are faked
     monkeypatch.setattr("gallery_lib.app.workflow.launch", _fake_launch(
         {"compiled": RunFailure("nonfinite", "loss not finite from step 1", log, first_step=1),
          "baseline+lr=1.0": RunFailure("nonfinite", "loss not finite from step 1", log, first_step=1)}, launched))
@@ -49,6 +50,7 @@ def test_runs_that_all_finished_raise_nothing(tmp_path, monkeypatch):
     base = base_config("smoke", family="swin_transformer", data_root=str(tmp_path / "data"),
                        output_dir=str(tmp_path / "out"))
     consoles = []
+    monkeypatch.setattr("gallery_lib.app.workflow.preflight", lambda cfg: "cpu")  # no data: the runs are faked
     monkeypatch.setattr("gallery_lib.app.workflow.launch", _fake_launch({}, [], consoles))
     runs = run_recipes(base, ["baseline"], echo=None)
     assert consoles == ["result"]  # a notebook shows one line per run
