@@ -139,3 +139,13 @@ def test_spellings_the_gallery_cannot_honour_are_refused(argv, message, capsys):
 
     assert main(["train", "--profile", "smoke", "--model", "swin_micro", *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_report_of_runs_not_there_names_the_command_that_trains_them_where_the_report_looks(capsys, tmp_path,
+                                                                                             monkeypatch):
+    """`gallery compare --output-dir elsewhere` with no runs there: the train command it names writes into that
+    folder, for that model (it said `--model <model>` and trained into the default folder)."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["compare", "--model", "resnet_micro", "--output-dir", "my runs"]) == 2
+    assert ("train it first: `gallery train --model resnet_micro --recipe baseline --output-dir 'my runs'` or the "
+            "notebook's training cell") in capsys.readouterr().err

@@ -7,6 +7,7 @@ the report.
 
 from __future__ import annotations
 
+import shlex
 from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
@@ -141,7 +142,8 @@ def compare(cfg: RunConfig, recipes: RecipeRuns | Sequence[str] | None = None):
     from gallery_lib.reports.comparison import write_report
 
     names = recipes.names if isinstance(recipes, RecipeRuns) else recipes
-    return write_report(model_dir(cfg), recipes=list(names) if names else None)
+    train = f"gallery train --model {cfg.model} --recipe {{recipe}} --output-dir {shlex.quote(str(cfg.output_dir))}"
+    return write_report(model_dir(cfg), recipes=list(names) if names else None, train_command=train)
 
 
 def summarize(report, reference: str = "baseline") -> str:

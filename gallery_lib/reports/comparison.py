@@ -37,8 +37,8 @@ CONFIG_FILE = "config.json"
 METRICS_FILE = "metrics.jsonl"
 REPORT_MD = "report.md"
 REPORT_PNG = "report.png"
-# How a missing run is produced; shown in the errors of this module.
-RUN_HINT = "train it first: `gallery train --model <model> --recipe {recipe}` or the notebook's training cell"
+TRAIN_COMMAND = "gallery train --model <model> --recipe {recipe}"
+"""How a missing run is produced, in the errors of this module (``compare`` names the model and its output folder)."""
 # Panel (b) switches to a log y-axis when the slowest warm-up step is this many times the steady-state median.
 _LOG_Y_RATIO = 10.0
 
@@ -127,13 +127,18 @@ class _ReportFigure(Figure):
         return _png_bytes(self)
 
 
-def load_run(run_dir: str | os.PathLike) -> RunRecord:
-    """Reads one run folder (``config.json`` + ``metrics.jsonl``); an unfinished run loads with ``finished=False``."""
+def _run_hint(recipe: str, train_command: str) -> str:
+    return f"train it first: `{train_command.replace('{recipe}', recipe)}` or the notebook's training cell"
+
+
+def load_run(run_dir: str | os.PathLike, *, train_command: str = TRAIN_COMMAND) -> RunRecord:
+    """Reads one run folder (``config.json`` + ``metrics.jsonl``); an unfinished run loads with ``finished=False``.
+    ``train_command``: how the errors say to produce a missing run (``{recipe}`` stands for its recipe)."""
     run_dir = Path(run_dir)
     config_path, metrics_path = run_dir / CONFIG_FILE, run_dir / METRICS_FILE
     if not config_path.is_file() and not metrics_path.is_file():
         raise FileNotFoundError(f"{run_dir} holds no run (neither {CONFIG_FILE} nor {METRICS_FILE}): "
-                                + RUN_HINT.format(recipe=run_dir.name))
+                                + _run_hint(run_dir.name, train_command))
     config = flat_config(json.loads(config_path.read_text(encoding="utf-8"))) if config_path.is_file() else {}
     steps, summary = read_metrics(metrics_path) if metrics_path.is_file() else ([], None)
     for key in ("model", "recipe"):
@@ -141,31 +146,32 @@ def load_run(run_dir: str | os.PathLike) -> RunRecord:
         if summary is not None and key in config and key in summary and config[key] != summary[key]:
             raise ValueError(f"{run_dir}: {METRICS_FILE} was written by {key}={summary[key]!r} but {CONFIG_FILE} "
                              f"says {key}={config[key]!r}, so the files come from different runs. Delete the "
-                             f"folder and {RUN_HINT.format(recipe=run_dir.name)}.")
+                             f"folder and {_run_hint(run_dir.name, train_command)}.")
     return RunRecord(recipe=run_dir.name, config=config, steps=steps, summary=summary, run_dir=run_dir,
                      failure=read_failure(run_dir) if summary is None else None)
 
 
-def load_runs(model_dir: str | os.PathLike, recipes: list[str] | None = None) -> list[RunRecord]:
+def load_runs(model_dir: str | os.PathLike, recipes: list[str] | None = None, *,
+              train_command: str = TRAIN_COMMAND) -> list[RunRecord]:
     """Loads the runs of one model: the given recipes in that order, else all of them, ``baseline`` first."""
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise FileNotFoundError(f"no runs for this model: {model_dir} does not exist; "
-                                + RUN_HINT.format(recipe="baseline"))
+                                + _run_hint("baseline", train_command))
     found = sorted(p.name for p in model_dir.iterdir()
                    if p.is_dir() and ((p / CONFIG_FILE).is_file() or (p / METRICS_FILE).is_file()))
     if recipes is None:
         if not found:
             raise FileNotFoundError(f"no runs in {model_dir} (no subfolder with {METRICS_FILE}); "
-                                    + RUN_HINT.format(recipe="baseline"))
+                                    + _run_hint("baseline", train_command))
         recipes = sorted(found, key=lambda name: (name != "baseline", name))
     if not recipes:
         raise ValueError("recipes=[] selects no run: name at least one recipe, or pass None to load them all.")
     missing = [r for r in recipes if r not in found]
     if missing:
         raise FileNotFoundError(f"no run for recipe(s) {missing} in {model_dir} (found: {found or 'none'}); "
-                                + RUN_HINT.format(recipe=missing[0]))
-    return [load_run(model_dir / r) for r in recipes]
+                                + _run_hint(missing[0], train_command))
+    return [load_run(model_dir / r, train_command=train_command) for r in recipes]
 
 
 def comparison_table(runs: list[RunRecord], reference: str = "baseline") -> list[dict[str, Any]]:
@@ -286,11 +292,12 @@ def comparison_figure(runs: list[RunRecord], reference: str = "baseline") -> Fig
     return fig
 
 
-def write_report(model_dir: str | os.PathLike, recipes: list[str] | None = None,
-                 reference: str = "baseline") -> Report:
-    """Writes ``<model_dir>/report.md`` and ``report.png`` comparing the recipes' runs, and returns them."""
+def write_report(model_dir: str | os.PathLike, recipes: list[str] | None = None, reference: str = "baseline", *,
+                 train_command: str = TRAIN_COMMAND) -> Report:
+    """Writes ``<model_dir>/report.md`` and ``report.png`` comparing the recipes' runs, and returns them;
+    ``train_command`` as ``load_run`` takes it."""
     model_dir = Path(model_dir)
-    loaded = load_runs(model_dir, recipes)
+    loaded = load_runs(model_dir, recipes, train_command=train_command)
     runs = [run for run in loaded if run.failure is None]
     failures = {run.recipe: run.failure for run in loaded if run.failure is not None}
     table = comparison_table(runs, reference)
