@@ -149,3 +149,13 @@ def test_a_report_of_runs_not_there_names_the_command_that_trains_them_where_the
     assert main(["compare", "--model", "resnet_micro", "--output-dir", "my runs"]) == 2
     assert ("train it first: `gallery train --model resnet_micro --recipe baseline --output-dir 'my runs'` or the "
             "notebook's training cell") in capsys.readouterr().err
+
+
+def test_a_recipe_listed_twice_is_refused_before_anything_runs(capsys, tmp_path, monkeypatch):
+    """`--recipes baseline,baseline` trained baseline twice into one folder (the second moved the first to earlier/)
+    and the report listed it twice."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["run", "--model", "swin_micro", "--recipes", "baseline,accelerated,baseline"]) == 2
+    assert ("baseline listed twice: each run of a recipe trains in one folder; list it once, or change a setting of "
+            "the second (RECIPE+FIELD=VALUE names a run of its own)") in capsys.readouterr().err
+    assert not (tmp_path / "data").exists() and not (tmp_path / "output").exists()

@@ -225,10 +225,11 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from gallery_lib.app.workflow import compare, launch_all, prepare
+    from gallery_lib.app.workflow import compare, launch_all, prepare, refuse_runs_sharing_a_folder
 
     base = base_from_args(args)
     configs = configs_from_args(args)
+    refuse_runs_sharing_a_folder(configs)
     for cfg in configs:  # every machine check before any data is prepared
         validate_for_machine(cfg)
     if args.data_dir is None:

@@ -84,6 +84,7 @@ def launch_all(configs: Sequence[RunConfig], *, echo: Callable[[str], None] | No
                console: str = "all") -> RecipeRuns:
     """Launches already-resolved run configs one after another (each checked, its data included, before any
     starts)."""
+    refuse_runs_sharing_a_folder(configs)
     for cfg in configs:
         preflight(cfg)
     runs = RecipeRuns()
@@ -103,6 +104,16 @@ def launch_all(configs: Sequence[RunConfig], *, echo: Callable[[str], None] | No
             if echo:
                 echo(f"[gallery] {failure.line(cfg.recipe)}")
     return runs
+
+
+def refuse_runs_sharing_a_folder(configs: Sequence[RunConfig]) -> None:
+    """``ConfigError`` where two configs would train in one folder (a recipe listed twice): the second would move the
+    first one's results away, and the report would list it twice."""
+    folders = [cfg.run_dir.resolve() for cfg in configs]
+    twice = sorted({cfg.recipe for cfg, folder in zip(configs, folders) if folders.count(folder) > 1})
+    if twice:
+        raise ConfigError(f"{', '.join(twice)} listed twice: each run of a recipe trains in one folder; list it once, "
+                          "or change a setting of the second (RECIPE+FIELD=VALUE names a run of its own)")
 
 
 def _against_finished_runs(failure: RunFailure, cfg: RunConfig, runs: RecipeRuns) -> RunFailure:
