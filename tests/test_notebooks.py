@@ -325,3 +325,22 @@ def test_two_lanes_run_notebooks_side_by_side_and_report_each(tmp_path):
                              ).split(" ok in ")[1].split(" s")[0]) for name in ("a_slow", "b_slow")}
     assert elapsed < sum(ends.values()), (elapsed, ends)
     assert (tmp_path / "out" / "notebooks" / "c_fails.ipynb").is_file()  # the failed copy is kept
+
+
+@pytest.mark.notebook
+def test_bad_parameters_stop_a_notebook_in_one_line_before_it_trains(tmp_path):
+    """More warm-up steps than steps in your_model: its ladder refuses them before the first rung trains, and Jupyter
+    shows the message alone (a ConfigError renders as one line, no traceback); it stopped after the first rung had
+    trained, with a traceback."""
+    import papermill
+
+    out_dir = tmp_path / "output"
+    params = {"profile": "smoke", "output_dir": str(out_dir), "data_root": str(tmp_path / "data"), "steps": 2,
+              "warmup_steps": 3}
+    with pytest.raises(papermill.PapermillExecutionError, match="ConfigError"):
+        _runner().run_notebook(YOUR_MODEL, out_dir / "notebooks", params, cell_timeout=300)
+    nb = nbformat.read(out_dir / "notebooks" / YOUR_MODEL.name, as_version=4)
+    errors = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"]
+    assert [o.traceback for o in errors] == [["ConfigError: steps=2 with warmup_steps=3: the steps count the warm-up, "
+                                              "so there must be more of them than of warm-up steps"]]
+    assert "plain PyTorch" not in _stream_text(nb)  # no rung started

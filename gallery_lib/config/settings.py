@@ -18,6 +18,9 @@ from typing import Any
 class ConfigError(ValueError):
     """An invalid run configuration: the message names the field, the value and what is allowed."""
 
+    def _render_traceback_(self) -> list[str]:  # IPython's hook: a notebook shows the message, not a traceback
+        return [f"{type(self).__name__}: {self}"]
+
 
 @dataclass(frozen=True)
 class Rule:

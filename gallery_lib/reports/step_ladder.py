@@ -26,6 +26,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
+from gallery_lib.config import ConfigError
 from gallery_lib.config.quiet import quiet_known_noise
 from gallery_lib.reports.comparison import CPU_TIMINGS, _png_bytes, _ReportFigure, speedup_text, with_inline_image
 from gallery_lib.reports.provenance import source_version
@@ -55,9 +56,13 @@ class StepLadder:
     """Rungs in the order they were added; each is compared with the first (speedup, loss curve) and the one
     before it (gain)."""
 
-    def __init__(self, *, batch_size: int, warmup: int, device: str = "cuda") -> None:
+    def __init__(self, *, batch_size: int, warmup: int, device: str = "cuda", steps: int | None = None) -> None:
+        """``steps``: each rung's steps, where known, checked against ``warmup`` before any rung trains."""
         if warmup < 0:
-            raise ValueError(f"StepLadder: warmup={warmup} must be >= 0")
+            raise ConfigError(f"StepLadder: warmup={warmup} must be >= 0")
+        if steps is not None and steps <= warmup:
+            raise ConfigError(f"steps={steps} with warmup_steps={warmup}: the steps count the warm-up, so there must "
+                              "be more of them than of warm-up steps")
         self.batch_size, self.warmup, self.device = batch_size, warmup, device
         self.rungs: list[StepRung] = []
         self.stopped: dict[str, str] = {}
