@@ -147,7 +147,7 @@ def test_small_sizes_always_shrink():
 
 def test_memory_is_freed_between_trials(monkeypatch):
     events = []
-    monkeypatch.setattr("gallery_lib.run.batch_size.free_memory", lambda: events.append("free"))
+    monkeypatch.setattr("gallery_lib.run.batch_size.give_back_cached_gpu_memory", lambda: events.append("free"))
     trainer = FakeTrainer(fits=100)
     find_batch_size(lambda b: (events.append(b), trainer(b)), 128, log=lambda _: None)
     assert events == [128, "free", 114, "free", 102, "free", 90]  # 90 fits: nothing to free after it

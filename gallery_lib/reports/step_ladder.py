@@ -30,7 +30,8 @@ from gallery_lib.config import ConfigError
 from gallery_lib.config.quiet import quiet_known_noise
 from gallery_lib.reports.comparison import CPU_TIMINGS, _png_bytes, _ReportFigure, speedup_text, with_inline_image
 from gallery_lib.reports.provenance import source_version
-from gallery_lib.run.batch_size import allocator_detail, free_memory, is_out_of_memory
+from gallery_lib.run.batch_size import allocator_detail, is_out_of_memory
+from gallery_lib.run.memory_plan import give_back_cached_gpu_memory
 from gallery_lib.run.timing import StepTimer, summarize_times
 
 __all__ = ["StepLadder", "StepTimer"]
@@ -90,7 +91,7 @@ class StepLadder:
         graphs, is dropped (each rung's warm-up is its own, and a small GPU holds one rung at a time). A rung that
         runs out of GPU memory is recorded as stopped, in one line that says what to try, and the next one runs."""
         torch._dynamo.reset()
-        free_memory()
+        give_back_cached_gpu_memory()
 
         def record(losses: Sequence[float], times_ms: Sequence[float], changes: Sequence[Any] = ()) -> None:
             row = self.add(name, losses, times_ms, changes, builds_on=builds_on, peer=peer)

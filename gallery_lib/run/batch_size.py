@@ -14,14 +14,13 @@ that runs, where the family measured none (``memory_plan.py``).
 
 from __future__ import annotations
 
-import gc
 import math
 from typing import Any, Callable
 
 import torch
 
 from gallery_lib.config import RunConfig
-from gallery_lib.run.memory_plan import PLAN, DoesNotFit, MemoryPlan, OutOfMemory
+from gallery_lib.run.memory_plan import PLAN, DoesNotFit, MemoryPlan, OutOfMemory, give_back_cached_gpu_memory
 
 TRIAL_STEPS = 3
 """Training steps per trial: the first steps compile and autotune, which changes peak memory."""
@@ -43,13 +42,6 @@ def allocator_detail(exc: BaseException) -> str:
     start = text.find("Tried to allocate")
     end = text.find(" If reserved but unallocated")
     return f" ({text[start:end if end > start else None].rstrip('.')})" if start >= 0 else ""
-
-
-def free_memory() -> None:
-    """Drop the failed trial's tensors and give cached blocks back to the driver."""
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
 
 
 def next_batch_size(batch: int, factor: float, multiple_of: int) -> int:
@@ -103,7 +95,7 @@ def find_batch_size(
             return batch
         # Outside the except block, so the traceback (and the failed trial's tensors in its frames) is gone.
         log(f"[gallery] batch-size search: {batch} ran out of memory")
-        free_memory()
+        give_back_cached_gpu_memory()  # the failed trial's tensors
         batch = next_batch_size(batch, factor, multiple_of)
     raise RuntimeError(
         f"no batch size >= {minimum} fits in memory (tried {', '.join(map(str, tried)) or 'none'}, starting from "
@@ -140,7 +132,7 @@ def search_run_batch_size(cfg: RunConfig, train: Callable[[RunConfig], Any],
             torch._dynamo.reset()
 
     chosen = find_batch_size(trial, cfg.batch_size, steps_per_trial=TRIAL_STEPS, log=log)
-    free_memory()
+    give_back_cached_gpu_memory()
     return {"tried": tried, "chosen": chosen}
 
 
@@ -176,7 +168,7 @@ def train_first_that_fits(cfg: RunConfig, train: Callable[[RunConfig], dict],
             log(f"[gallery] memory plan: {said}{allocator_detail(exc)}")
         finally:
             torch._dynamo.reset()  # compiled graphs and their guards keep the attempt's model alive
-        free_memory()
+        give_back_cached_gpu_memory()  # the failed trial's tensors
         tried.append(setting.describe())
     raise DoesNotFit(f"does not fit in {plan['budget_gib']:.1f} GiB: {'; '.join(tried)} each ran out of memory "
                      "before its timed steps; use a GPU with more free memory, or lower image_size or the model")

@@ -334,8 +334,8 @@ def give_back_cached_gpu_memory() -> None:
     """Gives the GPU memory this process's allocator caches unused back to the driver, where this process has used
     the GPU: a notebook that trained or measured on the GPU before launching its runs (each a process of its own)
     kept what it had reserved (a ResNet-50 step at batch 256 reserves about 13 GiB), and a run beside it would find
-    only the rest.
-    Compiled CUDA graphs keep their memory pools until ``torch._dynamo.reset()``."""
+    only the rest; a failed batch-size trial's tensors likewise. Compiled CUDA graphs keep their memory pools until
+    ``torch._dynamo.reset()``."""
     torch = sys.modules.get("torch")  # a launcher that never imported torch holds no GPU memory
     if torch is None or not torch.cuda.is_initialized():
         return
