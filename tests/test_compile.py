@@ -128,6 +128,24 @@ def test_a_failing_candidate_is_skipped_with_its_reason_and_the_step_still_train
     torch.testing.assert_close(losses, _loop(eager, 6), rtol=1e-6, atol=1e-6)
 
 
+def test_on_a_cpu_each_candidate_is_timed_over_fewer_steps_than_on_a_gpu():
+    """The default timing: 4 steps per candidate on a CPU (they pick what to keep; no speedup is quoted there), 10
+    on a GPU; an explicit count wins."""
+    from gallery_lib.accel.keep_if_faster import SteadyStepTimer
+    from gallery_lib.accel.optimize import default_timing_steps
+
+    assert (default_timing_steps(on_cuda=False), default_timing_steps(on_cuda=True)) == (4, 10)
+    model = optimize(_mlp(), candidates=["eager", "eager"], warmup_steps=1, cache=False, log=lambda s: None)
+    _loop(model, 12)
+    assert model.gallery_optimize.trial_steps == 2 * (1 + 4)
+    model = optimize(_mlp(), candidates=["eager"], warmup_steps=1, timing_steps=6, cache=False, log=lambda s: None)
+    _loop(model, 9)
+    assert model.gallery_optimize.trial_steps == 1 + 6
+    calls = []
+    SteadyStepTimer(warmup_steps=2)(lambda: calls.append(1), torch.device("cpu"))
+    assert len(calls) == 2 + 4
+
+
 def test_every_candidate_failing_ends_in_eager():
     model = optimize(_mlp(), candidates=[Candidate("bad", {"backend": "no_such_backend"})], warmup_steps=1,
                      timing_steps=2, cache=False, log=lambda s: None)

@@ -23,7 +23,7 @@ from typing import Any, Callable, Generic, Iterator, TypeVar
 import torch
 from torch import nn
 
-from gallery_lib.accel.optimize import step_mark, step_stats
+from gallery_lib.accel.optimize import default_timing_steps, step_mark, step_stats
 
 T = TypeVar("T")
 
@@ -109,7 +109,8 @@ def keep_if_faster(apply: Callable[[], T], undo: Callable[[T], Any], time_step: 
 
 @dataclass(frozen=True)
 class SteadyStepTimer:
-    """Runs a step ``warmup_steps + timing_steps`` times and returns the median ms of the timed ones.
+    """Runs a step ``warmup_steps + timing_steps`` times and returns the median ms of the timed ones (``timing_steps``
+    by default as ``optimize``'s: 10 on a GPU, 4 on a CPU).
 
     The warm-up covers compilation (the first step) and CUDA graph capture (the next ones), as ``optimize``'s trials
     do. On a GPU the steps are timed with CUDA events, without a sync between steps; elsewhere with
@@ -117,11 +118,11 @@ class SteadyStepTimer:
     """
 
     warmup_steps: int = 3
-    timing_steps: int = 10
+    timing_steps: int | None = None
     clock: Callable[[], float] | None = None
 
     def __post_init__(self) -> None:
-        if self.warmup_steps < 1 or self.timing_steps < 2:
+        if self.warmup_steps < 1 or (self.timing_steps is not None and self.timing_steps < 2):
             raise ValueError("SteadyStepTimer: warmup_steps must be >= 1 (the first step compiles) and timing_steps "
                              ">= 2 (a median and its spread)")
 
@@ -129,7 +130,8 @@ class SteadyStepTimer:
         on_cuda = device.type == "cuda" and self.clock is None
         clock = self.clock or time.perf_counter
         marks = [step_mark(on_cuda, clock)]
-        for _ in range(self.warmup_steps + self.timing_steps):
+        timing_steps = self.timing_steps or default_timing_steps(device.type == "cuda")
+        for _ in range(self.warmup_steps + timing_steps):
             step()
             marks.append(step_mark(on_cuda, clock))
         return step_stats("step", marks, self.warmup_steps).steady_ms

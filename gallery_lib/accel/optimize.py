@@ -39,6 +39,12 @@ from gallery_lib.config.quiet import quiet_known_noise
 _MIN_GAIN = 0.01  # a compiled candidate must beat eager by 1%, or eager is kept (fewer recompiles and surprises)
 
 
+def default_timing_steps(on_cuda: bool) -> int:
+    """Steps timed per candidate: 10 on a GPU; 4 on a CPU, where they only pick what to keep (no speedup is quoted
+    there) and each step of the smoke gallery's models takes up to a second (benchmarks/RESULTS.md#cpu-gallery)."""
+    return 10 if on_cuda else 4
+
+
 @dataclass(frozen=True)
 class Candidate:
     """A way to run the model: ``options`` for ``torch.compile`` (``None``: eager), and the input layout."""
@@ -94,7 +100,7 @@ class OptimizeReport:
 
 
 def optimize(model: nn.Module, *, backend: str = "auto", candidates: Iterable[str | Candidate] | None = None,
-             warmup_steps: int = 3, timing_steps: int = 10, cache: bool | str | os.PathLike = True,
+             warmup_steps: int = 3, timing_steps: int | None = None, cache: bool | str | os.PathLike = True,
              log: Callable[[str], Any] = print) -> nn.Module:
     """Returns ``model``, which picks its fastest way to run over its first training steps (module docstring).
 
@@ -104,7 +110,7 @@ def optimize(model: nn.Module, *, backend: str = "auto", candidates: Iterable[st
         candidates: names or ``Candidate`` objects to try (default: ``COMPILED`` on a GPU, inductor on a CPU, after
             eager in both layouts for a model with 2-D convolutions).
         warmup_steps: steps each candidate runs before it is timed (its compilation happens in the first).
-        timing_steps: steps timed per candidate (median, p20 and p80 are logged).
+        timing_steps: steps timed per candidate (median, p20 and p80 are logged); default 10 on a GPU, 4 on a CPU.
         cache: ``True`` for the default cache file, a path for another, ``False`` to always measure.
         log: where the trials and the choice are written.
     """
@@ -112,6 +118,8 @@ def optimize(model: nn.Module, *, backend: str = "auto", candidates: Iterable[st
         raise TypeError(f"optimize(model) takes the nn.Module your loop calls, got {type(model).__name__}")
     if backend != "auto" and backend not in CANDIDATES:
         raise ValueError(f"optimize: unknown backend {backend!r}; use 'auto' or one of {sorted(CANDIDATES)}")
+    if timing_steps is None:
+        timing_steps = default_timing_steps(any(p.is_cuda for p in model.parameters()))
     if warmup_steps < 1 or timing_steps < 2:
         raise ValueError("optimize: warmup_steps must be >= 1 (the first step compiles) and timing_steps >= 2")
     if model._compiled_call_impl is not None:
