@@ -108,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"-p {item!r}: expected NAME=JSON")
     params = {"profile": args.profile, "output_dir": str(output), "data_root": str(REPO / "data"),
               "interactive": False, **extra}
+    compile_for_smoke(args.profile)
     jobs = args.jobs or default_jobs()
     if jobs > 1 and len(notebooks) > 1:
         failures = run_in_lanes(notebooks, jobs, argv if argv is not None else sys.argv[1:])
@@ -129,6 +130,16 @@ def run_one(nb: Path, output: Path, params: dict, cell_timeout: int) -> bool:
         print(f"[notebooks] {nb.name} FAILED after {time.perf_counter() - start:.0f} s: "
               f"{type(exc).__name__}: {str(exc)[:2000]}", flush=True)
         return False
+
+
+def compile_for_smoke(profile: str) -> None:
+    """Where the notebooks run their smoke profile (a CPU), Inductor emits scalar C++ unless the environment says
+    otherwise: the smoke runs show the code paths, their time is mostly compilation, and vector code compiles about a
+    quarter slower (benchmarks/RESULTS.md#cpu-gallery). ``TORCHINDUCTOR_VEC_ISA_OK=1`` keeps it."""
+    import torch
+
+    if profile == "smoke" or (profile == "auto" and not torch.cuda.is_available()):
+        os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "0")
 
 
 def default_jobs() -> int:

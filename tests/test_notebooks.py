@@ -288,6 +288,24 @@ def test_a_stopped_recipe_leaves_every_other_result_and_one_line(tmp_path):
 
 
 @pytest.mark.slow  # over 10 s on 2 cores: left out of the fast tier
+def test_the_smoke_gallery_compiles_scalar_cpu_code_unless_the_environment_says(monkeypatch):
+    """Where the notebooks run their smoke profile, Inductor's C++ is scalar (it compiles about a quarter faster, and
+    the smoke runs show code paths, not speed); the full profile keeps vector code, and so does a user's setting."""
+    runner = _runner()
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    for profile, expected in (("full", None), ("smoke", "0"), ("auto", "0")):
+        monkeypatch.delenv("TORCHINDUCTOR_VEC_ISA_OK", raising=False)
+        runner.compile_for_smoke(profile)
+        assert os.environ.get("TORCHINDUCTOR_VEC_ISA_OK") == expected, profile
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    monkeypatch.delenv("TORCHINDUCTOR_VEC_ISA_OK")
+    runner.compile_for_smoke("auto")
+    assert "TORCHINDUCTOR_VEC_ISA_OK" not in os.environ
+    monkeypatch.setenv("TORCHINDUCTOR_VEC_ISA_OK", "1")
+    runner.compile_for_smoke("smoke")
+    assert os.environ["TORCHINDUCTOR_VEC_ISA_OK"] == "1"
+
+
 def test_two_lanes_run_notebooks_side_by_side_and_report_each(tmp_path):
     """``--jobs 2``: each notebook in its own process, two at a time, every line prefixed with its name; a failing
     notebook fails the whole run, after the others ran."""
