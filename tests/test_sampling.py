@@ -69,7 +69,7 @@ def test_a_grid_from_random_weights_says_so_above_its_images(runs, tmp_path):
     base_config("smoke", family="stable_diffusion", device="cpu").save(run_dir / "config.json")
     grid = compare_samples([run_dir, runs / "compiled"], PROMPTS, steps=1, size=32, save_to=tmp_path / "s.png")
     title = grid.get_suptitle()
-    assert "random weights (no pretrained model) trained for 16 steps in the smoke profile" in title
+    assert "random weights (no pretrained model) trained for 12 steps in the smoke profile" in title
     assert "not what a model learned" in title
     from matplotlib.backends.backend_agg import FigureCanvasAgg
 
