@@ -37,7 +37,8 @@ print(f"# commit {commit} (clean clone); started {started}; exit {code}, wall {w
       f"({int(wall) // 60} min {int(wall) % 60} s), set-up included; CPU time {user} user {system} sys")
 torch = subprocess.run([os.path.join(clone, ".venv", "bin", "python"), "-c", "import torch; print(torch.__version__)"],
                        capture_output=True, text=True).stdout.strip()
-print(f"# machine: {os.cpu_count()} cores ({model}; vector flags: {' '.join(vector)}), no GPU; torch {torch}")
+isa = "with AVX-512" if any(f.startswith("avx512") for f in flags) else "without AVX-512"
+print(f"# machine: {os.cpu_count()} cores ({model} {isa}, vector flags: {' '.join(vector)}), no GPU; torch {torch}")
 log = open(os.path.join(work, "gallery.log")).read().splitlines()
 print("\n## the run's notebook lines")
 print("\n".join(line for line in log if "[notebooks]" in line or "torch " in line[:60]))
