@@ -135,11 +135,16 @@ def run_one(nb: Path, output: Path, params: dict, cell_timeout: int) -> bool:
 def compile_for_smoke(profile: str) -> None:
     """Where the notebooks run their smoke profile (a CPU), Inductor emits scalar C++ unless the environment says
     otherwise: the smoke runs show the code paths, their time is mostly compilation, and vector code compiles about a
-    quarter slower (benchmarks/RESULTS.md#cpu-gallery). ``TORCHINDUCTOR_VEC_ISA_OK=1`` keeps it."""
-    import torch
+    quarter slower (benchmarks/RESULTS.md#cpu-gallery). ``TORCHINDUCTOR_VEC_ISA_OK=1`` keeps it. Torch is imported
+    only to resolve ``auto`` where nothing decided yet (a lane's process inherits its runner's setting)."""
+    if "TORCHINDUCTOR_VEC_ISA_OK" in os.environ or profile == "full":
+        return
+    if profile == "auto":
+        import torch
 
-    if profile == "smoke" or (profile == "auto" and not torch.cuda.is_available()):
-        os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "0")
+        if torch.cuda.is_available():
+            return
+    os.environ["TORCHINDUCTOR_VEC_ISA_OK"] = "0"
 
 
 def default_jobs() -> int:
