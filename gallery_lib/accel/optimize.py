@@ -118,9 +118,7 @@ def optimize(model: nn.Module, *, backend: str = "auto", candidates: Iterable[st
         raise TypeError(f"optimize(model) takes the nn.Module your loop calls, got {type(model).__name__}")
     if backend != "auto" and backend not in CANDIDATES:
         raise ValueError(f"optimize: unknown backend {backend!r}; use 'auto' or one of {sorted(CANDIDATES)}")
-    if timing_steps is None:
-        timing_steps = default_timing_steps(any(p.is_cuda for p in model.parameters()))
-    if warmup_steps < 1 or timing_steps < 2:
+    if warmup_steps < 1 or (timing_steps is not None and timing_steps < 2):
         raise ValueError("optimize: warmup_steps must be >= 1 (the first step compiles) and timing_steps >= 2")
     if model._compiled_call_impl is not None:
         raise ValueError("optimize: this model is already compiled (model.compile() or optimize()); pass the "
@@ -168,18 +166,19 @@ class _Chooser:
     through the trials at training calls."""
 
     def __init__(self, model: nn.Module, backend: str, plan: list[Candidate] | None, warmup_steps: int,
-                 timing_steps: int, cache_file: Path | None, log: Callable[[str], Any]) -> None:
+                 timing_steps: int | None, cache_file: Path | None, log: Callable[[str], Any]) -> None:
         self.model = model
         self.backend = backend
         self.plan = plan
-        self.warmup_steps, self.timing_steps = warmup_steps, timing_steps
+        self._on_cuda = any(p.is_cuda for p in model.parameters())
+        self.warmup_steps = warmup_steps
+        self.timing_steps = timing_steps or default_timing_steps(self._on_cuda)
         self.cache_file = cache_file
         self.log = log
         self.report = OptimizeReport()
         self.trials: list[_Trial] = []
         self.chosen: Candidate | None = None
         self._compiled: dict[str, Callable] = {}
-        self._on_cuda = any(p.is_cuda for p in model.parameters())
         self._has_conv = any(isinstance(m, nn.Conv2d) for m in model.modules())
         self._compiled_plan: list[Candidate] = []
 
