@@ -13,6 +13,7 @@ from dataclasses import replace
 from typing import Any, Callable, Iterable
 
 from gallery_lib.config import ConfigError, RunConfig
+from gallery_lib.run.learned_footprints import recalled_gib
 from gallery_lib.run.memory_plan import (HOST_PROCESS_GIB, NAMED, PLAN, PLANNED_FIELDS, Budget, Candidate, MemoryPlan,
                                          TrainingState, candidates, choose, estimate_gib, workers_that_fit)
 
@@ -42,7 +43,7 @@ def fit_to_memory(cfg: RunConfig, resolve: Callable[[dict[str, Any]], RunConfig]
         except ConfigError:  # a setting this recipe cannot run (a ladder rung's CUDA graphs under checkpointing)
             continue
         options.append(option)
-    estimates = [footprint_gib(config, option.uncompiled) for option, config in zip(options, configs)]
+    estimates = [measured_gib(config, option.uncompiled, budget) for option, config in zip(options, configs)]
     plan = replace(choose(options, estimates, budget, configured, training_state(cfg)),
                    ema_offloaded="ema_offload" in moved, per_tensor_update="foreach_optimizer" in moved)
     settings = (plan.chosen,) if plan.chosen is not None else plan.probe
@@ -55,7 +56,7 @@ def fit_to_memory(cfg: RunConfig, resolve: Callable[[dict[str, Any]], RunConfig]
     cfg = fitted[0]
     if cfg.precompile_workers != resolved[0].precompile_workers:
         plan = replace(plan, precompile_workers=cfg.precompile_workers)
-    noted = plan.as_dict()
+    noted = {**plan.as_dict(), "gpu": budget.gpu}  # the training process writes what it measures for this GPU
     if plan.chosen is None:  # the training process tries them in order (``run/batch_size.py``)
         noted.update(probe_fields=[_difference(cfg, other) for other in fitted], configured=configured.fields())
     return cfg.replace(extra={**cfg.extra, PLAN: noted})
@@ -86,6 +87,13 @@ def uncompiled(cfg: RunConfig, named: Iterable[str] = ()) -> RunConfig:
     named = set(named)
     left = {name: value for name, value in COMPILE_ONLY.items() if name not in named}
     return cfg.replace(compile=False, **left)
+
+
+def measured_gib(cfg: RunConfig, uncompiled: bool, budget: Budget) -> float | None:
+    """The run's peak as this GPU measured it before (or the memory it ran out of, where it is no more than
+    ``budget``'s), else as its family measured it (``footprint_gib``)."""
+    here = recalled_gib(cfg, budget.gpu, budget.gib)
+    return here if here is not None else footprint_gib(cfg, uncompiled)
 
 
 def footprint_gib(cfg: RunConfig, uncompiled: bool = False) -> float | None:

@@ -58,6 +58,8 @@ class Budget:
     source: str
     """``gpu_memory_gib`` (a cap the run enforces), ``free`` (read from the GPU) or ``host`` (a run on the CPU: the
     machine's available memory, against which only the training state is weighed)."""
+    gpu: str | None = None
+    """The GPU's name, where it was read: what this GPU measured before counts for it (``learned_footprints``)."""
 
     def describe(self) -> str:
         return f"{self.gib:.1f} GiB ({_SOURCES.get(self.source, 'free on the GPU')})"
@@ -323,11 +325,12 @@ def read_budget(cap_gib: float | None) -> Budget | None:
     given; ``None`` where it cannot be read and no cap is given. A cap above the free memory cannot be kept: another
     process (a notebook's own tensors) holds the rest."""
     give_back_cached_gpu_memory()
-    free = _free_gib(_first_visible_gpu())
+    gpu = _first_visible_gpu()
+    free = _free_gib(gpu)
     free = None if free is None else max(0.0, free - CONTEXT_GIB)
     if cap_gib is not None and (free is None or cap_gib <= free):
-        return Budget(float(cap_gib), "gpu_memory_gib")
-    return None if free is None else Budget(free, "free" if cap_gib is None else "free_below_cap")
+        return Budget(float(cap_gib), "gpu_memory_gib", gpu_name(gpu))
+    return None if free is None else Budget(free, "free" if cap_gib is None else "free_below_cap", gpu_name(gpu))
 
 
 def give_back_cached_gpu_memory() -> None:
@@ -365,6 +368,17 @@ def _free_gib(gpu: str) -> float | None:
                              capture_output=True, text=True, timeout=20, check=True).stdout
         return float(out.strip().splitlines()[0]) / 1024
     except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return None
+
+
+def gpu_name(gpu: str) -> str | None:
+    """The name of GPU ``gpu`` (an index or UUID, as ``CUDA_VISIBLE_DEVICES`` names it) from ``nvidia-smi``, without
+    starting CUDA in this process; ``None`` where it cannot be read."""
+    try:
+        out = subprocess.run(["nvidia-smi", f"--id={gpu}", "--query-gpu=name", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20, check=True).stdout
+        return out.strip().splitlines()[0].strip() or None
+    except (OSError, subprocess.SubprocessError, IndexError):
         return None
 
 

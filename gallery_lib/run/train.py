@@ -52,6 +52,7 @@ from gallery_lib.accel.torch_switches import (WORKER_CAP_ENV, cap_gpu_memory, se
 from gallery_lib.config import RunConfig, validate_for_machine
 from gallery_lib.run.attention_probe import AttentionProbe
 from gallery_lib.run.batch_size import is_out_of_memory, search_run_batch_size, train_first_that_fits
+from gallery_lib.run.learned_footprints import remembering
 from gallery_lib.run.memory_plan import (NAMED, PLAN, Candidate, MemoryPlan, OutOfMemory, memory_in_use_gib,
                                          out_of_memory, worker_share_gib)
 from gallery_lib.run.checkpoint import Checkpointer, check_fresh_start, is_own_checkpoint, resume_source
@@ -150,10 +151,14 @@ def run(cfg: RunConfig, dist: DistInfo | None = None) -> dict:
                 shutdown()
     _cap_memory(cfg.gpu_memory_gib, cfg.precompile_workers, cfg.model_family.worker_memory, dist.device)
     log = print if dist.is_main else (lambda *a, **k: None)
-    if (cfg.extra.get(PLAN) or {}).get("probe_fields"):  # no footprint measured: the first setting that runs
-        return train_first_that_fits(cfg, lambda attempt: _train(attempt, dist), log=log)
+    plan = cfg.extra.get(PLAN) or {}
+    train = functools.partial(_train, dist=dist)
+    if plan.get("gpu"):  # the next plan on this GPU reads what this run measures
+        train = remembering(train, plan["gpu"], plan["budget_gib"], is_out_of_memory)
+    if plan.get("probe_fields"):  # no footprint measured: the first setting that runs
+        return train_first_that_fits(cfg, train, log=log)
     if not cfg.find_batch_size:
-        return _train(cfg, dist)
+        return train(cfg)
     check_fresh_start(cfg.run_dir, cfg.sections.checkpoint)  # now, rather than after the search
     search = search_run_batch_size(cfg, lambda trial: _train(trial, dist), log=log)
     cfg = cfg.replace(batch_size=search["chosen"], find_batch_size=False,

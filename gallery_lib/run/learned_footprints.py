@@ -1,0 +1,107 @@
+"""Peaks measured on this machine's GPU, for the memory plan's next run: a planned run on a GPU writes the peak its
+setting reserved, or the memory it ran out of, to ``memory_footprints.json`` in the gallery's cache
+(``~/.cache/gallery_lib``, or ``$GALLERY_CACHE_DIR``). The next plan of the same run on the same GPU reads it beside
+the family's footprints: a setting that ran is measured, and one that ran out of memory under as much memory or more
+is not tried again, so a notebook run a second time on a small card starts at once. Delete the file to measure again.
+
+A run is the same run when every field that shapes its step is the same (all but ``NOT_SHAPING``: where it writes,
+how long it trains, how it logs), on a GPU of the same name (as the plan's ``Budget`` read it), with the same torch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+from typing import Any, Callable
+
+from gallery_lib.config import RunConfig
+
+FILE = "memory_footprints.json"
+NOT_SHAPING = frozenset({
+    "checkpoint_every", "data_dir", "export_model", "extra", "find_batch_size", "gpu_memory_gib", "keep_checkpoints",
+    "log_every", "lr", "lr_warmup_steps", "max_bad_fraction", "max_nonfinite_steps", "max_restarts", "memory_plan",
+    "num_workers", "output_dir", "precompile_workers", "profile", "recipe", "report_to", "resume", "resume_from",
+    "seed", "steps", "verbose", "warmup_steps"})
+"""Fields that leave the memory a step holds as it is. The precompile workers are processes of their own: the plan
+sizes them after it picked the setting."""
+
+
+def setting_key(cfg: RunConfig, gpu: str) -> str:
+    """``cfg``'s step on ``gpu``: its model, the GPU, torch's version and a digest of the fields that shape the step."""
+    shaping = {name: value for name, value in cfg.to_dict().items() if name not in NOT_SHAPING}
+    digest = hashlib.sha256(json.dumps(shaping, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    return f"{cfg.model} | {gpu} | torch {_torch_version()} | {digest}"
+
+
+def recalled_gib(cfg: RunConfig, gpu: str | None, budget_gib: float, path: Path | None = None) -> float | None:
+    """What this GPU measured for ``cfg``'s step: the memory it ran out of where that is ``budget_gib`` or more (the
+    step does not fit), else the peak it reserved where it ran; ``None`` where it has not run here."""
+    if gpu is None:
+        return None
+    entry = _read(path).get(setting_key(cfg, gpu))
+    if not isinstance(entry, dict):
+        return None
+    ran_out = entry.get("out_of_memory_under_gib")
+    if isinstance(ran_out, (int, float)) and ran_out >= budget_gib:
+        return float(ran_out)
+    peak = entry.get("peak_reserved_gib")
+    return float(peak) if isinstance(peak, (int, float)) else None
+
+
+def remember(cfg: RunConfig, gpu: str, *, peak_gib: float | None = None, out_of_memory_under: float | None = None,
+             path: Path | None = None) -> None:
+    """Writes what ``cfg``'s step did on ``gpu``: the peak it reserved, or the budget it ran out of memory under (the
+    largest such budget is kept; a peak measured later replaces a smaller one)."""
+    from gallery_lib.accel.optimize import write_cache
+
+    path = path or cache_path()
+    key = setting_key(cfg, gpu)
+    entry = dict(_read(path).get(key) or {}, model=cfg.model, batch_size=cfg.batch_size,
+                 accumulation=cfg.gradient_accumulation_steps, checkpointing=cfg.gradient_checkpointing)
+    if peak_gib is not None:
+        entry["peak_reserved_gib"] = round(peak_gib, 2)
+    if out_of_memory_under is not None:
+        entry["out_of_memory_under_gib"] = max(out_of_memory_under, entry.get("out_of_memory_under_gib") or 0.0)
+    write_cache(path, key, entry)
+
+
+def remembering(train: Callable[[RunConfig], dict], gpu: str, budget_gib: float,
+                is_out_of_memory: Callable[[BaseException], bool],
+                path: Path | None = None) -> Callable[[RunConfig], dict]:
+    """``train`` that writes each attempt's peak, or the ``budget_gib`` it ran out of memory under, for ``gpu``. Out of
+    memory after the last step (saving the model) says nothing of the step, and is not written."""
+    def attempt(cfg: RunConfig) -> dict:
+        try:
+            summary = train(cfg)
+        except Exception as exc:
+            step = getattr(exc, "step", None)
+            if is_out_of_memory(exc) and (step is None or step < cfg.steps):  # after training: step == steps
+                remember(cfg, gpu, out_of_memory_under=budget_gib, path=path)
+            raise
+        peak_mb = summary.get("peak_reserved_mb") if isinstance(summary, dict) else None
+        if peak_mb:
+            remember(cfg, gpu, peak_gib=peak_mb / 1024, path=path)
+        return summary
+
+    return attempt
+
+
+def cache_path() -> Path:
+    from gallery_lib.accel.optimize import default_cache_file
+
+    return default_cache_file(FILE)
+
+
+def _read(path: Path | None) -> dict[str, Any]:
+    from gallery_lib.accel.optimize import read_cache
+
+    return read_cache(path or cache_path())
+
+
+def _torch_version() -> str:
+    try:
+        return version("torch")
+    except PackageNotFoundError:  # pragma: no cover - torch runs the gallery
+        return "unknown"
