@@ -113,3 +113,20 @@ def test_the_peak_is_written_and_out_of_memory_after_training_is_not(smoke_data,
     with pytest.raises(torch.OutOfMemoryError):
         remembering(step_ran_out, GPU, 22.0, is_out_of_memory)(other)
     assert recalled_gib(other, GPU, 22.0) == 22.0 and recalled_gib(other, GPU, 24.0) is None
+
+
+@pytest.mark.gpu
+def test_gpu_a_second_plan_picks_the_setting_the_first_run_measured(smoke_data, tmp_path):
+    """On a GPU, end to end: swin_micro has no footprint, so its first plan tries batch 12 in the run; the run writes
+    its peak under the GPU's name, and the same recipe planned again picks that setting, measured, without a trial."""
+    from gallery_lib.recipes import recipe_config
+
+    base = base_config("smoke", family="swin_transformer", data_dir=str(smoke_data), output_dir=str(tmp_path),
+                       device="cuda", gpu_memory_gib=6.0, batch_size=12, steps=5, warmup_steps=2, num_workers=0)
+    first = recipe_config(base, "baseline", {})
+    plan = MemoryPlan.from_dict(first.extra[PLAN])
+    assert first.extra[PLAN]["gpu"] and plan.chosen is None and plan.probe[0] == Candidate(12, 1, False)
+    summary = run(first)
+    again = MemoryPlan.from_dict(recipe_config(base, "baseline", {}).extra[PLAN])
+    assert again.chosen == Candidate(12, 1, False) and again.estimate_gib == pytest.approx(
+        summary["peak_reserved_mb"] / 1024, abs=0.01)
