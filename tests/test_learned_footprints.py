@@ -12,9 +12,8 @@ import torch
 from gallery_lib.recipes.memory_fit import fit_to_memory
 from gallery_lib.recipes.named import _resolved
 from gallery_lib.recipes.profiles import base_config
-from gallery_lib.run.learned_footprints import FILE, recalled_gib, remember, remembering, setting_key
+from gallery_lib.run.learned_footprints import FILE, recalled_gib, remember, setting_key
 from gallery_lib.run.memory_plan import NAMED, PLAN, Budget, Candidate, MemoryPlan, OutOfMemory
-from gallery_lib.run.batch_size import is_out_of_memory
 from gallery_lib.run.train import run
 from test_memory_plan import mock_out_of_memory_above, planned_cfg
 
@@ -38,6 +37,10 @@ def sd_planned(budget: Budget, recipe: str = "accelerated"):
     return fit_to_memory(resolve({}), resolve, budget)
 
 
+def key(cfg, gpu=GPU) -> str:
+    return setting_key(cfg.to_dict(), gpu)
+
+
 def chosen(cfg) -> Candidate | None:
     plan = MemoryPlan.from_dict(cfg.extra[PLAN])
     return plan.chosen
@@ -46,24 +49,25 @@ def chosen(cfg) -> Candidate | None:
 def test_the_key_is_the_step_on_one_gpu():
     cfg = base_config("full", family="stable_diffusion", data_root="/a", device="cuda")
     same = cfg.replace(output_dir="/elsewhere", steps=300, seed=7, log_every=1, gpu_memory_gib=16.0)
-    assert setting_key(cfg, GPU) == setting_key(same, GPU)
-    assert setting_key(cfg, GPU) != setting_key(cfg, "NVIDIA A100-SXM4-40GB")
+    assert key(cfg) == key(same)
+    assert key(cfg) != key(cfg, "NVIDIA A100-SXM4-40GB")
     for shaping in ({"batch_size": 4}, {"gradient_checkpointing": True}, {"image_size": 256}, {"ema": "off"}):
-        assert setting_key(cfg.replace(**shaping), GPU) != setting_key(cfg, GPU), shaping
+        assert key(cfg.replace(**shaping)) != key(cfg), shaping
+    assert key(cfg.replace(batch_size=4, gradient_accumulation_steps=2, gradient_checkpointing=True)).startswith(
+        "sd15 | batch 4 x 2, checkpointing | NVIDIA Fake 24GB | torch ")
 
 
 def test_a_setting_that_ran_out_of_memory_is_not_tried_again_under_as_little(cache_dir):
     first = sd_planned(Budget(22.0, "gpu_memory_gib", GPU))
     assert chosen(first) == Candidate(8, 1, True)  # SD-1.5's measured checkpointed footprint, 20.3 GiB
-    remember(first, GPU, out_of_memory_under=22.0)  # this GPU's step needed more
+    remember(key(first), out_of_memory_under=22.0)  # this GPU's step needed more
 
     again = sd_planned(Budget(22.0, "gpu_memory_gib", GPU))
     assert chosen(again) != Candidate(8, 1, True) and again.extra[PLAN]["gpu"] == GPU
     assert chosen(sd_planned(Budget(22.0, "gpu_memory_gib", "another GPU"))) == Candidate(8, 1, True)
     assert chosen(sd_planned(Budget(38.0, "gpu_memory_gib", GPU))) == Candidate(8, 1, False)  # more memory: unknown
     assert chosen(sd_planned(Budget(22.0, "gpu_memory_gib", None))) == Candidate(8, 1, True)  # name unread: as before
-    entry = next(iter(json.loads((cache_dir / FILE).read_text()).values()))
-    assert entry["out_of_memory_under_gib"] == 22.0 and entry["batch_size"] == 8 and entry["checkpointing"]
+    assert json.loads((cache_dir / FILE).read_text()) == {key(first): {"out_of_memory_under_gib": 22.0}}
 
 
 def test_a_setting_this_gpu_measured_is_picked_without_a_trial():
@@ -71,7 +75,7 @@ def test_a_setting_this_gpu_measured_is_picked_without_a_trial():
     probed = sd_planned(budget, "baseline")  # nothing measured fits 16 GiB: the run tries settings in order
     plan = MemoryPlan.from_dict(probed.extra[PLAN])
     assert plan.chosen is None and plan.probe
-    remember(probed, GPU, peak_gib=15.2)  # the first one ran, reserving 15.2 GiB at its peak
+    remember(key(probed), peak_gib=15.2)  # the first one ran, reserving 15.2 GiB at its peak
 
     measured = sd_planned(budget, "baseline")
     assert chosen(measured) == plan.probe[0] and measured.extra[PLAN]["estimate_gib"] == 15.2
@@ -84,35 +88,28 @@ def test_a_run_writes_each_attempts_outcome_for_the_next_plan(smoke_data, tmp_pa
     mock_out_of_memory_above(monkeypatch, limit=6)
     cfg = planned_cfg(smoke_data, tmp_path)
     cfg = cfg.replace(extra={**cfg.extra, PLAN: {**cfg.extra[PLAN], "gpu": GPU}})
+    monkeypatch.setattr("gallery_lib.run.summary.peak_reserved_mb", lambda device: 3.5 * 1024)  # as on a GPU
     run(cfg)
-    assert recalled_gib(cfg, GPU, 22.0) == 22.0
-    assert recalled_gib(cfg.replace(gradient_checkpointing=True), GPU, 22.0) == 22.0
-    assert recalled_gib(cfg, GPU, 40.0) is None  # more memory than it ran out of: not known
-    ran = cfg.replace(batch_size=6, gradient_accumulation_steps=2)
-    assert recalled_gib(ran, GPU, 22.0) is None  # ran, but a CPU reserves no CUDA memory to measure
-    assert len(json.loads((cache_dir / FILE).read_text())) == 2
+    assert recalled_gib(key(cfg), 22.0) == 22.0
+    assert recalled_gib(key(cfg.replace(gradient_checkpointing=True)), 22.0) == 22.0
+    assert recalled_gib(key(cfg), 40.0) is None  # more memory than it ran out of: not known
+    assert recalled_gib(key(cfg.replace(batch_size=6, gradient_accumulation_steps=2)), 22.0) == 3.5  # it ran
+    assert len(json.loads((cache_dir / FILE).read_text())) == 3
 
 
-def test_the_peak_is_written_and_out_of_memory_after_training_is_not(smoke_data, tmp_path):
+def test_out_of_memory_after_the_last_step_is_not_written(smoke_data, tmp_path, monkeypatch, cache_dir):
+    """Saving the model ran out of memory after every step ran: the step fitted, and the next plan must not skip it."""
+    from gallery_lib.tasks.classification import ClassificationTask
+
+    def export_out_of_memory(self, run_dir, model):
+        raise torch.OutOfMemoryError("CUDA out of memory (mocked: saving)")
+
+    monkeypatch.setattr(ClassificationTask, "export", export_out_of_memory)
     cfg = planned_cfg(smoke_data, tmp_path)
-    remembered = remembering(lambda c: {"peak_reserved_mb": 20.5 * 1024}, GPU, 22.0, is_out_of_memory)
-    remembered(cfg)
-    assert recalled_gib(cfg, GPU, 22.0) == 20.5
-
-    def saving_ran_out(c):
-        raise OutOfMemory("all 5 training steps ran, then saving the model ran out of GPU memory", c.steps)
-
-    other = cfg.replace(batch_size=4)
-    with pytest.raises(OutOfMemory):
-        remembering(saving_ran_out, GPU, 22.0, is_out_of_memory)(other)
-    assert recalled_gib(other, GPU, 22.0) is None
-
-    def step_ran_out(c):
-        raise torch.OutOfMemoryError("CUDA out of memory (mocked)")
-
-    with pytest.raises(torch.OutOfMemoryError):
-        remembering(step_ran_out, GPU, 22.0, is_out_of_memory)(other)
-    assert recalled_gib(other, GPU, 22.0) == 22.0 and recalled_gib(other, GPU, 24.0) is None
+    cfg = cfg.replace(extra={**cfg.extra, PLAN: {**cfg.extra[PLAN], "gpu": GPU}})
+    with pytest.raises(OutOfMemory, match="^all 5 training steps ran, then saving"):
+        run(cfg)
+    assert recalled_gib(key(cfg), 22.0) is None and not (cache_dir / FILE).exists()
 
 
 @pytest.mark.gpu

@@ -13,7 +13,7 @@ from dataclasses import replace
 from typing import Any, Callable, Iterable
 
 from gallery_lib.config import ConfigError, RunConfig
-from gallery_lib.run.learned_footprints import recalled_gib
+from gallery_lib.run.learned_footprints import recalled_gib, setting_key
 from gallery_lib.run.memory_plan import (HOST_PROCESS_GIB, NAMED, PLAN, PLANNED_FIELDS, Budget, Candidate, MemoryPlan,
                                          TrainingState, candidates, choose, estimate_gib, workers_that_fit)
 
@@ -92,7 +92,7 @@ def uncompiled(cfg: RunConfig, named: Iterable[str] = ()) -> RunConfig:
 def measured_gib(cfg: RunConfig, uncompiled: bool, budget: Budget) -> float | None:
     """The run's peak as this GPU measured it before (or the memory it ran out of, where it is no more than
     ``budget``'s), else as its family measured it (``footprint_gib``)."""
-    here = recalled_gib(cfg, budget.gpu, budget.gib)
+    here = recalled_gib(budget.gpu and setting_key(cfg.to_dict(), budget.gpu), budget.gib)
     return here if here is not None else footprint_gib(cfg, uncompiled)
 
 

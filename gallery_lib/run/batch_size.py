@@ -155,7 +155,8 @@ def train_first_that_fits(cfg: RunConfig, train: Callable[[RunConfig], dict],
         chosen = MemoryPlan(plan["budget_gib"], plan["source"], setting, None, changed=changed,
                             after=options[index + 1:], ema_offloaded=plan.get("ema_offloaded", False),
                             per_tensor_update=plan.get("per_tensor_update", False))
-        attempt = cfg.replace(**fields, extra={**cfg.extra, PLAN: {**chosen.as_dict(), "gave_way": list(tried)}})
+        attempt = cfg.replace(**fields, extra={**cfg.extra, PLAN: {**chosen.as_dict(), "gave_way": list(tried),
+                                                                   "gpu": plan.get("gpu")}})
         if tried:
             log(f"[gallery] memory plan: {tried[-1]} ran out of memory before its timed steps; trying "
                 f"{setting.describe()} from step 0")

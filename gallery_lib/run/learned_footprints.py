@@ -14,9 +14,7 @@ import hashlib
 import json
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
-from typing import Any, Callable
-
-from gallery_lib.config import RunConfig
+from typing import Any, Mapping
 
 FILE = "memory_footprints.json"
 NOT_SHAPING = frozenset({
@@ -28,19 +26,22 @@ NOT_SHAPING = frozenset({
 sizes them after it picked the setting."""
 
 
-def setting_key(cfg: RunConfig, gpu: str) -> str:
-    """``cfg``'s step on ``gpu``: its model, the GPU, torch's version and a digest of the fields that shape the step."""
-    shaping = {name: value for name, value in cfg.to_dict().items() if name not in NOT_SHAPING}
+def setting_key(fields: Mapping[str, Any], gpu: str) -> str:
+    """The key of a run's step on ``gpu``, from the run's config ``fields`` (``RunConfig.to_dict()``): its model and
+    setting in words, the GPU, torch's version and a digest of every field that shapes the step."""
+    shaping = {name: value for name, value in fields.items() if name not in NOT_SHAPING}
     digest = hashlib.sha256(json.dumps(shaping, sort_keys=True, default=str).encode()).hexdigest()[:16]
-    return f"{cfg.model} | {gpu} | torch {_torch_version()} | {digest}"
+    setting = f"batch {fields.get('batch_size')}" + (
+        f" x {fields['gradient_accumulation_steps']}" if fields.get("gradient_accumulation_steps", 1) > 1 else "") + (
+        ", checkpointing" if fields.get("gradient_checkpointing") else "") + (
+        ", compiled" if fields.get("compile") else "")
+    return f"{fields.get('model')} | {setting} | {gpu} | torch {_torch_version()} | {digest}"
 
 
-def recalled_gib(cfg: RunConfig, gpu: str | None, budget_gib: float, path: Path | None = None) -> float | None:
-    """What this GPU measured for ``cfg``'s step: the memory it ran out of where that is ``budget_gib`` or more (the
-    step does not fit), else the peak it reserved where it ran; ``None`` where it has not run here."""
-    if gpu is None:
-        return None
-    entry = _read(path).get(setting_key(cfg, gpu))
+def recalled_gib(key: str | None, budget_gib: float, path: Path | None = None) -> float | None:
+    """What this GPU measured for the step ``key`` names: the memory it ran out of where that is ``budget_gib`` or
+    more (the step does not fit), else the peak it reserved where it ran; ``None`` where it has not run here."""
+    entry = _read(path).get(key) if key else None
     if not isinstance(entry, dict):
         return None
     ran_out = entry.get("out_of_memory_under_gib")
@@ -50,16 +51,14 @@ def recalled_gib(cfg: RunConfig, gpu: str | None, budget_gib: float, path: Path 
     return float(peak) if isinstance(peak, (int, float)) else None
 
 
-def remember(cfg: RunConfig, gpu: str, *, peak_gib: float | None = None, out_of_memory_under: float | None = None,
+def remember(key: str, *, peak_gib: float | None = None, out_of_memory_under: float | None = None,
              path: Path | None = None) -> None:
-    """Writes what ``cfg``'s step did on ``gpu``: the peak it reserved, or the budget it ran out of memory under (the
-    largest such budget is kept; a peak measured later replaces a smaller one)."""
+    """Writes what the step ``key`` names did: the peak it reserved, or the budget it ran out of memory under (the
+    largest such budget is kept)."""
     from gallery_lib.accel.optimize import write_cache
 
     path = path or cache_path()
-    key = setting_key(cfg, gpu)
-    entry = dict(_read(path).get(key) or {}, model=cfg.model, batch_size=cfg.batch_size,
-                 accumulation=cfg.gradient_accumulation_steps, checkpointing=cfg.gradient_checkpointing)
+    entry = dict(_read(path).get(key) or {})
     if peak_gib is not None:
         entry["peak_reserved_gib"] = round(peak_gib, 2)
     if out_of_memory_under is not None:
@@ -67,25 +66,10 @@ def remember(cfg: RunConfig, gpu: str, *, peak_gib: float | None = None, out_of_
     write_cache(path, key, entry)
 
 
-def remembering(train: Callable[[RunConfig], dict], gpu: str, budget_gib: float,
-                is_out_of_memory: Callable[[BaseException], bool],
-                path: Path | None = None) -> Callable[[RunConfig], dict]:
-    """``train`` that writes each attempt's peak, or the ``budget_gib`` it ran out of memory under, for ``gpu``. Out of
-    memory after the last step (saving the model) says nothing of the step, and is not written."""
-    def attempt(cfg: RunConfig) -> dict:
-        try:
-            summary = train(cfg)
-        except Exception as exc:
-            step = getattr(exc, "step", None)
-            if is_out_of_memory(exc) and (step is None or step < cfg.steps):  # after training: step == steps
-                remember(cfg, gpu, out_of_memory_under=budget_gib, path=path)
-            raise
-        peak_mb = summary.get("peak_reserved_mb") if isinstance(summary, dict) else None
-        if peak_mb:
-            remember(cfg, gpu, peak_gib=peak_mb / 1024, path=path)
-        return summary
-
-    return attempt
+def ran_out_in_training(step: int | None, steps: int) -> bool:
+    """Whether out of memory at ``step`` (``None``: before the first) of a run of ``steps`` says the step does not
+    fit: out of memory after the last step (saving the model, step ``steps``) says nothing of it."""
+    return step is None or step < steps
 
 
 def cache_path() -> Path:

@@ -52,7 +52,7 @@ from gallery_lib.accel.torch_switches import (WORKER_CAP_ENV, cap_gpu_memory, se
 from gallery_lib.config import RunConfig, validate_for_machine
 from gallery_lib.run.attention_probe import AttentionProbe
 from gallery_lib.run.batch_size import is_out_of_memory, search_run_batch_size, train_first_that_fits
-from gallery_lib.run.learned_footprints import remembering
+from gallery_lib.run.learned_footprints import ran_out_in_training, remember, setting_key
 from gallery_lib.run.memory_plan import (NAMED, PLAN, Candidate, MemoryPlan, OutOfMemory, memory_in_use_gib,
                                          out_of_memory, worker_share_gib)
 from gallery_lib.run.checkpoint import Checkpointer, check_fresh_start, is_own_checkpoint, resume_source
@@ -151,14 +151,10 @@ def run(cfg: RunConfig, dist: DistInfo | None = None) -> dict:
                 shutdown()
     _cap_memory(cfg.gpu_memory_gib, cfg.precompile_workers, cfg.model_family.worker_memory, dist.device)
     log = print if dist.is_main else (lambda *a, **k: None)
-    plan = cfg.extra.get(PLAN) or {}
-    train = functools.partial(_train, dist=dist)
-    if plan.get("gpu"):  # the next plan on this GPU reads what this run measures
-        train = remembering(train, plan["gpu"], plan["budget_gib"], is_out_of_memory)
-    if plan.get("probe_fields"):  # no footprint measured: the first setting that runs
-        return train_first_that_fits(cfg, train, log=log)
+    if (cfg.extra.get(PLAN) or {}).get("probe_fields"):  # no footprint measured: the first setting that runs
+        return train_first_that_fits(cfg, lambda attempt: _train(attempt, dist), log=log)
     if not cfg.find_batch_size:
-        return train(cfg)
+        return _train(cfg, dist)
     check_fresh_start(cfg.run_dir, cfg.sections.checkpoint)  # now, rather than after the search
     search = search_run_batch_size(cfg, lambda trial: _train(trial, dist), log=log)
     cfg = cfg.replace(batch_size=search["chosen"], find_batch_size=False,
@@ -201,10 +197,22 @@ def explain_out_of_memory(exc: BaseException, training: TrainingSettings, extra:
 def _train(cfg: RunConfig, dist: DistInfo, extra_summary: dict | None = None) -> dict:
     """One training run of ``cfg`` at its batch size; ``extra_summary`` is merged into the summary record."""
     setup_start = time.perf_counter()
-    # its precompile workers warm up while the model and the data are set up
-    with CompilePlan(dist, compile=cfg.sections.compile, family=cfg.model_family, job=cfg.sections.job,
-                     batch_size=cfg.batch_size, image_size=cfg.image_size) as plan, contextlib.ExitStack() as on_exit:
-        return _train_from(setup_start, cfg, dist, plan, on_exit, extra_summary or {})
+    memory_plan = cfg.extra.get(PLAN) or {}
+    # what this step measures on this GPU, for the next plan on it (``learned_footprints``)
+    step_key = setting_key(cfg.to_dict(), memory_plan["gpu"]) if memory_plan.get("gpu") else None
+    try:
+        # its precompile workers warm up while the model and the data are set up
+        with CompilePlan(dist, compile=cfg.sections.compile, family=cfg.model_family, job=cfg.sections.job,
+                         batch_size=cfg.batch_size, image_size=cfg.image_size) as plan, \
+                contextlib.ExitStack() as on_exit:
+            summary = _train_from(setup_start, cfg, dist, plan, on_exit, extra_summary or {})
+    except Exception as exc:
+        if step_key and is_out_of_memory(exc) and ran_out_in_training(getattr(exc, "step", None), cfg.steps):
+            remember(step_key, out_of_memory_under=memory_plan["budget_gib"])
+        raise
+    if step_key and summary.get("peak_reserved_mb"):
+        remember(step_key, peak_gib=summary["peak_reserved_mb"] / 1024)
+    return summary
 
 
 def _train_from(setup_start: float, cfg: RunConfig, dist: DistInfo, plan: CompilePlan,
