@@ -90,8 +90,8 @@ def uncompiled(cfg: RunConfig, named: Iterable[str] = ()) -> RunConfig:
 
 
 def measured_gib(cfg: RunConfig, uncompiled: bool, budget: Budget) -> float | None:
-    """The run's peak as this GPU measured it before (or the memory it ran out of, where it is no more than
-    ``budget``'s), else as its family measured it (``footprint_gib``)."""
+    """The run's peak as this GPU measured it before (or the memory it ran out of, where ``budget`` is no larger),
+    else as its family measured it (``footprint_gib``)."""
     here = recalled_gib(budget.gpu and setting_key(cfg.to_dict(), budget.gpu), budget.gib)
     return here if here is not None else footprint_gib(cfg, uncompiled)
 

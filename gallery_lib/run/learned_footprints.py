@@ -16,6 +16,8 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any, Mapping
 
+from gallery_lib.accel.optimize import default_cache_file, read_cache, write_cache
+
 FILE = "memory_footprints.json"
 NOT_SHAPING = frozenset({
     "checkpoint_every", "data_dir", "export_model", "extra", "find_batch_size", "gpu_memory_gib", "keep_checkpoints",
@@ -55,8 +57,6 @@ def remember(key: str, *, peak_gib: float | None = None, out_of_memory_under: fl
              path: Path | None = None) -> None:
     """Writes what the step ``key`` names did: the peak it reserved, or the budget it ran out of memory under (the
     largest such budget is kept)."""
-    from gallery_lib.accel.optimize import write_cache
-
     path = path or cache_path()
     entry = dict(_read(path).get(key) or {})
     if peak_gib is not None:
@@ -73,14 +73,10 @@ def ran_out_in_training(step: int | None, steps: int) -> bool:
 
 
 def cache_path() -> Path:
-    from gallery_lib.accel.optimize import default_cache_file
-
     return default_cache_file(FILE)
 
 
 def _read(path: Path | None) -> dict[str, Any]:
-    from gallery_lib.accel.optimize import read_cache
-
     return read_cache(path or cache_path())
 
 
