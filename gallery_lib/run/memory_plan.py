@@ -363,21 +363,25 @@ def _first_visible_gpu() -> str:
 
 
 def _free_gib(gpu: str) -> float | None:
+    out = _query_gpu(gpu, "memory.free")
     try:
-        out = subprocess.run(["nvidia-smi", f"--id={gpu}", "--query-gpu=memory.free", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=20, check=True).stdout
-        return float(out.strip().splitlines()[0]) / 1024
-    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return None if out is None else float(out) / 1024
+    except ValueError:
         return None
 
 
 def gpu_name(gpu: str) -> str | None:
     """The name of GPU ``gpu`` (an index or UUID, as ``CUDA_VISIBLE_DEVICES`` names it) from ``nvidia-smi``, without
     starting CUDA in this process; ``None`` where it cannot be read."""
+    return _query_gpu(gpu, "name") or None
+
+
+def _query_gpu(gpu: str, field: str) -> str | None:
+    """``nvidia-smi``'s value of ``field`` for GPU ``gpu``, without units; ``None`` where it cannot be read."""
     try:
-        out = subprocess.run(["nvidia-smi", f"--id={gpu}", "--query-gpu=name", "--format=csv,noheader"],
+        out = subprocess.run(["nvidia-smi", f"--id={gpu}", f"--query-gpu={field}", "--format=csv,noheader,nounits"],
                              capture_output=True, text=True, timeout=20, check=True).stdout
-        return out.strip().splitlines()[0].strip() or None
+        return out.strip().splitlines()[0].strip()
     except (OSError, subprocess.SubprocessError, IndexError):
         return None
 
