@@ -214,8 +214,9 @@ def candidates(batch_size: int, accumulation: int, checkpointing: bool, named: I
                compiled: bool = False) -> list[Candidate]:
     """The settings at the same global batch (``batch_size * accumulation``), fastest first: the batch per step from
     the largest down, each without checkpointing (unless it is on) and then with it; for a ``compiled`` recipe, each
-    batch's settings again uncompiled before the next smaller batch. A named field stays as it is; an even batch
-    stays even (Mixup and CutMix pair its images)."""
+    batch's settings again uncompiled before the next smaller batch, down to batch 1. A named field stays as it is.
+    A batch a recipe cannot run (an odd one where Mixup pairs its images) is the caller's to drop: its config check
+    raises ``ConfigError``."""
     named = set(named)
     total = batch_size * accumulation
     if "batch_size" in named:
@@ -223,8 +224,7 @@ def candidates(batch_size: int, accumulation: int, checkpointing: bool, named: I
     elif "gradient_accumulation_steps" in named:
         sizes = [total // accumulation]
     else:
-        step = 2 if batch_size % 2 == 0 else 1
-        sizes = [size for size in range(total, 0, -1) if total % size == 0 and size % step == 0]
+        sizes = [size for size in range(total, 0, -1) if total % size == 0]
     switches = [checkpointing] if "gradient_checkpointing" in named or checkpointing else [False, True]
     # Checkpointing's extra forward costs less than a smaller step, which also replays no CUDA graphs: SD-1.5's peer
     # in 22 GiB ran 56.5 img/s checkpointed at batch 8 and 18.7 at 2 x 4 (benchmarks/RESULTS.md#memory-plan); so did

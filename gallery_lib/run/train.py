@@ -497,7 +497,8 @@ if __name__ == "__main__":
     except SystemExit as stop:  # argparse's usage errors (it printed the message)
         exit_code = stop.code if isinstance(stop.code, int) else 1
     except StoppedRun as stop:
-        print(f"{STOPPED_PREFIX}{stop.failure.reason}; the traceback is in {stop.failure.log}", flush=True)
+        where = f"; the traceback is in {stop.failure.log}" if stop.failure.log else ""  # none: a plan that ran out
+        print(f"{STOPPED_PREFIX}{stop.failure.reason}{where}", flush=True)
     except BaseException:
         traceback.print_exc()
     finally:
