@@ -12,7 +12,7 @@ import torch
 from gallery_lib.recipes.memory_fit import fit_to_memory
 from gallery_lib.recipes.named import _resolved
 from gallery_lib.recipes.profiles import base_config
-from gallery_lib.run.learned_footprints import FILE, recalled_gib, remember, setting_key
+from gallery_lib.run.learned_footprints import FILE, Recalled, recalled, remember, setting_key
 from gallery_lib.run.memory_plan import NAMED, PLAN, Budget, Candidate, MemoryPlan, OutOfMemory
 from gallery_lib.run.train import run
 from test_memory_plan import mock_out_of_memory_above, planned_cfg
@@ -82,6 +82,24 @@ def test_a_setting_this_gpu_measured_is_picked_without_a_trial():
     assert "probe_fields" not in measured.extra[PLAN]
 
 
+def test_a_setting_that_ran_under_this_cap_is_picked_though_its_peak_filled_it():
+    """Under a cap the allocator caches up to the cap: SD's ladder rung that ran at batch 1 x 8 checkpointed under
+    22 GiB on an H100 reserved 21.8 GiB at its peak, and its next plan, reading that peak with the headroom, said
+    "does not fit". A step that ran under as little memory fits; under less, its peak is what it needs."""
+    budget = Budget(16.0, "gpu_memory_gib", GPU)
+    plan = MemoryPlan.from_dict(sd_planned(budget, "baseline").extra[PLAN])
+    first = plan.probe[0]
+    ran = sd_planned(budget, "baseline")
+    ran = ran.replace(**first.fields(), extra={**ran.extra, PLAN: {}})
+    remember(key(ran), peak_gib=15.98, ran_under=16.0)
+
+    again = MemoryPlan.from_dict(sd_planned(budget, "baseline").extra[PLAN])
+    assert again.chosen == first and again.estimate_gib == 15.98
+    assert "measured 16.0 GiB" in again.note()
+    smaller = MemoryPlan.from_dict(sd_planned(Budget(15.5, "gpu_memory_gib", GPU), "baseline").extra[PLAN])
+    assert smaller.chosen != first  # 15.98 GiB does not fit 15.5: the plan moves on
+
+
 def test_a_run_writes_each_attempts_outcome_for_the_next_plan(smoke_data, tmp_path, monkeypatch, cache_dir):
     """The memory plan's probing in a real run: batch 12 and its checkpointed setting run out of memory, 6 x 2 runs;
     the file then says so, under the GPU the plan named."""
@@ -90,10 +108,12 @@ def test_a_run_writes_each_attempts_outcome_for_the_next_plan(smoke_data, tmp_pa
     cfg = cfg.replace(extra={**cfg.extra, PLAN: {**cfg.extra[PLAN], "gpu": GPU}})
     monkeypatch.setattr("gallery_lib.run.summary.peak_reserved_mb", lambda device: 3.5 * 1024)  # as on a GPU
     run(cfg)
-    assert recalled_gib(key(cfg), 22.0) == 22.0
-    assert recalled_gib(key(cfg.replace(gradient_checkpointing=True)), 22.0) == 22.0
-    assert recalled_gib(key(cfg), 40.0) is None  # more memory than it ran out of: not known
-    assert recalled_gib(key(cfg.replace(batch_size=6, gradient_accumulation_steps=2)), 22.0) == 3.5  # it ran
+    assert recalled(key(cfg), 22.0) == Recalled(22.0)
+    assert recalled(key(cfg.replace(gradient_checkpointing=True)), 22.0) == Recalled(22.0)
+    assert recalled(key(cfg), 40.0) is None  # more memory than it ran out of: not known
+    ran = key(cfg.replace(batch_size=6, gradient_accumulation_steps=2))
+    assert recalled(ran, 22.0) == Recalled(3.5, ran_within=True)  # it ran under the plan's 22 GiB
+    assert recalled(ran, 3.6) == Recalled(3.5)  # under less memory: its peak is an estimate
     assert len(json.loads((cache_dir / FILE).read_text())) == 3
 
 
@@ -109,7 +129,7 @@ def test_out_of_memory_after_the_last_step_is_not_written(smoke_data, tmp_path, 
     cfg = cfg.replace(extra={**cfg.extra, PLAN: {**cfg.extra[PLAN], "gpu": GPU}})
     with pytest.raises(OutOfMemory, match="^all 5 training steps ran, then saving"):
         run(cfg)
-    assert recalled_gib(key(cfg), 22.0) is None and not (cache_dir / FILE).exists()
+    assert recalled(key(cfg), 22.0) is None and not (cache_dir / FILE).exists()
 
 
 @pytest.mark.gpu

@@ -13,7 +13,7 @@ from dataclasses import replace
 from typing import Any, Callable, Iterable
 
 from gallery_lib.config import ConfigError, RunConfig
-from gallery_lib.run.learned_footprints import recalled_gib, setting_key
+from gallery_lib.run.learned_footprints import recalled, setting_key
 from gallery_lib.run.memory_plan import (HOST_PROCESS_GIB, NAMED, PLAN, PLANNED_FIELDS, Budget, Candidate, MemoryPlan,
                                          TrainingState, candidates, choose, estimate_gib, workers_that_fit)
 
@@ -43,8 +43,11 @@ def fit_to_memory(cfg: RunConfig, resolve: Callable[[dict[str, Any]], RunConfig]
         except ConfigError:  # a setting this recipe cannot run (a ladder rung's CUDA graphs under checkpointing)
             continue
         options.append(option)
-    estimates = [measured_gib(config, option.uncompiled, budget) for option, config in zip(options, configs)]
-    plan = replace(choose(options, estimates, budget, configured, training_state(cfg)),
+    here = [recalled(budget.gpu and setting_key(config.to_dict(), budget.gpu), budget.gib) for config in configs]
+    estimates = [measured.gib if measured else footprint_gib(config, option.uncompiled)
+                 for measured, option, config in zip(here, options, configs)]
+    ran_within = {option for option, measured in zip(options, here) if measured and measured.ran_within}
+    plan = replace(choose(options, estimates, budget, configured, training_state(cfg), ran_within),
                    ema_offloaded="ema_offload" in moved, per_tensor_update="foreach_optimizer" in moved)
     settings = (plan.chosen,) if plan.chosen is not None else plan.probe
     if not settings:
@@ -87,13 +90,6 @@ def uncompiled(cfg: RunConfig, named: Iterable[str] = ()) -> RunConfig:
     named = set(named)
     left = {name: value for name, value in COMPILE_ONLY.items() if name not in named}
     return cfg.replace(compile=False, **left)
-
-
-def measured_gib(cfg: RunConfig, uncompiled: bool, budget: Budget) -> float | None:
-    """The run's peak as this GPU measured it before (or the memory it ran out of, where ``budget`` is no larger),
-    else as its family measured it (``footprint_gib``)."""
-    here = recalled_gib(budget.gpu and setting_key(cfg.to_dict(), budget.gpu), budget.gib)
-    return here if here is not None else footprint_gib(cfg, uncompiled)
 
 
 def footprint_gib(cfg: RunConfig, uncompiled: bool = False) -> float | None:

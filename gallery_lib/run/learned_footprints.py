@@ -1,8 +1,9 @@
 """Peaks measured on this machine's GPU, for the memory plan's next run: a planned run on a GPU writes the peak its
 setting reserved, or the memory it ran out of, to ``memory_footprints.json`` in the gallery's cache
 (``~/.cache/gallery_lib``, or ``$GALLERY_CACHE_DIR``). The next plan of the same run on the same GPU reads it beside
-the family's footprints: a setting that ran is measured, and one that ran out of memory under as much memory or more
-is not tried again, so a notebook run a second time on a small card starts at once. Delete the file to measure again.
+the family's footprints: a setting that ran under as little memory or less fits, one that ran under more is measured,
+and one that ran out of memory under as much memory or more is not tried again, so a notebook run a second time on a
+small card starts at once. Delete the file to measure again.
 
 A run is the same run when every field that shapes its step is the same (all but ``NOT_SHAPING``: where it writes,
 how long it trains, how it logs), on a GPU of the same name (as the plan's ``Budget`` read it), with the same torch.
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any, Mapping
@@ -40,27 +42,43 @@ def setting_key(fields: Mapping[str, Any], gpu: str) -> str:
     return f"{fields.get('model')} | {setting} | {gpu} | torch {_torch_version()} | {digest}"
 
 
-def recalled_gib(key: str | None, budget_gib: float, path: Path | None = None) -> float | None:
-    """What this GPU measured for the step ``key`` names: the memory it ran out of where that is ``budget_gib`` or
-    more (the step does not fit), else the peak it reserved where it ran; ``None`` where it has not run here."""
+@dataclass(frozen=True)
+class Recalled:
+    """What this GPU measured for a step, as a plan under some budget reads it."""
+
+    gib: float
+    """The peak it reserved, or the memory it ran out of (where that is the budget or more: it does not fit)."""
+    ran_within: bool = False
+    """It ran to the end here under this budget or a smaller one, so it fits whatever its peak: under a cap the
+    allocator caches up to the cap (SD-1.5 under 22 GiB reserved 21.99 at batch 12 x 4 checkpointed), and a peak
+    read with the plan's headroom would turn away the setting that ran (benchmarks/RESULTS.md#ladder-22-gib)."""
+
+
+def recalled(key: str | None, budget_gib: float, path: Path | None = None) -> Recalled | None:
+    """What this GPU measured for the step ``key`` names, for a plan under ``budget_gib``; ``None`` where it has
+    neither run nor run out of memory here under as much memory or more."""
     entry = _read(path).get(key) if key else None
     if not isinstance(entry, dict):
         return None
-    ran_out = entry.get("out_of_memory_under_gib")
-    if isinstance(ran_out, (int, float)) and ran_out >= budget_gib:
-        return float(ran_out)
-    peak = entry.get("peak_reserved_gib")
-    return float(peak) if isinstance(peak, (int, float)) else None
+    peak, ran_under, ran_out = (entry.get(name) for name in (
+        "peak_reserved_gib", "ran_under_gib", "out_of_memory_under_gib"))
+    if _number(peak) and _number(ran_under) and ran_under <= budget_gib:
+        return Recalled(float(peak), ran_within=True)  # where it also ran out of memory once, it ran: tried first
+    if _number(ran_out) and ran_out >= budget_gib:
+        return Recalled(float(ran_out))
+    return Recalled(float(peak)) if _number(peak) else None
 
 
-def remember(key: str, *, peak_gib: float | None = None, out_of_memory_under: float | None = None,
-             path: Path | None = None) -> None:
-    """Writes what the step ``key`` names did: the peak it reserved, or the budget it ran out of memory under (the
-    largest such budget is kept)."""
+def remember(key: str, *, peak_gib: float | None = None, ran_under: float | None = None,
+             out_of_memory_under: float | None = None, path: Path | None = None) -> None:
+    """Writes what the step ``key`` names did: the peak it reserved and the budget it ran under (the smallest such
+    budget is kept), or the budget it ran out of memory under (the largest is kept)."""
     path = path or cache_path()
     entry = dict(_read(path).get(key) or {})
     if peak_gib is not None:
         entry["peak_reserved_gib"] = round(peak_gib, 2)
+    if ran_under is not None:
+        entry["ran_under_gib"] = min(ran_under, entry.get("ran_under_gib") or ran_under)
     if out_of_memory_under is not None:
         entry["out_of_memory_under_gib"] = max(out_of_memory_under, entry.get("out_of_memory_under_gib") or 0.0)
     write_cache(path, key, entry)
@@ -74,6 +92,10 @@ def ran_out_in_training(step: int | None, steps: int) -> bool:
 
 def cache_path() -> Path:
     return default_cache_file(FILE)
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float))
 
 
 def _read(path: Path | None) -> dict[str, Any]:

@@ -26,7 +26,7 @@ import os
 import subprocess
 import sys
 from dataclasses import asdict, dataclass, field
-from typing import Any, Iterable, Sequence
+from typing import Any, Collection, Iterable, Sequence
 
 from gallery_lib.config.settings import ConfigError
 
@@ -262,15 +262,17 @@ def fits(estimate: float, budget_gib: float) -> bool:
 
 
 def choose(options: Sequence[Candidate], estimates: Sequence[float | None], budget: Budget,
-           configured: Candidate, state: TrainingState | None = None) -> MemoryPlan:
+           configured: Candidate, state: TrainingState | None = None,
+           ran_within: Collection[Candidate] = ()) -> MemoryPlan:
     """The first option whose measured peak fits ``budget``; where none is measured to fit, the unmeasured ones are
     tried in the run, in order. A setting measured to fit wins over unmeasured ones before it: SD-1.5's recipes at
     batch 4 x 2, unmeasured, ran out of memory in 22 GiB where batch 8 checkpointed measured 18.4 GiB
-    (benchmarks/RESULTS.md#memory-plan). Nothing fits where the training ``state`` alone fills the budget."""
+    (benchmarks/RESULTS.md#memory-plan). A setting that ran to the end on this GPU under this budget or a smaller one
+    (``ran_within``) fits whatever its peak. Nothing fits where the training ``state`` alone fills the budget."""
     if state is not None and state.gib >= budget.gib:
         return MemoryPlan(budget.gib, budget.source, None, state.gib, state.describe(), state.fix)
     for index, (option, estimate) in enumerate(zip(options, estimates)):
-        if estimate is not None and fits(estimate, budget.gib):
+        if option in ran_within or (estimate is not None and fits(estimate, budget.gib)):
             return MemoryPlan(budget.gib, budget.source, option, estimate, changed=option != configured,
                               after=tuple(options[index + 1:]))
     unmeasured = tuple(option for option, estimate in zip(options, estimates) if estimate is None)

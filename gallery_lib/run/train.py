@@ -211,7 +211,7 @@ def _train(cfg: RunConfig, dist: DistInfo, extra_summary: dict | None = None) ->
             remember(step_key, out_of_memory_under=memory_plan["budget_gib"])
         raise
     if step_key and summary.get("peak_reserved_mb"):
-        remember(step_key, peak_gib=summary["peak_reserved_mb"] / 1024)
+        remember(step_key, peak_gib=summary["peak_reserved_mb"] / 1024, ran_under=memory_plan["budget_gib"])
     return summary
 
 
