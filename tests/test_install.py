@@ -28,6 +28,8 @@ def test_cuda_tag_follows_the_driver(driver, tag):
 
 @pytest.fixture
 def gpu_torch_cannot_use(monkeypatch):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+
     def machine(driver: str, torch_cuda: str | None = "13.0"):
         monkeypatch.setattr(gpu_check, "nvidia_gpus", lambda: (("NVIDIA A10G", driver),))
         monkeypatch.setattr("torch.cuda.is_available", lambda: False)
@@ -49,6 +51,21 @@ def test_a_gpu_torch_cannot_use_stops_auto_instead_of_a_quiet_cpu_run(gpu_torch_
     assert resolve_profile("smoke") == "smoke"  # asking for the CPU explicitly still works
     assert validate_for_machine(RunConfig(model="swin_micro", batch_size=8, steps=4, warmup_steps=1,
                                           device="cpu")) == "cpu"
+
+
+def test_a_driver_that_runs_this_torch_is_not_blamed_and_hidden_gpus_are_a_choice(gpu_torch_cannot_use, monkeypatch):
+    """On an H100 host (driver 580, torch for CUDA 13.0) with ``CUDA_VISIBLE_DEVICES=`` the check said the driver does
+    not run CUDA 13.0 and stopped the CPU tests."""
+    gpu_torch_cannot_use("580.159.04")
+    with pytest.raises(ConfigError, match=r"CUDA 13.0, which driver 580.159.04 runs, yet .*torch.cuda.init\(\)"):
+        gpu_check.check_gpu_usable()
+    for hidden in ("", "-1"):
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", hidden)
+        gpu_check.check_gpu_usable()
+        assert resolve_profile("auto") == "smoke"
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    with pytest.raises(ConfigError, match="CUDA_VISIBLE_DEVICES='3' names no GPU that torch sees.*unset"):
+        gpu_check.check_gpu_usable()
 
 
 def test_no_gpu_is_no_error_and_asks_for_the_cpu_build(monkeypatch):

@@ -4,11 +4,13 @@
 machine that happens when pip installed a torch built for a newer CUDA than the driver supports, or a CPU-only
 torch: the gallery would then run its CPU smoke profile on an H100 and say nothing. ``check_gpu_usable`` asks
 ``nvidia-smi`` whether a GPU is there and, if torch cannot see it, fails with the driver, the torch build and the fix.
+``CUDA_VISIBLE_DEVICES=`` (empty, or ``-1``) hides every GPU on purpose: then the CPU is what was asked for.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 import shutil
 import subprocess
 import sys
@@ -47,18 +49,35 @@ def check_gpu_usable() -> None:
     gpus = nvidia_gpus()
     if not gpus:
         return
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and visible.strip() in ("", "-1"):
+        return  # every GPU hidden on purpose (the CPU tests on a GPU machine do)
     name, driver = gpus[0]
     built = torch.version.cuda
     tag = cuda_tag_for_driver(driver)
-    what = (f"this torch ({torch.__version__}) is a CPU-only build" if built is None else
-            f"this torch ({torch.__version__}) is built for CUDA {built}, which driver {driver} does not run")
-    fix = (f"reinstall torch for CUDA that this driver runs: GALLERY_TORCH_INDEX={tag} bash ci/setup_env.sh "
-           f"(after removing .venv), or pip install 'torch>=2.11,<2.15' --index-url "
-           f"https://download.pytorch.org/whl/{tag}" if tag else
-           f"update the NVIDIA driver to {DRIVER_CUDA[-1][0]} or newer (torch 2.11+ needs CUDA 12.6 or newer)")
+    if visible is not None:
+        what = f"CUDA_VISIBLE_DEVICES={visible!r} names no GPU that torch sees"
+        fix = "unset CUDA_VISIBLE_DEVICES, or set it to an index nvidia-smi lists (0 for the first GPU)"
+    elif built is not None and tag is not None and _cuda_number(built) <= int(tag[2:]):
+        what = (f"this torch ({torch.__version__}) is built for CUDA {built}, which driver {driver} runs, yet "
+                "torch.cuda.is_available() is False")
+        fix = "read CUDA's own error: python -c 'import torch; torch.cuda.init()'"
+    else:
+        what = (f"this torch ({torch.__version__}) is a CPU-only build" if built is None else
+                f"this torch ({torch.__version__}) is built for CUDA {built}, which driver {driver} does not run")
+        fix = (f"reinstall torch for CUDA that this driver runs: GALLERY_TORCH_INDEX={tag} bash ci/setup_env.sh "
+               f"(after removing .venv), or pip install 'torch>=2.11,<2.15' --index-url "
+               f"https://download.pytorch.org/whl/{tag}" if tag else
+               f"update the NVIDIA driver to {DRIVER_CUDA[-1][0]} or newer (torch 2.11+ needs CUDA 12.6 or newer)")
     raise ConfigError(f"nvidia-smi lists a GPU ({name}, driver {driver}) but torch cannot use it: {what}. "
                       f"The gallery will not fall back to a CPU run on a GPU machine. Fix: {fix}. To run on the "
                       "CPU anyway, pass profile='smoke' and device='cpu'.")
+
+
+def _cuda_number(version: str) -> int:
+    """``13.0`` as the wheel tags count it: 130."""
+    major, minor = (version.split(".") + ["0"])[:2]
+    return int(major) * 10 + int(minor)
 
 
 def wheel_index() -> str:
