@@ -520,11 +520,13 @@ def test_a_cap_above_the_gpus_free_memory_gives_way_to_what_is_free(monkeypatch)
     from gallery_lib.run import memory_plan
 
     monkeypatch.setattr(memory_plan, "_free_gib", lambda gpu: 19.0 + memory_plan.CONTEXT_GIB)
-    assert memory_plan.read_budget(22.0) == Budget(19.0, "free_below_cap")
+    monkeypatch.setattr(memory_plan, "gpu_name", lambda gpu: "NVIDIA Fake 24GB")  # whatever this host has
+    assert memory_plan.read_budget(22.0) == Budget(19.0, "free_below_cap", "NVIDIA Fake 24GB")
     assert memory_plan.read_budget(22.0).describe() == "19.0 GiB (free on the GPU, less than gpu_memory_gib)"
-    assert memory_plan.read_budget(16.0) == Budget(16.0, "gpu_memory_gib")
-    assert memory_plan.read_budget(None) == Budget(19.0, "free")
+    assert memory_plan.read_budget(16.0) == Budget(16.0, "gpu_memory_gib", "NVIDIA Fake 24GB")
+    assert memory_plan.read_budget(None) == Budget(19.0, "free", "NVIDIA Fake 24GB")
     monkeypatch.setattr(memory_plan, "_free_gib", lambda gpu: None)
+    monkeypatch.setattr(memory_plan, "gpu_name", lambda gpu: None)
     assert memory_plan.read_budget(22.0) == Budget(22.0, "gpu_memory_gib")
     assert memory_plan.read_budget(None) is None
 
