@@ -5,6 +5,7 @@
   ``optimize(model)``'s cached choices go too.
 - The ``gpu`` marker's skip rule; ``--isa-only`` keeps the tests marked ``isa`` (ci/test.sh's pass under another
   vector ISA).
+- ``GALLERY_CPU_AMP=1``: bf16 recipes compute in bf16 on every CPU, as the tests expect.
 - Under pytest-xdist each worker uses one core (``OMP_NUM_THREADS=1``, for its training subprocesses too).
 - In CI on a CPU, every skip must be one ``tests/expected_skips.json`` lists (``skip_check.py``).
 - ``tests/durations.json`` (the seconds each test took in CI) orders the run longest first, so that the workers
@@ -31,6 +32,10 @@ ISA_DURATIONS = Path(__file__).with_name("durations.isa.json")
 # examples/ holds a family module that lives outside the library (toy_family.py): the tests import it by name.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 BUDGET_WARNING_S = 45 * 60  # CI allows 90 minutes: past 45 a slow addition still has room, and is seen
+# The mixed-precision recipes compute in bf16 on every CPU the tests run on, an AVX2-only one too (where a run would
+# fall back to fp32: accel/precision.py), so that their numerics are checked everywhere; test_cpu_precision.py
+# checks the fallback itself. Training subprocesses inherit it.
+os.environ.setdefault("GALLERY_CPU_AMP", "1")
 
 
 def pytest_addoption(parser):

@@ -10,6 +10,7 @@ weights are stored, read and all-reduced in bf16 (half the weight and gradient t
 from __future__ import annotations
 
 import contextlib
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -19,14 +20,18 @@ from gallery_lib.config.sections.training import Precision as PrecisionSettings
 
 
 def resolve_amp_dtype(settings: PrecisionSettings, device: str) -> torch.dtype | None:
-    """The low-precision dtype of a run's precision ``settings`` on ``device`` (``None`` for O0): bfloat16 becomes
-    float16 (with a GradScaler) on a GPU without bfloat16 tensor cores (``no_bfloat16_reason``)."""
+    """The low-precision dtype of a run's precision ``settings`` on ``device`` (``None``: fp32): bfloat16 becomes
+    float16 (with a GradScaler) on a GPU without bfloat16 tensor cores (``no_bfloat16_reason``), and a CPU without
+    fast low-precision math runs fp32 (``slow_on_cpu_reason``)."""
     if settings.amp_level == "O0":
         return None
     if settings.amp_dtype == "auto":
         # The Swin reference trains with float16 + GradScaler; CPUs have no fast float16 path.
-        return torch.float16 if device == "cuda" and settings.amp_level == "O1" else torch.bfloat16
-    dtype = getattr(torch, settings.amp_dtype)
+        dtype = torch.float16 if device == "cuda" and settings.amp_level == "O1" else torch.bfloat16
+    else:
+        dtype = getattr(torch, settings.amp_dtype)
+    if device == "cpu" and slow_on_cpu_reason(dtype):
+        return None
     return torch.float16 if dtype == torch.bfloat16 and no_bfloat16_reason(device) else dtype
 
 
@@ -39,6 +44,29 @@ def no_bfloat16_reason(device: str) -> str | None:
         return None
     return (f"this GPU (compute capability {major}.{minor}) has no bfloat16 tensor cores, so bfloat16 was replaced "
             "by float16 with a GradScaler")
+
+
+CPU_AMP_ENV = "GALLERY_CPU_AMP"
+"""Set to 1: a CPU without fast low-precision math computes in the precision asked anyway (slow; the tests set it to
+check the mixed-precision numerics on every CPU)."""
+
+
+def slow_on_cpu_reason(dtype: torch.dtype) -> str | None:
+    """Why this CPU has no fast ``dtype`` math, or ``None``: where oneDNN has no bfloat16 (float16) kernels for it
+    (x86 without AVX-512: AVX2 only), PyTorch's convolutions take a reference path under autocast; SD's tiny UNet
+    stepped 6.5x slower in bfloat16 than in fp32 on an AVX2-only EPYC (benchmarks/RESULTS.md#cpu-gallery)."""
+    if os.environ.get(CPU_AMP_ENV) == "1" or _onednn_has(dtype):
+        return None
+    name = str(dtype).replace("torch.", "")
+    return f"this CPU ({torch.backends.cpu.get_cpu_capability()}) has no fast {name} math"
+
+
+def _onednn_has(dtype: torch.dtype) -> bool:
+    check = {torch.bfloat16: "_is_mkldnn_bf16_supported", torch.float16: "_is_mkldnn_fp16_supported"}.get(dtype)
+    try:
+        return check is None or bool(getattr(torch.ops.mkldnn, check)())
+    except (AttributeError, RuntimeError):  # a torch without oneDNN's checks: keep what the config asked
+        return True
 
 
 @dataclass
@@ -58,6 +86,9 @@ class Precision:
         dtype = resolve_amp_dtype(settings, device)
         scaler = torch.amp.GradScaler(device) if dtype == torch.float16 else None
         fallback = no_bfloat16_reason(device) if settings.amp_dtype == "bfloat16" and dtype == torch.float16 else None
+        if dtype is None and settings.amp_level != "O0":  # a CPU without fast low-precision math
+            asked = torch.float16 if settings.amp_dtype == "float16" else torch.bfloat16
+            fallback = slow_on_cpu_reason(asked)
         return cls(level=settings.amp_level, dtype=dtype, device=device, scaler=scaler, fallback=fallback)
 
     def autocast(self) -> contextlib.AbstractContextManager:
@@ -71,7 +102,7 @@ class Precision:
         ``Module.to`` swaps ``param.data`` and keeps the Parameter objects, so references taken
         before the cast (e.g. the optimizer's parameter groups) stay valid.
         """
-        if self.level != "O2":
+        if self.level != "O2" or self.dtype is None:
             return
         self.master_params = {p: p.detach().clone().float() for p in model.parameters() if p.requires_grad}
         model.to(self.dtype)
@@ -113,7 +144,8 @@ class Precision:
 
     def describe(self) -> str:
         if self.dtype is None:
-            return "O0: fp32 weights and math"
+            return f"{self.level} as fp32 weights and math: {self.fallback}" if self.fallback else \
+                "O0: fp32 weights and math"
         name = str(self.dtype).replace("torch.", "")
         if self.fallback:
             name += f" ({self.fallback})"
