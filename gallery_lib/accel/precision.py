@@ -54,7 +54,7 @@ check the mixed-precision numerics on every CPU)."""
 def slow_on_cpu_reason(dtype: torch.dtype) -> str | None:
     """Why this CPU has no fast ``dtype`` math, or ``None``: where oneDNN has no bfloat16 (float16) kernels for it
     (x86 without AVX-512: AVX2 only), PyTorch's convolutions take a reference path under autocast; SD's tiny UNet
-    stepped 6.5x slower in bfloat16 than in fp32 on an AVX2-only EPYC (benchmarks/RESULTS.md#cpu-gallery)."""
+    stepped about 6x slower in bfloat16 than in fp32 on an AVX2-only EPYC (benchmarks/RESULTS.md#cpu-gallery)."""
     if os.environ.get(CPU_AMP_ENV) == "1" or _onednn_has(dtype):
         return None
     name = str(dtype).replace("torch.", "")
