@@ -93,6 +93,7 @@ def test_a_setting_that_ran_under_this_cap_is_picked_though_its_peak_filled_it()
     ran = ran.replace(**first.fields(), extra={**ran.extra, PLAN: {}})
     remember(key(ran), peak_gib=15.98, ran_under=16.0)
 
+    remember(key(ran), peak_gib=30.5, ran_under=38.0)  # a run on this GPU without the cap: its allocator cached more
     again = MemoryPlan.from_dict(sd_planned(budget, "baseline").extra[PLAN])
     assert again.chosen == first and again.estimate_gib == 15.98
     assert "measured 16.0 GiB" in again.note()

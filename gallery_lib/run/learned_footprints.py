@@ -71,12 +71,12 @@ def recalled(key: str | None, budget_gib: float, path: Path | None = None) -> Re
 
 def remember(key: str, *, peak_gib: float | None = None, ran_under: float | None = None,
              out_of_memory_under: float | None = None, path: Path | None = None) -> None:
-    """Writes what the step ``key`` names did: the peak it reserved and the budget it ran under (the smallest such
-    budget is kept), or the budget it ran out of memory under (the largest is kept)."""
+    """Writes what the step ``key`` names did: the peak it reserved and the budget it ran under (of several runs the
+    smallest of each: what it needs at most), or the budget it ran out of memory under (the largest is kept)."""
     path = path or cache_path()
     entry = dict(_read(path).get(key) or {})
     if peak_gib is not None:
-        entry["peak_reserved_gib"] = round(peak_gib, 2)
+        entry["peak_reserved_gib"] = min(round(peak_gib, 2), entry.get("peak_reserved_gib") or peak_gib)
     if ran_under is not None:
         entry["ran_under_gib"] = min(ran_under, entry.get("ran_under_gib") or ran_under)
     if out_of_memory_under is not None:
