@@ -25,14 +25,18 @@ def resolve_amp_dtype(settings: PrecisionSettings, device: str) -> torch.dtype |
     fast low-precision math runs fp32 (``slow_on_cpu_reason``)."""
     if settings.amp_level == "O0":
         return None
-    if settings.amp_dtype == "auto":
-        # The Swin reference trains with float16 + GradScaler; CPUs have no fast float16 path.
-        dtype = torch.float16 if device == "cuda" and settings.amp_level == "O1" else torch.bfloat16
-    else:
-        dtype = getattr(torch, settings.amp_dtype)
+    dtype = _asked_dtype(settings, device)
     if device == "cpu" and slow_on_cpu_reason(dtype):
         return None
     return torch.float16 if dtype == torch.bfloat16 and no_bfloat16_reason(device) else dtype
+
+
+def _asked_dtype(settings: PrecisionSettings, device: str) -> torch.dtype:
+    """The low-precision dtype the ``settings`` ask for on ``device``, before what the hardware runs fast."""
+    if settings.amp_dtype == "auto":
+        # The Swin reference trains with float16 + GradScaler; CPUs have no fast float16 path.
+        return torch.float16 if device == "cuda" and settings.amp_level == "O1" else torch.bfloat16
+    return getattr(torch, settings.amp_dtype)
 
 
 def no_bfloat16_reason(device: str) -> str | None:
@@ -87,8 +91,7 @@ class Precision:
         scaler = torch.amp.GradScaler(device) if dtype == torch.float16 else None
         fallback = no_bfloat16_reason(device) if settings.amp_dtype == "bfloat16" and dtype == torch.float16 else None
         if dtype is None and settings.amp_level != "O0":  # a CPU without fast low-precision math
-            asked = torch.float16 if settings.amp_dtype == "float16" else torch.bfloat16
-            fallback = slow_on_cpu_reason(asked)
+            fallback = slow_on_cpu_reason(_asked_dtype(settings, device))
         return cls(level=settings.amp_level, dtype=dtype, device=device, scaler=scaler, fallback=fallback)
 
     def autocast(self) -> contextlib.AbstractContextManager:
