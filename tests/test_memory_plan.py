@@ -690,3 +690,15 @@ def test_a_plan_reads_the_same_in_the_ladder_table_and_in_readme():
     assert probed.cell(short=True) == "8, checkpointing, uncompiled (tried)"
     none = MemoryPlan(16.0, "gpu_memory_gib", None, estimate_gib=24.0)
     assert (none.cell(), none.cell(short=True)) == ("does not fit in 16.0 GiB", "does not fit")
+
+
+def test_gpu_runs_get_growable_allocator_segments_unless_the_user_set_the_allocator(monkeypatch):
+    from gallery_lib.run.launch import ALLOCATOR_ENV, Nodes, Processes, _child_env
+
+    monkeypatch.delenv(ALLOCATOR_ENV, raising=False)
+    env = _child_env(Processes(), Nodes(), "cuda", deterministic=False, family={})
+    assert env[ALLOCATOR_ENV] == "expandable_segments:True"
+    assert ALLOCATOR_ENV not in _child_env(Processes(), Nodes(), "cpu", deterministic=False, family={})
+    monkeypatch.setenv(ALLOCATOR_ENV, "expandable_segments:False")
+    assert _child_env(Processes(), Nodes(), "cuda", deterministic=False, family={})[ALLOCATOR_ENV] == \
+        "expandable_segments:False"

@@ -158,6 +158,12 @@ class Processes:
         return self.per_node == 1 and nodes.standalone and self.max_restarts == 0
 
 
+ALLOCATOR_ENV = "PYTORCH_CUDA_ALLOC_CONF"
+ALLOCATOR_SETTINGS = "expandable_segments:True"
+"""The CUDA allocator's settings for a run's processes where the user set none: segments that grow in place, so that
+memory a step frees serves later requests of other sizes. Under a 22 GiB cap SD-1.5's steps ran out of memory with up
+to 3.2 GiB reserved but unallocated (benchmarks/RESULTS.md#memory-plan)."""
+
 _TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
@@ -171,6 +177,8 @@ def _child_env(processes: Processes, nodes: Nodes, device: str, *, deterministic
     if device == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         # torchrun sets 1 thread per process when it starts several; split the cores instead.
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // processes.per_node))
+    if device == "cuda":
+        env.setdefault(ALLOCATOR_ENV, ALLOCATOR_SETTINGS)
     if deterministic:
         env.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     if processes.max_restarts > 0:

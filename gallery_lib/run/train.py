@@ -246,6 +246,8 @@ def _train_from(setup_start: float, cfg: RunConfig, dist: DistInfo, plan: Compil
         f"({cfg.warmup_steps} warm-up) | {task.describe()}")
     if PLAN in cfg.extra:
         log(f"[gallery]   {MemoryPlan.from_dict(cfg.extra[PLAN]).note()}")
+    if dist.device.type == "cuda":
+        log(f"[gallery]   CUDA allocator: {os.environ.get('PYTORCH_CUDA_ALLOC_CONF') or 'PyTorch defaults'}")
     for note in accelerated.notes:
         log(f"[gallery]   {note}")
     setup_time = time.perf_counter() - setup_start
