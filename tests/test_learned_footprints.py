@@ -148,3 +148,22 @@ def test_gpu_a_second_plan_picks_the_setting_the_first_run_measured(smoke_data, 
     again = MemoryPlan.from_dict(recipe_config(base, "baseline", {}).extra[PLAN])
     assert again.chosen == Candidate(12, 1, False) and again.estimate_gib == pytest.approx(
         summary["peak_reserved_mb"] / 1024, abs=0.01)
+
+
+def test_a_setting_that_ran_once_and_ran_out_of_memory_once_under_this_cap_is_not_picked_again():
+    """SD's ladder rung at batch 16 x 3 checkpointed ran its 8 steps under 22 GiB on an H100, reserving all of it;
+    the next run picked it from that and ran out of memory at its first timed step. A step at the edge of its
+    budget is not reliable there: the plan moves on; under more memory it fits, as before."""
+    budget = Budget(16.0, "gpu_memory_gib", GPU)
+    plan = MemoryPlan.from_dict(sd_planned(budget, "baseline").extra[PLAN])
+    first = plan.probe[0]
+    ran = sd_planned(budget, "baseline")
+    ran = ran.replace(**first.fields(), extra={**ran.extra, PLAN: {}})
+    remember(key(ran), peak_gib=16.0, ran_under=16.0)
+    assert recalled(key(ran), 16.0).ran_within
+    remember(key(ran), out_of_memory_under=16.0)
+
+    assert recalled(key(ran), 16.0) == Recalled(16.0)
+    again = MemoryPlan.from_dict(sd_planned(budget, "baseline").extra[PLAN])
+    assert again.chosen != first and first not in again.probe
+    assert recalled(key(ran), 20.0) == Recalled(16.0, ran_within=True)

@@ -2,8 +2,8 @@
 setting reserved, or the memory it ran out of, to ``memory_footprints.json`` in the gallery's cache
 (``~/.cache/gallery_lib``, or ``$GALLERY_CACHE_DIR``). The next plan of the same run on the same GPU reads it beside
 the family's footprints: a setting that ran under as little memory or less fits, one that ran under more is measured,
-and one that ran out of memory under as much memory or more is not tried again, so a notebook run a second time on a
-small card starts at once. Delete the file to measure again.
+and one that ran out of memory under as much memory or more is not tried again, even where it also ran there once, so
+a notebook run a second time on a small card starts at once. Delete the file to measure again.
 
 A run is the same run when every field that shapes its step is the same (all but ``NOT_SHAPING``: where it writes,
 how long it trains, how it logs), on a GPU of the same name (as the plan's ``Budget`` read it), with the same torch.
@@ -62,10 +62,12 @@ def recalled(key: str | None, budget_gib: float, path: Path | None = None) -> Re
         return None
     peak, ran_under, ran_out = (entry.get(name) for name in (
         "peak_reserved_gib", "ran_under_gib", "out_of_memory_under_gib"))
-    if _number(peak) and _number(ran_under) and ran_under <= budget_gib:
-        return Recalled(float(peak), ran_within=True)  # where it also ran out of memory once, it ran: tried first
     if _number(ran_out) and ran_out >= budget_gib:
+        # first, though it also ran there: a step at the edge of its budget that ran once can stop the next run
+        # (SD's ladder under 22 GiB on an H100: benchmarks/RESULTS.md#ladder-22-gib)
         return Recalled(float(ran_out))
+    if _number(peak) and _number(ran_under) and ran_under <= budget_gib:
+        return Recalled(float(peak), ran_within=True)
     return Recalled(float(peak)) if _number(peak) else None
 
 
