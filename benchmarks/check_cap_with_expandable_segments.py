@@ -6,8 +6,11 @@ expandable segments: allocates 256 MiB blocks under a 4 GiB cap until out of mem
 
 import json
 import os
+import sys
 
 import torch
+
+from gallery_lib.reports.provenance import source_version
 
 CAP_GIB = 4.0
 total = torch.cuda.get_device_properties(0).total_memory
@@ -19,6 +22,7 @@ try:
     stopped = "no out-of-memory error"
 except torch.OutOfMemoryError:
     stopped = "out of memory"
-print(json.dumps({"allocator": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"), "cap_gib": CAP_GIB, "stopped": stopped,
+print(json.dumps({**source_version(), "command": " ".join(["python", *sys.argv]), "gpu": torch.cuda.get_device_name(),
+                  "allocator": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"), "cap_gib": CAP_GIB, "stopped": stopped,
                   "allocated_gib": len(blocks) * 0.25,
                   "peak_reserved_gib": round(torch.cuda.max_memory_reserved() / 2**30, 3)}))
