@@ -692,13 +692,20 @@ def test_a_plan_reads_the_same_in_the_ladder_table_and_in_readme():
     assert (none.cell(), none.cell(short=True)) == ("does not fit in 16.0 GiB", "does not fit")
 
 
-def test_gpu_runs_get_growable_allocator_segments_unless_the_user_set_the_allocator(monkeypatch):
+def test_gpu_runs_that_do_not_fit_as_configured_get_growable_allocator_segments_unless_the_user_set_them(
+        monkeypatch):
     from gallery_lib.run.launch import ALLOCATOR_ENV, Nodes, Processes, _child_env
 
+    def env(device="cuda", tight=True):
+        return _child_env(Processes(), Nodes(), device, deterministic=False, family={}, tight_memory=tight)
+
     monkeypatch.delenv(ALLOCATOR_ENV, raising=False)
-    env = _child_env(Processes(), Nodes(), "cuda", deterministic=False, family={})
-    assert env[ALLOCATOR_ENV] == "expandable_segments:True"
-    assert ALLOCATOR_ENV not in _child_env(Processes(), Nodes(), "cpu", deterministic=False, family={})
+    assert env()[ALLOCATOR_ENV] == "expandable_segments:True"
+    assert ALLOCATOR_ENV not in env(tight=False)  # a run that fits keeps the defaults it was measured with
+    assert ALLOCATOR_ENV not in env("cpu")
     monkeypatch.setenv(ALLOCATOR_ENV, "expandable_segments:False")
-    assert _child_env(Processes(), Nodes(), "cuda", deterministic=False, family={})[ALLOCATOR_ENV] == \
-        "expandable_segments:False"
+    assert env()[ALLOCATOR_ENV] == "expandable_segments:False"
+    budget = Budget(22.0, "gpu_memory_gib")
+    assert not MemoryPlan(22.0, "gpu_memory_gib", Candidate(8, 1, False)).tight
+    assert MemoryPlan(22.0, "gpu_memory_gib", Candidate(8, 1, True), changed=True).tight
+    assert choose([Candidate(8, 1, False)], [None], budget, Candidate(8, 1, False)).tight  # probes: not measured

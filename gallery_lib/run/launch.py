@@ -160,16 +160,18 @@ class Processes:
 
 ALLOCATOR_ENV = "PYTORCH_CUDA_ALLOC_CONF"
 ALLOCATOR_SETTINGS = "expandable_segments:True"
-"""The CUDA allocator's settings for a run's processes where the user set none: segments that grow in place, so that
-memory a step frees serves later requests of other sizes. Under a 22 GiB cap SD-1.5's steps ran out of memory with up
-to 3.2 GiB reserved but unallocated (benchmarks/RESULTS.md#memory-plan)."""
+"""The CUDA allocator's settings where the run does not fit as configured (``MemoryPlan.tight``) and the user set
+none: segments that grow in place, so that memory a step frees serves later requests of other sizes. Under a 22 GiB
+cap SD-1.5's ladder ran out of memory with up to 3.2 GiB reserved but unallocated, and trained at twice the batch per
+step with them (benchmarks/RESULTS.md#ladder-22-gib). Runs that fit keep PyTorch's defaults, as they were measured."""
 
 _TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
 def _child_env(processes: Processes, nodes: Nodes, device: str, *, deterministic: bool,
-               family: dict[str, str]) -> dict[str, str]:
-    """The training processes' environment: this one's, with ``family`` (how they find an external family)."""
+               family: dict[str, str], tight_memory: bool = False) -> dict[str, str]:
+    """The training processes' environment: this one's, with ``family`` (how they find an external family), and
+    growable allocator segments where the run does not fit as configured (``tight_memory``)."""
     env = dict(os.environ, PYTHONUNBUFFERED="1", **family)
     if processes.single(nodes):  # a launcher that itself runs under torchrun must not hand its ranks down
         for name in [*_TORCHRUN_ENV, *(key for key in env if key.startswith("TORCHELASTIC_"))]:
@@ -177,7 +179,7 @@ def _child_env(processes: Processes, nodes: Nodes, device: str, *, deterministic
     if device == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         # torchrun sets 1 thread per process when it starts several; split the cores instead.
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // processes.per_node))
-    if device == "cuda":
+    if device == "cuda" and tight_memory:
         env.setdefault(ALLOCATOR_ENV, ALLOCATOR_SETTINGS)
     if deterministic:
         env.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -275,7 +277,9 @@ def launch(cfg: RunConfig, *, echo: Callable[[str], None] | None = print, consol
         config_path = cfg.save(run_dir / "config.json")
         clear_failure(run_dir)
         processes = Processes(cfg.nproc_per_node, cfg.max_restarts)
-        env = _child_env(processes, nodes, device, deterministic=cfg.deterministic, family=family_env(cfg.model_family))
+        plan = cfg.extra.get(PLAN)
+        env = _child_env(processes, nodes, device, deterministic=cfg.deterministic, family=family_env(cfg.model_family),
+                         tight_memory=plan is not None and MemoryPlan.from_dict(plan).tight)
         proc = subprocess.Popen(train_command(processes, config_path, nodes), stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True, bufsize=1, env=env, cwd=os.getcwd())
         output = _stream(proc, cfg.recipe, echo=echo, console=console, progress=progress)

@@ -131,6 +131,11 @@ class MemoryPlan:
     def fits(self) -> bool:
         return self.chosen is not None or bool(self.probe)
 
+    @property
+    def tight(self) -> bool:
+        """The run as configured does not fit: the plan changed its step, or moved state out of the GPU's way."""
+        return self.changed or self.ema_offloaded or self.per_tensor_update
+
     def note(self) -> str:
         """``memory plan, 22.0 GiB (gpu_memory_gib): batch 4 x 2 accumulation steps (measured 20.1 GiB)``."""
         head = f"memory plan, {Budget(self.budget_gib, self.source).describe()}: " + (
