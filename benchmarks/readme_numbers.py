@@ -192,8 +192,40 @@ def ladder_classes() -> str:
     return "\n".join(lines)
 
 
+MEASURED_SECTION = ROOT / "benchmarks" / "results_sections" / "memory-plan.md"
+CAPS = ("16 GiB", "22 GiB", "38 GiB")
+
+
+def measured_classes() -> str:
+    """What each notebook's recipes ran under each cap, from the rows RESULTS#memory-plan names (``row: MODEL, CAP,
+    RECIPE: SETTING | selector``): the setting the plan ran, its img/s and peak reserved, each measured under that
+    cap; ``-`` where none ran."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("results_md", ROOT / "benchmarks" / "results_md.py")
+    results_md = sys.modules.setdefault("results_md", importlib.util.module_from_spec(spec))
+    spec.loader.exec_module(results_md)
+    index = results_md.read_index()
+    body = re.search(r"<!-- runs\n(.*?)\n-->", MEASURED_SECTION.read_text(), re.S).group(1)
+    cells: dict[tuple[str, str], dict[str, str]] = {}
+    for label, selector, file in results_md._parse(body)[1]:
+        where, _, setting = label.partition(": ")
+        model, cap, recipe = (part.strip() for part in where.split(","))
+        run = results_md.select(index, selector, file)
+        speed = f"{run['samples_per_s']:,.1f} img/s, {run['peak_reserved_gib']:.1f} GiB"
+        cells.setdefault((model, recipe), {})[cap] = f"{setting}: {speed}"
+    lines = ["| notebook | recipe | " + " | ".join(f"`--gpu-memory-gib {cap.split()[0]}`" for cap in CAPS) + " |",
+             "|---|---|" + "---|" * len(CAPS)]
+    order = ("baseline", "compiled", "peer", "accelerated")
+    for (model, recipe), by_cap in sorted(cells.items(), key=lambda item: list(cells).index(
+            (item[0][0], order[0])) * len(order) + order.index(item[0][1])):
+        lines.append(f"| {model} | `{recipe}` | " + " | ".join(by_cap.get(cap, "-") for cap in CAPS) + " |")
+    return "\n".join(lines)
+
+
 BLOCKS = {"headline": headline_table, "cpu-gallery": cpu_gallery_time, "memory-classes": memory_classes,
-          "memory-classes-vision": lambda: memory_classes(VISION_FAMILIES), "memory-classes-ladder": ladder_classes}
+          "memory-classes-vision": lambda: memory_classes(VISION_FAMILIES), "memory-classes-ladder": ladder_classes,
+          "memory-measured": measured_classes}
 
 
 def render(readme: str) -> str:
