@@ -41,6 +41,14 @@ def key(cfg, gpu=GPU) -> str:
     return setting_key(cfg.to_dict(), gpu)
 
 
+def first_probe_as_run(budget: Budget):
+    """SD-1.5 ``baseline``'s first setting to try under ``budget`` (none measured fits 16 GiB), and its config as
+    the run that tried it writes its key."""
+    first = MemoryPlan.from_dict(sd_planned(budget, "baseline").extra[PLAN]).probe[0]
+    ran = sd_planned(budget, "baseline")
+    return first, ran.replace(**first.fields(), extra={**ran.extra, PLAN: {}})
+
+
 def chosen(cfg) -> Candidate | None:
     plan = MemoryPlan.from_dict(cfg.extra[PLAN])
     return plan.chosen
@@ -87,10 +95,7 @@ def test_a_setting_that_ran_under_this_cap_is_picked_though_its_peak_filled_it()
     22 GiB on an H100 reserved 21.8 GiB at its peak, and its next plan, reading that peak with the headroom, said
     "does not fit". A step that ran under as little memory fits; under less, its peak is what it needs."""
     budget = Budget(16.0, "gpu_memory_gib", GPU)
-    plan = MemoryPlan.from_dict(sd_planned(budget, "baseline").extra[PLAN])
-    first = plan.probe[0]
-    ran = sd_planned(budget, "baseline")
-    ran = ran.replace(**first.fields(), extra={**ran.extra, PLAN: {}})
+    first, ran = first_probe_as_run(budget)
     remember(key(ran), peak_gib=15.98, ran_under=16.0)
 
     remember(key(ran), peak_gib=30.5, ran_under=38.0)  # a run on this GPU without the cap: its allocator cached more
@@ -155,10 +160,7 @@ def test_a_setting_that_ran_once_and_ran_out_of_memory_once_under_this_cap_is_no
     the next run picked it from that and ran out of memory at its first timed step. A step at the edge of its
     budget is not reliable there: the plan moves on; under more memory it fits, as before."""
     budget = Budget(16.0, "gpu_memory_gib", GPU)
-    plan = MemoryPlan.from_dict(sd_planned(budget, "baseline").extra[PLAN])
-    first = plan.probe[0]
-    ran = sd_planned(budget, "baseline")
-    ran = ran.replace(**first.fields(), extra={**ran.extra, PLAN: {}})
+    first, ran = first_probe_as_run(budget)
     remember(key(ran), peak_gib=16.0, ran_under=16.0)
     assert recalled(key(ran), 16.0).ran_within
     remember(key(ran), out_of_memory_under=16.0)
