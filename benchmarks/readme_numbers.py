@@ -208,7 +208,7 @@ def measured_classes() -> str:
     index = results_md.read_index()
     body = re.search(r"<!-- runs\n(.*?)\n-->", MEASURED_SECTION.read_text(), re.S).group(1)
     cells: dict[tuple[str, str], dict[str, str]] = {}
-    for label, selector, file in results_md._parse(body)[1]:
+    for label, selector, file in results_md.parse(body)[1]:
         where, _, setting = label.partition(": ")
         model, cap, recipe = (part.strip() for part in where.split(","))
         run = results_md.select(index, selector, file)
@@ -216,10 +216,12 @@ def measured_classes() -> str:
         cells.setdefault((model, recipe), {})[cap] = f"{setting}: {speed}"
     lines = ["| notebook | recipe | " + " | ".join(f"`--gpu-memory-gib {cap.split()[0]}`" for cap in CAPS) + " |",
              "|---|---|" + "---|" * len(CAPS)]
-    order = ("baseline", "compiled", "peer", "accelerated")
-    for (model, recipe), by_cap in sorted(cells.items(), key=lambda item: list(cells).index(
-            (item[0][0], order[0])) * len(order) + order.index(item[0][1])):
-        lines.append(f"| {model} | `{recipe}` | " + " | ".join(by_cap.get(cap, "-") for cap in CAPS) + " |")
+    models = dict.fromkeys(model for model, _ in cells)  # in the section's order
+    for model in models:
+        for recipe in ("baseline", "compiled", "peer", "accelerated"):
+            by_cap = cells.get((model, recipe))
+            if by_cap:
+                lines.append(f"| {model} | `{recipe}` | " + " | ".join(by_cap.get(cap, "-") for cap in CAPS) + " |")
     return "\n".join(lines)
 
 

@@ -90,13 +90,13 @@ def render_section(name: str, index: list[dict[str, Any]]) -> str:
 
 
 def _placeholder(kind: str, body: str, index: list[dict[str, Any]]) -> str:
-    spec, rows = _parse(body)
+    spec, rows = parse(body)
     if kind == "table":
         return file_table(spec)
     return runs_table(spec, rows, index)
 
 
-def _parse(body: str) -> tuple[dict[str, str], list[tuple[str, str, str | None]]]:
+def parse(body: str) -> tuple[dict[str, str], list[tuple[str, str, str | None]]]:
     """A placeholder's ``key: value`` lines, and its ``row: label | selector`` lines in order, each with the ``file:``
     given last before it."""
     spec, rows = {}, []

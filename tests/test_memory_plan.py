@@ -694,7 +694,8 @@ def test_a_plan_reads_the_same_in_the_ladder_table_and_in_readme():
 
 def test_gpu_runs_that_do_not_fit_as_configured_get_growable_allocator_segments_unless_the_user_set_them(
         monkeypatch):
-    from gallery_lib.run.launch import ALLOCATOR_ENV, Nodes, Processes, _child_env
+    from gallery_lib.run.launch import Nodes, Processes, _child_env
+    from gallery_lib.run.memory_plan import ALLOCATOR_ENV
 
     def env(device="cuda", tight=True):
         return _child_env(Processes(), Nodes(), device, deterministic=False, family={}, tight_memory=tight)

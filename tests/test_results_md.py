@@ -47,7 +47,7 @@ def test_a_runs_table_shows_the_rows_its_selectors_name_with_ratios_to_their_cal
     index = [_runs(), _runs(recipe="accelerated", samples_per_s=111.4, compile_caches=None),
              _runs(recipe="accelerated", samples_per_s=205.0, processes=2, to_steady_s=None),
              _runs(file="b.json", recipe="plain PyTorch", samples_per_s=50.0)]
-    spec, rows = module._parse("file: a.json\ncolumns: label as run | gpus | img/s | vs peer | scaling | step ms | "
+    spec, rows = module.parse("file: a.json\ncolumns: label as run | gpus | img/s | vs peer | scaling | step ms | "
                                "reserved | steady\nrow: | recipe=peer\nrow: the recipe, 2 GPUs | recipe=accelerated "
                                "processes=2\nfile: b.json\nrow: plain | recipe=\"plain PyTorch\"")
     assert module.runs_table(spec, rows, index).splitlines() == [
@@ -71,7 +71,7 @@ def test_a_file_table_renders_a_result_files_list_of_records(tmp_path, monkeypat
     monkeypatch.setattr(module, "RESULTS", tmp_path)
     (tmp_path / "probe.json").write_text('{"rows": [{"ema": "gpu", "batch": 1, "checkpointing": false, '
                                          '"reserved": 17.1123, "peak_mb": 1468.94}]}')
-    spec, _ = module._parse("file: probe.json\nrows: rows\ncolumns: ema as EMA | batch | checkpointing | reserved | "
+    spec, _ = module.parse("file: probe.json\nrows: rows\ncolumns: ema as EMA | batch | checkpointing | reserved | "
                             "peak_mb as peak MB")
     assert module.file_table(spec).splitlines() == ["| EMA | batch | checkpointing | reserved | peak MB |",
                                                     "|---|---|---|---|---|", "| gpu | 1 | no | 17.11 | 1,469 |"]

@@ -32,7 +32,7 @@ from gallery_lib.run.checkpoint import CheckpointError, check_fresh_start, conti
 from gallery_lib.run.failure import (RESTARTED_PREFIX, STOPPED_PREFIX, RunFailure, clear_failure, failure_from_text,
                                      read_failure)
 from gallery_lib.run.folder_lock import LOCK_FILES, FolderInUse, only_run_in
-from gallery_lib.run.memory_plan import PLAN, MemoryPlan
+from gallery_lib.run.memory_plan import ALLOCATOR_ENV, ALLOCATOR_SETTINGS, PLAN, MemoryPlan
 from gallery_lib.run.metrics import read_metrics
 from gallery_lib.run.progress import StepProgress
 from gallery_lib.run.summary import DONE_PREFIX
@@ -157,13 +157,6 @@ class Processes:
         """One process on one node without restarts: it runs without torchrun."""
         return self.per_node == 1 and nodes.standalone and self.max_restarts == 0
 
-
-ALLOCATOR_ENV = "PYTORCH_CUDA_ALLOC_CONF"
-ALLOCATOR_SETTINGS = "expandable_segments:True"
-"""The CUDA allocator's settings where the run does not fit as configured (``MemoryPlan.tight``) and the user set
-none: segments that grow in place, so that memory a step frees serves later requests of other sizes. Under a 22 GiB
-cap SD-1.5's ladder ran out of memory with up to 3.2 GiB reserved but unallocated, and trained at twice the batch per
-step with them (benchmarks/RESULTS.md#ladder-22-gib). Runs that fit keep PyTorch's defaults, as they were measured."""
 
 _TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
 

@@ -47,6 +47,13 @@ text encoder (0.8 GiB); one that built sd15's parts held 4.7 GiB, its UNet 3.2 (
 HEADROOM = 0.04
 """Kept free above a measured peak: repeated runs of one setting reserved up to 3.6% apart (SD-1.5 accelerated at
 batch 32: 40.8-42.3 GiB)."""
+ALLOCATOR_ENV = "PYTORCH_CUDA_ALLOC_CONF"
+ALLOCATOR_SETTINGS = "expandable_segments:True"
+"""The CUDA allocator's settings the launcher gives a run that does not fit as configured (``MemoryPlan.tight``) where
+the user set none: segments that grow in place, so that memory a step frees serves later requests of other sizes.
+Under a 22 GiB cap SD-1.5's ladder ran out of memory with up to 3.2 GiB reserved but unallocated, and trained at twice
+the batch per step with them (benchmarks/RESULTS.md#ladder-22-gib). Runs that fit keep PyTorch's defaults, as they
+were measured."""
 PLANNED_FIELDS = ("batch_size", "gradient_accumulation_steps", "gradient_checkpointing", "compile")
 
 

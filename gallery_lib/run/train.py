@@ -53,8 +53,8 @@ from gallery_lib.config import RunConfig, validate_for_machine
 from gallery_lib.run.attention_probe import AttentionProbe
 from gallery_lib.run.batch_size import is_out_of_memory, search_run_batch_size, train_first_that_fits
 from gallery_lib.run.learned_footprints import ran_out_in_training, remember, setting_key
-from gallery_lib.run.memory_plan import (NAMED, PLAN, Candidate, MemoryPlan, OutOfMemory, memory_in_use_gib,
-                                         out_of_memory, worker_share_gib)
+from gallery_lib.run.memory_plan import (ALLOCATOR_ENV, NAMED, PLAN, Candidate, MemoryPlan, OutOfMemory,
+                                         memory_in_use_gib, out_of_memory, worker_share_gib)
 from gallery_lib.run.checkpoint import Checkpointer, check_fresh_start, is_own_checkpoint, resume_source
 from gallery_lib.run.failure import RESTARTED_PREFIX, STOPPED_PREFIX, clear_failure, failure_from_exception
 from gallery_lib.run.folder_lock import hold_while_training
@@ -247,7 +247,7 @@ def _train_from(setup_start: float, cfg: RunConfig, dist: DistInfo, plan: Compil
     if PLAN in cfg.extra:
         log(f"[gallery]   {MemoryPlan.from_dict(cfg.extra[PLAN]).note()}")
     if dist.device.type == "cuda":
-        log(f"[gallery]   CUDA allocator: {os.environ.get('PYTORCH_CUDA_ALLOC_CONF') or 'PyTorch defaults'}")
+        log(f"[gallery]   CUDA allocator: {os.environ.get(ALLOCATOR_ENV) or 'PyTorch defaults'}")
     for note in accelerated.notes:
         log(f"[gallery]   {note}")
     setup_time = time.perf_counter() - setup_start
