@@ -192,7 +192,6 @@ def ladder_classes() -> str:
     return "\n".join(lines)
 
 
-MEASURED_SECTION = ROOT / "benchmarks" / "results_sections" / "memory-plan.md"
 CAPS = ("16 GiB", "22 GiB", "38 GiB")
 
 
@@ -200,13 +199,13 @@ def measured_classes() -> str:
     """What each notebook's recipes ran under each cap, from the rows RESULTS#memory-plan names (``row: MODEL, CAP,
     RECIPE: SETTING | selector``): the setting the plan ran, its img/s and peak reserved, each measured under that
     cap; ``-`` where none ran."""
-    import importlib.util
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import results_md  # beside this script: its placeholders, their parser and the index
 
-    spec = importlib.util.spec_from_file_location("results_md", ROOT / "benchmarks" / "results_md.py")
-    results_md = sys.modules.setdefault("results_md", importlib.util.module_from_spec(spec))
-    spec.loader.exec_module(results_md)
+    from gallery_lib.app.bench import DEFAULT_RECIPES
+
     index = results_md.read_index()
-    body = re.search(r"<!-- runs\n(.*?)\n-->", MEASURED_SECTION.read_text(), re.S).group(1)
+    _, body = results_md.PLACEHOLDER.search((results_md.SOURCES / "memory-plan.md").read_text()).groups()
     cells: dict[tuple[str, str], dict[str, str]] = {}
     for label, selector, file in results_md.parse(body)[1]:
         where, _, setting = label.partition(": ")
@@ -218,7 +217,7 @@ def measured_classes() -> str:
              "|---|---|" + "---|" * len(CAPS)]
     models = dict.fromkeys(model for model, _ in cells)  # in the section's order
     for model in models:
-        for recipe in ("baseline", "compiled", "peer", "accelerated"):
+        for recipe in DEFAULT_RECIPES:
             by_cap = cells.get((model, recipe))
             if by_cap:
                 lines.append(f"| {model} | `{recipe}` | " + " | ".join(by_cap.get(cap, "-") for cap in CAPS) + " |")
