@@ -169,3 +169,19 @@ def test_a_setting_that_ran_once_and_ran_out_of_memory_once_under_this_cap_is_no
     again = MemoryPlan.from_dict(sd_planned(budget, "baseline").extra[PLAN])
     assert again.chosen != first and first not in again.probe
     assert recalled(key(ran), 20.0) == Recalled(16.0, ran_within=True)
+
+
+def test_what_ran_under_the_users_allocator_settings_counts_only_under_them(monkeypatch):
+    """The CUDA allocator's settings change what fits (SD's ladder under 22 GiB on an H100 trained twice the batch
+    with expandable segments): a step measured under the user's ``PYTORCH_CUDA_ALLOC_CONF`` is measured again under
+    the gallery's own choice, and the training process writes under the settings the plan read."""
+    budget = Budget(22.0, "gpu_memory_gib", GPU)
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:128")
+    users = sd_planned(budget)
+    assert users.extra[PLAN]["allocator"] == "max_split_size_mb:128"
+    remember(setting_key(users.to_dict(), GPU, users.extra[PLAN]["allocator"]), out_of_memory_under=22.0)
+    assert chosen(sd_planned(budget)) != Candidate(8, 1, True)  # under the same settings: not tried again
+
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
+    gallerys = sd_planned(budget)
+    assert gallerys.extra[PLAN]["allocator"] is None and chosen(gallerys) == Candidate(8, 1, True)

@@ -13,7 +13,7 @@ from dataclasses import replace
 from typing import Any, Callable, Iterable
 
 from gallery_lib.config import ConfigError, RunConfig
-from gallery_lib.run.learned_footprints import recalled, setting_key
+from gallery_lib.run.learned_footprints import recalled, setting_key, users_allocator
 from gallery_lib.run.memory_plan import (HOST_PROCESS_GIB, NAMED, PLAN, PLANNED_FIELDS, Budget, Candidate, MemoryPlan,
                                          TrainingState, candidates, choose, estimate_gib, workers_that_fit)
 
@@ -43,7 +43,9 @@ def fit_to_memory(cfg: RunConfig, resolve: Callable[[dict[str, Any]], RunConfig]
         except ConfigError:  # a setting this recipe cannot run (a ladder rung's CUDA graphs under checkpointing)
             continue
         options.append(option)
-    here = [recalled(budget.gpu and setting_key(config.to_dict(), budget.gpu), budget.gib) for config in configs]
+    allocator = users_allocator()
+    here = [recalled(budget.gpu and setting_key(config.to_dict(), budget.gpu, allocator), budget.gib)
+            for config in configs]
     estimates = [measured.gib if measured else footprint_gib(config, option.uncompiled)
                  for measured, option, config in zip(here, options, configs)]
     ran_within = {option for option, measured in zip(options, here) if measured and measured.ran_within}
@@ -59,7 +61,8 @@ def fit_to_memory(cfg: RunConfig, resolve: Callable[[dict[str, Any]], RunConfig]
     cfg = fitted[0]
     if cfg.precompile_workers != resolved[0].precompile_workers:
         plan = replace(plan, precompile_workers=cfg.precompile_workers)
-    noted = {**plan.as_dict(), "gpu": budget.gpu}  # the training process writes what it measures for this GPU
+    # the training process writes what it measures for this GPU, under the user's allocator settings
+    noted = {**plan.as_dict(), "gpu": budget.gpu, "allocator": allocator}
     if plan.chosen is None:  # the training process tries them in order (``run/batch_size.py``)
         noted.update(probe_fields=[_difference(cfg, other) for other in fitted], configured=configured.fields())
     return cfg.replace(extra={**cfg.extra, PLAN: noted})

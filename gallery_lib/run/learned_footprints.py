@@ -6,19 +6,24 @@ and one that ran out of memory under as much memory or more is not tried again, 
 a notebook run a second time on a small card starts at once. Delete the file to measure again.
 
 A run is the same run when every field that shapes its step is the same (all but ``NOT_SHAPING``: where it writes,
-how long it trains, how it logs), on a GPU of the same name (as the plan's ``Budget`` read it), with the same torch.
+how long it trains, how it logs), on a GPU of the same name (as the plan's ``Budget`` read it), with the same torch and
+the same CUDA allocator settings: the user's ``PYTORCH_CUDA_ALLOC_CONF``, or the gallery's own choice where the user
+set none (PyTorch's defaults for a run that fits as configured, expandable segments for one the plan changed). What a
+run measured under other settings, or before the gallery chose them, is measured again.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any, Mapping
 
 from gallery_lib.accel.optimize import default_cache_file, read_cache, write_cache
+from gallery_lib.run.memory_plan import ALLOCATOR_ENV
 
 FILE = "memory_footprints.json"
 NOT_SHAPING = frozenset({
@@ -30,16 +35,24 @@ NOT_SHAPING = frozenset({
 sizes them after it picked the setting."""
 
 
-def setting_key(fields: Mapping[str, Any], gpu: str) -> str:
+def setting_key(fields: Mapping[str, Any], gpu: str, allocator: str | None = None) -> str:
     """The key of a run's step on ``gpu``, from the run's config ``fields`` (``RunConfig.to_dict()``): its model and
-    setting in words, the GPU, torch's version and a digest of every field that shapes the step."""
+    setting in words, the GPU, torch's version, the CUDA allocator settings the user gave (``users_allocator()``;
+    ``None``: the gallery's) and a digest of every field that shapes the step."""
     shaping = {name: value for name, value in fields.items() if name not in NOT_SHAPING}
     digest = hashlib.sha256(json.dumps(shaping, sort_keys=True, default=str).encode()).hexdigest()[:16]
     setting = f"batch {fields.get('batch_size')}" + (
         f" x {fields['gradient_accumulation_steps']}" if fields.get("gradient_accumulation_steps", 1) > 1 else "") + (
         ", checkpointing" if fields.get("gradient_checkpointing") else "") + (
         ", compiled" if fields.get("compile") else "")
-    return f"{fields.get('model')} | {setting} | {gpu} | torch {_torch_version()} | {digest}"
+    return (f"{fields.get('model')} | {setting} | {gpu} | torch {_torch_version()} | "
+            f"allocator {allocator or 'by the plan'} | {digest}")
+
+
+def users_allocator() -> str | None:
+    """The CUDA allocator settings the user gave, read where the plan is made: the launcher sets its own in the
+    training processes only where the user set none."""
+    return os.environ.get(ALLOCATOR_ENV) or None
 
 
 @dataclass(frozen=True)

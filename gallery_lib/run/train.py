@@ -199,7 +199,8 @@ def _train(cfg: RunConfig, dist: DistInfo, extra_summary: dict | None = None) ->
     setup_start = time.perf_counter()
     memory_plan = cfg.extra.get(PLAN) or {}
     # what this step measures on this GPU, for the next plan on it (``learned_footprints``)
-    step_key = setting_key(cfg.to_dict(), memory_plan["gpu"]) if memory_plan.get("gpu") else None
+    step_key = setting_key(cfg.to_dict(), memory_plan["gpu"], memory_plan.get("allocator")) if memory_plan.get(
+        "gpu") else None
     try:
         # its precompile workers warm up while the model and the data are set up
         with CompilePlan(dist, compile=cfg.sections.compile, family=cfg.model_family, job=cfg.sections.job,
