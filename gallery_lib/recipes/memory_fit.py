@@ -13,7 +13,7 @@ from dataclasses import replace
 from typing import Any, Callable, Iterable
 
 from gallery_lib.config import ConfigError, RunConfig
-from gallery_lib.run.learned_footprints import recalled, setting_key, users_allocator
+from gallery_lib.run.learned_footprints import recalled_each, setting_key, users_allocator
 from gallery_lib.run.memory_plan import (HOST_PROCESS_GIB, NAMED, PLAN, PLANNED_FIELDS, Budget, Candidate, MemoryPlan,
                                          TrainingState, candidates, choose, estimate_gib, workers_that_fit)
 
@@ -44,8 +44,8 @@ def fit_to_memory(cfg: RunConfig, resolve: Callable[[dict[str, Any]], RunConfig]
             continue
         options.append(option)
     allocator = users_allocator()
-    here = [recalled(budget.gpu and setting_key(config.to_dict(), budget.gpu, allocator), budget.gib)
-            for config in configs]
+    here = recalled_each([budget.gpu and setting_key(config.to_dict(), budget.gpu, allocator) for config in configs],
+                         budget.gib)
     estimates = [measured.gib if measured else footprint_gib(config, option.uncompiled)
                  for measured, option, config in zip(here, options, configs)]
     ran_within = {option for option, measured in zip(options, here) if measured and measured.ran_within}

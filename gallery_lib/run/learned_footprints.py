@@ -20,7 +20,7 @@ import os
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from gallery_lib.accel.optimize import default_cache_file, read_cache, write_cache
 from gallery_lib.run.memory_plan import ALLOCATOR_ENV
@@ -70,7 +70,16 @@ class Recalled:
 def recalled(key: str | None, budget_gib: float, path: Path | None = None) -> Recalled | None:
     """What this GPU measured for the step ``key`` names, for a plan under ``budget_gib``; ``None`` where it has
     neither run nor run out of memory here under as much memory or more."""
-    entry = _read(path).get(key) if key else None
+    return recalled_each([key], budget_gib, path)[0]
+
+
+def recalled_each(keys: Sequence[str | None], budget_gib: float, path: Path | None = None) -> list[Recalled | None]:
+    """``recalled`` for each of ``keys`` (a plan's settings), the file read once."""
+    entries = _read(path)
+    return [_recalled(entries.get(key) if key else None, budget_gib) for key in keys]
+
+
+def _recalled(entry: Any, budget_gib: float) -> Recalled | None:
     if not isinstance(entry, dict):
         return None
     peak, ran_under, ran_out = (entry.get(name) for name in (
