@@ -284,6 +284,15 @@ def test_cpu_runs_say_their_timings_are_not_speed_measurements(tmp_path):
 
     said = summarize(report)
     assert "speedup over the baseline n/a on CPU (smoke)" in said and "1.00x" not in said
+    assert "GiB;" in said and "reserved" not in said  # a CPU run's peak is its resident memory
+
+
+def test_the_summary_names_the_peak_it_gives(model_dir):
+    from gallery_lib.app.workflow import summarize
+
+    said = summarize(write_report(model_dir))
+    assert f"peak memory {peak_gib(RUNS['accelerated']):.2f} GiB reserved;" in said
+    assert f"peak memory {peak_gib(RUNS['baseline']):.2f} GiB;" in said  # a summary that measured no reserved peak
 
 
 def test_a_stopped_run_is_one_line_not_a_row_a_bar_or_a_curve(model_dir):

@@ -62,11 +62,13 @@ def test_a_notebook_sees_one_line_per_run_and_the_command_line_every_line():
     from gallery_lib.run.launch import console_line
     from gallery_lib.run.summary import describe_summary
 
-    done = describe_summary({"samples_per_s": 41.25, "steps": 16, "resumed_from_step": 0, "warmup_steps": 4,
-                             "warmup_time_s": 0.6, "precompile_time_s": 0.0, "peak_mem_mb": 1024.0,
-                             "final_loss": 0.4585})
+    summary = {"samples_per_s": 41.25, "steps": 16, "resumed_from_step": 0, "warmup_steps": 4, "warmup_time_s": 0.6,
+               "precompile_time_s": 0.0, "peak_mem_mb": 1024.0, "final_loss": 0.4585}
+    done = describe_summary(summary)
     step = "[gallery] step 4/16 | loss 0.8109 | 31.8 img/s"
     assert [console_line(line, "baseline", "all") for line in (step, done)] == [step, done]
     assert console_line(step, "baseline", "result") is None
     assert console_line(done, "baseline", "result") == ("[gallery] baseline: 41.2 img/s (median of 12 steps after "
                                                         "warm-up), warm-up 0.6 s, peak 1.00 GiB, final loss 0.4585")
+    on_gpu = describe_summary({**summary, "peak_mem_mb": 14.38 * 1024, "peak_reserved_mb": 15.38 * 1024})
+    assert "peak 14.38 GiB allocated, 15.38 reserved, final loss" in on_gpu  # the notebook's summary says reserved

@@ -177,7 +177,7 @@ def summarize(report, reference: str = "baseline") -> str:
         text += f"; warm-up/compile {row['warmup_s']:.1f} s"
         if row.get("cache_s") is not None:
             text += f"; latent cache built in {row['cache_s']:.1f} s before training"
-        text += f"; peak memory {row['peak_mem_gib']:.2f} GiB"
+        text += f"; peak memory {row['peak_mem_gib']:.2f} GiB" + (" reserved" if row.get("peak_mem_reserved") else "")
         text += f"; final loss {row['final_loss']:.3f}"
         text += f"; validation top-1 {row['val_top1']:.1%}." if row.get("val_top1") is not None else "."
         lines.append(text)

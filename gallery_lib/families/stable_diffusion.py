@@ -102,6 +102,8 @@ FAMILY = ModelFamily(
                   samples_per_s={8: 26.7}, source="memory_plan_h200/caps_sd_16_all.json"),
         Footprint("sd15", "peer", {8: 15.14}, gradient_checkpointing=True, uncompiled=True, ema_offloaded=True,
                   samples_per_s={8: 26.6}, source="memory_plan_h200/caps_sd_16_peer_eager_ckpt.json"),
+        Footprint("sd15", "compiled", {8: 14.88}, gradient_checkpointing=True, uncompiled=True, ema_offloaded=True,
+                  samples_per_s={8: 22.3}, source="notebooks_caps_h100/notebook_sd_16.json"),
         Footprint("sd15", "baseline", {4: 22.12, 8: 25.01}, samples_per_s={8: 39.2},
                   source="memory_plan_h200/bench_sdmem_1.json, memory_plan_h200/caps_sd_38_all.json"),
         Footprint("sd15", "compiled", {8: 21.26}, samples_per_s={8: 57.8}, source="memory_plan_h200/caps_sd_22.json"),

@@ -199,6 +199,7 @@ def comparison_table(runs: list[RunRecord], reference: str = "baseline") -> list
             # On a GPU, reserved: what must fit (allocated undercounts CUDA graphs' pools and the allocator's cache).
             "peak_mem_gib": (s["peak_reserved_mb"] or s["peak_mem_mb"]) / 1024 if s["peak_mem_mb"] is not None
             else None,
+            "peak_mem_reserved": bool(s["peak_reserved_mb"]),
             "final_loss": s["final_loss"],
             "val_top1": s["val_top1"],
             "skipped_samples": s["skipped_samples"],

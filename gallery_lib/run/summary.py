@@ -73,9 +73,12 @@ def describe_summary(summary: dict[str, Any]) -> str:
               - summary.get("profiled_steps", 0))
     setting = planned_setting(summary)
     planned = f", {setting.describe()} (memory plan)" if setting else ""
+    # on a GPU both peaks: the plan and the report weigh the reserved one, which must fit the card
+    reserved = (f" allocated, {summary['peak_reserved_mb'] / 1024:.2f} reserved"
+                if summary.get("peak_reserved_mb") else "")
     return (f"{DONE_PREFIX}{summary['samples_per_s']:.1f} img/s (median of {steady} steps after warm-up), "
-            f"warm-up {summary['warmup_time_s']:.1f} s{after}, peak {summary['peak_mem_mb'] / 1024:.2f} GiB, "
-            f"final loss {summary['final_loss']:.4f}{planned}")
+            f"warm-up {summary['warmup_time_s']:.1f} s{after}, peak {summary['peak_mem_mb'] / 1024:.2f} GiB"
+            f"{reserved}, final loss {summary['final_loss']:.4f}{planned}")
 
 
 
