@@ -224,9 +224,36 @@ def measured_classes() -> str:
     return "\n".join(lines)
 
 
+NOTEBOOKS = {"stable_diffusion": "Stable Diffusion", "dreambooth": "DreamBooth", "swin_transformer": "Swin-T",
+             "resnet50": "ResNet-50", "optimization_ladder": "the optimization ladder", "your_model": "your model"}
+"""The notebooks in README's order, by file name, as the whole-notebook table names them."""
+
+
+def notebook_times() -> str:
+    """Each notebook's full profile timed from its first cell to its last under a cap
+    (``benchmarks/gpu_notebook.sh``'s ``notebooks_caps_*/notebook_*.json``): the cap, the GPU, the steps, the wall
+    time, the recipes that finished and ``accelerated`` over ``peer``."""
+    records = [json.loads(path.read_text()) for path in RESULTS.glob("notebooks_caps_*/notebook_*.json")]
+    records.sort(key=lambda record: (list(NOTEBOOKS).index(record["notebook"]), float(record["cap_gib"])))
+    lines = ["| notebook | cap | GPU | steps per run | first cell to last | recipes that finished | "
+             "`accelerated` / `peer` |", "|---|---|---|---|---|---|---|"]
+    for record in records:
+        runs = record["runs"]
+        finished = [name for name, run in runs.items() if run.get("samples_per_s")]
+        ratio = (f"{runs['accelerated']['samples_per_s'] / runs['peer']['samples_per_s']:.2f}x"
+                 if {"accelerated", "peer"} <= set(finished) else "-")
+        wall = int(record["wall_s"])
+        stopped = "" if record["exit_code"] == 0 else f" (stopped, exit {record['exit_code']})"
+        steps = record["params"].get("steps", "the profile's")
+        lines.append(f"| {NOTEBOOKS[record['notebook']]} | {float(record['cap_gib']):g} GiB | {record['gpu']} | "
+                     f"{steps} | {wall // 60} min {wall % 60} s{stopped} | "
+                     f"{len(finished)} of {len(runs)} | {ratio} |")
+    return "\n".join(lines)
+
+
 BLOCKS = {"headline": headline_table, "cpu-gallery": cpu_gallery_time, "memory-classes": memory_classes,
           "memory-classes-vision": lambda: memory_classes(VISION_FAMILIES), "memory-classes-ladder": ladder_classes,
-          "memory-measured": measured_classes}
+          "memory-measured": measured_classes, "notebook-times": notebook_times}
 
 
 def render(readme: str) -> str:
