@@ -3,6 +3,8 @@ and the non-finite-loss guard of the training loop."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import random
@@ -22,6 +24,7 @@ from gallery_lib.run.checkpoint import (LATEST, Checkpointer, CheckpointError, l
                                     write_checkpoint)
 from gallery_lib.config import ConfigError, RunConfig
 from gallery_lib.accel.distributed import DistInfo
+from gallery_lib.run.interrupt import STOP_ASKED
 from gallery_lib.run.metrics import read_metrics
 from gallery_lib.accel.precision import Precision
 from gallery_lib.run.train import run
@@ -129,7 +132,8 @@ def test_sigkill_mid_run_then_resume_matches_uninterrupted(reference, smoke_data
 def _ctrl_c_after_a_step(cfg: RunConfig, command: list[str], stdout, times: int = 1,
                          threads: int | None = None) -> tuple[subprocess.CompletedProcess, str]:
     """Runs ``command`` in a process group of its own, as a terminal does, and sends the group SIGINT (Ctrl-C)
-    ``times`` once ``cfg``'s run logged a step; the finished process and what it wrote to stdout (``stdout=PIPE``) or
+    ``times`` once ``cfg``'s run logged a step, each after the last one is acknowledged in the run's log (a fixed pause
+    let a fast CPU finish the stop first); the finished process and what it wrote to stdout (``stdout=PIPE``) or
     stderr. ``threads``: each training process's, where not this process's own."""
     env = child_env() if threads is None else dict(child_env(), OMP_NUM_THREADS=str(threads))
     proc = subprocess.Popen(command, env=env, stdout=stdout, stderr=subprocess.PIPE, text=True,
@@ -141,9 +145,13 @@ def _ctrl_c_after_a_step(cfg: RunConfig, command: list[str], stdout, times: int 
         while not (metrics.exists() and '"type": "step"' in metrics.read_text()):
             assert proc.poll() is None and time.monotonic() < deadline, "the run logged no step within 90 s"
             time.sleep(0.01)
-        for _ in range(times):
+        log = cfg.run_dir / "logs" / "rank0.log"
+        for sent in range(1, times + 1):
             os.killpg(proc.pid, signal.SIGINT)
-            time.sleep(0.2)
+            while sent < times and log.read_text().count(STOP_ASKED) < sent:
+                assert proc.poll() is None and time.monotonic() < deadline + 90, "the run stopped before Ctrl-C again"
+                time.sleep(0.001)
+            time.sleep(0.01)  # its line on its way to the launcher, which took this Ctrl-C
         output, errors = proc.communicate(timeout=90)
     finally:
         proc.kill()
@@ -198,12 +206,41 @@ def test_ctrl_c_stops_the_processes_of_a_larger_run_after_one_step_they_agree_on
 
 
 def test_a_second_ctrl_c_stops_the_run_at_once_and_says_what_is_lost(smoke_data, tmp_path):
-    cfg = resume_cfg(smoke_data, tmp_path, steps=400, log_every=1, checkpoint_every=0)
-    proc, errors = _ctrl_c_after_a_step(cfg, _gallery_train(smoke_data, tmp_path), subprocess.DEVNULL, times=2)
+    for attempt in range(3):  # the second Ctrl-C, sent once the first is taken, may come after the step saved
+        out = tmp_path / str(attempt)
+        cfg = resume_cfg(smoke_data, out, steps=400, log_every=1, checkpoint_every=0)
+        # steps of 224 px on one thread (half a second): the second Ctrl-C comes while the one under way runs
+        command = _gallery_train(smoke_data, out, "--image_size", "224")
+        proc, errors = _ctrl_c_after_a_step(cfg, command, subprocess.DEVNULL, times=2, threads=1)
+        if "its state saved in" not in errors:
+            break
     assert proc.returncode == 130 and "Traceback" not in errors, errors
     assert errors.strip() == ("gallery: baseline: stopped, Ctrl-C twice, so at once: what it trained since its last "
                               f"checkpoint is not saved, see {cfg.run_dir / 'logs' / 'rank0.log'}")
     assert json.loads((cfg.run_dir / "failure.json").read_text())["kind"] == "killed"
+
+
+def test_two_ctrl_c_that_reach_the_launcher_as_one_are_still_told_as_two(tmp_path):
+    """Two Ctrl-C in quick succession can reach the launcher as one KeyboardInterrupt, while the training process took
+    both: it said it stops after its step, then stopped without saving one. The line says so."""
+    from gallery_lib.run.interrupt import StopRequest
+    from gallery_lib.run.launch import _interrupted
+
+    request = StopRequest()
+    request.install()
+    try:
+        with contextlib.redirect_stdout(io.StringIO()) as printed:
+            os.kill(os.getpid(), signal.SIGINT)  # the first: taken, the handler then uninstalled
+    finally:
+        request.uninstall()
+    assert request.requested and printed.getvalue().rstrip().endswith(STOP_ASKED)
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / "rank0.log").write_text(printed.getvalue())
+    twice = _interrupted(tmp_path, "baseline", interrupts=1, stop_asked=True)
+    assert "Ctrl-C twice, so at once: what it trained since its last checkpoint is not saved" in str(twice)
+    (tmp_path / "failure.json").unlink()
+    once = _interrupted(tmp_path, "baseline", interrupts=1, stop_asked=False)  # before the training loop took it
+    assert "interrupted (Ctrl-C) before it saved a step" in str(once)
 
 
 def test_kill_during_save_leaves_previous_checkpoint_loadable(reference, tmp_path):

@@ -19,6 +19,11 @@ import torch
 import torch.distributed as dist
 
 
+STOP_ASKED = "again stops at once"
+"""How the line a training process prints on a first signal ends (``StopRequest``): a launcher that saw it, and then
+no saved step, knows a second signal stopped the process, though its own two Ctrl-C may have come as one."""
+
+
 class Interrupted(Exception):
     """The run stopped on a signal after ``step`` of ``steps``, its state saved to ``saved_to``."""
 
@@ -60,8 +65,8 @@ class StopRequest:
         if os.getpid() != self._pid:  # a forked DataLoader worker: it keeps loading the batches the step needs
             return
         self.signal = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
-        print(f"[gallery] {self.signal}: stopping after {self.stops_after} and saving it; {self.signal} again stops at "
-              "once", flush=True)
+        print(f"[gallery] {self.signal}: stopping after {self.stops_after} and saving it; {self.signal} {STOP_ASKED}",
+              flush=True)
         self.uninstall()  # the next signal takes its usual effect
 
 

@@ -32,6 +32,7 @@ from gallery_lib.run.checkpoint import CheckpointError, check_fresh_start, conti
 from gallery_lib.run.failure import (RESTARTED_PREFIX, STOPPED_PREFIX, RunFailure, clear_failure, failure_from_text,
                                      read_failure)
 from gallery_lib.run.folder_lock import LOCK_FILES, FolderInUse, only_run_in
+from gallery_lib.run.interrupt import STOP_ASKED
 from gallery_lib.run.memory_plan import ALLOCATOR_ENV, ALLOCATOR_SETTINGS, PLAN, MemoryPlan
 from gallery_lib.run.metrics import read_metrics
 from gallery_lib.run.progress import StepProgress
@@ -278,7 +279,7 @@ def launch(cfg: RunConfig, *, echo: Callable[[str], None] | None = print, consol
         output = _stream(proc, cfg.recipe, echo=echo, console=console, progress=progress)
         code = proc.wait()
         if output.interrupts:
-            raise _interrupted(run_dir, cfg.recipe, output.interrupts)
+            raise _interrupted(run_dir, cfg.recipe, output.interrupts, output.stop_asked)
         if code != 0:
             message = _failure_message(run_dir, code, list(output.tail))
             failure = read_failure(run_dir)
@@ -298,6 +299,7 @@ class _Output:
     tail: deque[str]
     printed_result: bool  # global rank 0 ran on this node
     interrupts: int  # how many Ctrl-C came while it ran
+    stop_asked: bool = False  # the training process said it stops after its step
 
 
 def _stream(proc: subprocess.Popen, recipe: str, *, echo: Callable[[str], None] | None, console: str,
@@ -315,6 +317,7 @@ def _stream(proc: subprocess.Popen, recipe: str, *, echo: Callable[[str], None] 
                 bar.feed(line)
                 stopped = (stopped or line.startswith(STOPPED_PREFIX)) and not line.startswith(RESTARTED_PREFIX)
                 output.printed_result = output.printed_result or line.startswith(DONE_PREFIX)
+                output.stop_asked = output.stop_asked or line.rstrip().endswith(STOP_ASKED)
                 shown = console_line(line.rstrip("\n"), recipe, console) if echo and not stopped else None
                 if shown is not None:
                     echo(shown)
@@ -327,12 +330,14 @@ def _stream(proc: subprocess.Popen, recipe: str, *, echo: Callable[[str], None] 
     return output
 
 
-def _interrupted(run_dir: Path, recipe: str, interrupts: int) -> RunInterrupted:
-    """The line of a run stopped by ``interrupts`` Ctrl-C: its own, where it saved its step; else what is lost."""
+def _interrupted(run_dir: Path, recipe: str, interrupts: int, stop_asked: bool) -> RunInterrupted:
+    """The line of a run stopped by ``interrupts`` Ctrl-C: its own, where it saved its step; else what is lost.
+    ``stop_asked``: the training process took a first one (two in quick succession reach this process as one)."""
     failure = read_failure(run_dir)
-    if failure is None or (interrupts > 1 and failure.kind != "interrupted"):  # it stopped before saving a step
+    twice = interrupts > 1 or stop_asked
+    if failure is None or (twice and failure.kind != "interrupted"):  # it stopped before saving a step
         log = failure.log if failure else _failing_log(run_dir)
-        why = "Ctrl-C twice, so at once" if interrupts > 1 else "interrupted (Ctrl-C) before it saved a step"
+        why = "Ctrl-C twice, so at once" if twice else "interrupted (Ctrl-C) before it saved a step"
         failure = RunFailure("killed", f"{why}: what it trained since its last checkpoint is not saved",
                              str(log) if log else None)
         failure.write(run_dir)
