@@ -134,7 +134,9 @@ def cpu_gallery_time() -> str:
     text = runs[-1].read_text()
     wall = int(re.search(r"wall (\d+) s", text).group(1))
     commit = re.search(r"# commit (\w+)", text).group(1)
-    cpu = re.search(r"# machine: \d+ cores \(([^,)]+)", text).group(1)
+    # the CPU's name as the kernel gives it ("Intel(R) Xeon(R) Processor with AVX-512"), trademarks left out
+    plain = re.sub(r"\((R|TM)\)| Processor", "", text)
+    cpu = re.search(r"# machine: \d+ cores \(([^,)]+)", plain).group(1)
     return f"{wall // 60} min {wall % 60} s on 2 cores of an {cpu} from a fresh clone (commit {commit})"
 
 
