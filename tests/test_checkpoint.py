@@ -148,7 +148,9 @@ def _ctrl_c_after_a_step(cfg: RunConfig, command: list[str], stdout, times: int 
         log = cfg.run_dir / "logs" / "rank0.log"
         for sent in range(1, times + 1):
             os.killpg(proc.pid, signal.SIGINT)
-            while sent < times and log.read_text().count(STOP_ASKED) < sent:
+            if sent == times:
+                break
+            while log.read_text().count(STOP_ASKED) < sent:
                 assert proc.poll() is None and time.monotonic() < deadline + 90, "the run stopped before Ctrl-C again"
                 time.sleep(0.001)
             time.sleep(0.01)  # its line on its way to the launcher, which took this Ctrl-C

@@ -71,4 +71,4 @@ def test_a_notebook_sees_one_line_per_run_and_the_command_line_every_line():
     assert console_line(done, "baseline", "result") == ("[gallery] baseline: 41.2 img/s (median of 12 steps after "
                                                         "warm-up), warm-up 0.6 s, peak 1.00 GiB, final loss 0.4585")
     on_gpu = describe_summary({**summary, "peak_mem_mb": 14.38 * 1024, "peak_reserved_mb": 15.38 * 1024})
-    assert "peak 14.38 GiB allocated, 15.38 reserved, final loss" in on_gpu  # the notebook's summary says reserved
+    assert "peak 14.38 GiB allocated, 15.38 reserved, final loss" in on_gpu  # a GPU run's line names both peaks
