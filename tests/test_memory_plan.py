@@ -635,6 +635,15 @@ def test_checkpointed_accelerated_takes_the_peers_ema(monkeypatch):
         "batch_size": 8, "gradient_checkpointing": True}).ema == "foreach"
 
 
+def test_an_offloaded_ema_streams_in_checkpointed_accelerated(monkeypatch):
+    """In 16 GiB the EMA waits in the CPU's memory: ``accelerated`` streams it through the GPU in chunks, where the
+    peer copies the whole average there and back."""
+    base = on_a_gpu(monkeypatch)
+    small, peer = fitted(base, "accelerated", 16.0), fitted(base, "peer", 16.0)
+    assert small.gradient_checkpointing and small.ema_offload and small.ema == "stream"
+    assert peer.gradient_checkpointing and peer.ema_offload and peer.ema == "foreach"
+
+
 def test_an_overridden_recipe_reads_its_recipes_footprints(monkeypatch):
     """``accelerated+ema=foreach`` in 22 GiB skips batch 8 unchecked, which accelerated measured at 22.9 GiB: it
     compiled, ran out of memory and compiled again when the footprints were read by the run's full name."""

@@ -74,9 +74,11 @@ def accelerated(base: RunConfig) -> RunConfig:
         # compiled in place left it to eager checkpointing around them (SD-1.5 at batch 8 in 22 GiB: 36.0 img/s,
         # the peer compiled whole 56.5; benchmarks/RESULTS.md#memory-plan)
         switches["compile_scope"] = "model"
-        # and with the peer's EMA: the side-stream update was measured beside replayed graphs, which checkpointing
-        # turns off, and without them it measured slower (SD-1.5, batch 8 checkpointed: 55.1 img/s, foreach 61.3)
-        if switches.get("ema") == "stream":
+        # and with the peer's EMA where the EMA stays on the GPU: the side-stream update was measured beside replayed
+        # graphs, which checkpointing turns off, and without them it measured slower (SD-1.5, batch 8 checkpointed:
+        # 55.1 img/s, foreach 61.3). Kept in the CPU's memory, the EMA streams through the GPU in chunks beside the
+        # step instead of the peer's copies of the whole average (SD-1.5 in 16 GiB: 1.35x and 1.40x the peer)
+        if switches.get("ema") == "stream" and not base.ema_offload:
             del switches["ema"]
     if base.compile_scope != "model":  # named by the user (``recipe_config`` reads it first): wins over the family's
         switches["compile_scope"] = base.compile_scope
