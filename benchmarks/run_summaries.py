@@ -47,8 +47,9 @@ def main(path, runs, *fields):
     # the script's own fields after the header: its ``command`` is the device script's, not this helper's
     record = {**result_header(), **{key: _value(value) for key, value in (field.split("=", 1) for field in fields)},
               "torch": torch.__version__, "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
-    record["runs"] = {os.path.basename(run_dir.rstrip("/")): run_entry(run_dir)
-                      for run_dir in sorted(glob.glob(f"{runs}/*/*/"))}
+    entries = {os.path.basename(run_dir.rstrip("/")): run_entry(run_dir)
+               for run_dir in sorted(glob.glob(f"{runs}/*/*/"))}
+    record["runs"] = {name: entry for name, entry in entries.items() if entry}  # an empty one: a notebook's own folder
     json.dump(record, open(path, "w"), indent=1)
     for name, entry in record["runs"].items():
         plan = (entry.get("memory_plan") or {}).get("note", "")
