@@ -77,7 +77,7 @@ def accelerated(base: RunConfig) -> RunConfig:
         # and with the peer's EMA where the EMA stays on the GPU: the side-stream update was measured beside replayed
         # graphs, which checkpointing turns off, and without them it measured slower (SD-1.5, batch 8 checkpointed:
         # 55.1 img/s, foreach 61.3). Kept in the CPU's memory, the EMA streams through the GPU in chunks beside the
-        # step instead of the peer's copies of the whole average (SD-1.5 in 16 GiB: 1.35x and 1.40x the peer)
+        # step instead of the peer's copies of the whole average: faster (benchmarks/RESULTS.md#sd-16-ema-stream)
         if switches.get("ema") == "stream" and not base.ema_offload:
             del switches["ema"]
     if base.compile_scope != "model":  # named by the user (``recipe_config`` reads it first): wins over the family's
