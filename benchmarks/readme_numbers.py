@@ -240,7 +240,9 @@ def notebook_times() -> str:
     lines = ["| notebook | cap | GPU | steps per run | first cell to last | recipes that finished | "
              "`accelerated` / `peer` |", "|---|---|---|---|---|---|---|"]
     for record in records:
-        runs = {name: run for name, run in record["runs"].items() if run}  # an empty entry: a folder, not a run
+        # the notebook's recipe runs: not its runs of the training step alone (``model_step/<recipe>``), nor an empty
+        # entry (a folder, not a run, in earlier records)
+        runs = {name: run for name, run in record["runs"].items() if run and "/" not in name}
         finished = [name for name, run in runs.items() if run.get("samples_per_s")]
         ratio = (f"{runs['accelerated']['samples_per_s'] / runs['peer']['samples_per_s']:.2f}x"
                  if {"accelerated", "peer"} <= set(finished) else "-")

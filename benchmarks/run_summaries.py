@@ -1,5 +1,6 @@
 """A GPU script's result file: the record's own fields (command, cap, exit code...) with each run's summary under a
-folder (``metrics.jsonl``'s summary line and step losses, ``failure.json``), keyed by the run's folder name.
+folder (``metrics.jsonl``'s summary line and step losses, ``failure.json``), keyed by the run's folder name (a run
+deeper than ``<model>/<recipe>/``: by the folders above its model and its own, ``model_step/accelerated``).
 
     python3 benchmarks/run_summaries.py OUT.json RUNS_DIR key=value ...   (a value that reads as JSON is read so)
 """
@@ -13,7 +14,7 @@ import torch
 
 from gallery_lib.reports.comparison import METRICS_FILE
 from gallery_lib.reports.provenance import result_header
-from gallery_lib.run.failure import read_failure
+from gallery_lib.run.failure import FAILURE_FILE, read_failure
 from gallery_lib.run.metrics import read_metrics
 
 SUMMARY = ("samples_per_s", "median_step_time_ms", "p20_step_time_ms", "p80_step_time_ms", "peak_mem_mb",
@@ -43,13 +44,25 @@ def run_entry(run_dir):
     return entry
 
 
+def run_dirs(runs):
+    """Every run's folder under ``runs``: ``<model>/<recipe>/``, and deeper (the Swin-T notebook's runs of the training
+    step alone: ``model_step/<model>/<recipe>/``); a folder with neither metrics nor a failure is not a run."""
+    found = {os.path.dirname(path) for name in (METRICS_FILE, FAILURE_FILE)
+             for path in glob.glob(f"{runs}/**/{name}", recursive=True)}
+    return sorted(found, key=lambda run_dir: (run_dir.count(os.sep), run_dir))
+
+
+def run_name(runs, run_dir):
+    """``<recipe>`` for ``<model>/<recipe>/``; deeper, the folders above the model's kept: ``model_step/<recipe>``."""
+    parts = os.path.relpath(run_dir, runs).split(os.sep)
+    return "/".join(parts[:-2] + parts[-1:])
+
+
 def main(path, runs, *fields):
     # the script's own fields after the header: its ``command`` is the device script's, not this helper's
     record = {**result_header(), **{key: _value(value) for key, value in (field.split("=", 1) for field in fields)},
               "torch": torch.__version__, "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
-    entries = {os.path.basename(run_dir.rstrip("/")): run_entry(run_dir)
-               for run_dir in sorted(glob.glob(f"{runs}/*/*/"))}
-    record["runs"] = {name: entry for name, entry in entries.items() if entry}  # an empty one: a notebook's own folder
+    record["runs"] = {run_name(runs, run_dir): run_entry(run_dir) for run_dir in run_dirs(runs)}
     json.dump(record, open(path, "w"), indent=1)
     for name, entry in record["runs"].items():
         plan = (entry.get("memory_plan") or {}).get("note", "")
