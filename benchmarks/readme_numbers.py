@@ -231,28 +231,80 @@ NOTEBOOKS = {"stable_diffusion": "Stable Diffusion", "dreambooth": "DreamBooth",
 """The notebooks in README's order, by file name, as the whole-notebook table names them."""
 
 
+CARD_CAPS = (("16 GB", 16.0), ("24 GB", 22.0), ("40 GB", 38.0))
+"""Each card class and the cap that stands in for it (what the card leaves free for a run, less a margin)."""
+NOTEBOOK_RECIPES = ("baseline", "compiled", "peer", "accelerated")
+RUNG_NOTEBOOKS = ("optimization_ladder", "your_model")
+
+
 def notebook_times() -> str:
-    """Each notebook's full profile timed from its first cell to its last under a cap
-    (``benchmarks/gpu_notebook.sh``'s ``notebooks_caps_*/notebook_*.json``): the cap, the GPU, the steps, the wall
-    time, the recipes that finished and ``accelerated`` over ``peer``."""
+    """A table per notebook, a row per card class: the whole notebook's full profile under the class's cap, timed from
+    its first cell to its last (``benchmarks/gpu_notebook.sh``'s ``notebooks_caps_*/notebook_*.json``), with what each
+    recipe ran (the plan's setting, img/s, peak reserved) and ``accelerated`` over ``peer``; "not run whole yet"
+    where no record is."""
     records = [json.loads(path.read_text()) for path in RESULTS.glob("notebooks_caps_*/notebook_*.json")]
-    records.sort(key=lambda record: (list(NOTEBOOKS).index(record["notebook"]), float(record["cap_gib"])))
-    lines = ["| notebook | cap | GPU | steps per run | first cell to last | recipes that finished | "
-             "`accelerated` / `peer` |", "|---|---|---|---|---|---|---|"]
-    for record in records:
-        # the notebook's recipe runs: not its runs of the training step alone (``model_step/<recipe>``), nor an empty
-        # entry (a folder, not a run, in earlier records)
-        runs = {name: run for name, run in record["runs"].items() if run and "/" not in name}
-        finished = [name for name, run in runs.items() if run.get("samples_per_s")]
-        ratio = (f"{runs['accelerated']['samples_per_s'] / runs['peer']['samples_per_s']:.2f}x"
-                 if {"accelerated", "peer"} <= set(finished) else "-")
-        wall = int(record["wall_s"])
-        stopped = "" if record["exit_code"] == 0 else f" (stopped, exit {record['exit_code']})"
-        steps = record["params"].get("steps", "the profile's")
-        lines.append(f"| {NOTEBOOKS[record['notebook']]} | {float(record['cap_gib']):g} GiB | {record['gpu']} | "
-                     f"{steps} | {wall // 60} min {wall % 60} s{stopped} | "
-                     f"{len(finished)} of {len(runs)} | {ratio} |")
-    return "\n".join(lines)
+    blocks, unrun = [], []
+    for notebook, title in NOTEBOOKS.items():
+        ran = [record for record in records if record["notebook"] == notebook]
+        if notebook in RUNG_NOTEBOOKS:  # rungs, not the four recipes: how many finished
+            if not ran:
+                unrun.append(title)
+                continue
+            lines = [f"**{title}**", "", "| cap | GPU | steps per run | first cell to last | runs that finished |",
+                     "|---|---|---|---|---|"]
+            for record in sorted(ran, key=lambda record: float(record["cap_gib"])):
+                cells = _notebook_row(record)[:3]
+                runs = [run for run in record["runs"].values() if run]
+                done = sum(bool(run.get("samples_per_s")) for run in runs)
+                lines.append(f"| {float(record['cap_gib']):g} GiB | {' | '.join(cells)} | {done} of {len(runs)} |")
+            blocks.append("\n".join(lines))
+            continue
+        lines = [f"**{title}**", "", "| card (cap) | GPU | steps per run | first cell to last | " + " | ".join(
+            f"`{recipe}`" for recipe in NOTEBOOK_RECIPES) + " | `accelerated` / `peer` |",
+            "|---|---|---|---|" + "---|" * (len(NOTEBOOK_RECIPES) + 1)]
+        for card, cap in CARD_CAPS:
+            at_cap = [record for record in ran if float(record["cap_gib"]) == cap]
+            if not at_cap:
+                lines.append(f"| {card} ({cap:g} GiB) | not run whole yet |" + " |" * (len(NOTEBOOK_RECIPES) + 3))
+            for record in at_cap:
+                lines.append(f"| {card} ({cap:g} GiB) | " + " | ".join(_notebook_row(record)) + " |")
+        blocks.append("\n".join(lines))
+    return "\n\n".join(blocks + ([f"Not run whole under a cap yet: {' and '.join(unrun)}."] if unrun else []))
+
+
+def _notebook_row(record: dict) -> list[str]:
+    """One whole-notebook record's cells after the card: the GPU, the steps, the wall time, each recipe, the ratio."""
+    # the notebook's recipe runs: not its runs of the training step alone (``model_step/<recipe>``), nor an empty
+    # entry (a folder, not a run, in earlier records)
+    runs = {name: run for name, run in record["runs"].items() if run and "/" not in name}
+    fast, peer = (runs.get(name, {}).get("samples_per_s") for name in ("accelerated", "peer"))
+    wall = int(record["wall_s"])
+    stopped = "" if record["exit_code"] == 0 else f" (stopped, exit {record['exit_code']})"
+    return [record["gpu"].replace("NVIDIA ", ""), str(record["params"].get("steps", "the profile's")),
+            f"{wall // 60} min {wall % 60} s{stopped}", *(_recipe_cell(runs.get(name)) for name in NOTEBOOK_RECIPES),
+            f"{fast / peer:.2f}x" if fast and peer else "-"]
+
+
+def _recipe_cell(run: dict | None) -> str:
+    """``8, checkpointing, EMA on the CPU: 27.0 img/s, 14.9 GiB`` (the setting the plan ran, with ``the 3rd tried``
+    where others ran out of memory first), ``stopped: <why>`` or ``-``."""
+    from gallery_lib.run.memory_plan import Candidate
+
+    if not run:
+        return "-"
+    if not run.get("samples_per_s"):
+        return f"stopped: {run.get('failure', {}).get('reason', 'no summary')}"
+    plan = run.get("memory_plan") or {}
+    setting = Candidate(**plan["chosen"]).short() if plan.get("chosen") else f"{run['global_batch_size']}"
+    setting += "".join(f", {words}" for on, words in ((plan.get("ema_offloaded"), "EMA on the CPU"),
+                                                      (plan.get("per_tensor_update"), "AdamW per tensor")) if on)
+    tried = len(plan.get("gave_way") or ())
+    setting += f" (the {_ordinal(tried + 1)} tried)" if tried else ""
+    return f"{setting}: {run['samples_per_s']:,.1f} img/s, {run['peak_reserved_mb'] / 1024:.1f} GiB"
+
+
+def _ordinal(n: int) -> str:
+    return f"{n}{'tsnrhtdd'[(n // 10 % 10 != 1) * (n % 10 < 4) * n % 10::4]}"
 
 
 BLOCKS = {"headline": headline_table, "cpu-gallery": cpu_gallery_time, "memory-classes": memory_classes,

@@ -203,3 +203,34 @@ def test_readme_rows_come_from_the_code_their_commits_name():
     statuses = {path: verify_source(json.loads((numbers.RESULTS / path).read_text()), numbers.ROOT)
                 for path in numbers.HEADLINE_CALLS}
     assert set(statuses.values()) <= {"verified", "no hash"}, statuses
+
+
+def test_each_notebook_run_whole_shows_what_each_recipe_ran_and_a_stop(monkeypatch, tmp_path):
+    """A table per notebook, a row per card class: the setting each recipe ran (the plan's, with the settings that
+    gave way counted), a stopped recipe as stopped, a class with no record as not run; the ladder's rungs counted."""
+    import json
+
+    numbers = _numbers()
+    plan = {"chosen": {"batch_size": 8, "accumulation": 2, "checkpointing": True, "uncompiled": False},
+            "ema_offloaded": True, "gave_way": ["batch 8, gradient checkpointing"]}
+    ran = {"samples_per_s": 20.0, "peak_reserved_mb": 15360.0, "memory_plan": plan, "global_batch_size": 16}
+    records = {"notebook_sd.json": {"notebook": "stable_diffusion", "cap_gib": 16, "gpu": "NVIDIA H100", "wall_s": 125,
+                                    "exit_code": 1, "params": {"steps": 12}, "runs": {
+                                        "baseline": ran, "peer": {**ran, "samples_per_s": 10.0},
+                                        "accelerated": {**ran, "samples_per_s": 15.0}, "stable_diffusion": {},
+                                        "compiled": {"failure": {"reason": "out of memory at step 3"}}}},
+               "notebook_ladder.json": {"notebook": "optimization_ladder", "cap_gib": 22, "gpu": "NVIDIA H100",
+                                        "wall_s": 60, "exit_code": 0, "params": {}, "runs": {
+                                            "ladder-00-tf32": ran, "ladder-11-cuda_graphs": {"failure": {}}}}}
+    (tmp_path / "notebooks_caps_x").mkdir()
+    for name, record in records.items():
+        (tmp_path / "notebooks_caps_x" / name).write_text(json.dumps(record))
+    monkeypatch.setattr(numbers, "RESULTS", tmp_path)
+    text = numbers.notebook_times()
+    sd = text.split("**Stable Diffusion**")[1].split("**")[0]
+    assert ("| 16 GB (16 GiB) | H100 | 12 | 2 min 5 s (stopped, exit 1) | 8 x 2, checkpointing, EMA on the CPU "
+            "(the 2nd tried): 20.0 img/s, 15.0 GiB | stopped: out of memory at step 3 |") in sd
+    assert sd.rstrip().endswith("| 1.50x |\n| 24 GB (22 GiB) | not run whole yet | | | | | | | |\n"
+                                "| 40 GB (38 GiB) | not run whole yet | | | | | | | |")
+    assert "| 22 GiB | H100 | the profile's | 1 min 0 s | 1 of 2 |" in text.split("**the optimization ladder**")[1]
+    assert text.endswith("Not run whole under a cap yet: your model.")
