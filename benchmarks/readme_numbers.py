@@ -250,13 +250,15 @@ def notebook_times() -> str:
             if not ran:
                 unrun.append(title)
                 continue
-            lines = [f"**{title}**", "", "| cap | GPU | steps per run | first cell to last | runs that finished |",
-                     "|---|---|---|---|---|"]
+            lines = [f"**{title}**", "", "| cap | GPU | steps per run | first cell to last | runs that finished | "
+                     "runs that do not fit (shown so, before they start) |", "|---|---|---|---|---|---|"]
             for record in sorted(ran, key=lambda record: float(record["cap_gib"])):
                 cells = _notebook_row(record)[:3]
                 runs = [run for run in record["runs"].values() if run]
                 done = sum(bool(run.get("samples_per_s")) for run in runs)
-                lines.append(f"| {float(record['cap_gib']):g} GiB | {' | '.join(cells)} | {done} of {len(runs)} |")
+                too_large = sum(run.get("failure", {}).get("kind") == "does_not_fit" for run in runs)
+                lines.append(f"| {float(record['cap_gib']):g} GiB | {' | '.join(cells)} | {done} of {len(runs)} | "
+                             f"{too_large} |")
             blocks.append("\n".join(lines))
             continue
         lines = [f"**{title}**", "", "| card (cap) | GPU | steps per run | first cell to last | " + " | ".join(
@@ -293,7 +295,9 @@ def _recipe_cell(run: dict | None) -> str:
     if not run:
         return "-"
     if not run.get("samples_per_s"):
-        return f"stopped: {run.get('failure', {}).get('reason', 'no summary')}"
+        failure = run.get("failure", {})
+        reason = failure.get("reason", "no summary")
+        return reason if failure.get("kind") == "does_not_fit" else f"stopped: {reason}"
     plan = run.get("memory_plan") or {}
     setting = Candidate(**plan["chosen"]).short() if plan.get("chosen") else f"{run['global_batch_size']}"
     setting += "".join(f", {words}" for on, words in ((plan.get("ema_offloaded"), "EMA on the CPU"),
