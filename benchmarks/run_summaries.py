@@ -17,6 +17,7 @@ from gallery_lib.reports.provenance import result_header
 from gallery_lib.run.failure import FAILURE_FILE, read_failure
 from gallery_lib.run.metrics import read_metrics
 
+STEP_LADDER = "your_model/ladder.json"
 SUMMARY = ("samples_per_s", "median_step_time_ms", "p20_step_time_ms", "p80_step_time_ms", "peak_mem_mb",
            "peak_reserved_mb", "global_batch_size", "memory_plan", "final_loss", "warmup_time_s", "precompile_time_s",
            "steps")
@@ -58,11 +59,28 @@ def run_name(runs, run_dir):
     return "/".join(parts[:-2] + parts[-1:])
 
 
+def step_ladder_entries(runs):
+    """The ``your_model`` notebook's rungs (trained in its own process, without run folders), from the ladder it saved:
+    ``your_model/<rung>`` with its speed, or the one line of a rung that ran out of memory."""
+    path = os.path.join(runs, STEP_LADDER)
+    if not os.path.exists(path):
+        return {}
+    ladder = json.load(open(path))
+    entries = {f"your_model/{row['rung']}": {
+        "samples_per_s": row["img_per_s"], "global_batch_size": ladder["batch_size"],
+        **{key: row[key] for key in ("median_step_time_ms", "p20_step_time_ms", "p80_step_time_ms")}}
+        for row in ladder["rows"]}
+    entries.update({f"your_model/{rung}": {"failure": {"kind": "out_of_memory", "reason": line}}
+                    for rung, line in ladder.get("stopped", {}).items()})
+    return entries
+
+
 def main(path, runs, *fields):
     # the script's own fields after the header: its ``command`` is the device script's, not this helper's
     record = {**result_header(), **{key: _value(value) for key, value in (field.split("=", 1) for field in fields)},
               "torch": torch.__version__, "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
     record["runs"] = {run_name(runs, run_dir): run_entry(run_dir) for run_dir in run_dirs(runs)}
+    record["runs"].update(step_ladder_entries(runs))
     json.dump(record, open(path, "w"), indent=1)
     for name, entry in record["runs"].items():
         plan = (entry.get("memory_plan") or {}).get("note", "")
