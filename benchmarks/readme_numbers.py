@@ -308,7 +308,8 @@ def _recipe_cell(run: dict | None) -> str:
 
 
 def _ordinal(n: int) -> str:
-    return f"{n}{'tsnrhtdd'[(n // 10 % 10 != 1) * (n % 10 < 4) * n % 10::4]}"
+    """``1st``, ``2nd``, ``3rd``, ``4th``, ``11th``."""
+    return f"{n}{'th' if n % 100 in (11, 12, 13) else {1: 'st', 2: 'nd', 3: 'rd'}.get(n % 10, 'th')}"
 
 
 BLOCKS = {"headline": headline_table, "cpu-gallery": cpu_gallery_time, "memory-classes": memory_classes,
