@@ -250,15 +250,17 @@ def notebook_times() -> str:
             if not ran:
                 unrun.append(title)
                 continue
-            lines = [f"**{title}**", "", "| cap | GPU | steps per run | first cell to last | runs that finished | "
-                     "runs that do not fit (shown so, before they start) |", "|---|---|---|---|---|---|"]
+            lines = [f"**{title}**", "", "| cap | rungs | GPU | steps per run | first cell to last | "
+                     "runs that finished | runs that do not fit (shown so, before they start) |",
+                     "|---|---|---|---|---|---|---|"]
             for record in sorted(ran, key=lambda record: float(record["cap_gib"])):
                 cells = _notebook_row(record)[:3]
                 runs = [run for run in record["runs"].values() if run]
                 done = sum(bool(run.get("samples_per_s")) for run in runs)
                 too_large = sum(run.get("failure", {}).get("kind") == "does_not_fit" for run in runs)
-                lines.append(f"| {float(record['cap_gib']):g} GiB | {' | '.join(cells)} | {done} of {len(runs)} | "
-                             f"{too_large} |")
+                rungs = ", ".join(record["params"].get("rungs") or ["all"])  # a ladder longer than a call runs in parts
+                lines.append(f"| {float(record['cap_gib']):g} GiB | {rungs} | {' | '.join(cells)} | "
+                             f"{done} of {len(runs)} | {too_large} |")
             blocks.append("\n".join(lines))
             continue
         lines = [f"**{title}**", "", "| card (cap) | GPU | steps per run | first cell to last | " + " | ".join(

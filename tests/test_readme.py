@@ -220,7 +220,8 @@ def test_each_notebook_run_whole_shows_what_each_recipe_ran_and_a_stop(monkeypat
                                         "accelerated": {**ran, "samples_per_s": 15.0}, "stable_diffusion": {},
                                         "compiled": {"failure": {"reason": "out of memory at step 3"}}}},
                "notebook_ladder.json": {"notebook": "optimization_ladder", "cap_gib": 22, "gpu": "NVIDIA H100",
-                                        "wall_s": 60, "exit_code": 0, "params": {}, "runs": {
+                                        "wall_s": 60, "exit_code": 0, "params": {"rungs": ["tf32", "batch"]},
+                                        "runs": {
                                             "ladder-00-tf32": ran, "ladder-05-batch": {"failure": {}},
                                             "ladder-11-cuda_graphs": {"failure": {"kind": "does_not_fit"}}}}}
     (tmp_path / "notebooks_caps_x").mkdir()
@@ -233,5 +234,6 @@ def test_each_notebook_run_whole_shows_what_each_recipe_ran_and_a_stop(monkeypat
             "(the 2nd tried): 20.0 img/s, 15.0 GiB | stopped: out of memory at step 3 |") in sd
     assert sd.rstrip().endswith("| 1.50x |\n| 24 GB (22 GiB) | not run whole yet | | | | | | | |\n"
                                 "| 40 GB (38 GiB) | not run whole yet | | | | | | | |")
-    assert "| 22 GiB | H100 | the profile's | 1 min 0 s | 1 of 3 | 1 |" in text.split("**the optimization ladder**")[1]
+    assert "| 22 GiB | tf32, batch | H100 | the profile's | 1 min 0 s | 1 of 3 | 1 |" in text.split(
+        "**the optimization ladder**")[1]
     assert text.endswith("Not run whole under a cap yet: your model.")
