@@ -254,7 +254,7 @@ def notebook_times() -> str:
                      "runs that finished | runs that do not fit (shown so, before they start) |",
                      "|---|---|---|---|---|---|---|"]
             for record in sorted(ran, key=lambda record: float(record["cap_gib"])):
-                cells = _notebook_row(record)[:3]
+                cells = _record_cells(record)
                 runs = [run for run in record["runs"].values() if run]
                 done = sum(bool(run.get("samples_per_s")) for run in runs)
                 too_large = sum(run.get("failure", {}).get("kind") == "does_not_fit" for run in runs)
@@ -276,23 +276,28 @@ def notebook_times() -> str:
     return "\n\n".join(blocks + ([f"Not run whole under a cap yet: {' and '.join(unrun)}."] if unrun else []))
 
 
+def _record_cells(record: dict) -> list[str]:
+    """A whole-notebook record's GPU, steps and wall time."""
+    wall = int(record["wall_s"])
+    stopped = "" if record["exit_code"] == 0 else f" (stopped, exit {record['exit_code']})"
+    return [record["gpu"].replace("NVIDIA ", ""), str(record["params"].get("steps", "the profile's")),
+            f"{wall // 60} min {wall % 60} s{stopped}"]
+
+
 def _notebook_row(record: dict) -> list[str]:
     """One whole-notebook record's cells after the card: the GPU, the steps, the wall time, each recipe, the ratio."""
     # the notebook's recipe runs: not its runs of the training step alone (``model_step/<recipe>``), nor an empty
     # entry (a folder, not a run, in earlier records)
     runs = {name: run for name, run in record["runs"].items() if run and "/" not in name}
     fast, peer = (runs.get(name, {}).get("samples_per_s") for name in ("accelerated", "peer"))
-    wall = int(record["wall_s"])
-    stopped = "" if record["exit_code"] == 0 else f" (stopped, exit {record['exit_code']})"
-    return [record["gpu"].replace("NVIDIA ", ""), str(record["params"].get("steps", "the profile's")),
-            f"{wall // 60} min {wall % 60} s{stopped}", *(_recipe_cell(runs.get(name)) for name in NOTEBOOK_RECIPES),
+    return [*_record_cells(record), *(_recipe_cell(runs.get(name)) for name in NOTEBOOK_RECIPES),
             f"{fast / peer:.2f}x" if fast and peer else "-"]
 
 
 def _recipe_cell(run: dict | None) -> str:
     """``8, checkpointing, EMA on the CPU: 27.0 img/s, 14.9 GiB`` (the setting the plan ran, with ``the 3rd tried``
     where others ran out of memory first), ``stopped: <why>`` or ``-``."""
-    from gallery_lib.run.memory_plan import Candidate
+    from gallery_lib.run.memory_plan import MemoryPlan
 
     if not run:
         return "-"
@@ -300,11 +305,11 @@ def _recipe_cell(run: dict | None) -> str:
         failure = run.get("failure", {})
         reason = failure.get("reason", "no summary")
         return reason if failure.get("kind") == "does_not_fit" else f"stopped: {reason}"
-    plan = run.get("memory_plan") or {}
-    setting = Candidate(**plan["chosen"]).short() if plan.get("chosen") else f"{run['global_batch_size']}"
-    setting += "".join(f", {words}" for on, words in ((plan.get("ema_offloaded"), "EMA on the CPU"),
-                                                      (plan.get("per_tensor_update"), "AdamW per tensor")) if on)
-    tried = len(plan.get("gave_way") or ())
+    recorded = run.get("memory_plan")
+    plan = MemoryPlan.from_dict(recorded) if recorded else None
+    setting = (plan.chosen.short() + plan.moved_state(short=True) if plan and plan.chosen
+               else f"{run['global_batch_size']}")
+    tried = len((recorded or {}).get("gave_way") or ())
     setting += f" (the {_ordinal(tried + 1)} tried)" if tried else ""
     return f"{setting}: {run['samples_per_s']:,.1f} img/s, {run['peak_reserved_mb'] / 1024:.1f} GiB"
 

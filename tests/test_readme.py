@@ -211,7 +211,8 @@ def test_each_notebook_run_whole_shows_what_each_recipe_ran_and_a_stop(monkeypat
     import json
 
     numbers = _numbers()
-    plan = {"chosen": {"batch_size": 8, "accumulation": 2, "checkpointing": True, "uncompiled": False},
+    plan = {"budget_gib": 16.0, "source": "gpu_memory_gib",  # as a run records its plan
+            "chosen": {"batch_size": 8, "accumulation": 2, "checkpointing": True, "uncompiled": False},
             "ema_offloaded": True, "gave_way": ["batch 8, gradient checkpointing"]}
     ran = {"samples_per_s": 20.0, "peak_reserved_mb": 15360.0, "memory_plan": plan, "global_batch_size": 16}
     records = {"notebook_sd.json": {"notebook": "stable_diffusion", "cap_gib": 16, "gpu": "NVIDIA H100", "wall_s": 125,

@@ -166,9 +166,7 @@ class MemoryPlan:
         ``tries batch 8, gradient checkpointing, then the next setting where it runs out of memory`` or ``does not
         fit in 16.0 GiB``; ``short``: ``8 x 2, EMA on the CPU (20.1)`` (the measured GiB), ``8, checkpointing
         (tried)`` or ``does not fit``."""
-        state = [(self.ema_offloaded, "EMA on the CPU", "the EMA in the CPU's memory"),
-                 (self.per_tensor_update, "AdamW per tensor", "AdamW one tensor at a time")]
-        extra = "".join(f", {words[0] if short else words[1]}" for on, *words in state if on)
+        extra = self.moved_state(short=short)
         if self.chosen is not None and short:
             measured = "" if self.estimate_gib is None else f" ({self.estimate_gib:.1f})"
             return f"{self.chosen.short()}{extra}{measured}"
@@ -178,6 +176,13 @@ class MemoryPlan:
             return (f"{self.probe[0].short()}{extra} (tried)" if short else
                     f"tries {self.probe[0].describe()}{extra}, then the next setting where it runs out of memory")
         return "does not fit" if short else f"does not fit in {self.budget_gib:.1f} GiB"
+
+    def moved_state(self, *, short: bool = False) -> str:
+        """What the plan moved out of the GPU's way, after a setting: ``, the EMA in the CPU's memory``; ``short``:
+        ``, EMA on the CPU, AdamW per tensor``; empty where nothing moved."""
+        state = [(self.ema_offloaded, "EMA on the CPU", "the EMA in the CPU's memory"),
+                 (self.per_tensor_update, "AdamW per tensor", "AdamW one tensor at a time")]
+        return "".join(f", {words[0] if short else words[1]}" for on, *words in state if on)
 
     def does_not_fit(self) -> str:
         """One line for a run that cannot start: what it needs, what it has, and the way out."""
