@@ -579,6 +579,22 @@ def test_the_cap_is_a_no_op_on_a_cpu():
     cap_gpu_memory(None, torch.device("cuda"))
 
 
+def test_the_cap_on_a_device_without_an_index_goes_to_the_current_gpu(monkeypatch):
+    """A notebook passes ``torch.device("cuda")``; CUDA's allocator cap takes only an index (it raised on the bare
+    device under a cap before any rung ran)."""
+    from types import SimpleNamespace
+
+    from gallery_lib.accel.torch_switches import cap_gpu_memory
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: SimpleNamespace(total_memory=88 * 2**30))
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda *args: calls.append(args))
+    cap_gpu_memory(22.0, torch.device("cuda"))
+    cap_gpu_memory(44.0, torch.device("cuda", 0))
+    assert calls == [(0.25, 1), (0.5, 0)]
+
+
 def test_the_done_line_says_what_the_plan_changed():
     from gallery_lib.run.summary import describe_summary
 

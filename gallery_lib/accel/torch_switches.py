@@ -37,8 +37,9 @@ def cap_gpu_memory(gib: float | None, device: torch.device) -> None:
     """Caps what this process's CUDA allocator may reserve on ``device`` at ``gib`` (no cap: ``None``, or a CPU)."""
     if gib is None or device.type != "cuda":
         return
-    total = torch.cuda.get_device_properties(device).total_memory
-    torch.cuda.set_per_process_memory_fraction(min(1.0, gib * 2**30 / total), device)
+    index = torch.cuda.current_device() if device.index is None else device.index  # the allocator wants an index
+    total = torch.cuda.get_device_properties(index).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, gib * 2**30 / total), index)
 
 
 def cap_worker_gpu_memory(device: torch.device) -> None:
