@@ -370,3 +370,28 @@ def test_under_a_cap_every_rung_keeps_its_global_batch_and_the_plan_sets_each_ru
 def test_a_user_batch_stays_named_on_the_ladder():
     base = ladder_base("full", data_root="/data", batch_size=4)
     assert "batch_size" in base.extra[NAMED] and base.batch_size == 4
+
+
+def test_where_the_first_rungs_do_not_fit_the_speedups_are_over_the_first_that_ran(tmp_path):
+    """On a small GPU the fp32 rungs may not fit at all: the report still renders, its speedups and the breakdown are
+    over the first rung that ran and say so, and the talk's figures in the plot are taken over that rung too."""
+    no_fit = "does not fit in 16.0 GiB: batch 1 x 8 accumulation steps each ran out of memory before its timed steps"
+    results = [_result("tf32", None, failure=no_fit), _result("amp", None, failure=no_fit),
+               _result("loader", None, failure=no_fit), _result("fused", None, failure=no_fit),
+               _result("attention", 20.0), _result("batch", 30.0)]
+    rows = ladder_rows(results)
+    assert {row["speedup_over"] for row in rows} == {"ladder-04-attention"}
+    assert rows[5]["speedup"] == pytest.approx(1.5) and rows[5]["gain"] == pytest.approx(1.5)
+    said = "\n".join(findings(rows))
+    assert ("1.50x fused attention (ladder-04-attention), the first rung that ran here, on NVIDIA H100 80GB HBM3"
+            in said)
+    assert "What the 1.50x of larger batch is made of (each rung's gain over the one it builds on; they multiply " \
+           "to it): larger batch 1.50x." in said  # the breakdown stops at the rung the speedups are over
+    report = ladder_report(results, tmp_path)
+    assert "Speedups over fused attention (ladder-04-attention), the first rung that ran here" in report.markdown
+    assert all(f"{recipe_name(rung_named(name))} (" in report.markdown for name in ("tf32", "amp", "loader", "fused"))
+    speed_axis = report.figure.axes[0]
+    assert "over fused attention" in speed_axis.get_title()
+    talk = {row["name"]: row["talk_speedup"] for row in rows}
+    if talk["attention"] and talk["batch"]:  # the talk's markers: its batch rung over its attention rung
+        assert speed_axis.lines[0].get_ydata()[-1] == pytest.approx(talk["batch"] / talk["attention"])

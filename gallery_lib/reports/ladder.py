@@ -27,10 +27,12 @@ BOUGHT_NOTHING = 1.03
 
 
 def ladder_rows(results: list[RungResult]) -> list[dict[str, Any]]:
-    """One row per rung: its throughput, step time and peak memory, its speedup over the first rung, its gain over
-    the rung it builds on, and the talk's figures."""
+    """One row per rung: its throughput, step time and peak memory, its speedup over the first rung that ran (the
+    ladder's first, unless it did not fit this GPU: ``speedup_over``), its gain over the rung it builds on, and the
+    talk's figures."""
     speed = {r.rung.name: r.summary["samples_per_s"] for r in results if r.summary}
-    first = speed.get(results[0].rung.name) if results else None
+    reference = next((r.rung for r in results if r.summary), None)
+    first = speed[reference.name] if reference else None
     rows = []
     for result in results:
         rung, summary, parent = result.rung, result.summary, result.builds_on
@@ -46,6 +48,7 @@ def ladder_rows(results: list[RungResult]) -> list[dict[str, Any]]:
             "setting": f"{planned.short()} (memory plan)" if planned else None,
             "device": summary["device_name"] if summary else None,
             "compile_caches": compile_caches(summary) if summary else None,
+            "speedup_over": recipe_name(reference) if reference else None,
         }
         if summary:
             row.update(img_per_s=summary["samples_per_s"], median_step_ms=summary["median_step_time_ms"],
@@ -70,7 +73,7 @@ def findings(rows: list[dict[str, Any]]) -> list[str]:
     elif ran:
         top = max(ran, key=lambda row: row["img_per_s"])
         lines.append(f"Fastest rung: {top['title']} ({top['rung']}), {top['img_per_s']:.1f} img/s, "
-                     f"{top['speedup']:.2f}x the first rung, on {top['device']}.")
+                     f"{top['speedup']:.2f}x {_reference(rows)}, on {top['device']}.")
     flat = [f"{row['title']} ({row['gain']:.2f}x)" for row in ran
             if row["gain"] is not None and row["gain"] < BOUGHT_NOTHING and not on_cpu]
     if flat:
@@ -93,14 +96,14 @@ def _made_of(rows: list[dict[str, Any]], top: dict[str, Any]) -> list[str]:
     it builds on multiply to the speedup), largest first, those that bought nothing lumped together."""
     by_name = {row["name"]: row for row in rows}
     path, row = [], top
-    while row["builds_on"] is not None:
+    while row["rung"] != top["speedup_over"]:
         if row["gain"] is None:
             return []  # a rung on the path did not run: its share is unknown
         path.append(row)
         row = by_name.get(row["builds_on"])
         if row is None:
             return []
-    if row is not rows[0] or not path:
+    if not path:
         return []
     bought = sorted((r for r in path if r["gain"] >= BOUGHT_NOTHING), key=lambda r: -r["gain"])
     rest = [r for r in path if r["gain"] < BOUGHT_NOTHING]
@@ -126,6 +129,8 @@ def to_markdown(rows: list[dict[str, Any]]) -> str:
                      f"{speedup_text(row['speedup'], row['device'])} | "
                      f"{speedup_text(row['gain'], row['device'])} | "
                      f"{_fmt(row['talk_speedup'], '{:.2f}x')} | {_fmt(row['talk_peak_mem_gb'], '{:.1f}')} |")
+    if rows and _reference(rows) != "the first rung":
+        lines += ["", f"Speedups over {_reference(rows)}; the talk's over its first rung."]
     not_run = [f"- {_failure_line(row)}" for row in rows if row["failure"]]
     return "\n".join(lines + ([""] + not_run if not_run else []))
 
@@ -144,6 +149,23 @@ def _ran(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [row for row in rows if row["img_per_s"] is not None]
 
 
+def _reference(rows: list[dict[str, Any]]) -> str:
+    """What the speedups are over: the first rung, or the first that ran where the rungs below it did not."""
+    over = next((row for row in rows if row["rung"] == rows[0]["speedup_over"]), None)
+    if over is None or over is rows[0]:
+        return "the first rung"
+    return f"{over['title']} ({over['rung']}), the first rung that ran here"
+
+
+def _talk_over_reference(row: dict[str, Any], rows: list[dict[str, Any]]) -> float | None:
+    """The talk's speedup for ``row`` over the rung this machine's speedups are over (``None`` where the talk has
+    no figure for either)."""
+    over = next((other for other in rows if other["rung"] == row["speedup_over"]), None)
+    if row["talk_speedup"] is None or over is None or over["talk_speedup"] is None:
+        return None
+    return row["talk_speedup"] / over["talk_speedup"]
+
+
 def _failure_line(row: dict[str, Any]) -> str:
     return row.get("failure_line") or f"{row['rung']} ({row['title']}): did not run, {row['failure']}"
 
@@ -151,8 +173,11 @@ def _failure_line(row: dict[str, Any]) -> str:
 def ladder_figure(rows: list[dict[str, Any]]) -> Figure:
     """(a) cumulative speedup per rung, (b) peak memory per rung, for the rungs that ran; the talk's A100 figures as
     black markers. On a CPU, where timings are no speedups, (a) shows each rung's median step time with its p20-p80
-    range instead: no ratio, no bars to compare, no talk's figures."""
-    rows = [{**row, "peak_memory": _peak_memory(row)} for row in _ran(rows)]
+    range instead: no ratio, no bars to compare, no talk's figures. Where the first rungs did not fit, the talk's
+    speedups are taken over the rung the bars are over, so the two stay comparable."""
+    reference = _reference(rows)
+    rows = [{**row, "peak_memory": _peak_memory(row), "talk_over_reference": _talk_over_reference(row, rows)}
+            for row in _ran(rows)]
     on_cpu = any(row["device"] == "CPU" for row in rows)
     fig = _ReportFigure(figsize=(12, 8), layout="constrained")
     ax_speed, ax_mem = fig.subplots(2, 1, sharex=True)
@@ -163,7 +188,7 @@ def ladder_figure(rows: list[dict[str, Any]]) -> Figure:
     if on_cpu:
         _plot_cpu_step_times(ax_speed, rows)
     else:
-        panels.insert(0, (ax_speed, "speedup", "talk_speedup", "{:.2f}x", "(a) throughput over the first rung",
+        panels.insert(0, (ax_speed, "speedup", "talk_over_reference", "{:.2f}x", f"(a) throughput over {reference}",
                           "speedup"))
     for ax, key, talk_key, fmt, title, unit in panels:
         values = [row[key] if row[key] is not None else 0.0 for row in rows]
