@@ -68,7 +68,8 @@ def step_ladder_entries(runs):
     ladder = json.load(open(path))
     entries = {f"your_model/{row['rung']}": {
         "samples_per_s": row["img_per_s"], "global_batch_size": ladder["batch_size"],
-        **{key: row[key] for key in ("median_step_time_ms", "p20_step_time_ms", "p80_step_time_ms")}}
+        **{key: row[key] for key in ("median_step_time_ms", "p20_step_time_ms", "p80_step_time_ms")},
+        **({"peak_reserved_mb": row["peak_reserved_gib"] * 1024} if row.get("peak_reserved_gib") else {})}
         for row in ladder["rows"]}
     entries.update({f"your_model/{rung}": {"failure": {"kind": "out_of_memory", "reason": line}}
                     for rung, line in ladder.get("stopped", {}).items()})

@@ -12,6 +12,8 @@ import torch
 
 from gallery_lib.reports.step_ladder import StepLadder
 
+ROOT = Path(__file__).resolve().parents[1]
+
 
 def _ladder(device: str) -> StepLadder:
     ladder = StepLadder(batch_size=8, warmup=2, device=device)
@@ -29,6 +31,32 @@ def test_rows_time_the_steps_after_warm_up_and_compare_each_rung():
     assert rows[1]["changes"] == ["compiled: 2 blocks"]
     row = "| compiled | 20.0 [20.0-20.0] | 400.0 | 2.00x | 2.00x (plain) | 0.01 | 5.0 |"
     assert row in _ladder("cuda").to_markdown()
+
+
+def test_a_rung_records_the_gpu_memory_it_held_and_a_cpu_rung_none(tmp_path, monkeypatch):
+    """The rung's own peak reserved memory (reset at its start) goes into its row, the table and the saved JSON, and
+    from there into a device script's record (``run_summaries``); a CPU ladder's rows have none and no column."""
+    import importlib.util
+
+    resets = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr("gallery_lib.reports.step_ladder.reset_peak_memory", lambda d: resets.append(d.type))
+    monkeypatch.setattr("gallery_lib.reports.step_ladder.peak_reserved_mb", lambda device: 3.5 * 1024)
+    monkeypatch.setattr("gallery_lib.reports.step_ladder.give_back_cached_gpu_memory", lambda: None)
+    ladder = StepLadder(batch_size=8, warmup=1, device="cuda")
+    with ladder.rung("plain", echo=None) as record:
+        record([2.0, 1.0, 0.5], [900.0, 40.0, 40.0])
+    assert resets == ["cuda"] and ladder.rows()[0]["peak_reserved_gib"] == 3.5
+    assert ladder.to_markdown().splitlines()[0].endswith("| peak GiB reserved |")
+    assert ladder.to_markdown().splitlines()[2].endswith("| 3.50 |")
+    (tmp_path / "your_model").mkdir()
+    ladder.save(tmp_path / "your_model" / "ladder.json")
+    spec = importlib.util.spec_from_file_location("run_summaries", ROOT / "benchmarks" / "run_summaries.py")
+    summaries = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(summaries)
+    assert summaries.step_ladder_entries(str(tmp_path))["your_model/plain"]["peak_reserved_mb"] == 3.5 * 1024
+    cpu = _ladder("cpu")
+    assert cpu.rows()[0]["peak_reserved_gib"] is None and "peak GiB" not in cpu.to_markdown()
 
 
 def test_a_side_branch_gains_over_the_rung_it_builds_on_and_every_rung_is_set_against_the_peer():

@@ -32,7 +32,7 @@ from gallery_lib.reports.comparison import CPU_TIMINGS, _png_bytes, _ReportFigur
 from gallery_lib.reports.provenance import source_version
 from gallery_lib.run.batch_size import allocator_detail, is_out_of_memory
 from gallery_lib.run.memory_plan import give_back_cached_gpu_memory
-from gallery_lib.run.timing import StepTimer, summarize_times
+from gallery_lib.run.timing import StepTimer, peak_reserved_mb, reset_peak_memory, summarize_times
 
 __all__ = ["StepLadder", "StepTimer"]
 
@@ -51,6 +51,8 @@ class StepRung:
     """The rung its gain is measured over (default: the one added before it)."""
     peer: bool = False
     """The strongest plain-PyTorch setup: every rung's speed is also compared with it."""
+    peak_reserved_gib: float | None = None
+    """The most GPU memory the caching allocator held during the rung (``None`` on a CPU, or where not measured)."""
 
 
 class StepLadder:
@@ -71,16 +73,17 @@ class StepLadder:
         quiet_known_noise()  # its rungs train and compile in this process: the same quiet as a gallery run
 
     def add(self, name: str, losses: Sequence[float], times_ms: Sequence[float], changes: Sequence[Any] = (), *,
-            builds_on: str | None = None, peer: bool = False) -> dict[str, Any]:
+            builds_on: str | None = None, peer: bool = False, peak_reserved_gib: float | None = None) -> dict[str, Any]:
         """Records a rung and returns its row; needs more steps than ``warmup`` to time any. ``builds_on`` names
-        the rung its gain is over (default: the one before); ``peer`` marks the plain-PyTorch setup to beat."""
+        the rung its gain is over (default: the one before); ``peer`` marks the plain-PyTorch setup to beat;
+        ``peak_reserved_gib``, the GPU memory it held at most (``rung`` measures it)."""
         if len(times_ms) <= self.warmup:
             raise ValueError(f"StepLadder.add({name!r}): {len(times_ms)} step times, but the first {self.warmup} "
                              "are warm-up: run more steps")
         if builds_on is not None and builds_on not in [rung.name for rung in self.rungs] + list(self.stopped):
             raise ValueError(f"StepLadder.add({name!r}): builds_on={builds_on!r} names no rung added before it")
         self.rungs.append(StepRung(name, [float(v) for v in losses], [float(t) for t in times_ms], list(changes),
-                                   builds_on, peer))
+                                   builds_on, peer, peak_reserved_gib))
         return self.rows()[-1]
 
     @contextlib.contextmanager
@@ -92,9 +95,14 @@ class StepLadder:
         runs out of GPU memory is recorded as stopped, in one line that says what to try, and the next one runs."""
         torch._dynamo.reset()
         give_back_cached_gpu_memory()
+        on_gpu = torch.device(self.device).type == "cuda" and torch.cuda.is_available()
+        if on_gpu:
+            reset_peak_memory(torch.device(self.device))  # the rung's own peak, not the rungs' before it
 
         def record(losses: Sequence[float], times_ms: Sequence[float], changes: Sequence[Any] = ()) -> None:
-            row = self.add(name, losses, times_ms, changes, builds_on=builds_on, peer=peer)
+            peak = peak_reserved_mb(torch.device(self.device)) if on_gpu else None
+            row = self.add(name, losses, times_ms, changes, builds_on=builds_on, peer=peer,
+                           peak_reserved_gib=None if peak is None else peak / 1024)
             if echo:
                 echo(f"  -> {row['median_step_time_ms']:.1f} ms/step")
 
@@ -121,7 +129,7 @@ class StepLadder:
             timed = summarize_times(rung.times_ms[self.warmup:])
             median = timed["median_step_time_ms"]
             row = {"rung": rung.name, "img_per_s": 1e3 * self.batch_size / median, **timed,
-                   "warmup_s": sum(rung.times_ms[:self.warmup]) / 1e3,
+                   "warmup_s": sum(rung.times_ms[:self.warmup]) / 1e3, "peak_reserved_gib": rung.peak_reserved_gib,
                    "changes": [str(c) for c in rung.changes]}
             by_name = {r["rung"]: r for r in rows}
             first = rows[0] if rows else row
@@ -142,16 +150,19 @@ class StepLadder:
         device = "CPU" if self.device == "cpu" else self.device
         rows = self.rows()
         with_peer = any(row["over_peer"] is not None for row in rows)
+        with_memory = any(row["peak_reserved_gib"] is not None for row in rows)
         lines = ["| rung | step ms [p20-p80] | img/s | speedup over the first | gain (over) |"
                  + (" over the peer |" if with_peer else "") + " largest loss difference from the first | "
-                 "warm-up (s) |", "|---|---|---|---|---|" + ("---|" if with_peer else "") + "---|---|"]
+                 "warm-up (s) |" + (" peak GiB reserved |" if with_memory else ""),
+                 "|---|---|---|---|---|" + ("---|" if with_peer else "") + "---|---|" + ("---|" if with_memory else "")]
         for row in rows:
             gain = (f"{speedup_text(row['gain'], device)} ({row['builds_on']})" if row["gain"] is not None else "-")
             lines.append(
                 f"| {row['rung']} | {row['median_step_time_ms']:.1f} [{row['p20_step_time_ms']:.1f}-"
                 f"{row['p80_step_time_ms']:.1f}] | {row['img_per_s']:.1f} | {speedup_text(row['speedup'], device)} | "
                 f"{gain} |" + (f" {speedup_text(row['over_peer'], device)} |" if with_peer else "")
-                + f" {row['loss_difference']:.2g} | {row['warmup_s']:.1f} |")
+                + f" {row['loss_difference']:.2g} | {row['warmup_s']:.1f} |"
+                + (f" {_gib(row['peak_reserved_gib'])} |" if with_memory else ""))
         lines.append("")
         lines += [f"Stopped: {name}, {line}." for name, line in self.stopped.items()]
         capture = "" if self.device == "cpu" else ", CUDA-graph capture"
@@ -209,3 +220,7 @@ class StepLadder:
     def _repr_markdown_(self) -> str:
         return with_inline_image(self.to_markdown() + "\n\n![ladder](ladder.png)\n", "ladder.png",
                                  _png_bytes(self.figure()))
+
+
+def _gib(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
