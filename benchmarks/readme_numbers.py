@@ -253,7 +253,8 @@ def notebook_times() -> str:
             lines = [f"**{title}**", "", "| cap | rungs | GPU | steps per run | first cell to last | "
                      "runs that finished | runs that do not fit (shown so, before they start) |",
                      "|---|---|---|---|---|---|---|"]
-            for record in sorted(ran, key=lambda record: float(record["cap_gib"])):
+            for record in sorted(_newest(ran, lambda record: (record["cap_gib"], str(record["params"].get("rungs")))),
+                                 key=lambda record: float(record["cap_gib"])):
                 cells = _record_cells(record)
                 runs = [run for run in record["runs"].values() if run]
                 done = sum(bool(run.get("samples_per_s")) for run in runs)
@@ -267,13 +268,21 @@ def notebook_times() -> str:
             f"`{recipe}`" for recipe in NOTEBOOK_RECIPES) + " | `accelerated` / `peer` |",
             "|---|---|---|---|" + "---|" * (len(NOTEBOOK_RECIPES) + 1)]
         for card, cap in CARD_CAPS:
-            at_cap = [record for record in ran if float(record["cap_gib"]) == cap]
+            at_cap = _newest([record for record in ran if float(record["cap_gib"]) == cap], lambda record: cap)
             if not at_cap:
                 lines.append(f"| {card} ({cap:g} GiB) | not run whole yet |" + " |" * (len(NOTEBOOK_RECIPES) + 3))
             for record in at_cap:
                 lines.append(f"| {card} ({cap:g} GiB) | " + " | ".join(_notebook_row(record)) + " |")
         blocks.append("\n".join(lines))
     return "\n\n".join(blocks + ([f"Not run whole under a cap yet: {' and '.join(unrun)}."] if unrun else []))
+
+
+def _newest(records: list[dict], key) -> list[dict]:
+    """The newest record of each ``key``: a notebook run again at a cap (new code, another GPU) replaces its row."""
+    newest: dict = {}
+    for record in sorted(records, key=lambda record: record["date"]):
+        newest[key(record)] = record
+    return list(newest.values())
 
 
 def _record_cells(record: dict) -> list[str]:

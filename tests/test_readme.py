@@ -216,11 +216,16 @@ def test_each_notebook_run_whole_shows_what_each_recipe_ran_and_a_stop(monkeypat
             "ema_offloaded": True, "gave_way": ["batch 8, gradient checkpointing"]}
     ran = {"samples_per_s": 20.0, "peak_reserved_mb": 15360.0, "memory_plan": plan, "global_batch_size": 16}
     records = {"notebook_sd.json": {"notebook": "stable_diffusion", "cap_gib": 16, "gpu": "NVIDIA H100", "wall_s": 125,
+                                    "date": "2026-12-06 04:00:00",
                                     "exit_code": 1, "params": {"steps": 12}, "runs": {
                                         "baseline": ran, "peer": {**ran, "samples_per_s": 10.0},
                                         "accelerated": {**ran, "samples_per_s": 15.0}, "stable_diffusion": {},
                                         "compiled": {"failure": {"reason": "out of memory at step 3"}}}},
+               "notebook_sd_before.json": {"notebook": "stable_diffusion", "cap_gib": 16, "gpu": "NVIDIA H200",
+                                           "wall_s": 99, "date": "2026-12-05 04:00:00", "exit_code": 0,
+                                           "params": {"steps": 12}, "runs": {"peer": ran}},  # replaced by the newer
                "notebook_ladder.json": {"notebook": "optimization_ladder", "cap_gib": 22, "gpu": "NVIDIA H100",
+                                        "date": "2026-12-05 04:00:00",
                                         "wall_s": 60, "exit_code": 0, "params": {"rungs": ["tf32", "batch"]},
                                         "runs": {
                                             "ladder-00-tf32": ran, "ladder-05-batch": {"failure": {}},
@@ -231,6 +236,7 @@ def test_each_notebook_run_whole_shows_what_each_recipe_ran_and_a_stop(monkeypat
     monkeypatch.setattr(numbers, "RESULTS", tmp_path)
     text = numbers.notebook_times()
     sd = text.split("**Stable Diffusion**")[1].split("**")[0]
+    assert "H200" not in sd and "1 min 39 s" not in sd  # the same notebook and cap run again: the newer record only
     assert ("| 16 GB (16 GiB) | H100 | 12 | 2 min 5 s (stopped, exit 1) | 8 x 2, checkpointing, EMA on the CPU "
             "(the 2nd tried): 20.0 img/s, 15.0 GiB | stopped: out of memory at step 3 |") in sd
     assert sd.rstrip().endswith("| 1.50x |\n| 24 GB (22 GiB) | not run whole yet | | | | | | | |\n"
