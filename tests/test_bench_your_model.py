@@ -113,8 +113,28 @@ def test_a_vit_is_built_at_the_bench_size_and_trains_through_its_loop():
     model = bench_your_model.build_model(bench)
     assert model.patch_embed.grid_size == (2, 2)
     batches = bench_your_model.make_batches(bench, model)
-    losses, times_ms = bench_your_model.train(model, bench.workload, batches, bench.steps, bench.device)
-    assert len(losses) == len(times_ms) == 3 and all(math.isfinite(loss) for loss in losses)
+    losses, times_ms, profile = bench_your_model.train(model, bench.workload, batches, bench.steps, bench.device)
+    assert len(losses) == len(times_ms) == 3 and all(math.isfinite(loss) for loss in losses) and profile is None
+
+
+def test_profiled_steps_come_after_the_timed_ones_and_give_each_variant_its_kernel_table(tmp_path, monkeypatch):
+    """``--profile-steps 2``: two more steps under torch.profiler after the timed ones, out of their timing; each
+    variant's row holds the table of where those steps' time went (on a CPU, its ops)."""
+    monkeypatch.setattr(bench_your_model, "apply_variant", lambda *args: [])  # the loop alone, three times
+    out = tmp_path / "timm.json"
+    assert main(["bench", "--timm-model", "test_vit", "--batch-size", "2", "--steps", "3", "--warmup-steps", "1",
+                 "--profile-steps", "2", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    for row in rows:
+        profile = row["profile"]
+        assert (profile["profiled_steps"], profile["device"]) == (2, "cpu") and row["timed_steps"] == 2
+        assert profile["kernel_ms_per_step"] > 0 and "matmul" in profile["by_kind_ms"]
+        assert sum(profile["by_kind_ms"].values()) == pytest.approx(profile["kernel_ms_per_step"])
+    bench = resolve_bench("test_vit", batch_size=2, image_size=32, steps=3, warmup_steps=1, profile_steps=2)
+    model = bench_your_model.build_model(bench)
+    batches = bench_your_model.make_batches(bench, model)
+    losses, times_ms, profile = bench_your_model.train(model, bench.workload, batches, 3, "cpu", profile_steps=2)
+    assert len(losses) == len(times_ms) == 3 and profile["profiled_steps"] == 2  # the profiled steps: untimed
 
 
 @pytest.fixture
@@ -136,6 +156,8 @@ def nothing_built(monkeypatch):
     (["--timm-model", "resnet18", "--image-size", "0"], "--image-size 0 is invalid"),
     (["--models", "swin", "--image-size", "64"], "--image-size is for --timm-model or --diffusers-model"),
     (["--models", "swin", "--model-config", "num_layers=2"], "--model-config is for --timm-model or --diffusers"),
+    (["--models", "swin", "--profile-steps", "5"], "a family's runs profile with --set profile_steps=5"),
+    (["--timm-model", "resnet18", "--profile-steps", "-1"], "--profile-steps -1 is invalid"),
     (["--diffusers-model", "UNet2DConditionModel"], "the bench builds UNet2DModel, DiTTransformer2DModel"),
     (["--diffusers-model", "DiTTransformer2D"], "did you mean DiTTransformer2DModel?"),
     (["--diffusers-model", "UNet2DModel", "--model-config", "num_layer=2"], "UNet2DModel has no such config value"),
@@ -254,5 +276,5 @@ def test_a_unet2dmodel_gets_no_classes_and_a_dit_gets_one_per_sample():
     dit_batch, = dit.batches(dit_model, 1, 3, 8, "cpu")
     assert sorted(dit_batch.inputs) == ["class_labels", "hidden_states", "timestep"]
     assert int(dit_batch.inputs["class_labels"].max()) < 1000
-    losses, _ = bench_your_model.train(model, unet, [batch], 2, "cpu")
+    losses, _, _ = bench_your_model.train(model, unet, [batch], 2, "cpu")
     assert all(math.isfinite(loss) for loss in losses)

@@ -13,8 +13,9 @@ cross-entropy for a timm classifier, the noise's mean squared error for a diffus
   autocast: each change kept only where it times faster on this model (the whole model compiled tried in place of
   its blocks), each ``Change`` it returns kept as text, and the seconds its timing took as ``setup_s``.
 
-The result file (the machine, the command, one row per variant), its markdown table (``.md``) and its figure (``.png``,
-``StepLadder``'s) are written together. On a CPU the rows check the code path: no ratio and no speed bar.
+The result file (the machine, the command, one row per variant; with ``profile_steps``, each row's kernel time by kind
+over that many steps after its timed ones), its markdown table (``.md``) and its figure (``.png``, ``StepLadder``'s)
+are written together. On a CPU the rows check the code path: no ratio and no speed bar.
 """
 
 from __future__ import annotations
@@ -53,6 +54,9 @@ class ModelBench:
     steps: int
     """Steps per variant, warm-up included."""
     warmup_steps: int
+    profile_steps: int = 0
+    """Steps after the timed ones run under ``torch.profiler``: each variant's kernel time per step by kind, in its
+    row (``profile``), left out of its timing."""
 
 
 DEFAULTS = {("timm", "cuda"): dict(batch_size=128, image_size=224, steps=60, warmup_steps=25),
@@ -65,7 +69,8 @@ samples (the latents of 256 px images: DiT's ImageNet size); on a CPU tiny ones 
 
 
 def resolve_bench(model: str | Workload, *, batch_size: int | None = None, image_size: int | None = None,
-                  steps: int | None = None, warmup_steps: int | None = None, device: str | None = None) -> ModelBench:
+                  steps: int | None = None, warmup_steps: int | None = None, device: str | None = None,
+                  profile_steps: int | None = None) -> ModelBench:
     """The bench of ``model`` (a timm name, or a ``Workload``) on ``device`` (default: the GPU if torch sees one),
     each size given or the device's default; ``ConfigError`` for an unknown name or sizes that time too few steps,
     before anything is built."""
@@ -85,12 +90,14 @@ def resolve_bench(model: str | Workload, *, batch_size: int | None = None, image
     if not 0 <= sizes["warmup_steps"] < sizes["steps"]:
         raise ConfigError(f"--steps {sizes['steps']} / --warmup-steps {sizes['warmup_steps']}: the steps count the "
                           "warm-up, so there must be more of them than of warm-up steps (and no negative warm-up).")
+    if (profile_steps or 0) < 0:
+        raise ConfigError(f"--profile-steps {profile_steps} is invalid: expected 0 or more steps to profile.")
     timed = sizes["steps"] - sizes["warmup_steps"]
     if device == "cuda" and timed < GPU_TIMED_STEPS:
         raise ConfigError(f"--steps {sizes['steps']} with --warmup-steps {sizes['warmup_steps']} times {timed} steps: "
                           f"too few on a GPU, where the bench times at least {GPU_TIMED_STEPS} after warm-up (median, "
                           "p20 and p80 need them).")
-    return ModelBench(workload, device, **sizes)
+    return ModelBench(workload, device, **sizes, profile_steps=profile_steps or 0)
 
 
 def parse_batch_size(values: Sequence[str]) -> int | None:
@@ -138,16 +145,23 @@ def apply_variant(variant: str, model: torch.nn.Module, device: str, batch: Batc
 
 
 def train(model: torch.nn.Module, workload: Workload, batches: Sequence[Batch], steps: int,
-          device: str) -> tuple[list[float], list[float]]:
-    """The plain loop every variant trains through: ``steps`` optimizer steps; each step's loss and time in ms."""
+          device: str, profile_steps: int = 0) -> tuple[list[float], list[float], dict | None]:
+    """The plain loop every variant trains through: ``steps`` optimizer steps; each step's loss and time in ms; then
+    ``profile_steps`` more under ``torch.profiler``, untimed: their kernel table (``None`` without them)."""
+    from gallery_lib.run.profiling import kernel_table
     from gallery_lib.run.timing import StepTimer
 
     on_gpu = device == "cuda"
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=on_gpu)
     timer, losses = StepTimer(torch.device(device)), []
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if on_gpu else [])
+    profiler = torch.profiler.profile(activities=activities) if profile_steps else None
     torch.manual_seed(0)  # the same random draws in every variant's steps (DiT drops a tenth of its class labels)
     timer.mark()
-    for step in range(steps):
+    for step in range(steps + profile_steps):
+        if step == steps and profiler is not None:
+            times_ms = timer.collect()  # the timed steps end here: the profiler slows the ones after
+            profiler.__enter__()
         batch = batches[step % len(batches)]
         torch.compiler.cudagraph_mark_step_begin()
         with torch.autocast(device, dtype=torch.bfloat16, enabled=on_gpu):
@@ -157,7 +171,12 @@ def train(model: torch.nn.Module, workload: Workload, batches: Sequence[Batch], 
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.detach().clone())
         timer.mark()
-    return [loss.item() for loss in losses], timer.collect()
+    if profiler is None:
+        return [loss.item() for loss in losses], timer.collect(), None
+    if on_gpu:
+        torch.cuda.synchronize()
+    profiler.__exit__(None, None, None)
+    return [loss.item() for loss in losses[:steps]], times_ms, kernel_table(profiler, profile_steps, device)
 
 
 def run_model_bench(bench: ModelBench, out: Path, *, command: str,
@@ -177,6 +196,7 @@ def run_model_bench(bench: ModelBench, out: Path, *, command: str,
         f"{bench.batch_size} on {bench.device}, {bench.steps} steps per variant ({bench.warmup_steps} of warm-up)")
     ladder = StepLadder(batch_size=bench.batch_size, warmup=bench.warmup_steps, device=bench.device)
     peaks: dict[str, float | None] = {}
+    profiles: dict[str, dict | None] = {}
     setups: dict[str, float] = {}
     errors: dict[str, str] = {}
     cudnn = torch.backends.cudnn
@@ -185,8 +205,8 @@ def run_model_bench(bench: ModelBench, out: Path, *, command: str,
         try:  # cuDNN's autotuning for every variant, accelerate's timed steps included
             with cudnn.flags(enabled=cudnn.enabled, benchmark=bench.device == "cuda",
                              deterministic=cudnn.deterministic, allow_tf32=cudnn.allow_tf32):
-                changes, losses, times_ms, peaks[variant], setups[variant] = _train_variant(variant, initial,
-                                                                                            batches, bench, say)
+                changes, losses, times_ms, peaks[variant], setups[variant], profiles[variant] = _train_variant(
+                    variant, initial, batches, bench, say)
         except Exception as exc:  # the other variants still measure
             errors[variant] = failure_reason(exc)
             say(f"[bench]   failed: {errors[variant]}")
@@ -196,7 +216,8 @@ def run_model_bench(bench: ModelBench, out: Path, *, command: str,
         finally:
             _release(bench.device)
     ladder_rows = {row["rung"]: (row, rung) for row, rung in zip(ladder.rows(), ladder.rungs)}
-    rows = [result_row(bench, *ladder_rows[variant], peaks[variant], setups[variant]) if variant in ladder_rows
+    rows = [result_row(bench, *ladder_rows[variant], peaks[variant], setups[variant], profiles[variant])
+            if variant in ladder_rows
             else {"model": bench.workload.label, "variant": variant, "batch_size": bench.batch_size,
                   "image_size": bench.image_size, "error": errors[variant]} for variant in VARIANTS]
     on_cpu = bench.device == "cpu"
@@ -217,9 +238,11 @@ def run_model_bench(bench: ModelBench, out: Path, *, command: str,
 
 
 def _train_variant(variant: str, initial: torch.nn.Module, batches: Sequence[Batch], bench: ModelBench,
-                   say: Callable[[str], Any]) -> tuple[list[str], list[float], list[float], float | None, float]:
+                   say: Callable[[str], Any]) -> tuple[list[str], list[float], list[float], float | None, float,
+                                                       dict | None]:
     """A fresh copy of ``initial`` changed as ``variant`` does and trained: what changed, the losses, the step times,
-    the peak reserved memory (MiB; ``None`` on a CPU) and the seconds the changes took."""
+    the peak reserved memory (MiB; ``None`` on a CPU), the seconds the changes took and the profiled steps' kernel
+    table (``None`` unless ``bench.profile_steps``)."""
     from gallery_lib.run.timing import peak_reserved_mb, reset_peak_memory
 
     device = torch.device(bench.device)
@@ -230,8 +253,11 @@ def _train_variant(variant: str, initial: torch.nn.Module, batches: Sequence[Bat
     for change in changes:
         say(f"[bench]   {change}")
     reset_peak_memory(device)
-    losses, times_ms = train(model, bench.workload, batches, bench.steps, bench.device)
-    return changes, losses, times_ms, peak_reserved_mb(device), setup_s
+    losses, times_ms, profile = train(model, bench.workload, batches, bench.steps, bench.device, bench.profile_steps)
+    if profile is not None:
+        say(f"[bench]   profile of {bench.profile_steps} steps after the timed ones: "
+            + ", ".join(f"{kind} {ms:.2f} ms" for kind, ms in profile["by_kind_ms"].items()))
+    return changes, losses, times_ms, peak_reserved_mb(device), setup_s, profile
 
 
 def failure_reason(exc: BaseException) -> str:
@@ -243,7 +269,7 @@ def failure_reason(exc: BaseException) -> str:
 
 
 def result_row(bench: ModelBench, ladder_row: dict, rung: Any, peak_reserved_mb: float | None,
-               setup_s: float) -> dict:
+               setup_s: float, profile: dict | None = None) -> dict:
     """One variant's row, in the families' bench's names; no ratio on a CPU."""
     on_cpu = bench.device == "cpu"
     return {"model": bench.workload.label, "variant": ladder_row["rung"], "batch_size": bench.batch_size,
@@ -255,7 +281,8 @@ def result_row(bench: ModelBench, ladder_row: dict, rung: Any, peak_reserved_mb:
             "over_peer": None if on_cpu else ladder_row["over_peer"],
             "timed_steps": bench.steps - bench.warmup_steps, "warmup_steps": bench.warmup_steps,
             "changes": ladder_row["changes"],
-            "warmup_step_ms": [round(ms, 1) for ms in rung.times_ms[:bench.warmup_steps]]}
+            "warmup_step_ms": [round(ms, 1) for ms in rung.times_ms[:bench.warmup_steps]],
+            **({"profile": profile} if profile is not None else {})}
 
 
 def model_table(record: dict) -> str:

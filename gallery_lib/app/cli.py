@@ -254,6 +254,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
             raise ConfigError(f"--{flag.replace('_', '-')} is for --timm-model or --diffusers-model: a family's model "
                               "runs at its profile's size and steps (--batch-size, --warmup-steps and --timed-steps "
                               "change them).")
+    if args.profile_steps:
+        raise ConfigError("--profile-steps is for --timm-model or --diffusers-model: a family's runs profile with "
+                          f"--set profile_steps={args.profile_steps}.")
     models = bench.resolve_models(_recipe_list(args.models or ""), args.profile)
     recipes = _recipe_list(args.recipes)
     if not recipes:
@@ -281,11 +284,11 @@ def cmd_bench_your_model(args: argparse.Namespace) -> int:
     if given:
         raise ConfigError(f"--{kind}-model benches one model (eager, peer, accelerated), not the gallery's families "
                           f"nor another model: leave out {', '.join(given)}; it takes --batch-size, --image-size, "
-                          "--steps, --warmup-steps, --out (and with --diffusers-model --model-config).")
+                          "--steps, --warmup-steps, --profile-steps, --out (and with --diffusers-model --model-config).")
     workload = Workload(kind, name, parse_model_config(args.model_config))
     settings = bench_your_model.resolve_bench(workload, batch_size=bench_your_model.parse_batch_size(args.batch_size),
                                               image_size=args.image_size, steps=args.steps,
-                                              warmup_steps=args.warmup_steps)
+                                              warmup_steps=args.warmup_steps, profile_steps=args.profile_steps)
     gpu = bench.gpu_name() if settings.device == "cuda" else None
     out = bench.out_path(args.out, gpu, name=f"{workload.kind}-{bench.slug(workload.name)}")
     record = bench_your_model.run_model_bench(settings, out, command=args.command_line)
@@ -329,6 +332,9 @@ def _add_bench_flags(p: argparse.ArgumentParser) -> None:
                                           "with --diffusers-model the sample size (32 on a GPU, 8 on a CPU)")
     _flag(p, "steps", type=int, help="with --timm-model or --diffusers-model: steps per variant, warm-up included "
                                      "(default: 60 on a GPU, 6 or 4 on a CPU)")
+    _flag(p, "profile_steps", type=int, help="with --timm-model or --diffusers-model: steps after the timed ones run "
+                                              "under torch.profiler, each variant's kernel time by kind in its row "
+                                              "(default: 0, none)")
     _flag(p, "profile", choices=PROFILES, default=defaults["profile"],
           help="smoke: the tiny models on a CPU; full: the GPU models; auto: full when a GPU is visible")
     _flag(p, "processes", metavar="COUNTS",
