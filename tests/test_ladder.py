@@ -125,7 +125,10 @@ def test_report_speedups_gains_and_findings(tmp_path):
     assert "Fastest rung: bfloat16 (ladder-08-bf16), 30.5 img/s, 3.05x the first rung" in said
     assert "ZeRO-2 (0.97x)" in said and "bfloat16 (1.02x)" in said and "fused EMA" not in said.split("Bought")[1]
     assert "ladder-09-compile (torch.compile): stopped, out of memory." in said
+    assert "stopped" not in "\n".join(findings(rows, failures=False))  # the report lists it under its table
     report = ladder_report(results, tmp_path)
+    assert report.markdown.count("ladder-09-compile (torch.compile): stopped") == 1
+    assert "Fastest rung" in report.markdown and "Fastest rung" not in report._repr_markdown_()  # printed after
     assert "| ladder-01-amp (fp16 AMP) | 8 | 12.0 |" in report.markdown
     assert "| 64.0 (62.0) | 1.20x | 1.20x |" in report.markdown  # memory as reserved (allocated)
     assert report.figure.axes[1].get_title() == "(b) peak memory reserved"

@@ -62,9 +62,9 @@ def ladder_rows(results: list[RungResult]) -> list[dict[str, Any]]:
     return rows
 
 
-def findings(rows: list[dict[str, Any]]) -> list[str]:
+def findings(rows: list[dict[str, Any]], *, failures: bool = True) -> list[str]:
     """What the ladder says on this machine, from its own numbers: the top speedup, the rungs that bought nothing,
-    the ones that did not run."""
+    and (``failures``) the ones that did not run, which the report's table lists under it already."""
     lines = []
     ran = [row for row in rows if row["img_per_s"] is not None]
     on_cpu = any(row["device"] == "CPU" for row in ran)
@@ -86,7 +86,7 @@ def findings(rows: list[dict[str, Any]]) -> list[str]:
             f"{row['title']} {row['compile_caches']}" for row in compiled)
             + " (cold: the rung compiled its graphs; warm: it loaded them all from an earlier rung's).")
     for row in rows:
-        if row["failure"]:
+        if row["failure"] and failures:
             lines.append(f"{_failure_line(row)}.")
     return lines
 
@@ -223,7 +223,8 @@ def _plot_cpu_step_times(ax, rows: list[dict[str, Any]]) -> None:
 
 @dataclass
 class LadderReport:
-    """What ``ladder_report`` wrote; a notebook cell shows the table, the findings and the figure."""
+    """What ``ladder_report`` wrote; a notebook cell shows the table (the rungs that did not run under it) and the
+    figure, and prints the findings after them (``findings``): ``ladder.md`` holds all three."""
 
     rows: list[dict[str, Any]]
     markdown: str
@@ -233,7 +234,8 @@ class LadderReport:
     """The figure as written to ``ladder.png``, rendered once."""
 
     def _repr_markdown_(self) -> str:
-        return with_inline_image(self.markdown, LADDER_PNG, self.png)
+        shown = f"# The optimization ladder\n\n{to_markdown(self.rows)}\n\n![ladder]({LADDER_PNG})\n"
+        return with_inline_image(shown, LADDER_PNG, self.png)
 
 
 def ladder_report(results: list[RungResult], model_dir: str | os.PathLike) -> LadderReport:
@@ -243,7 +245,8 @@ def ladder_report(results: list[RungResult], model_dir: str | os.PathLike) -> La
     rows = ladder_rows(results)
     figure = ladder_figure(rows)
     markdown = ("# The optimization ladder\n\n" + to_markdown(rows) + "\n\n"
-                + "\n".join(f"- {line}" for line in findings(rows)) + f"\n\n![ladder]({LADDER_PNG})\n")
+                + "\n".join(f"- {line}" for line in findings(rows, failures=False))
+                + f"\n\n![ladder]({LADDER_PNG})\n")
     paths = {"markdown": model_dir / LADDER_MD, "figure": model_dir / LADDER_PNG, "rows": model_dir / LADDER_JSON}
     paths["markdown"].write_text(markdown, encoding="utf-8")
     png = _png_bytes(figure)
