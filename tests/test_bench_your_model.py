@@ -124,7 +124,11 @@ def test_profiled_steps_come_after_the_timed_ones_and_give_each_variant_its_kern
     out = tmp_path / "timm.json"
     assert main(["bench", "--timm-model", "test_vit", "--batch-size", "2", "--steps", "3", "--warmup-steps", "1",
                  "--profile-steps", "2", "--out", str(out)]) == 0
-    rows = json.loads(out.read_text())["rows"]
+    record = json.loads(out.read_text())
+    assert record["note"] == f"{CPU_TIMINGS}."  # on a GPU: that the variants after a profiled one may time slower
+    gpu_record = {**record, "device": "NVIDIA H200", "note": f"{bench_your_model.PROFILED_TIMINGS}."}
+    assert model_table(gpu_record).endswith("take speeds and ratios from a run without --profile-steps.")
+    rows = record["rows"]
     for row in rows:
         profile = row["profile"]
         assert (profile["profiled_steps"], profile["device"]) == (2, "cpu") and row["timed_steps"] == 2

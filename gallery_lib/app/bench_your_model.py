@@ -59,6 +59,10 @@ class ModelBench:
     row (``profile``), left out of its timing."""
 
 
+PROFILED_TIMINGS = ("profiled: the variants after the first profiled one may time slower, since the profiler can leave "
+                    "CUPTI running in the process (benchmarks/RESULTS.md#dreambooth); take speeds and ratios from a "
+                    "run without --profile-steps")
+
 DEFAULTS = {("timm", "cuda"): dict(batch_size=128, image_size=224, steps=60, warmup_steps=25),
             ("timm", "cpu"): dict(batch_size=4, image_size=32, steps=6, warmup_steps=3),
             ("diffusers", "cuda"): dict(batch_size=64, image_size=32, steps=60, warmup_steps=25),
@@ -229,7 +233,7 @@ def run_model_bench(bench: ModelBench, out: Path, *, command: str,
                   batch_size=bench.batch_size, image_size=bench.image_size, steps=bench.steps,
                   warmup_steps=bench.warmup_steps, rows=rows,
                   accelerated_over_peer=next(r.get("over_peer") for r in rows if r["variant"] == "accelerated"),
-                  note=f"{CPU_TIMINGS}." if on_cpu else None)
+                  note=f"{CPU_TIMINGS}." if on_cpu else f"{PROFILED_TIMINGS}." if bench.profile_steps else None)
     write_record(record, out)
     out.with_suffix(".md").write_text(model_table(record) + "\n", encoding="utf-8")
     if ladder.rungs:
@@ -287,7 +291,7 @@ def result_row(bench: ModelBench, ladder_row: dict, rung: Any, peak_reserved_mb:
 
 def model_table(record: dict) -> str:
     """The record's rows as a markdown table; on a CPU the ratio column says it is none, and a line says why."""
-    from gallery_lib.reports.comparison import CPU_TIMINGS, speedup_text
+    from gallery_lib.reports.comparison import speedup_text
 
     device = record["device"]
     name = record.get("timm_model") or f"diffusers.{record['diffusers_model']}"
@@ -306,8 +310,8 @@ def model_table(record: dict) -> str:
                      f"{speedup_text(row['over_peer'], device)} | {setup} | "
                      f"{row['warmup_s']:.1f} | {memory} | "
                      f"{row['final_loss']:.4f} |")
-    if device == "CPU":
-        lines += ["", f"{CPU_TIMINGS}."]
+    if record.get("note"):  # a CPU's timings, or a profiled run's
+        lines += ["", record["note"]]
     return "\n".join(lines)
 
 
