@@ -152,20 +152,19 @@ def train(model: torch.nn.Module, workload: Workload, batches: Sequence[Batch], 
           device: str, profile_steps: int = 0) -> tuple[list[float], list[float], dict | None]:
     """The plain loop every variant trains through: ``steps`` optimizer steps; each step's loss and time in ms; then
     ``profile_steps`` more under ``torch.profiler``, untimed: their kernel table (``None`` without them)."""
-    from gallery_lib.run.profiling import kernel_table
+    from gallery_lib.run.profiling import StepProfiler
     from gallery_lib.run.timing import StepTimer
 
     on_gpu = device == "cuda"
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=on_gpu)
     timer, losses = StepTimer(torch.device(device)), []
-    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if on_gpu else [])
-    profiler = torch.profiler.profile(activities=activities) if profile_steps else None
+    profiler = StepProfiler(profile_steps, steps, torch.device(device), run_dir=None)  # its table, no file
     torch.manual_seed(0)  # the same random draws in every variant's steps (DiT drops a tenth of its class labels)
     timer.mark()
     for step in range(steps + profile_steps):
-        if step == steps and profiler is not None:
+        if step == steps:
             times_ms = timer.collect()  # the timed steps end here: the profiler slows the ones after
-            profiler.__enter__()
+        profiler.before_step(step)
         batch = batches[step % len(batches)]
         torch.compiler.cudagraph_mark_step_begin()
         with torch.autocast(device, dtype=torch.bfloat16, enabled=on_gpu):
@@ -175,12 +174,10 @@ def train(model: torch.nn.Module, workload: Workload, batches: Sequence[Batch], 
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.detach().clone())
         timer.mark()
-    if profiler is None:
-        return [loss.item() for loss in losses], timer.collect(), None
-    if on_gpu:
-        torch.cuda.synchronize()
-    profiler.__exit__(None, None, None)
-    return [loss.item() for loss in losses[:steps]], times_ms, kernel_table(profiler, profile_steps, device)
+        profiler.after_step(step)
+    if not profile_steps:
+        times_ms = timer.collect()
+    return [loss.item() for loss in losses[:steps]], times_ms, profiler.table
 
 
 def run_model_bench(bench: ModelBench, out: Path, *, command: str,

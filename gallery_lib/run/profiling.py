@@ -133,13 +133,16 @@ def kernel_table(prof: torch.profiler.profile, steps: int, device_type: str, top
 
 
 class StepProfiler:
-    """Profiles the steps ``first <= step < first + count`` of the loop and writes the table when they are done."""
+    """Profiles the steps ``first <= step < first + count`` of the loop and, when they are done, keeps the table
+    (``table``) and writes it to ``run_dir``'s ``profile.json`` with its kinds logged (``run_dir`` ``None``: kept
+    only)."""
 
-    def __init__(self, count: int, first: int, device: torch.device, run_dir: str | Path,
+    def __init__(self, count: int, first: int, device: torch.device, run_dir: str | Path | None,
                  log: Callable[..., None] = print) -> None:
         self.count, self.first, self.device = count, first, device
-        self.path = Path(run_dir) / "profile.json"
+        self.path = None if run_dir is None else Path(run_dir) / "profile.json"
         self.log = log
+        self.table: dict | None = None
         self._prof: torch.profiler.profile | None = None
 
     def before_step(self, step: int) -> None:
@@ -156,8 +159,10 @@ class StepProfiler:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self._prof.__exit__(None, None, None)
-        table = kernel_table(self._prof, self.count, self.device.type)
+        self.table = table = kernel_table(self._prof, self.count, self.device.type)
         self._prof = None
+        if self.path is None:
+            return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.path.write_text(json.dumps(table, indent=1))
         total = table["kernel_ms_per_step"]
