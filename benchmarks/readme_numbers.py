@@ -253,7 +253,8 @@ def notebook_times() -> str:
             lines = [f"**{title}**", "", "| cap | rungs | GPU | steps per run | first cell to last | "
                      "runs that finished | runs that do not fit (shown so, before they start) |",
                      "|---|---|---|---|---|---|---|"]
-            for record in sorted(_newest(ran, lambda record: (record["cap_gib"], str(record["params"].get("rungs")))),
+            for record in sorted(_newest(ran, lambda record: (float(record["cap_gib"]),
+                                                              str(record["params"].get("rungs")))),
                                  key=lambda record: float(record["cap_gib"])):
                 cells = _record_cells(record)
                 runs = [run for run in record["runs"].values() if run]
@@ -268,7 +269,8 @@ def notebook_times() -> str:
             f"`{recipe}`" for recipe in NOTEBOOK_RECIPES) + " | `accelerated` / `peer` |",
             "|---|---|---|---|" + "---|" * (len(NOTEBOOK_RECIPES) + 1)]
         for card, cap in CARD_CAPS:
-            at_cap = _newest([record for record in ran if float(record["cap_gib"]) == cap], lambda record: cap)
+            at_cap = _newest([record for record in ran if float(record["cap_gib"]) == cap],
+                             lambda record: float(record["cap_gib"]))
             if not at_cap:
                 lines.append(f"| {card} ({cap:g} GiB) | not run whole yet |" + " |" * (len(NOTEBOOK_RECIPES) + 3))
             for record in at_cap:

@@ -129,7 +129,7 @@ def to_markdown(rows: list[dict[str, Any]]) -> str:
                      f"{speedup_text(row['speedup'], row['device'])} | "
                      f"{speedup_text(row['gain'], row['device'])} | "
                      f"{_fmt(row['talk_speedup'], '{:.2f}x')} | {_fmt(row['talk_peak_mem_gb'], '{:.1f}')} |")
-    if rows and _reference(rows) != "the first rung":
+    if _later_reference(rows) is not None:
         lines += ["", f"Speedups over {_reference(rows)}; the talk's over its first rung."]
     not_run = [f"- {_failure_line(row)}" for row in rows if row["failure"]]
     return "\n".join(lines + ([""] + not_run if not_run else []))
@@ -149,12 +149,17 @@ def _ran(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [row for row in rows if row["img_per_s"] is not None]
 
 
+def _later_reference(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The rung the speedups are over where it is not the ladder's first (the rungs below it did not run), or
+    ``None``."""
+    over = next((row for row in rows if rows and row["rung"] == rows[0]["speedup_over"]), None)
+    return None if over is None or over is rows[0] else over
+
+
 def _reference(rows: list[dict[str, Any]]) -> str:
     """What the speedups are over: the first rung, or the first that ran where the rungs below it did not."""
-    over = next((row for row in rows if row["rung"] == rows[0]["speedup_over"]), None)
-    if over is None or over is rows[0]:
-        return "the first rung"
-    return f"{over['title']} ({over['rung']}), the first rung that ran here"
+    over = _later_reference(rows)
+    return "the first rung" if over is None else f"{over['title']} ({over['rung']}), the first rung that ran here"
 
 
 def _talk_over_reference(row: dict[str, Any], rows: list[dict[str, Any]]) -> float | None:
