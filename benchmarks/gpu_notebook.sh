@@ -1,7 +1,8 @@
 # A whole notebook in its full profile under a memory cap, as on a smaller card, timed from its first cell to its last:
 # its code cells in one process (benchmarks/run_notebook_code.py; the GPU machine has no Jupyter), the GPU's memory
 # sampled beside it. $OUT gets the log, notebook_<NAME>.json (command, commit, source hash, cap, wall time, each run's
-# summary and failure) and the notebook's report. Carry .whl (diffusers, the cuDNN frontend).
+# summary and failure), the notebook's report and its runs' logs (run_logs_<NAME>.tar.gz: where a stopped notebook's
+# time went). Carry .whl (diffusers, the cuDNN frontend).
 #   device run: GALLERY_COMMIT=<sha> bash benchmarks/gpu_notebook.sh NAME NOTEBOOK CAP ['{"steps": 40}']
 #   e.g. bash benchmarks/gpu_notebook.sh sd_22 stable_diffusion 22
 # CAP "free:G" instead: no cap; a ballast process (gpu_ballast.py) holds all but G GiB of the GPU, which the notebook's
@@ -31,4 +32,6 @@ python3 benchmarks/run_summaries.py "$out/notebook_$name.json" "$runs" \
   command="bash benchmarks/gpu_notebook.sh $name $notebook $cap '$extra'" notebook="$notebook" cap_gib="$cap" \
   params="$params" exit_code="$code" wall_s="$((SECONDS - start))"
 cp "$runs"/*/report.md "$out/" 2>/dev/null
+(cd "$runs" 2>/dev/null && find . \( -name '*.log' -o -name metrics.jsonl \) -print0 |
+  tar czf "$out/run_logs_$name.tar.gz" --null -T -)
 echo "notebook $notebook under $cap GiB: rc=$code in $((SECONDS - start)) s"; tail -5 "$out/notebook_$name.log"
