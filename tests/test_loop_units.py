@@ -187,6 +187,23 @@ def test_compile_plan_counts_only_what_its_run_compiled():
     assert record["fx_graph_misses"] == 1 and record["graphs_traced"] == 0 and record["aot_autograd_hits"] == 0
 
 
+def test_compile_plan_reports_why_a_graph_was_not_cached():
+    """A graph a cache bypasses is compiled again by every run: the run says so, with the cache's reason, once."""
+    import logging
+
+    fx_log = logging.getLogger("torch._inductor.codecache")
+    with compile_plan(cfg(compile=True, compile_scope="blocks")):
+        fx_log.info("Bypassing FX Graph Cache because '%s'", "an earlier run's reason")  # not this run's
+    lines = []
+    with compile_plan(cfg(compile=True, compile_scope="blocks")) as plan:
+        for _ in range(2):
+            fx_log.info("Bypassing FX Graph Cache because '%s'", "Can't cache HigherOrderOperator: x")
+        record = plan.summary(lines.append)
+    reason = "Bypassing FX Graph Cache because 'Can't cache HigherOrderOperator: x'"
+    assert record["compile_cache_bypassed"] == {reason: 2}
+    assert lines[1] == f"[gallery]   not cached, so compiled again by every run: {reason} (2x)"
+
+
 def test_compile_plan_reports_where_its_own_compile_time_went(monkeypatch):
     """The phases PyTorch times (nested, per process) are reported for this run alone, longest first."""
     from torch._dynamo import utils

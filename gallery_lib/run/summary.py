@@ -83,10 +83,12 @@ def describe_summary(summary: dict[str, Any]) -> str:
 
 
 def compile_caches(summary: dict) -> str | None:
-    """``cold`` when the run compiled its graphs (itself: a cache miss; or in precompile workers, whose misses its
-    counters do not see), ``warm`` when it loaded every one from an earlier run's caches; None for an eager run."""
+    """``cold`` when the run compiled its graphs (itself: a cache miss or bypass; or in precompile workers, whose
+    misses its counters do not see), ``warm`` when it loaded every one from an earlier run's caches; None for an eager
+    run."""
     stats = summary.get("compile_cache")
     if not stats:
         return None
-    compiled = stats["aot_autograd_misses"] + stats["fx_graph_misses"] or summary.get("precompile")
+    compiled = (stats["aot_autograd_misses"] + stats["fx_graph_misses"] + stats.get("fx_graph_bypasses", 0)
+                or summary.get("precompile"))
     return "cold" if compiled else "warm"

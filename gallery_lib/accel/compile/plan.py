@@ -60,10 +60,13 @@ class CompilePlan(contextlib.AbstractContextManager):
         """Then: the recording forward that found it out."""
         self._first_step_compiles = None
         """Without workers: (this machine's lock on the block graphs' key, the key) while the first step compiles."""
-        from gallery_lib.accel.compile.regional import compile_cache_stats, compile_phase_seconds
+        from gallery_lib.accel.compile.regional import (cache_bypass_reasons, compile_cache_stats,
+                                                        compile_phase_seconds, watch_cache_bypasses)
 
         # Dynamo's counters live as long as the process (torch._dynamo.reset keeps them): the run reports its own part.
+        watch_cache_bypasses()
         self._cache_at_start = compile_cache_stats()
+        self._bypasses_at_start = cache_bypass_reasons()
         self._phases_at_start = compile_phase_seconds()
 
     def _start_workers(self):
@@ -172,12 +175,17 @@ class CompilePlan(contextlib.AbstractContextManager):
         if self.report is not None:
             record["precompile"] = dataclasses.asdict(self.report)
         if self.settings.compile:
-            from gallery_lib.accel.compile.regional import (compile_cache_stats, describe_compile_cache,
-                                                            phase_seconds_since)
+            from gallery_lib.accel.compile.regional import (cache_bypass_reasons, compile_cache_stats,
+                                                            describe_compile_cache, phase_seconds_since)
 
             now = compile_cache_stats()
             record["compile_cache"] = {key: now[key] - self._cache_at_start.get(key, 0) for key in now}
             log(f"[gallery] compilation in this run: {describe_compile_cache(record['compile_cache'])}")
+            bypassed = cache_bypass_reasons() - self._bypasses_at_start
+            if bypassed:  # such graphs are compiled again by every run: the reason is what to fix
+                record["compile_cache_bypassed"] = dict(bypassed)
+                log("[gallery]   not cached, so compiled again by every run: " + "; ".join(
+                    f"{reason} ({count}x)" for reason, count in bypassed.items()))
             # Where this process's compile time went (not the workers'): what a slow start is read from.
             record["compile_phases_s"] = phase_seconds_since(self._phases_at_start)
             if record["compile_phases_s"]:
@@ -185,7 +193,8 @@ class CompilePlan(contextlib.AbstractContextManager):
                     f"{phase} {s:.1f}" for phase, s in list(record["compile_phases_s"].items())[:6]))
             if self.cached_key is not None:
                 record["precompile_skipped"] = "graphs in the compile caches from an earlier run"
-                if record["compile_cache"]["aot_autograd_misses"] + record["compile_cache"]["fx_graph_misses"]:
+                cache = record["compile_cache"]
+                if cache["aot_autograd_misses"] + cache["fx_graph_misses"] + cache["fx_graph_bypasses"]:
                     from gallery_lib.accel.compile.precompile import warm
 
                     warm.forget_warm(self.cached_key)  # the caches were emptied: the next run uses workers again

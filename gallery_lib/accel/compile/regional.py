@@ -3,11 +3,14 @@
 ``regional_compile(model, block_types)`` compiles each repeated block (the model family's ``block_types``, e.g.
 diffusers ``Transformer2DModel`` / ``ResnetBlock2D``, timm ``SwinTransformerBlock``) in place with
 ``module.compile()``: blocks of one class and shape share one compiled graph, which cuts compile time against
-compiling the whole model. ``compile_cache_stats`` reads whether a run compiled its graphs or loaded them.
+compiling the whole model. ``compile_cache_stats`` reads whether a run compiled its graphs or loaded them, and
+``cache_bypass_reasons`` why a graph could not be cached at all (then every run compiles it again).
 """
 
 from __future__ import annotations
 
+import logging
+from collections import Counter
 from typing import Any, Iterable
 
 import torch
@@ -107,8 +110,48 @@ def compile_cache_stats() -> dict[str, int]:
     return {"graphs_traced": counters["stats"]["unique_graphs"],
             "aot_autograd_hits": counters["aot_autograd"]["autograd_cache_hit"],
             "aot_autograd_misses": counters["aot_autograd"]["autograd_cache_miss"],
+            "aot_autograd_bypasses": counters["aot_autograd"]["autograd_cache_bypass"],
             "fx_graph_hits": counters["inductor"]["fxgraph_cache_hit"],
-            "fx_graph_misses": counters["inductor"]["fxgraph_cache_miss"]}
+            "fx_graph_misses": counters["inductor"]["fxgraph_cache_miss"],
+            "fx_graph_bypasses": counters["inductor"]["fxgraph_cache_bypass"]}
+
+
+# The two caches say why they were bypassed only in an INFO log line of these loggers.
+_BYPASS_LOGGERS = ("torch._inductor.codecache", "torch._functorch._aot_autograd.autograd_cache")
+
+
+class _BypassReasons(logging.Filter):
+    """Counts the caches' "Bypassing ..." log lines by message; lets through only what the logger showed before it
+    was lowered to INFO to hear them."""
+
+    def __init__(self, shown_from: int):
+        super().__init__()
+        self.shown_from = shown_from
+        self.reasons: Counter[str] = Counter()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno == logging.INFO and str(record.msg).startswith("Bypassing"):
+            self.reasons[record.getMessage()] += 1
+        return record.levelno >= self.shown_from
+
+
+def watch_cache_bypasses() -> None:
+    """From now on, this process counts why the compile caches were bypassed (``cache_bypass_reasons``); once."""
+    for name in _BYPASS_LOGGERS:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _BypassReasons) for f in logger.filters):
+            logger.addFilter(_BypassReasons(logger.getEffectiveLevel()))
+            logger.setLevel(min(logger.getEffectiveLevel(), logging.INFO))
+
+
+def cache_bypass_reasons() -> Counter[str]:
+    """Each message with which a compile cache was bypassed since ``watch_cache_bypasses``, and how often."""
+    reasons: Counter[str] = Counter()
+    for name in _BYPASS_LOGGERS:
+        for f in logging.getLogger(name).filters:
+            if isinstance(f, _BypassReasons):
+                reasons.update(f.reasons)
+    return reasons
 
 
 def compile_phase_seconds() -> dict[str, float]:
@@ -132,6 +175,9 @@ def phase_seconds_since(start: dict[str, float], top: int = 12) -> dict[str, flo
 
 
 def describe_compile_cache(stats: dict[str, int]) -> str:
+    def bypassed(key: str) -> str:
+        return f", {stats[key]} bypassed" if stats.get(key) else ""
+
     return (f"Dynamo traced {stats['graphs_traced']} graphs; AOTAutograd cache {stats['aot_autograd_hits']} hits, "
-            f"{stats['aot_autograd_misses']} misses; FX graph cache {stats['fx_graph_hits']} hits, "
-            f"{stats['fx_graph_misses']} misses")
+            f"{stats['aot_autograd_misses']} misses{bypassed('aot_autograd_bypasses')}; FX graph cache "
+            f"{stats['fx_graph_hits']} hits, {stats['fx_graph_misses']} misses{bypassed('fx_graph_bypasses')}")
