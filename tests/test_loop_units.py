@@ -204,6 +204,27 @@ def test_compile_plan_reports_why_a_graph_was_not_cached():
     assert lines[1] == f"[gallery]   not cached, so compiled again by every run: {reason} (2x)"
 
 
+def test_a_checkpointed_runs_plan_keeps_its_rng_state_in_the_cacheable_form_until_it_closes():
+    """AOTAutograd saves a recomputed attention's RNG state in CUDA graphs' form by default, which Inductor's caches
+    do not store; a checkpointed run (no CUDA graphs) asks for the other form while its plan is open, and its
+    precompile workers copy the setting (it is in the graphs' cache key)."""
+    from torch._functorch import config as functorch
+
+    from gallery_lib.accel.compile.precompile.record import apply_flags, backend_flags
+
+    assert functorch.graphsafe_rng_functionalization  # PyTorch's default
+    with compile_plan(cfg(compile=True, compile_scope="model")) as plan:
+        assert "so the next run loads them" in plan.cache_checkpointed_graphs()
+        assert not functorch.graphsafe_rng_functionalization
+        flags = backend_flags()
+    assert functorch.graphsafe_rng_functionalization and backend_flags()["graphsafe_rng"]
+    try:
+        apply_flags(flags)  # as a worker does
+        assert not functorch.graphsafe_rng_functionalization
+    finally:
+        functorch.graphsafe_rng_functionalization = True
+
+
 def test_compile_plan_reports_where_its_own_compile_time_went(monkeypatch):
     """The phases PyTorch times (nested, per process) are reported for this run alone, longest first."""
     from torch._dynamo import utils

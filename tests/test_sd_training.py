@@ -317,3 +317,26 @@ def test_gpu_cuda_graph_blocks_loaded_as_they_land_train_like_blocks_the_run_com
     assert summaries[1]["compile_cache"]["fx_graph_misses"] > 0
     torch.testing.assert_close(torch.tensor(losses_of(loaded)), torch.tensor(losses_of(compiled_here)),
                                rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.gpu
+def test_gpu_a_checkpointed_compiled_run_loads_its_graphs_from_the_caches_the_run_before_left(caption_data, tmp_path):
+    """A checkpointed UNet compiled on a GPU, twice with one compile cache: the second run loads every graph (the
+    attention in a recomputed block makes AOTAutograd save its RNG state, in the form no cache stores unless the run
+    asks for the other), and trains as the first did."""
+    from compile_testing import compile_cache_at
+
+    first = apply_recipe("compiled", tiny(caption_data, tmp_path, steps=4, warmup_steps=1, device="cuda",
+                                          gradient_checkpointing=True))
+    assert first.compile and not first.cuda_graphs
+    second = first.replace(output_dir=str(tmp_path / "second"))
+    summaries = []
+    with compile_cache_at(tmp_path / "inductor"):
+        for cfg in (first, second):
+            torch._dynamo.reset()
+            summaries.append(run(cfg))
+    assert any(note.startswith("compile caches: checkpointed graphs") for note in summaries[0]["notes"])
+    assert "compile_cache_bypassed" not in summaries[0], summaries[0]["compile_cache_bypassed"]
+    cache = summaries[1]["compile_cache"]
+    assert cache["aot_autograd_hits"] > 0 and cache["aot_autograd_misses"] == cache["fx_graph_misses"] == 0, cache
+    torch.testing.assert_close(torch.tensor(losses_of(second)), torch.tensor(losses_of(first)), rtol=1e-3, atol=1e-4)

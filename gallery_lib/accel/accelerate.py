@@ -91,6 +91,8 @@ def apply_accelerations(model: torch.nn.Module, cfg: RunConfig, precision: Preci
         if codegen_note:
             notes.append(codegen_note)
     mode = cfg.resolved_compile_mode  # its ``auto`` resolved for this run's step
+    if cfg.compile and cfg.gradient_checkpointing and dist.device.type == "cuda":
+        notes.append(plan.cache_checkpointed_graphs())
     if cfg.compile and cfg.compile_scope == "blocks":
         if train_module is not model:  # DDP-wrapped (ZeRO-2 shards the model in place)
             keep_block_graphs_whole_under_ddp()

@@ -60,6 +60,8 @@ class CompilePlan(contextlib.AbstractContextManager):
         """Then: the recording forward that found it out."""
         self._first_step_compiles = None
         """Without workers: (this machine's lock on the block graphs' key, the key) while the first step compiles."""
+        self._settings_patched = contextlib.ExitStack()
+        """Compiler settings this run changed (``cache_checkpointed_graphs``), restored when the plan closes."""
         from gallery_lib.accel.compile.regional import (cache_bypass_reasons, compile_cache_stats,
                                                         compile_phase_seconds, watch_cache_bypasses)
 
@@ -77,10 +79,23 @@ class CompilePlan(contextlib.AbstractContextManager):
                               imports=self.family.block_modules)
 
     def __exit__(self, *exc: object) -> None:
+        self._settings_patched.close()
         if self.workers is not None:
             self.workers.close()
         if self._first_step_compiles is not None:
             self._first_step_compiles[0].release()
+
+    def cache_checkpointed_graphs(self) -> str:
+        """For a checkpointed run on a GPU: its compiled graphs keep the RNG state that a recomputed block needs in
+        the form Inductor's caches can store. AOTAutograd treats attention as a random op (it takes a dropout) and,
+        by default, saves its RNG state in the form CUDA graphs need, which no cache stores: each run then compiled
+        every graph again (two minutes for SD-1.5). A checkpointed run replays no CUDA graphs
+        (``graphs_can_replay``), so it needs no such form; the same RNG state is saved and restored."""
+        from torch._functorch import config as functorch
+
+        self._settings_patched.enter_context(functorch.patch(graphsafe_rng_functionalization=False))
+        return ("compile caches: checkpointed graphs save their RNG state in the form the caches store (not CUDA "
+                "graphs', which checkpointing does not replay), so the next run loads them")
 
     def compile_blocks(self, model: nn.Module, **compile_kwargs: Any) -> list[str]:
         """Compiles each of the model family's repeated blocks in place (``regional_compile``); returns their names."""

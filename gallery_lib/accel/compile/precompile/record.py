@@ -155,7 +155,9 @@ def backend_flags() -> dict[str, Any]:
     worker's graph must be the one the run would compile. They are the settings Inductor's cache key reads, copied
     exactly: a process that set fp32 matmul precision to "high" and back to "highest" keys its graphs apart from a
     fresh one (``fp32_precision`` "ieee" against "none"), so the legacy switches alone are not enough.
-    ``cpp_simdlen`` is the run's CPU code width (``gallery_lib.accel.compile.cpu_codegen``)."""
+    ``cpp_simdlen`` is the run's CPU code width (``gallery_lib.accel.compile.cpu_codegen``); ``graphsafe_rng`` how
+    checkpointed graphs keep their RNG state (``CompilePlan.cache_checkpointed_graphs``)."""
+    from torch._functorch import config as functorch
     from torch._inductor import config as inductor
 
     matmul = torch.backends.cuda.matmul
@@ -166,10 +168,12 @@ def backend_flags() -> dict[str, Any]:
                                          matmul.allow_bf16_reduced_precision_reduction),
             "deterministic": torch.are_deterministic_algorithms_enabled(),
             "deterministic_warn_only": torch.is_deterministic_algorithms_warn_only_enabled(),
-            "default_dtype": str(torch.get_default_dtype()), "cpp_simdlen": inductor.cpp.simdlen}
+            "default_dtype": str(torch.get_default_dtype()), "cpp_simdlen": inductor.cpp.simdlen,
+            "graphsafe_rng": functorch.graphsafe_rng_functionalization}
 
 
 def apply_flags(flags: dict[str, Any]) -> None:
+    from torch._functorch import config as functorch
     from torch._inductor import config as inductor
 
     from gallery_lib.accel import torch_switches
@@ -189,6 +193,7 @@ def apply_flags(flags: dict[str, Any]) -> None:
         torch.use_deterministic_algorithms(flags["deterministic"], warn_only=flags["deterministic_warn_only"])
     torch.set_default_dtype(getattr(torch, flags["default_dtype"].removeprefix("torch.")))
     inductor.cpp.simdlen = flags["cpp_simdlen"]
+    functorch.graphsafe_rng_functionalization = flags["graphsafe_rng"]
 
 
 def compile_call(call: BlockCall, device: torch.device, compile_kwargs: dict[str, Any]) -> None:
