@@ -290,7 +290,8 @@ def _newest(records: list[dict], key) -> list[dict]:
 def _record_cells(record: dict) -> list[str]:
     """A whole-notebook record's GPU, steps and wall time."""
     wall = int(record["wall_s"])
-    stopped = "" if record["exit_code"] == 0 else f" (stopped, exit {record['exit_code']})"
+    code = record["exit_code"]
+    stopped = {0: "", 124: " (stopped at its time limit)"}.get(code, f" (stopped, exit {code})")
     return [record["gpu"].replace("NVIDIA ", ""), str(record["params"].get("steps", "the profile's")),
             f"{wall // 60} min {wall % 60} s{stopped}"]
 
