@@ -38,6 +38,7 @@ _PUBLIC = {
     "fuse_attention": "gallery_lib.accel.on_any_model",
     "compile_blocks": "gallery_lib.accel.on_any_model",
     "compile_whole": "gallery_lib.accel.on_any_model",
+    "compile_channels_last_graphs": "gallery_lib.accel.on_any_model",
     "pipeline_throughput": "gallery_lib.data.throughput",
     "recipe_table": "gallery_lib.reports.recipe_table",
     "run_ladder": "gallery_lib.recipes.ladder",

@@ -236,6 +236,61 @@ def test_compile_whole_says_what_it_replaced_and_undoes_it():
     assert alone.what == "the whole model compiled in place; compilation happens in the first steps"
 
 
+class ConvNet(nn.Module):
+    """Convolutions beyond a stem, in two repeated blocks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 8, 3, padding=1)
+        self.blocks = nn.Sequential(*(nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.ReLU()) for _ in range(2)))
+
+    def forward(self, x):
+        return self.blocks(self.stem(x)).mean()
+
+
+def test_on_a_gpu_a_measured_call_tries_channels_last_graphs_last_on_a_model_with_convolutions():
+    """The order ``accelerate`` tries its changes in: the forced layout of every graph after the compiled whole
+    model, on a GPU, for a model with convolutions, where a step is timed."""
+    def labels(model, device_type, measured=True):
+        return [label for label, _ in on_any_model._planned_changes(model, device_type, compile=True,
+                                                                    measured=measured)]
+
+    assert labels(ConvNet(), "cuda") == ["channels_last", "fused kernels geglu", "compiled blocks reduce-overhead",
+                                         "compiled whole reduce-overhead",
+                                         "compiled channels_last graphs reduce-overhead"]
+    assert "compiled channels_last graphs reduce-overhead" not in labels(ConvNet(), "cuda", measured=False)
+    assert not any("graphs" in label for label in labels(ConvNet(), "cpu") + labels(_net()[0], "cuda"))
+
+
+def test_channels_last_graphs_compile_again_what_is_compiled_with_the_layout_forced_and_undo_it(monkeypatch):
+    """Nothing runs a step, so nothing compiles: the options each compiled module is compiled again with are read
+    from ``nn.Module.compile``'s call."""
+    from gallery_lib.accel.compile.attention_layout import KeepAttentionLayout
+
+    assert not on_any_model.compile_channels_last_graphs(ConvNet()).changed  # nothing compiled yet
+    model = ConvNet()
+    compile_blocks(model, block_types=(nn.Sequential,))
+    blocks = [name for name, module in model.named_modules() if module._compiled_call_impl is not None]
+    compiled = {name: model.get_submodule(name)._compiled_call_impl for name in blocks}
+    calls = []
+    real_compile = nn.Module.compile
+    monkeypatch.setattr(nn.Module, "compile", lambda module, **kwargs: (calls.append(kwargs),
+                                                                         real_compile(module, **kwargs)))
+    change = on_any_model.compile_channels_last_graphs(model, mode="reduce-overhead", device_type="cuda")
+    assert change.what.startswith(f"its {len(blocks)} compiled blocks compiled again with channels_last through "
+                                  "every graph, CUDA graphs")
+    assert len(calls) == len(blocks) and all(call["dynamic"] is False for call in calls)
+    options = calls[0]["options"]
+    assert options["force_layout_optimization"] and options["triton.cudagraphs"]
+    assert options["post_grad_custom_post_pass"] == KeepAttentionLayout()
+    assert all(model.get_submodule(name)._compiled_call_impl is not compiled[name] for name in blocks)
+    change.undo()
+    assert {name: model.get_submodule(name)._compiled_call_impl for name in blocks} == compiled
+    REAL_COMPILE_WHOLE(model)
+    whole = on_any_model.compile_channels_last_graphs(model)
+    assert whole.what.startswith("the whole model compiled again") and "dynamic" not in calls[-1]
+
+
 def test_a_change_that_breaks_the_step_is_left_out_with_the_error(monkeypatch):
     def breaks(model, **_):
         model.part.forward = lambda x: x.view(-1, 7)  # 4 x 16 values do not reshape to 7 columns

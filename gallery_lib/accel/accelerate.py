@@ -117,22 +117,20 @@ def compile_kwargs(settings: CompileSettings, mode: str | None = None) -> dict[s
     ``coordinate_descent_tuning``, ``tiled_reductions`` or ``channels_last_graphs``, the mode's Inductor options plus
     theirs (``torch.compile`` takes a mode or options, not both). The channels_last layout leaves attention's tensors
     in their own layout (``attention_layout``)."""
-    from gallery_lib.accel.compile.attention_layout import KeepAttentionLayout
+    from gallery_lib.accel.compile.attention_layout import channels_last_graph_options
 
     mode = mode or settings.compile_mode
     if mode == AUTO:
         raise ValueError("compile_mode='auto' is resolved for the run's step: pass cfg.resolved_compile_mode")
     mode = None if mode == "default" else mode
     extra = {**({"coordinate_descent_tuning": True} if settings.coordinate_descent_tuning else {}),
-             **({"triton.prefer_nd_tiling": True, "triton.tile_reductions": True} if settings.tiled_reductions else {}),
-             **({"force_layout_optimization": True, "post_grad_custom_post_pass": KeepAttentionLayout()}
-                if settings.channels_last_graphs else {})}
-    if not extra:
+             **({"triton.prefer_nd_tiling": True, "triton.tile_reductions": True} if settings.tiled_reductions else {})}
+    if not extra and not settings.channels_last_graphs:
         return {"mode": mode}
     from torch._inductor import list_mode_options
 
-    options = dict(list_mode_options(mode)) if mode else {}
-    return {"options": {**options, **extra}}
+    options = {**(dict(list_mode_options(mode)) if mode else {}), **extra}
+    return {"options": {**options, **channels_last_graph_options(mode)} if settings.channels_last_graphs else options}
 
 
 def _apply_data_parallel(model: torch.nn.Module, parallel: ParallelSettings, block_types: tuple[str, ...],

@@ -5,13 +5,15 @@ Each call changes the module in place (parameters, ``state_dict`` keys and attri
 a ``Change``: what it did on this model, the one-line reason it helps, and where the measurement behind it is.
 The calls compose, in the order ``accelerate`` applies them (the order of ``accel/accelerate.py``)::
 
-    from gallery_lib import add_ema, compile_blocks, compile_whole, fuse_attention, fuse_kernels, use_channels_last
+    from gallery_lib import (add_ema, compile_blocks, compile_channels_last_graphs, compile_whole, fuse_attention,
+                             fuse_kernels, use_channels_last)
 
     print(use_channels_last(model))   # channels_last: 53 conv weights in NHWC layout ...
     print(fuse_kernels(model))        # fused kernels: swapped 16: geglu=16 ...
     print(fuse_attention(model))      # fused attention: 32 diffusers attention layers ...
     print(compile_blocks(model))      # compiled blocks: 12 blocks compiled in place ...
     print(compile_whole(model))       # compiled whole: the whole model compiled in place, instead of its 12 blocks
+    print(compile_channels_last_graphs(model))  # channels_last graphs: the whole model compiled again with ...
     ema = add_ema(model, optimizer)   # EMA of the weights: stream update ...
 
 or the ones that measured faster, at once: ``changes = accelerate(model)``; with an example batch,
@@ -237,6 +239,39 @@ def compile_whole(model: nn.Module, *, mode: str | None = None, device_type: str
     return Change("compiled whole", what, why, f"{RESULTS}#your-model", undo=undo)
 
 
+def compile_channels_last_graphs(model: nn.Module, *, mode: str | None = None,
+                                 device_type: str | None = None) -> Change:
+    """Compiles again, in place, what of ``model`` is compiled (the whole model, or its blocks compiled in place) with
+    channels_last forced through every graph, attention's tensors left in their own layout. Inductor lays a graph out
+    channels_last only where it holds forward convolutions, so the backward graphs keep NCHW gradients and cuDNN
+    converts between the layouts at every convolution. ``undo`` puts the compiled code before it back."""
+    from gallery_lib.accel.compile.attention_layout import channels_last_graph_options
+    from gallery_lib.accel.compile.regional import with_block_defaults
+
+    quiet_known_noise()
+    before = {name: module._compiled_call_impl for name, module in model.named_modules()
+              if getattr(module, "_compiled_call_impl", None) is not None}
+    name = "channels_last graphs"
+    why = ("no NCHW/NHWC conversions around the convolutions of the backward graphs, which Inductor leaves in NCHW "
+           "where it does not force the layout")
+    where = f"{RESULTS}#sd15-layout"
+    if not before:
+        return Change(name, "nothing compiled to lay out", why, where, changed=False)
+    options = channels_last_graph_options(mode)
+    for module_name in before:  # "" is the model itself, compiled whole
+        module = model.get_submodule(module_name)
+        module.compile(options=options, **({} if module is model else with_block_defaults({})))  # as compiled before
+
+    def undo() -> None:
+        for module_name, compiled in before.items():
+            model.get_submodule(module_name)._compiled_call_impl = compiled
+
+    what = "the whole model" if "" in before else f"its {len(before)} compiled blocks"
+    return Change(name, f"{what} compiled again with channels_last through every graph"
+                  f"{graphs_text(mode, _runs_on(model, device_type))}; compilation happens in the first steps",
+                  why, where, undo=undo)
+
+
 def graphs_text(mode: str | None, runs_on: str | None) -> str:
     """What a compile ``mode`` adds where the model runs: CUDA graphs on a GPU only (elsewhere the mode compiles
     without them, and nothing is said)."""
@@ -346,7 +381,8 @@ def accelerate(model: nn.Module, *, example: Any = None, loss_fn: Callable[[Any]
     changes before it left, and undone unless it is faster by more than ``min_gain`` (2%: timing noise); its
     ``Change`` says so with both times, and ``decision`` holds them. Then the whole model compiled (``compile_whole``,
     what a plain ``torch.compile`` user does) is timed in place of the blocks, so a model whose blocks compiled
-    alone lose to it ends no slower than that. Last, once compiled, each change kept before the compiler (but
+    alone lose to it ends no slower than that; on a GPU, a model with convolutions then has what is compiled compiled
+    again with channels_last through every graph (``compile_channels_last_graphs``), kept where it is faster. Last, once compiled, each change kept before the compiler (but
     channels_last, a layout) is timed again without it, and left out where the compiler's own code is as fast. The
     weights, gradients, buffers and random state are left as they were. The times are cached per model structure,
     input shapes and dtypes, autocast state, device and torch version, so the next call times nothing. Compiled
@@ -379,8 +415,28 @@ def accelerate(model: nn.Module, *, example: Any = None, loss_fn: Callable[[Any]
     if example is not None and device_type != runs_on:
         raise ValueError(f"accelerate: device_type={device_type!r}, but the model is on {runs_on}, where an example's "
                          f"steps would be timed; move the model to {device_type} first, or leave device_type out")
+    steps = _planned_changes(model, device_type, compile=compile, measured=example is not None)
+    if example is None:
+        changes: Iterable[Change] = (_not_measured(call()) for _, call in steps)
+    else:
+        step = TrainingStep(model, example, loss_fn)
+        changes = _kept_if_faster(model, steps, step, timer or SteadyStepTimer(), min_gain,
+                                  cache_file(cache, "accelerate.json"))
+    done = []
+    for change in changes:
+        done.append(change)
+        if echo is not None:
+            echo(str(change))
+    return done
+
+
+
+def _planned_changes(model: nn.Module, device_type: str, *, compile: bool,
+                     measured: bool) -> list[tuple[str, Callable[[], Change]]]:
+    """The changes ``accelerate`` tries on ``model`` where it trains (``device_type``), in order: each as what the
+    cache knows it by, and the call that makes it; the ones only ``measured`` keeps come last."""
     on_gpu = device_type == "cuda"
-    steps: list[tuple[str, Callable[[], Change]]] = []  # (what the cache knows it by, the call)
+    steps: list[tuple[str, Callable[[], Change]]] = []
     if on_gpu:
         if has_convolutions_beyond_a_stem(model):
             steps.append(("channels_last", lambda: use_channels_last(model, device_type=device_type)))
@@ -395,21 +451,13 @@ def accelerate(model: nn.Module, *, example: Any = None, loss_fn: Callable[[Any]
         mode = "reduce-overhead" if on_gpu else None
         steps.append((f"compiled blocks {mode}",
                       lambda: compile_blocks(model, mode=mode, device_type=device_type)))
-        if example is not None:  # measured only: it compiles longer, and where it is faster varies by model
+        if measured:  # measured only: it compiles longer, and where it is faster varies by model
             steps.append((f"compiled whole {mode}",
                           lambda: compile_whole(model, mode=mode, device_type=device_type)))
-    if example is None:
-        changes: Iterable[Change] = (_not_measured(call()) for _, call in steps)
-    else:
-        step = TrainingStep(model, example, loss_fn)
-        changes = _kept_if_faster(model, steps, step, timer or SteadyStepTimer(), min_gain,
-                                  cache_file(cache, "accelerate.json"))
-    done = []
-    for change in changes:
-        done.append(change)
-        if echo is not None:
-            echo(str(change))
-    return done
+            if on_gpu and has_convolutions_beyond_a_stem(model):  # DreamBooth's UNet: 1.25x (RESULTS.md#dreambooth)
+                steps.append((f"compiled channels_last graphs {mode}",
+                              lambda: compile_channels_last_graphs(model, mode=mode, device_type=device_type)))
+    return steps
 
 
 LAYOUT_CHANGES = {"channels_last"}

@@ -8,6 +8,7 @@ the inputs, and then the output and the gradients on their way back to the linea
 (benchmarks/RESULTS.md#sd15-attention-layout). ``KeepAttentionLayout`` is an Inductor post-grad pass that marks the
 attention ops and the 4D views that feed and leave them; the graph lowering then leaves the marked nodes in their
 traced strides. As a custom pass it is part of Inductor's cache key, so graphs cached without it are not reused.
+``channels_last_graph_options`` is the pair of Inductor options a compile with the layout forced takes.
 """
 
 from __future__ import annotations
@@ -108,3 +109,12 @@ def _install_lowering_filter() -> None:
 
     find_nodes_prefer_channels_last._gallery_filter = True
     GraphLowering.find_nodes_prefer_channels_last = find_nodes_prefer_channels_last
+
+
+def channels_last_graph_options(mode: str | None = None) -> dict:
+    """``torch.compile``'s ``options`` for ``mode`` (``None``: the default) with channels_last forced through every
+    graph and attention left in its own layout (``torch.compile`` takes a mode or options, not both)."""
+    from torch._inductor import list_mode_options
+
+    return {**(dict(list_mode_options(mode)) if mode and mode != "default" else {}),
+            "force_layout_optimization": True, "post_grad_custom_post_pass": KeepAttentionLayout()}
