@@ -370,10 +370,11 @@ def accelerate(model: nn.Module, *, example: Any = None, loss_fn: Callable[[Any]
                timer: Callable[[Callable[[], Any], torch.device], float] | None = None) -> list[Change]:
     """Applies the accelerations that suit the device ``model`` is on, in the gallery's order, and returns (and by
     default prints) what each changed: on a GPU channels_last (for a model with convolutions), the fused kernels
-    (GEGLU alone when compiling: the one kernel that beats Inductor's code at every step size) and the blocks
-    compiled and replayed as CUDA graphs, and the attention registry for Swin's window attention; on a CPU the
-    blocks compiled (the fused kernels are GPU code). Not the registry for other attention: on SD's shapes PyTorch's
-    own SDPA choice measured as fast (``fuse_attention`` is there to try).
+    (GEGLU alone when compiling: the one kernel that beats Inductor's code at every step size; with ``example``
+    GroupNorm+SiLU's and LayerNorm's too, each timed on its own) and the blocks compiled and replayed as CUDA
+    graphs, and the attention registry for Swin's window attention; on a CPU the blocks compiled (the fused kernels
+    are GPU code). Not the registry for other attention: on SD's shapes PyTorch's own SDPA choice measured as fast
+    (``fuse_attention`` is there to try).
 
     Without ``example`` each change is applied on what other models measured, and says that it was not measured on
     this one. With ``example`` (what the model is called with, on its device) each change is timed: a few training
@@ -382,10 +383,11 @@ def accelerate(model: nn.Module, *, example: Any = None, loss_fn: Callable[[Any]
     ``Change`` says so with both times, and ``decision`` holds them. Then the whole model compiled (``compile_whole``,
     what a plain ``torch.compile`` user does) is timed in place of the blocks, so a model whose blocks compiled
     alone lose to it ends no slower than that; on a GPU, a model with convolutions then has what is compiled compiled
-    again with channels_last through every graph (``compile_channels_last_graphs``), kept where it is faster. Last, once compiled, each change kept before the compiler (but
-    channels_last, a layout) is timed again without it, and left out where the compiler's own code is as fast. The
-    weights, gradients, buffers and random state are left as they were. The times are cached per model structure,
-    input shapes and dtypes, autocast state, device and torch version, so the next call times nothing. Compiled
+    again with channels_last through every graph (``compile_channels_last_graphs``), kept where it is faster. Last,
+    once compiled, each change kept before the compiler (but channels_last, a layout) is timed again without it, and
+    left out where the compiler's own code is as fast. The weights, gradients, buffers and random state are left as
+    they were. The times are cached per model structure, input shapes and dtypes, autocast state, device and torch
+    version, so the next call times nothing. Compiled
     blocks that are undone run eagerly again; their compiled code (with CUDA graphs, its memory pool) stays in
     Dynamo's cache until ``torch._dynamo.reset()``.
 
@@ -441,10 +443,15 @@ def _planned_changes(model: nn.Module, device_type: str, *, compile: bool,
         if has_convolutions_beyond_a_stem(model):
             steps.append(("channels_last", lambda: use_channels_last(model, device_type=device_type)))
         # Under Inductor GEGLU's kernel beats Inductor's code at every step size; GroupNorm+SiLU's only on large steps,
-        # which a call without the data cannot see (benchmarks/RESULTS.md#sd15-gn-by-batch).
+        # which a call without the data cannot see (benchmarks/RESULTS.md#sd15-gn-by-batch); with it, each other
+        # kernel is timed on its own, and kept only where it still pays once compiled.
         ops = ("geglu",) if compile else None
         steps.append((f"fused kernels {','.join(ops) if ops else 'all'}",
                       lambda: fuse_kernels(model, ops=ops, device_type=device_type)))
+        if compile and measured:
+            for op in ("group_norm_silu", "layer_norm"):
+                steps.append((f"fused kernels {op}",
+                              lambda op=op: fuse_kernels(model, ops=(op,), device_type=device_type)))
         if _has_window_attention(model):  # Swin's biased windows; on SD's shapes PyTorch's own choice is as fast
             steps.append(("fused attention", lambda: fuse_attention(model)))
     if compile:
