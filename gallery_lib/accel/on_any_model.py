@@ -387,9 +387,8 @@ def accelerate(model: nn.Module, *, example: Any = None, loss_fn: Callable[[Any]
     once compiled, each change kept before the compiler (but channels_last, a layout) is timed again without it, and
     left out where the compiler's own code is as fast. The weights, gradients, buffers and random state are left as
     they were. The times are cached per model structure, input shapes and dtypes, autocast state, device and torch
-    version, so the next call times nothing. Compiled
-    blocks that are undone run eagerly again; their compiled code (with CUDA graphs, its memory pool) stays in
-    Dynamo's cache until ``torch._dynamo.reset()``.
+    version, so the next call times nothing. Compiled blocks that are undone run eagerly again; their compiled code
+    (with CUDA graphs, its memory pool) stays in Dynamo's cache until ``torch._dynamo.reset()``.
 
         changes = accelerate(model)    # then train as before: the same parameters, the same optimizer
         changes = accelerate(model, example=images, loss_fn=lambda logits: F.cross_entropy(logits, labels))
