@@ -460,7 +460,7 @@ def _planned_changes(model: nn.Module, device_type: str, *, compile: bool,
         if measured:  # measured only: it compiles longer, and where it is faster varies by model
             steps.append((f"compiled whole {mode}",
                           lambda: compile_whole(model, mode=mode, device_type=device_type)))
-            if on_gpu and has_convolutions_beyond_a_stem(model):  # DreamBooth's UNet: 1.25x (RESULTS.md#dreambooth)
+            if on_gpu and has_convolutions_beyond_a_stem(model):  # DreamBooth's lever (RESULTS.md#dreambooth)
                 steps.append((f"compiled channels_last graphs {mode}",
                               lambda: compile_channels_last_graphs(model, mode=mode, device_type=device_type)))
     return steps
