@@ -5,6 +5,9 @@
 # time went). Carry .whl (diffusers, the cuDNN frontend).
 #   device run: GALLERY_COMMIT=<sha> bash benchmarks/gpu_notebook.sh NAME NOTEBOOK CAP ['{"steps": 40}']
 #   e.g. bash benchmarks/gpu_notebook.sh sd_22 stable_diffusion 22
+# FOOTPRINTS_FROM=<a committed memory_footprints_after_*.json of the same GPU model> adds what an earlier session's runs
+# learned to this machine's footprints before the notebook starts (as on a user's card the second time: settings that
+# ran out of memory are not tried again); the record names the file (footprints_from) and README's row says so.
 # CAP "free:G" instead: no cap; a ballast process (gpu_ballast.py) holds all but G GiB of the GPU, which the notebook's
 # kernel and its runs then share as on a card with G GiB free (README's card tables name each card's).
 name=$1; notebook=$2; cap=$3; extra=${4:-"{}"}
@@ -21,6 +24,21 @@ fi
 params=$(python3 -c "import json, sys; cap = sys.argv[1]
 print(json.dumps({'profile': 'full', **({} if cap.startswith('free:') else {'gpu_memory_gib': float(cap)}),
   'output_dir': sys.argv[2], **json.loads(sys.argv[3])}))" "$cap" "$runs" "$extra")
+footprints=""
+if [[ -n ${FOOTPRINTS_FROM:-} ]]; then
+  python3 - "$FOOTPRINTS_FROM" <<'PY' || exit 1
+import json, sys
+from gallery_lib.run.learned_footprints import FILE
+from gallery_lib.accel.optimize import default_cache_file
+mine = default_cache_file(FILE)
+here = json.loads(mine.read_text()) if mine.exists() else {}
+earlier = json.loads(open(sys.argv[1]).read())
+mine.parent.mkdir(parents=True, exist_ok=True)
+mine.write_text(json.dumps({**earlier, **here}, indent=1))  # what this machine measured itself wins
+print(f"footprints: {len(set(earlier) - set(here))} entries from {sys.argv[1]} added to {mine}")
+PY
+  footprints="footprints_from=$FOOTPRINTS_FROM"
+fi
 nvidia-smi --query-gpu=timestamp,memory.used --format=csv,noheader,nounits -lms 500 > "$out/smi_$name.csv" 2>&1 &
 sampler=$!
 start=$SECONDS
@@ -30,7 +48,7 @@ code=$?
 kill "$sampler" $ballast 2>/dev/null; gzip -f "$out/smi_$name.csv"
 python3 benchmarks/run_summaries.py "$out/notebook_$name.json" "$runs" \
   command="bash benchmarks/gpu_notebook.sh $name $notebook $cap '$extra'" notebook="$notebook" cap_gib="$cap" \
-  params="$params" exit_code="$code" wall_s="$((SECONDS - start))"
+  params="$params" exit_code="$code" wall_s="$((SECONDS - start))" $footprints
 cp "$runs"/*/report.md "$out/" 2>/dev/null
 (cd "$runs" 2>/dev/null && find . \( -name '*.log' -o -name metrics.jsonl \) -print0 |
   tar czf "$out/run_logs_$name.tar.gz" --null -T -)

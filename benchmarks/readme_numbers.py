@@ -292,8 +292,9 @@ def _record_cells(record: dict) -> list[str]:
     wall = int(record["wall_s"])
     code = record["exit_code"]
     stopped = {0: "", 124: " (stopped at its time limit)"}.get(code, f" (stopped, exit {code})")
+    seeded = ", with the footprints an earlier run learned" if record.get("footprints_from") else ""
     return [record["gpu"].replace("NVIDIA ", ""), str(record["params"].get("steps", "the profile's")),
-            f"{wall // 60} min {wall % 60} s{stopped}"]
+            f"{wall // 60} min {wall % 60} s{stopped}{seeded}"]
 
 
 def _notebook_row(record: dict) -> list[str]:

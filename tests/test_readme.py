@@ -225,7 +225,7 @@ def test_each_notebook_run_whole_shows_what_each_recipe_ran_and_a_stop(monkeypat
                                            "wall_s": 99, "date": "2026-12-05 04:00:00", "exit_code": 0,
                                            "params": {"steps": 12}, "runs": {"peer": ran}},  # replaced by the newer
                "notebook_ladder.json": {"notebook": "optimization_ladder", "cap_gib": 22, "gpu": "NVIDIA H100",
-                                        "date": "2026-12-05 04:00:00",
+                                        "date": "2026-12-05 04:00:00", "footprints_from": "an_earlier_run.json",
                                         "wall_s": 60, "exit_code": 0, "params": {"rungs": ["tf32", "batch"]},
                                         "runs": {
                                             "ladder-00-tf32": ran, "ladder-05-batch": {"failure": {}},
@@ -241,6 +241,7 @@ def test_each_notebook_run_whole_shows_what_each_recipe_ran_and_a_stop(monkeypat
             "(the 2nd tried): 20.0 img/s, 15.0 GiB | stopped: out of memory at step 3 |") in sd
     assert sd.rstrip().endswith("| 1.50x |\n| 24 GB (22 GiB) | not run whole yet | | | | | | | |\n"
                                 "| 40 GB (38 GiB) | not run whole yet | | | | | | | |")
-    assert "| 22 GiB | tf32, batch | H100 | the profile's | 1 min 0 s | 1 of 3 | 1 |" in text.split(
+    assert ("| 22 GiB | tf32, batch | H100 | the profile's | 1 min 0 s, with the footprints an earlier run learned | "
+            "1 of 3 | 1 |") in text.split(
         "**the optimization ladder**")[1]
     assert text.endswith("Not run whole under a cap yet: your model.")
