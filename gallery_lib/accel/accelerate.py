@@ -130,7 +130,9 @@ def compile_kwargs(settings: CompileSettings, mode: str | None = None) -> dict[s
     from torch._inductor import list_mode_options
 
     options = {**(dict(list_mode_options(mode)) if mode else {}), **extra}
-    return {"options": {**options, **channels_last_graph_options(mode)} if settings.channels_last_graphs else options}
+    if settings.channels_last_graphs:
+        options.update(channels_last_graph_options(mode))
+    return {"options": options}
 
 
 def _apply_data_parallel(model: torch.nn.Module, parallel: ParallelSettings, block_types: tuple[str, ...],

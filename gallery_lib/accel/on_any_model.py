@@ -38,6 +38,7 @@ from torch import nn
 from gallery_lib.accel.keep_if_faster import (MIN_GAIN, KeepDecision, SteadyStepTimer, TrainingStep, faster,
                                              keep_if_faster)
 from gallery_lib.accel.optimize import cache_file, cache_key, read_cache, write_cache
+from gallery_lib.config import TRITON_KERNEL_OPS
 from gallery_lib.config.quiet import quiet_known_noise
 
 RESULTS = "benchmarks/RESULTS.md"
@@ -448,7 +449,7 @@ def _planned_changes(model: nn.Module, device_type: str, *, compile: bool,
         steps.append((f"fused kernels {','.join(ops) if ops else 'all'}",
                       lambda: fuse_kernels(model, ops=ops, device_type=device_type)))
         if compile and measured:
-            for op in ("group_norm_silu", "layer_norm"):
+            for op in (op for op in TRITON_KERNEL_OPS if op not in ops):
                 steps.append((f"fused kernels {op}",
                               lambda op=op: fuse_kernels(model, ops=(op,), device_type=device_type)))
         if _has_window_attention(model):  # Swin's biased windows; on SD's shapes PyTorch's own choice is as fast

@@ -152,7 +152,7 @@ def _ran(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def _later_reference(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
     """The rung the speedups are over where it is not the ladder's first (the rungs below it did not run), or
     ``None``."""
-    over = next((row for row in rows if rows and row["rung"] == rows[0]["speedup_over"]), None)
+    over = next((row for row in rows if row["rung"] == rows[0]["speedup_over"]), None)
     return None if over is None or over is rows[0] else over
 
 

@@ -66,7 +66,8 @@ class CompilePlan(contextlib.AbstractContextManager):
                                                         compile_phase_seconds, watch_cache_bypasses)
 
         # Dynamo's counters live as long as the process (torch._dynamo.reset keeps them): the run reports its own part.
-        watch_cache_bypasses()
+        if compile.compile:  # the summary says why a cache did not keep a graph
+            watch_cache_bypasses()
         self._cache_at_start = compile_cache_stats()
         self._bypasses_at_start = cache_bypass_reasons()
         self._phases_at_start = compile_phase_seconds()
