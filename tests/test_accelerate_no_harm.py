@@ -194,9 +194,10 @@ def test_a_compiled_block_that_is_not_faster_is_compiled_no_more():
         assert change.what.startswith("2 blocks compiled in place" if kept else f"left out: {compiled_ms:.1f} ms")
 
 
-def test_the_whole_model_compiled_replaces_its_blocks_only_where_a_step_is_faster(monkeypatch):
+def test_the_whole_model_compiled_replaces_its_blocks_unless_a_step_is_slower(monkeypatch):
     """The real ``compile_blocks`` and ``compile_whole`` on a CPU, judged by a timer that reads the model (eager 10 ms,
-    blocks 8 ms, the whole model ``whole_ms``); nothing runs a step, so nothing compiles."""
+    blocks 8 ms, the whole model ``whole_ms``); nothing runs a step, so nothing compiles. The whole model compiled is
+    the peer's choice: a tie (8.1 against 8.0 ms) keeps it, a loss over 2% (8.3) does not."""
     monkeypatch.setattr(on_any_model, "compile_whole", REAL_COMPILE_WHOLE)
 
     def blocks_compiled(model):
@@ -206,7 +207,7 @@ def test_the_whole_model_compiled_replaces_its_blocks_only_where_a_step_is_faste
         model = step.model
         return whole_ms if model._compiled_call_impl is not None else 8.0 if all(blocks_compiled(model)) else 10.0
 
-    for whole_ms, kept in ((7.0, True), (7.9, False)):
+    for whole_ms, kept in ((7.0, True), (8.1, True), (8.3, False)):
         model, _ = _net()
         blocks, whole = accelerate(model, example=torch.randn(4, 8), cache=False, echo=None, timer=timer)
         assert blocks.changed and (blocks.decision.with_ms, blocks.decision.without_ms) == (8, 10)
@@ -215,11 +216,14 @@ def test_the_whole_model_compiled_replaces_its_blocks_only_where_a_step_is_faste
         assert blocks_compiled(model) == [not kept, not kept]  # the blocks run inside the whole graph as plain modules
         if kept:
             assert whole.what.startswith("the whole model compiled in place, instead of its 2 blocks compiled in "
-                                         "place; compilation happens in the first steps; kept: 7.0 ms with it, 8.0 ms")
+                                         f"place; compilation happens in the first steps; kept: {whole_ms:.1f} ms "
+                                         "with it, 8.0 ms")
+            assert whole.what.endswith("left out only where it makes a step over 2% slower") is (whole_ms > 8)
             whole.undo()
             assert model._compiled_call_impl is None and blocks_compiled(model) == [True, True]
         else:
-            assert whole.what == "left out: 7.9 ms with it, 8.0 ms without (this model, batch 4, cpu)"
+            assert whole.what == "left out: 8.3 ms with it, 8.0 ms without (this model, batch 4, cpu)"
+            assert whole.why.startswith("the peer's own choice, left out only where it makes a step over 2% slower")
 
 
 def test_compile_whole_says_what_it_replaced_and_undoes_it():
@@ -510,3 +514,41 @@ def test_a_layout_kept_eagerly_is_not_timed_again_once_compiled(tmp_path):
     assert state == {"layout": True, "compiled": True} and layout.changed and compiled.changed
     assert {"layout": False, "compiled": True} not in timed  # never undone under the compiler, though it would win
     assert "once compiled" not in layout.what
+
+
+def test_the_peers_own_layout_stays_unless_it_loses_so_a_tie_ends_where_the_peer_is(tmp_path):
+    """channels_last, which the fair peer gives a convnet, 1.6% faster eagerly (ConvNeXt-T on an H100): kept, where a
+    change of the gallery's own needs 2%; compiled, the peer's layout then pays. Left out only where it loses by more
+    than 2%, from the cache too. The timer reads the fake state (nothing runs, nothing compiles)."""
+    for layout_ms, kept in ((9.84, True), (10.1, True), (10.3, False)):
+        state = {"layout": False, "compiled": False}
+        times = {(False, False): 10.0, (True, False): layout_ms, (False, True): 6.0, (True, True): 5.0}
+
+        def switch(name, key):
+            def call():
+                state[key] = True
+                return Change(name, f"{name} on", "a fake", "nowhere#fake", undo=lambda: state.update({key: False}))
+            return call
+
+        steps = [("channels_last", switch("channels_last", "layout")),
+                 ("compiled blocks", switch("compiled blocks", "compiled"))]
+        model, _ = _net()
+        cache = tmp_path / f"accelerate_{layout_ms}.json"
+        for timer in (lambda step, device: times[(state["layout"], state["compiled"])],
+                      lambda step, device: pytest.fail("timed again")):
+            state.update(layout=False, compiled=False)
+            layout, compiled = on_any_model._kept_if_faster(model, steps, TrainingStep(model, torch.randn(4, 8)),
+                                                            timer, 0.02, cache)
+            assert state == {"layout": kept, "compiled": True} and layout.changed is kept and compiled.changed
+            assert layout.decision.with_ms == layout_ms and layout.decision.without_ms == 10.0
+            if not kept:
+                assert layout.why.startswith("the peer's own choice, left out only where it makes a step over 2% "
+                                             "slower; where it pays: a fake")
+    # a change of the gallery's own at the same 1.6% is left out: the bar is the peer's, not a looser one for all
+    state = {"kernel": False}
+    kernel_step = [("fused kernels all", lambda: (state.update(kernel=True), Change(
+        "fused kernels", "on", "a fake", "nowhere#fake", undo=lambda: state.update(kernel=False)))[1])]
+    model, _ = _net()
+    (kernel,) = on_any_model._kept_if_faster(model, kernel_step, TrainingStep(model, torch.randn(4, 8)),
+                                             lambda step, device: 9.84 if state["kernel"] else 10.0, 0.02, None)
+    assert not kernel.changed and not state["kernel"]

@@ -381,9 +381,11 @@ def accelerate(model: nn.Module, *, example: Any = None, loss_fn: Callable[[Any]
     this one. With ``example`` (what the model is called with, on its device) each change is timed: a few training
     steps (forward, ``loss_fn``, backward; no optimizer step) with it and without it, each against the state the
     changes before it left, and undone unless it is faster by more than ``min_gain`` (2%: timing noise); its
-    ``Change`` says so with both times, and ``decision`` holds them. Then the whole model compiled (``compile_whole``,
-    what a plain ``torch.compile`` user does) is timed in place of the blocks, so a model whose blocks compiled
-    alone lose to it ends no slower than that; on a GPU, a model with convolutions then has what is compiled compiled
+    ``Change`` says so with both times, and ``decision`` holds them. The changes the fair peer itself makes
+    (channels_last on a convnet, the whole model compiled) are the other way round: kept unless they make the step
+    slower by more than ``min_gain``, so a tie ends where the peer is (``PEER_CHOICES``). Then the whole model
+    compiled (``compile_whole``, what a plain ``torch.compile`` user does) is timed in place of the blocks, so a model
+    whose blocks compiled alone lose to it ends no slower than that; on a GPU, a model with convolutions then has what is compiled compiled
     again with channels_last through every graph (``compile_channels_last_graphs``), kept where it is faster. Last,
     once compiled, each change kept before the compiler (but channels_last, a layout) is timed again without it, and
     left out where the compiler's own code is as fast. The weights, gradients, buffers and random state are left as
@@ -404,7 +406,8 @@ def accelerate(model: nn.Module, *, example: Any = None, loss_fn: Callable[[Any]
             where the model is, since that is where the steps are timed.
         compile: compile the repeated blocks.
         echo: where each change is said (``None``: nowhere).
-        min_gain: how much faster a change must make the step to be kept.
+        min_gain: how much faster a change must make the step to be kept (for the peer's own choices: how much
+            slower, to be left out).
         cache: ``True`` for ``accelerate.json`` in the gallery's cache folder (``optimize``'s), a path for another,
             ``False`` to time every time.
         timer: ``timer(step, device)`` runs ``step()`` and returns its time in ms (default: ``SteadyStepTimer()``, the
@@ -467,6 +470,19 @@ def _planned_changes(model: nn.Module, device_type: str, *, compile: bool,
     return steps
 
 
+PEER_CHOICES = ("channels_last", "compiled whole")
+"""The changes the fair peer makes on a model they suit (the labels they start): kept unless a step is slower with
+them by more than ``min_gain``. Judged like the gallery's own changes, a tie went the other way: ConvNeXt-T's
+channels_last gained 1.6% eagerly on an H100, was left out, and the compiled model ended 0.95x the peer, which has it
+(RESULTS.md#your-model)."""
+
+
+def _bar(label: str, min_gain: float) -> float:
+    """The gain a change must show to be kept: ``min_gain``, or for one of the peer's own choices ``-min_gain`` (it
+    stays unless it loses by more)."""
+    return -min_gain if label.startswith(PEER_CHOICES) else min_gain
+
+
 LAYOUT_CHANGES = {"channels_last"}
 """Changes decided before the compiler only: channels_last undone under the compiled resnet34 stopped its timed steps
 with an Inductor stride assertion on an H200 (RESULTS.md#your-model; why, not found: a plain compiled convnet
@@ -502,6 +518,7 @@ def _kept_if_faster(model: nn.Module, steps: list[tuple[str, Callable[[], Change
         for label, call in steps:
             entry_key = f"{key} | {label} after {', '.join(kept) or 'nothing'}"
             entry = _timed_before(cached, entry_key)
+            bar = _bar(label, min_gain)
             change = call()
             if not change.changed:
                 decided.append(change)
@@ -510,7 +527,7 @@ def _kept_if_faster(model: nn.Module, steps: list[tuple[str, Callable[[], Change
                 decided.append(_not_measured(change))
                 continue
             if entry is not None:
-                decision = KeepDecision.from_cache(entry, min_gain)
+                decision = KeepDecision.from_cache(entry, bar)
                 if not decision.kept:
                     change.undo()
                 # a kept change's cached time is another run's: time this state again where a later change needs it
@@ -522,7 +539,7 @@ def _kept_if_faster(model: nn.Module, steps: list[tuple[str, Callable[[], Change
                     change = call()
                 # applied (to see whether it changed anything): keep_if_faster times it, and undoes it if not faster
                 decision = keep_if_faster(lambda applied=change: applied, lambda applied: applied.undo(), time_step,
-                                          without_ms=current_ms, min_gain=min_gain)
+                                          without_ms=current_ms, min_gain=bar)
                 if cache_path:
                     write_cache(cache_path, entry_key, decision.cache_entry())
                 if decision.kept:
@@ -531,7 +548,7 @@ def _kept_if_faster(model: nn.Module, steps: list[tuple[str, Callable[[], Change
                 kept.append(label)
                 if not label.startswith("compiled") and label not in LAYOUT_CHANGES:
                     before_compiling.append((len(decided), label, call, change))
-            decided.append(_decided(change, replace(decision, applied=None), step.where, min_gain, cache_path))
+            decided.append(_decided(change, replace(decision, applied=None), step.where, bar, cache_path))
         if any(label.startswith("compiled") for label in kept):
             where = f"{step.where}, once compiled"
             for index, label, call, change in reversed(before_compiling):
@@ -583,13 +600,18 @@ def _time_the_example(time_step: Callable[[], float]) -> float:
 def _decided(change: Change, decision: KeepDecision, where: str, min_gain: float,
              cache_path: os.PathLike | None) -> Change:
     """``change`` as the decision left it: kept, with both times after what it did; or left out, said with both times
-    (what it would have done in the details)."""
+    (what it would have done in the details). ``min_gain`` is the bar it was judged by (below zero for the peer's own
+    choices)."""
     verdict = decision.verdict(where)
     details = [change.details] if change.details else []
     if decision.cached:
         details.append(f"  times cached in {cache_path}; delete the entry or pass cache=False to time again")
+    peers_rule = f"the peer's own choice, left out only where it makes a step over {-100 * min_gain:g}% slower"
     if decision.kept:
+        if min_gain < 0 and decision.with_ms > decision.without_ms:  # a tie, kept where the peer is
+            verdict = f"{verdict}; {peers_rule}"
         return replace(change, what=f"{change.what}; {verdict}", details="\n".join(details), decision=decision)
-    why = f"kept only where it makes a step over {100 * min_gain:g}% faster; where it does: {change.why}"
+    why = (f"kept only where it makes a step over {100 * min_gain:g}% faster; where it does: {change.why}"
+           if min_gain >= 0 else f"{peers_rule}; where it pays: {change.why}")
     return replace(change, what=verdict, why=why, changed=False, handle=None, undo=None, decision=decision,
                    details="\n".join([f"  undone: {change.what}", *details]))
