@@ -398,3 +398,52 @@ def test_where_the_first_rungs_do_not_fit_the_speedups_are_over_the_first_that_r
     assert "over fused attention" in speed_axis.get_title()
     talk = {row["name"]: row["talk_speedup"] for row in rows}  # the talk's markers: over its attention rung too
     assert list(speed_axis.lines[0].get_ydata()) == pytest.approx([1.0, talk["batch"] / talk["attention"]])
+
+
+def test_a_rung_that_frees_no_memory_starts_where_the_rung_it_builds_on_ran(monkeypatch, tmp_path):
+    """At 16 GiB the batch, EMA and bf16 rungs each ran out of memory at the same 12 settings before batch 4 x 12
+    checkpointed: a rung whose switch frees no memory now starts where the rung below it ran, and says how many
+    faster settings it left untried; one that frees memory (fused attention) tries its settings from the fastest.
+    The training processes are faked: each runs at the setting its plan names after ``runs_out`` of them."""
+    from gallery_lib.recipes.ladder import _fitted, rung_chain
+    from gallery_lib.run.failure import RunFailure
+    from gallery_lib.run.launch import RunFailed, RunResult
+    from gallery_lib.run.memory_plan import Budget, Candidate
+
+    monkeypatch.setattr("gallery_lib.recipes.named.runs_on_gpu", lambda base: True)
+    monkeypatch.setenv("GALLERY_CACHE_DIR", str(tmp_path / "cache"))  # nothing learned on this machine
+    base = ladder_base("full", data_root="/data", device="cuda", gpu_memory_gib=16.0, precompile_workers=0)
+    launched, runs_out = {}, {"batch": 12, "fused": 3}
+
+    def fake_launch(cfg, echo=None, console="all"):
+        plan = MemoryPlan.from_dict(cfg.extra[PLAN])
+        launched[cfg.recipe] = plan
+        settings = (plan.chosen,) if plan.chosen else plan.probe
+        if not settings:  # as the launcher refuses it
+            raise RunFailed("refused", RunFailure(kind="does_not_fit", reason=plan.note(), log="rank0.log"))
+        ran = settings[min(runs_out.get(cfg.recipe.split("-")[-1], 0), len(settings) - 1)]
+        return RunResult(cfg, cfg.run_dir, {"samples_per_s": 1.0, PLAN: {"chosen": ran.__dict__, "changed": True}})
+
+    monkeypatch.setattr("gallery_lib.recipes.ladder.launch", fake_launch)
+    monkeypatch.setattr("gallery_lib.recipes.ladder.validate_for_machine", lambda cfg: None)  # no GPU here
+    run_ladder(base, ["fused", "attention", "batch", "ema", "zero2", "bf16", "compile"], sizes=SIZES, echo=None)
+    batch = launched["ladder-05-batch"]
+    below = batch.probe[12]
+    assert below == Candidate(4, 12, True) and batch.skipped_faster == 0
+    for name in ("ladder-06-ema", "ladder-08-bf16", "ladder-09-compile"):  # bf16 builds on ema, past ZeRO-2
+        plan = launched[name]
+        assert plan.probe[0] == below and plan.skipped_faster == 12 and plan.probe[1:] == batch.probe[13:], name
+        assert "batch 4 x 12 accumulation steps, gradient checkpointing, where the run it builds on ran, whose 12 " \
+               "faster settings did not fit, giving way" in plan.note()
+    assert launched["ladder-07-zero2"].chosen is None and not launched["ladder-07-zero2"].probe  # does not fit
+    table = str(ladder_plan(base, ["attention", "batch", "ema"], sizes=SIZES)).splitlines()
+    assert [line.endswith("or from where the rung it builds on ran |") for line in table[2:]] == [False, False, True]
+    fused, attention = launched["ladder-03-fused"], launched["ladder-04-attention"]
+    assert attention.probe == fused.probe and attention.skipped_faster == 0  # it frees memory: from the fastest
+    # a faster setting measured to fit is still taken: the start only skips the unmeasured ones
+    measured = Candidate(12, 4, True)
+    monkeypatch.setattr("gallery_lib.recipes.memory_fit.footprint_gib", lambda cfg, uncompiled=False: 12.0 if (
+        cfg.batch_size, cfg.gradient_checkpointing) == (12, True) else None)
+    plan = MemoryPlan.from_dict(_fitted(rung_chain(base, sizes=SIZES, on_gpu=True)["ema"],
+                                        Budget(16.0, "gpu_memory_gib"), start_at=below).extra[PLAN])
+    assert plan.chosen == measured and plan.skipped_faster == 0

@@ -407,11 +407,12 @@ def test_an_unmeasured_setting_gives_way_to_the_next_from_step_0(smoke_data, tmp
 
 def test_each_tried_setting_keeps_the_state_the_plan_moved_and_says_so():
     """A probed setting runs with the EMA on the CPU and the update one tensor at a time where the plan moved them:
-    its summary's note says so, as the plan's did (DreamBooth's and SD-1.5's 16 GiB runs said neither)."""
+    its summary's note says so, as the plan's did (DreamBooth's and SD-1.5's 16 GiB runs said neither); the first
+    says where it started, where the plan left faster settings untried (a ladder rung's)."""
     from gallery_lib.run.batch_size import train_first_that_fits
 
     plan = MemoryPlan(16.0, "gpu_memory_gib", None, probe=(Candidate(8, 1, False), Candidate(8, 1, True)),
-                      changed=True, ema_offloaded=True, per_tensor_update=True).as_dict()
+                      changed=True, ema_offloaded=True, per_tensor_update=True, skipped_faster=1).as_dict()
     plan["probe_fields"] = [{"batch_size": 8}, {"batch_size": 8, "gradient_checkpointing": True}]
     cfg = sd_full().replace(ema_offload=True, foreach_optimizer=False)
     attempts = []
@@ -427,6 +428,9 @@ def test_each_tried_setting_keeps_the_state_the_plan_moved_and_says_so():
     assert all(a.ema_offloaded and a.per_tensor_update for a in attempts)
     assert "the EMA kept in the CPU's memory between updates; the optimizer's update one tensor at a time" in (
         attempts[1].note())
+    assert [a.skipped_faster for a in attempts] == [1, 0]
+    assert ("batch 8 (not measured, where the run it builds on ran, whose 1 faster setting did not fit; batch 8, "
+            "gradient checkpointing if it runs out of memory") in attempts[0].note()
 
 
 def test_a_late_out_of_memory_stops_the_run_in_one_line(smoke_data, tmp_path, monkeypatch):

@@ -32,7 +32,7 @@ from gallery_lib.recipes.memory_fit import fit_to_memory
 from gallery_lib.recipes.profiles import base_config
 from gallery_lib.run.failure import RunsFailed
 from gallery_lib.run.launch import RunFailed, launch
-from gallery_lib.run.memory_plan import NAMED, Budget, read_budget
+from gallery_lib.run.memory_plan import NAMED, PLAN, Budget, Candidate, read_budget
 
 
 @dataclass(frozen=True)
@@ -87,6 +87,11 @@ class Rung:
     builds_on: str | None = None
     """The rung it adds to; ``None``: the one listed before it."""
     needs_gpu: bool = False
+    frees_memory: bool = False
+    """Its switch lowers the memory a step holds. Under the memory plan such a rung tries its settings from the
+    fastest; any other starts at the setting the rung it builds on ran at, since every faster one did not fit there
+    (at 16 GiB each large-batch rung otherwise ran out of memory at the same 12 settings first:
+    benchmarks/RESULTS.md#memory-plan)."""
 
 
 def _tf32_baseline(base: RunConfig, sizes: LadderSizes) -> dict[str, Any]:
@@ -102,17 +107,17 @@ RUNGS: tuple[Rung, ...] = (
          "process (diffusers' default), a per-tensor EMA loop.", talk=(1.00, 69.5)),
     Rung("amp", "fp16 AMP", lambda cfg, s: {"amp_level": "O1", "amp_dtype": "auto"},
          "autocast to float16 with a GradScaler (bfloat16 on a CPU): tensor-core matmuls at half the bytes; the "
-         "fp32 weights stay.", talk=(1.18, 71.7)),
+         "fp32 weights stay.", talk=(1.18, 71.7), frees_memory=True),
     Rung("loader", "tuned data loader", lambda cfg, s: {"num_workers": s.loader_workers},
          "worker processes decode and augment the next batches into pinned memory while the GPU trains.",
          talk=(1.41, 71.7)),
     Rung("fused", "fused layers + fused AdamW", lambda cfg, s: {"kernels": True, "kernel_ops": "all",
                                                                  "fused_optimizer": True},
          "the library's Triton kernels (GroupNorm+SiLU, LayerNorm, GEGLU) in place of several eager kernels each, "
-         "and one kernel for the whole AdamW update.", talk=(1.56, 66.9)),
+         "and one kernel for the whole AdamW update.", talk=(1.56, 66.9), frees_memory=True),
     Rung("attention", "fused attention", lambda cfg, s: {"sdpa_math": False},
          "PyTorch's SDPA picks its fused kernels again (FlashAttention, cuDNN): the 4096 x 4096 attention matrices "
-         "are never stored, which frees most of the memory.", talk=(2.23, 25.5)),
+         "are never stored, which frees most of the memory.", talk=(2.23, 25.5), frees_memory=True),
     Rung("batch", "larger batch", lambda cfg, s: {"batch_size": s.large_batch},
          "the freed memory goes to a larger batch: fewer, fuller kernels per image.", talk=(2.91, 73.0)),
     Rung("ema", "fused EMA on a side stream", lambda cfg, s: {"ema": "off" if cfg.ema == "off" else "stream"},
@@ -141,7 +146,8 @@ RUNGS: tuple[Rung, ...] = (
              "with each output copied into the next one."),
     Rung("cached_latents", "cached latents", lambda cfg, s: {"cache_latents": True},
          "every image encoded by the VAE and every caption by CLIP once, before training; each step samples a fresh "
-         "latent from the cached distribution (the same function), so the frozen encoders leave the loop."),
+         "latent from the cached distribution (the same function), so the frozen encoders leave the loop.",
+         frees_memory=True),
     Rung("channels_last", "channels_last", lambda cfg, s: {"channels_last": True, "channels_last_graphs": True},
          needs_gpu=True,
          why="the UNet's convolutions read and write NHWC, the layout cuDNN's fastest kernels use, instead of "
@@ -159,7 +165,7 @@ RUNGS: tuple[Rung, ...] = (
          "blocks recompute their activations in the backward instead of storing them: about a third more compute "
          "for room for a batch twice as large. It pays only if the larger batch runs that much faster per image. "
          "Without CUDA graphs: a block recomputed in the backward cannot replay inside its graph (and the up blocks "
-         "compiled as their blocks again, as the accelerated recipe does with checkpointing)."),
+         "compiled as their blocks again, as the accelerated recipe does with checkpointing).", frees_memory=True),
 )
 RUNG_NAMES = tuple(rung.name for rung in RUNGS)
 
@@ -228,10 +234,11 @@ def rung_chain(base: RunConfig, *, sizes: LadderSizes | None = None,
     return resolved
 
 
-def _fitted(cfg: RunConfig, budget: Budget | None) -> RunConfig:
+def _fitted(cfg: RunConfig, budget: Budget | None, start_at: Candidate | None = None) -> RunConfig:
     """The rung with its switches, at the setting the memory plan picks: each setting it weighs is the rung's config
-    with that batch, accumulation and checkpointing (a rung that replays CUDA graphs refuses the last two)."""
-    return fit_to_memory(cfg, lambda planned: cfg.replace(**planned), budget)
+    with that batch, accumulation and checkpointing (a rung that replays CUDA graphs refuses the last two).
+    ``start_at``: the setting the rung it builds on ran at (``fit_to_memory``)."""
+    return fit_to_memory(cfg, lambda planned: cfg.replace(**planned), budget, start_at=start_at)
 
 
 def _check_family(base: RunConfig) -> None:
@@ -309,24 +316,35 @@ def run_ladder(base: RunConfig, rungs: list[str] | None = None, *, sizes: Ladder
                echo: Callable[[str], None] | None = print, console: str = "result") -> LadderRuns:
     """Runs the rungs one after another, each in its own training process. Every config is resolved and checked for
     this machine before the first starts; a rung that fails (out of memory, say) is reported and the ladder goes on.
-    ``console``: one line per rung (``result``) or every line of each (``all``), as ``launch`` takes it."""
+    Where the memory plan has no measurement for a rung and must try its settings, a rung whose switch frees no
+    memory starts at the setting the rung it builds on ran at (``Rung.frees_memory``). ``console``: one line per rung
+    (``result``) or every line of each (``all``), as ``launch`` takes it."""
     on_gpu = runs_on_gpu(base)
-    configs = ladder_configs(base, rungs, sizes=sizes, on_gpu=on_gpu)
+    chain = rung_chain(base, sizes=sizes, on_gpu=on_gpu)
+    configs = fit_rungs(base, chain, rungs, on_gpu=on_gpu)
     parents = rung_parents(on_gpu)
     for cfg in configs.values():
         if cfg is not None:
             validate_for_machine(cfg)
     results = LadderRuns()
+    ran_at: dict[str, Candidate] = {}  # the setting each rung that ran trained at
     for name, cfg in configs.items():
         rung = rung_named(name)
         if cfg is None:
             results.append(RungResult(rung, None, failure="needs a GPU", builds_on=parents[name]))
             continue
+        below = ran_at.get(parents[name])
+        if below is not None and not rung.frees_memory and cfg.extra.get(PLAN, {}).get("probe"):
+            cfg = _fitted(chain[name], read_budget(base.gpu_memory_gib), start_at=below)
+            validate_for_machine(cfg)
         if echo and console == "all":
             echo(f"\n=== {cfg.recipe}: {describe(cfg.recipe)} ===")
         try:
             results.append(RungResult(rung, cfg, summary=launch(cfg, echo=echo, console=console).summary,
                                       builds_on=parents[name]))
+            chosen = (results[-1].summary or {}).get(PLAN, {}).get("chosen")
+            if chosen:
+                ran_at[name] = Candidate(**chosen)
         except RunFailed as exc:
             reason, log = (exc.failure.reason, exc.failure.log) if exc.failure else (failure_reason(str(exc)), None)
             too_large = exc.failure is not None and exc.failure.kind == "does_not_fit"

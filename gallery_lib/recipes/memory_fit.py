@@ -18,10 +18,13 @@ from gallery_lib.run.memory_plan import (HOST_PROCESS_GIB, NAMED, PLAN, PLANNED_
                                          TrainingState, candidates, choose, estimate_gib, workers_that_fit)
 
 
-def fit_to_memory(cfg: RunConfig, resolve: Callable[[dict[str, Any]], RunConfig], budget: Budget | None) -> RunConfig:
+def fit_to_memory(cfg: RunConfig, resolve: Callable[[dict[str, Any]], RunConfig], budget: Budget | None, *,
+                  start_at: Candidate | None = None) -> RunConfig:
     """``cfg`` at the fastest setting that fits ``budget`` (``None``: no plan, as on a CPU), with the plan in
     ``cfg.extra[PLAN]``. ``resolve(fields)`` resolves the same recipe with ``fields`` (the planned ones) set on its
-    base."""
+    base. ``start_at``: the setting the run this one builds on ran at, where this one's switch frees no memory (a
+    ladder rung's): where no measured setting fits, the unmeasured ones faster than it are not tried, since they did
+    not fit there."""
     if budget is None or cfg.memory_plan == "off" or cfg.find_batch_size or cfg.nproc_per_node > 1:
         return cfg  # the search sizes the batch itself; several processes were never measured
     named = cfg.extra.get(NAMED, ())
@@ -51,6 +54,9 @@ def fit_to_memory(cfg: RunConfig, resolve: Callable[[dict[str, Any]], RunConfig]
     ran_within = {option for option, measured in zip(options, here) if measured and measured.ran_within}
     plan = replace(choose(options, estimates, budget, configured, training_state(cfg), ran_within),
                    ema_offloaded="ema_offload" in moved, per_tensor_update="foreach_optimizer" in moved)
+    if plan.chosen is None and start_at in plan.probe:  # none measured fits: the ones tried start at start_at
+        skipped = plan.probe.index(start_at)
+        plan = replace(plan, probe=plan.probe[skipped:], after=plan.probe[skipped + 1:], skipped_faster=skipped)
     settings = (plan.chosen,) if plan.chosen is not None else plan.probe
     if not settings:
         return cfg.replace(extra={**cfg.extra, PLAN: plan.as_dict()})

@@ -133,6 +133,9 @@ class MemoryPlan:
     per_tensor_update: bool = False
     """The unfused optimizer updates one tensor at a time (``foreach_optimizer=False``): the training state fits the
     budget only without the multi-tensor update's copy."""
+    skipped_faster: int = 0
+    """Unmeasured settings faster than the one the run it builds on ran at, not tried: they did not fit that run, and
+    this run's switch frees no memory (the ladder's rungs: ``recipes/ladder.py``)."""
 
     @property
     def fits(self) -> bool:
@@ -149,8 +152,8 @@ class MemoryPlan:
             "the EMA kept in the CPU's memory between updates; " if self.ema_offloaded else "") + (
             "the optimizer's update one tensor at a time; " if self.per_tensor_update else "")
         if self.chosen is None and self.probe:
-            return head + (f"not measured for this recipe: {self.probe[0].describe()}, giving way to the next "
-                           "setting if it runs out of memory before its timed steps")
+            return head + (f"not measured for this recipe: {self.probe[0].describe()}{self._started()}, giving way to "
+                           "the next setting if it runs out of memory before its timed steps")
         if self.chosen is None and self.state:
             return head + f"does not fit ({self.state} alone take {self.estimate_gib:.1f} GiB)"
         if self.chosen is None:
@@ -158,8 +161,17 @@ class MemoryPlan:
         kept = "" if self.changed else " as configured"
         workers = "" if self.precompile_workers is None else f", {self.precompile_workers} precompile workers"
         measured = f"measured {self.estimate_gib:.1f} GiB" if self.estimate_gib is not None else "not measured" + (
+            self._started()) + (
             f"; {self.after[0].describe()} if it runs out of memory before its timed steps" if self.after else "")
         return head + f"{self.chosen.describe()}{kept}{workers} ({measured})"
+
+    def _started(self) -> str:
+        """Where the settings tried start past the fastest: ``, where the run it builds on ran, whose 12 faster
+        settings did not fit``."""
+        if not self.skipped_faster:
+            return ""
+        settings = "setting" if self.skipped_faster == 1 else "settings"
+        return f", where the run it builds on ran, whose {self.skipped_faster} faster {settings} did not fit"
 
     def cell(self, *, short: bool = False) -> str:
         """The plan in a table cell: ``batch 8 x 2 accumulation steps, the EMA in the CPU's memory as configured``,
@@ -208,7 +220,8 @@ class MemoryPlan:
                 "state": self.state, "state_fix": self.state_fix,
                 "probe": [asdict(c) for c in self.probe], "precompile_workers": self.precompile_workers,
                 "changed": self.changed, "after": [asdict(c) for c in self.after],
-                "ema_offloaded": self.ema_offloaded, "per_tensor_update": self.per_tensor_update, "note": self.note()}
+                "ema_offloaded": self.ema_offloaded, "per_tensor_update": self.per_tensor_update,
+                "skipped_faster": self.skipped_faster, "note": self.note()}
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> MemoryPlan:
@@ -218,7 +231,7 @@ class MemoryPlan:
                    tuple(Candidate(**c) for c in values.get("probe", ())),
                    values.get("precompile_workers"), values.get("changed", False),
                    tuple(Candidate(**c) for c in values.get("after", ())), values.get("ema_offloaded", False),
-                   values.get("per_tensor_update", False))
+                   values.get("per_tensor_update", False), values.get("skipped_faster", 0))
 
 
 def _as_flags(candidate: Candidate) -> str:
