@@ -385,10 +385,10 @@ def accelerate(model: nn.Module, *, example: Any = None, loss_fn: Callable[[Any]
     (channels_last on a convnet, the whole model compiled) are the other way round: kept unless they make the step
     slower by more than ``min_gain``, so a tie ends where the peer is (``PEER_CHOICES``). Then the whole model
     compiled (``compile_whole``, what a plain ``torch.compile`` user does) is timed in place of the blocks, so a model
-    whose blocks compiled alone lose to it ends no slower than that; on a GPU, a model with convolutions then has what is compiled compiled
-    again with channels_last through every graph (``compile_channels_last_graphs``), kept where it is faster. Last,
-    once compiled, each change kept before the compiler (but channels_last, a layout) is timed again without it, and
-    left out where the compiler's own code is as fast. The weights, gradients, buffers and random state are left as
+    whose blocks compiled alone lose to it ends no slower than that; on a GPU, a model with convolutions then has what
+    is compiled compiled again with channels_last through every graph (``compile_channels_last_graphs``), kept where
+    it is faster. Last, once compiled, each change kept before the compiler (but channels_last, a layout) is timed
+    again without it, and left out where the compiler's own code is as fast. The weights, gradients, buffers and random state are left as
     they were. The times are cached per model structure, input shapes and dtypes, autocast state, device and torch
     version, so the next call times nothing. Compiled blocks that are undone run eagerly again; their compiled code
     (with CUDA graphs, its memory pool) stays in Dynamo's cache until ``torch._dynamo.reset()``.

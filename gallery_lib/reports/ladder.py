@@ -303,11 +303,12 @@ def ladder_plan(base, rungs: list[str] | None = None, *, sizes=None) -> LadderPl
             changes = ", ".join(f"`{k}={v}`" for k, v in now.items()
                                 if then.get(k) != v and k not in ("recipe", "extra"))
         row = (f"{recipe_name(rung)}: {rung.title}", under_name or "the profile", changes, rung.why)
-        plan = MemoryPlan.from_dict(fitted[name].extra[PLAN]) if fitted[name] is not None and PLAN in fitted[
-            name].extra else None
-        # run_ladder moves such a rung's start to where the rung below it ran, once that one has run
-        below = configs[under_name] if under_name else None
-        later = ", or from where the rung it builds on ran" if plan and plan.probe and below is not None and (
-            not rung.frees_memory and below.global_batch_size == cfg.global_batch_size) else ""
-        rows.append(row + ((plan.cell() + later,) if plan else ()))
+        planned = fitted[name].extra.get(PLAN) if fitted[name] is not None else None
+        if planned:
+            plan, below = MemoryPlan.from_dict(planned), configs[under_name] if under_name else None
+            # run_ladder moves the start of such a rung to where the rung below it ran, once that one has run
+            follows = plan.probe and below is not None and not rung.frees_memory and (
+                below.global_batch_size == cfg.global_batch_size)
+            row += (plan.cell() + (", or from where the rung it builds on ran" if follows else ""),)
+        rows.append(row)
     return LadderPlan(rows)
