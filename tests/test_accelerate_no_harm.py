@@ -457,6 +457,14 @@ def test_the_step_timer_times_after_its_warm_up():
         SteadyStepTimer(timing_steps=1)
 
 
+def _switch(state: dict, name: str, key: str):
+    """A fake change named ``name`` that sets ``state[key]``; its undo clears it (the timers read ``state``)."""
+    def call():
+        state[key] = True
+        return Change(name, f"{name} on", "a fake", "nowhere#fake", undo=lambda: state.update({key: False}))
+    return call
+
+
 def test_a_change_kept_eagerly_is_timed_again_once_compiled_and_left_out_where_the_compiler_beats_it(tmp_path):
     """A kernel faster than eager code but slower than the compiler's (a larger Swin's window attention) is left out
     once the model is compiled; one that still pays is put back; a second call decides alike from the cache. The
@@ -465,14 +473,8 @@ def test_a_change_kept_eagerly_is_timed_again_once_compiled_and_left_out_where_t
         state = {"kernel": False, "compiled": False}
         times = {(False, False): 10.0, (True, False): 8.0, (False, True): 6.0, (True, True): compiled_with_kernel_ms}
 
-        def switch(name, key):
-            def call():
-                state[key] = True
-                return Change(name, f"{name} on", "a fake", "nowhere#fake", undo=lambda: state.update({key: False}))
-            return call
-
-        steps = [("fused kernels all", switch("fused kernels", "kernel")),
-                 ("compiled blocks", switch("compiled blocks", "compiled"))]
+        steps = [("fused kernels all", _switch(state, "fused kernels", "kernel")),
+                 ("compiled blocks", _switch(state, "compiled blocks", "compiled"))]
         model, _ = _net()
         cache = tmp_path / f"accelerate_{kept}.json"
         for timer in (lambda step, device: times[(state["kernel"], state["compiled"])], None):
@@ -496,18 +498,13 @@ def test_a_layout_kept_eagerly_is_not_timed_again_once_compiled(tmp_path):
     state = {"layout": False, "compiled": False}
     timed = []
 
-    def switch(name, key):
-        def call():
-            state[key] = True
-            return Change(name, f"{name} on", "a fake", "nowhere#fake", undo=lambda: state.update({key: False}))
-        return call
-
     def timer(step, device):
         timed.append(dict(state))
         return {(False, False): 10.0, (True, False): 8.0, (False, True): 5.0, (True, True): 6.0}[
             (state["layout"], state["compiled"])]
 
-    steps = [("channels_last", switch("channels_last", "layout")), ("compiled blocks", switch("compiled", "compiled"))]
+    steps = [("channels_last", _switch(state, "channels_last", "layout")),
+             ("compiled blocks", _switch(state, "compiled", "compiled"))]
     model, _ = _net()
     layout, compiled = on_any_model._kept_if_faster(model, steps, TrainingStep(model, torch.randn(4, 8)), timer, 0.02,
                                                     tmp_path / "accelerate.json")
@@ -524,14 +521,8 @@ def test_the_peers_own_layout_stays_unless_it_loses_so_a_tie_ends_where_the_peer
         state = {"layout": False, "compiled": False}
         times = {(False, False): 10.0, (True, False): layout_ms, (False, True): 6.0, (True, True): 5.0}
 
-        def switch(name, key):
-            def call():
-                state[key] = True
-                return Change(name, f"{name} on", "a fake", "nowhere#fake", undo=lambda: state.update({key: False}))
-            return call
-
-        steps = [("channels_last", switch("channels_last", "layout")),
-                 ("compiled blocks", switch("compiled blocks", "compiled"))]
+        steps = [("channels_last", _switch(state, "channels_last", "layout")),
+                 ("compiled blocks", _switch(state, "compiled blocks", "compiled"))]
         model, _ = _net()
         cache = tmp_path / f"accelerate_{layout_ms}.json"
         for timer in (lambda step, device: times[(state["layout"], state["compiled"])],
@@ -546,8 +537,7 @@ def test_the_peers_own_layout_stays_unless_it_loses_so_a_tie_ends_where_the_peer
                                              "slower; where it pays: a fake")
     # a change of the gallery's own at the same 1.6% is left out: the bar is the peer's, not a looser one for all
     state = {"kernel": False}
-    kernel_step = [("fused kernels all", lambda: (state.update(kernel=True), Change(
-        "fused kernels", "on", "a fake", "nowhere#fake", undo=lambda: state.update(kernel=False)))[1])]
+    kernel_step = [("fused kernels all", _switch(state, "fused kernels", "kernel"))]
     model, _ = _net()
     (kernel,) = on_any_model._kept_if_faster(model, kernel_step, TrainingStep(model, torch.randn(4, 8)),
                                              lambda step, device: 9.84 if state["kernel"] else 10.0, 0.02, None)
