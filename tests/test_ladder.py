@@ -440,10 +440,21 @@ def test_a_rung_that_frees_no_memory_starts_where_the_rung_it_builds_on_ran(monk
     assert [line.endswith("or from where the rung it builds on ran |") for line in table[2:]] == [False, False, True]
     fused, attention = launched["ladder-03-fused"], launched["ladder-04-attention"]
     assert attention.probe == fused.probe and attention.skipped_faster == 0  # it frees memory: from the fastest
+    # climbed in parts: a rung whose rung below is not run in this call starts where the plan knows that one runs
+    # (here measured; on a GPU, what its run in an earlier call left in this machine's footprints)
+    from gallery_lib.recipes import memory_fit
+
+    family_footprint = memory_fit.footprint_gib
+    monkeypatch.setattr(memory_fit, "footprint_gib", lambda cfg, uncompiled=False: 15.0 if (
+        cfg.recipe.startswith("ladder-05") and (cfg.batch_size, cfg.gradient_checkpointing) == (4, True)) else
+        family_footprint(cfg, uncompiled))
+    launched.clear()
+    run_ladder(base, ["ema"], sizes=SIZES, echo=None)
+    assert launched["ladder-06-ema"].probe[0] == below and launched["ladder-06-ema"].skipped_faster == 12
     # a faster setting measured to fit is still taken: the start only skips the unmeasured ones
     measured = Candidate(12, 4, True)
-    monkeypatch.setattr("gallery_lib.recipes.memory_fit.footprint_gib", lambda cfg, uncompiled=False: 12.0 if (
-        cfg.batch_size, cfg.gradient_checkpointing) == (12, True) else None)
+    monkeypatch.setattr(memory_fit, "footprint_gib", lambda cfg, uncompiled=False: 12.0 if (
+        cfg.batch_size, cfg.gradient_checkpointing) == (12, True) else family_footprint(cfg, uncompiled))
     plan = MemoryPlan.from_dict(_fitted(rung_chain(base, sizes=SIZES, on_gpu=True)["ema"],
                                         Budget(16.0, "gpu_memory_gib"), start_at=below).extra[PLAN])
     assert plan.chosen == measured and plan.skipped_faster == 0

@@ -317,8 +317,9 @@ def run_ladder(base: RunConfig, rungs: list[str] | None = None, *, sizes: Ladder
     """Runs the rungs one after another, each in its own training process. Every config is resolved and checked for
     this machine before the first starts; a rung that fails (out of memory, say) is reported and the ladder goes on.
     Where the memory plan has no measurement for a rung and must try its settings, a rung whose switch frees no
-    memory starts at the setting the rung it builds on ran at (``Rung.frees_memory``). ``console``: one line per rung
-    (``result``) or every line of each (``all``), as ``launch`` takes it."""
+    memory starts at the setting the rung it builds on ran at (``Rung.frees_memory``): in this call, or for a rung
+    below the ones asked for, where the plan knows it runs. ``console``: one line per rung (``result``) or every line
+    of each (``all``), as ``launch`` takes it."""
     on_gpu = runs_on_gpu(base)
     chain = rung_chain(base, sizes=sizes, on_gpu=on_gpu)
     configs = fit_rungs(base, chain, rungs, on_gpu=on_gpu)
@@ -327,7 +328,8 @@ def run_ladder(base: RunConfig, rungs: list[str] | None = None, *, sizes: Ladder
         if cfg is not None:
             validate_for_machine(cfg)
     results = LadderRuns()
-    ran_at: dict[str, Candidate] = {}  # the setting each rung that ran trained at
+    budget = read_budget(base.gpu_memory_gib) if on_gpu else None  # for the rungs fitted again below
+    ran_at = _where_they_run(chain, {parents[name] for name in configs} - set(configs), budget)
     for name, cfg in configs.items():
         rung = rung_named(name)
         if cfg is None:
@@ -335,7 +337,7 @@ def run_ladder(base: RunConfig, rungs: list[str] | None = None, *, sizes: Ladder
             continue
         below = ran_at.get(parents[name])
         if below is not None and not rung.frees_memory and cfg.extra.get(PLAN, {}).get("probe"):
-            cfg = _fitted(chain[name], read_budget(base.gpu_memory_gib), start_at=below)
+            cfg = _fitted(chain[name], budget, start_at=below)
             validate_for_machine(cfg)
         if echo and console == "all":
             echo(f"\n=== {cfg.recipe}: {describe(cfg.recipe)} ===")
@@ -353,6 +355,19 @@ def run_ladder(base: RunConfig, rungs: list[str] | None = None, *, sizes: Ladder
             if echo:
                 echo(f"[ladder] {results[-1].line()}; going on with the next rung")
     return results
+
+
+def _where_they_run(chain: dict[str, RunConfig | None], names: set[str | None],
+                    budget: Budget | None) -> dict[str, Candidate]:
+    """The setting each rung of ``names`` (rungs the ones run build on, not run in this call) runs at, where the plan
+    knows it without trying (measured, or run on this GPU before: a ladder climbed in parts); it grows with the
+    setting each rung run in this call trained at."""
+    known = {}
+    for name in names:
+        plan = _fitted(chain[name], budget).extra.get(PLAN) if name and chain.get(name) else None
+        if plan and plan.get("chosen"):
+            known[name] = Candidate(**plan["chosen"])
+    return known
 
 
 def failure_reason(message: str) -> str:
