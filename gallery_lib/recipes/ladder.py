@@ -360,8 +360,7 @@ def run_ladder(base: RunConfig, rungs: list[str] | None = None, *, sizes: Ladder
 def _where_they_run(chain: dict[str, RunConfig | None], names: set[str | None],
                     budget: Budget | None) -> dict[str, Candidate]:
     """The setting each rung of ``names`` (rungs the ones run build on, not run in this call) runs at, where the plan
-    knows it without trying (measured, or run on this GPU before: a ladder climbed in parts); it grows with the
-    setting each rung run in this call trained at."""
+    knows it without trying: measured, or run on this GPU before (a ladder climbed in parts)."""
     known = {}
     for name in names:
         plan = _fitted(chain[name], budget).extra.get(PLAN) if name and chain.get(name) else None
