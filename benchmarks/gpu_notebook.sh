@@ -1,8 +1,9 @@
 # A whole notebook in its full profile under a memory cap, as on a smaller card, timed from its first cell to its last:
 # its code cells in one process (benchmarks/run_notebook_code.py; the GPU machine has no Jupyter), the GPU's memory
 # sampled beside it. $OUT gets the log, notebook_<NAME>.json (command, commit, source hash, cap, wall time, each run's
-# summary and failure), the notebook's report and its runs' logs (run_logs_<NAME>.tar.gz: where a stopped notebook's
-# time went). Carry .whl (diffusers, the cuDNN frontend).
+# summary and failure), the notebook's report, its runs' logs (run_logs_<NAME>.tar.gz: where a stopped notebook's
+# time went) and the machine's footprints after it (memory_footprints_after_<NAME>.json). Carry .whl (diffusers, the
+# cuDNN frontend).
 #   device run: GALLERY_COMMIT=<sha> bash benchmarks/gpu_notebook.sh NAME NOTEBOOK CAP ['{"steps": 40}']
 #   e.g. bash benchmarks/gpu_notebook.sh sd_22 stable_diffusion 22
 # FOOTPRINTS_FROM=<a committed memory_footprints_after_*.json of the same GPU model> adds what an earlier session's runs
@@ -50,6 +51,9 @@ python3 benchmarks/run_summaries.py "$out/notebook_$name.json" "$runs" \
   command="bash benchmarks/gpu_notebook.sh $name $notebook $cap '$extra'" notebook="$notebook" cap_gib="$cap" \
   params="$params" exit_code="$code" wall_s="$((SECONDS - start))" $footprints
 cp "$runs"/*/report.md "$out/" 2>/dev/null
+# what the runs learned of this GPU, for FOOTPRINTS_FROM in a later session
+python3 -c "from gallery_lib.run.learned_footprints import cache_path; print(cache_path())" | xargs -I{} cp {} \
+  "$out/memory_footprints_after_$name.json" 2>/dev/null
 (cd "$runs" 2>/dev/null && find . \( -name '*.log' -o -name metrics.jsonl \) -print0 |
   tar czf "$out/run_logs_$name.tar.gz" --null -T -)
 echo "notebook $notebook under $cap GiB: rc=$code in $((SECONDS - start)) s"; tail -5 "$out/notebook_$name.log"
