@@ -240,7 +240,8 @@ def test_each_notebook_run_whole_shows_what_each_recipe_ran_and_a_stop(monkeypat
     assert ("| 16 GB (16 GiB) | H100 | 12 | 2 min 5 s (stopped, exit 1) | 8 x 2, checkpointing, EMA on the CPU "
             "(the 2nd tried): 20.0 img/s, 15.0 GiB | stopped: out of memory at step 3 |") in sd
     assert sd.rstrip().endswith("| 1.50x |\n| 24 GB (22 GiB) | not run whole yet | | | | | | | |\n"
-                                "| 40 GB (38 GiB) | not run whole yet | | | | | | | |")
+                                "| 40 GB (38 GiB) | not run whole yet | | | | | | | |\n"
+                                "| 80 GB (78 GiB) | not run whole yet | | | | | | | |")
     assert ("| 22 GiB | tf32, batch | H100 | the profile's | 1 min 0 s, with the footprints an earlier run learned | "
             "1 of 3 | 1 |") in text.split(
         "**the optimization ladder**")[1]
