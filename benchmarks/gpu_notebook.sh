@@ -29,9 +29,8 @@ footprints=""
 if [[ -n ${FOOTPRINTS_FROM:-} ]]; then
   python3 - "$FOOTPRINTS_FROM" <<'PY' || exit 1
 import json, sys
-from gallery_lib.run.learned_footprints import FILE
-from gallery_lib.accel.optimize import default_cache_file
-mine = default_cache_file(FILE)
+from gallery_lib.run.learned_footprints import cache_path
+mine = cache_path()
 here = json.loads(mine.read_text()) if mine.exists() else {}
 earlier = json.loads(open(sys.argv[1]).read())
 mine.parent.mkdir(parents=True, exist_ok=True)

@@ -131,7 +131,7 @@ def compile_kwargs(settings: CompileSettings, mode: str | None = None) -> dict[s
 
     options = {**(dict(list_mode_options(mode)) if mode else {}), **extra}
     if settings.channels_last_graphs:
-        options.update(channels_last_graph_options(mode))
+        options.update(channels_last_graph_options())
     return {"options": options}
 
 

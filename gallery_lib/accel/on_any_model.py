@@ -246,6 +246,8 @@ def compile_channels_last_graphs(model: nn.Module, *, mode: str | None = None,
     channels_last forced through every graph, attention's tensors left in their own layout. Inductor lays a graph out
     channels_last only where it holds forward convolutions, so the backward graphs keep NCHW gradients and cuDNN
     converts between the layouts at every convolution. ``undo`` puts the compiled code before it back."""
+    from torch._inductor import list_mode_options
+
     from gallery_lib.accel.compile.attention_layout import channels_last_graph_options
     from gallery_lib.accel.compile.regional import with_block_defaults
 
@@ -258,7 +260,7 @@ def compile_channels_last_graphs(model: nn.Module, *, mode: str | None = None,
     where = f"{RESULTS}#sd15-layout"
     if not before:
         return Change(name, "nothing compiled to lay out", why, where, changed=False)
-    options = channels_last_graph_options(mode)
+    options = {**(dict(list_mode_options(mode)) if mode and mode != "default" else {}), **channels_last_graph_options()}
     for module_name in before:  # "" is the model itself, compiled whole
         module = model.get_submodule(module_name)
         module.compile(options=options, **({} if module is model else with_block_defaults({})))  # as compiled before
@@ -388,10 +390,11 @@ def accelerate(model: nn.Module, *, example: Any = None, loss_fn: Callable[[Any]
     whose blocks compiled alone lose to it ends no slower than that; on a GPU, a model with convolutions then has what
     is compiled compiled again with channels_last through every graph (``compile_channels_last_graphs``), kept where
     it is faster. Last, once compiled, each change kept before the compiler (but channels_last, a layout) is timed
-    again without it, and left out where the compiler's own code is as fast. The weights, gradients, buffers and random state are left as
-    they were. The times are cached per model structure, input shapes and dtypes, autocast state, device and torch
-    version, so the next call times nothing. Compiled blocks that are undone run eagerly again; their compiled code
-    (with CUDA graphs, its memory pool) stays in Dynamo's cache until ``torch._dynamo.reset()``.
+    again without it, and left out where the compiler's own code is as fast. The weights, gradients, buffers and
+    random state are left as they were. The times are cached per model structure, input shapes and dtypes, autocast
+    state, device and torch version, so the next call times nothing. Compiled blocks that are undone run eagerly
+    again; their compiled code (with CUDA graphs, its memory pool) stays in Dynamo's cache until
+    ``torch._dynamo.reset()``.
 
         changes = accelerate(model)    # then train as before: the same parameters, the same optimizer
         changes = accelerate(model, example=images, loss_fn=lambda logits: F.cross_entropy(logits, labels))
@@ -435,15 +438,15 @@ def accelerate(model: nn.Module, *, example: Any = None, loss_fn: Callable[[Any]
     return done
 
 
-
 def _planned_changes(model: nn.Module, device_type: str, *, compile: bool,
                      measured: bool) -> list[tuple[str, Callable[[], Change]]]:
     """The changes ``accelerate`` tries on ``model`` where it trains (``device_type``), in order: each as what the
     cache knows it by, and the call that makes it; the ones only ``measured`` keeps come last."""
     on_gpu = device_type == "cuda"
+    convnet = on_gpu and has_convolutions_beyond_a_stem(model)  # what channels_last pays on
     steps: list[tuple[str, Callable[[], Change]]] = []
     if on_gpu:
-        if has_convolutions_beyond_a_stem(model):
+        if convnet:
             steps.append(("channels_last", lambda: use_channels_last(model, device_type=device_type)))
         # Under Inductor GEGLU's kernel beats Inductor's code at every step size; GroupNorm+SiLU's only on large steps,
         # which a call without the data cannot see (benchmarks/RESULTS.md#sd15-gn-by-batch); with it, each other
@@ -464,7 +467,7 @@ def _planned_changes(model: nn.Module, device_type: str, *, compile: bool,
         if measured:  # measured only: it compiles longer, and where it is faster varies by model
             steps.append((f"compiled whole {mode}",
                           lambda: compile_whole(model, mode=mode, device_type=device_type)))
-            if on_gpu and has_convolutions_beyond_a_stem(model):  # DreamBooth's lever (RESULTS.md#dreambooth)
+            if convnet:  # DreamBooth's lever (RESULTS.md#dreambooth)
                 steps.append((f"compiled channels_last graphs {mode}",
                               lambda: compile_channels_last_graphs(model, mode=mode, device_type=device_type)))
     return steps

@@ -111,10 +111,7 @@ def _install_lowering_filter() -> None:
     GraphLowering.find_nodes_prefer_channels_last = find_nodes_prefer_channels_last
 
 
-def channels_last_graph_options(mode: str | None = None) -> dict:
-    """``torch.compile``'s ``options`` for ``mode`` (``None``: the default) with channels_last forced through every
-    graph and attention left in its own layout (``torch.compile`` takes a mode or options, not both)."""
-    from torch._inductor import list_mode_options
-
-    return {**(dict(list_mode_options(mode)) if mode and mode != "default" else {}),
-            "force_layout_optimization": True, "post_grad_custom_post_pass": KeepAttentionLayout()}
+def channels_last_graph_options() -> dict:
+    """The Inductor options that force channels_last through every graph and leave attention in its own layout, to
+    add to a compile mode's own options (``torch.compile`` takes a mode or options, not both)."""
+    return {"force_layout_optimization": True, "post_grad_custom_post_pass": KeepAttentionLayout()}
