@@ -201,13 +201,18 @@ def ladder_configs(base: RunConfig, rungs: list[str] | None = None, *, sizes: La
     cannot run (a GPU rung on a CPU); on a GPU each fitted to the memory the run may use as every recipe is
     (``memory_fit.py``), at the rung's global batch."""
     on_gpu = runs_on_gpu(base) if on_gpu is None else on_gpu
-    return fit_rungs(base, rung_chain(base, sizes=sizes, on_gpu=on_gpu), rungs, on_gpu=on_gpu)
+    return fit_rungs(rung_chain(base, sizes=sizes, on_gpu=on_gpu), rungs, budget=rung_budget(base, on_gpu))
 
 
-def fit_rungs(base: RunConfig, chain: dict[str, RunConfig | None], rungs: list[str] | None = None, *,
-              on_gpu: bool) -> dict[str, RunConfig | None]:
-    """``ladder_configs`` from a chain already built (``rung_chain``): its rungs, or ``rungs``, fitted."""
-    budget = read_budget(base.gpu_memory_gib) if on_gpu else None
+def rung_budget(base: RunConfig, on_gpu: bool) -> Budget | None:
+    """The GPU memory the rungs may use (``read_budget``); ``None`` on a CPU, where no plan is made."""
+    return read_budget(base.gpu_memory_gib) if on_gpu else None
+
+
+def fit_rungs(chain: dict[str, RunConfig | None], rungs: list[str] | None = None, *,
+              budget: Budget | None) -> dict[str, RunConfig | None]:
+    """``ladder_configs`` from a chain already built (``rung_chain``): its rungs, or ``rungs``, fitted to ``budget``
+    (``rung_budget``)."""
     wanted = [rung_named(name).name for name in rungs] if rungs is not None else list(chain)
     return {name: None if chain[name] is None else _fitted(chain[name], budget) for name in wanted}
 
@@ -322,13 +327,13 @@ def run_ladder(base: RunConfig, rungs: list[str] | None = None, *, sizes: Ladder
     of each (``all``), as ``launch`` takes it."""
     on_gpu = runs_on_gpu(base)
     chain = rung_chain(base, sizes=sizes, on_gpu=on_gpu)
-    configs = fit_rungs(base, chain, rungs, on_gpu=on_gpu)
+    budget = rung_budget(base, on_gpu)  # read once: the rungs fitted again below take the same
+    configs = fit_rungs(chain, rungs, budget=budget)
     parents = rung_parents(on_gpu)
     for cfg in configs.values():
         if cfg is not None:
             validate_for_machine(cfg)
     results = LadderRuns()
-    budget = read_budget(base.gpu_memory_gib) if on_gpu else None  # for the rungs fitted again below
     ran_at = _where_they_run(chain, {parents[name] for name in configs} - set(configs), budget)
     for name, cfg in configs.items():
         rung = rung_named(name)

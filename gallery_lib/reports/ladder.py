@@ -285,13 +285,13 @@ class LadderPlan:
 def ladder_plan(base, rungs: list[str] | None = None, *, sizes=None) -> LadderPlan:
     """Each rung's config against the config it builds on: the fields it changes, as ``field=value``; on a GPU, the
     setting the memory plan picks for it (each rung keeps its global batch)."""
-    from gallery_lib.recipes.ladder import fit_rungs, rung_chain, rung_named, rung_parents
+    from gallery_lib.recipes.ladder import fit_rungs, rung_budget, rung_chain, rung_named, rung_parents
     from gallery_lib.recipes import runs_on_gpu
 
     on_gpu = runs_on_gpu(base)
     configs = rung_chain(base, sizes=sizes, on_gpu=on_gpu)
     wanted = [rung_named(name).name for name in rungs] if rungs else list(configs)
-    fitted = fit_rungs(base, configs, wanted, on_gpu=on_gpu)
+    fitted = fit_rungs(configs, wanted, budget=rung_budget(base, on_gpu))
     parents = rung_parents(on_gpu)
     rows = []
     for name in wanted:
