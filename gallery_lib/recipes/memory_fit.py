@@ -38,8 +38,9 @@ def fit_to_memory(cfg: RunConfig, resolve: Callable[[dict[str, Any]], RunConfig]
         cfg = resolve({})
     configured = Candidate(cfg.batch_size, cfg.gradient_accumulation_steps, cfg.gradient_checkpointing)
     options, configs = [], []
-    for option in candidates(configured.batch_size, configured.accumulation, configured.checkpointing, named,
-                             compiled=cfg.compile):
+    every = candidates(configured.batch_size, configured.accumulation, configured.checkpointing, named,
+                       compiled=cfg.compile)
+    for option in every:
         try:
             compiled = cfg if replace(option, uncompiled=False) == configured else resolve(option.fields())
             configs.append(uncompiled(compiled, named) if option.uncompiled else compiled)
@@ -54,9 +55,8 @@ def fit_to_memory(cfg: RunConfig, resolve: Callable[[dict[str, Any]], RunConfig]
     ran_within = {option for option, measured in zip(options, here) if measured and measured.ran_within}
     plan = replace(choose(options, estimates, budget, configured, training_state(cfg), ran_within),
                    ema_offloaded="ema_offload" in moved, per_tensor_update="foreach_optimizer" in moved)
-    if plan.chosen is None and start_at in plan.probe:  # none measured fits: the ones tried start at start_at
-        skipped = plan.probe.index(start_at)
-        plan = replace(plan, probe=plan.probe[skipped:], after=plan.probe[skipped + 1:], skipped_faster=skipped)
+    if plan.chosen is None and start_at is not None:  # none measured fits: the ones tried start at start_at
+        plan = _from_the_start(plan, start_at, every)
     settings = (plan.chosen,) if plan.chosen is not None else plan.probe
     if not settings:
         return cfg.replace(extra={**cfg.extra, PLAN: plan.as_dict()})
@@ -72,6 +72,22 @@ def fit_to_memory(cfg: RunConfig, resolve: Callable[[dict[str, Any]], RunConfig]
     if plan.chosen is None:  # the training process tries them in order (``run/batch_size.py``)
         noted.update(probe_fields=[_difference(cfg, other) for other in fitted], configured=configured.fields())
     return cfg.replace(extra={**cfg.extra, PLAN: noted})
+
+
+def _from_the_start(plan: MemoryPlan, start_at: Candidate, every: list[Candidate]) -> MemoryPlan:
+    """``plan``'s settings to try without the unmeasured ones faster than ``start_at`` in ``every`` (all settings,
+    fastest first). Where ``start_at`` itself was measured here and ran out of memory, the tries start past it: the
+    compile rung at 16 GiB ran out at the bf16 rung's batch 4 x 12 checkpointed, and a later call started it again
+    at batch 48 (benchmarks/RESULTS.md#memory-plan)."""
+    start = start_at if start_at in every else replace(start_at, uncompiled=False)
+    if start not in every:  # a setting this run has no counterpart of
+        return plan
+    rank = every.index(start)
+    probe = tuple(option for option in plan.probe if every.index(option) >= rank)
+    skipped = len(plan.probe) - len(probe)
+    if not skipped or not probe:  # where every later setting ran out of memory, the faster ones are still tried
+        return plan
+    return replace(plan, probe=probe, after=probe[1:], skipped_faster=skipped, started_past=probe[0] != start)
 
 
 def refuse_beyond_host_memory(cfg: RunConfig, budget: Budget | None) -> RunConfig:

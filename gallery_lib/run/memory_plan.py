@@ -136,6 +136,9 @@ class MemoryPlan:
     skipped_faster: int = 0
     """Unmeasured settings faster than the one the run it builds on ran at, not tried: they did not fit that run, and
     this run's switch frees no memory (the ladder's rungs: ``recipes/ladder.py``)."""
+    started_past: bool = False
+    """With ``skipped_faster``: the setting the run it builds on ran at ran out of memory in this run before, so the
+    tries start at the next one not measured."""
 
     @property
     def fits(self) -> bool:
@@ -167,11 +170,13 @@ class MemoryPlan:
 
     def _started(self) -> str:
         """Where the settings tried start past the fastest: ``, where the run it builds on ran, whose 12 faster
-        settings did not fit``."""
+        settings did not fit`` (or ``, past where the run it builds on ran (out of memory here before), ...``)."""
         if not self.skipped_faster:
             return ""
         settings = "setting" if self.skipped_faster == 1 else "settings"
-        return f", where the run it builds on ran, whose {self.skipped_faster} faster {settings} did not fit"
+        where = "past where the run it builds on ran (out of memory here before)" if self.started_past else (
+            "where the run it builds on ran")
+        return f", {where}, whose {self.skipped_faster} faster {settings} did not fit"
 
     def cell(self, *, short: bool = False) -> str:
         """The plan in a table cell: ``batch 8 x 2 accumulation steps, the EMA in the CPU's memory as configured``,
@@ -221,7 +226,7 @@ class MemoryPlan:
                 "probe": [asdict(c) for c in self.probe], "precompile_workers": self.precompile_workers,
                 "changed": self.changed, "after": [asdict(c) for c in self.after],
                 "ema_offloaded": self.ema_offloaded, "per_tensor_update": self.per_tensor_update,
-                "skipped_faster": self.skipped_faster, "note": self.note()}
+                "skipped_faster": self.skipped_faster, "started_past": self.started_past, "note": self.note()}
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> MemoryPlan:
@@ -231,7 +236,8 @@ class MemoryPlan:
                    tuple(Candidate(**c) for c in values.get("probe", ())),
                    values.get("precompile_workers"), values.get("changed", False),
                    tuple(Candidate(**c) for c in values.get("after", ())), values.get("ema_offloaded", False),
-                   values.get("per_tensor_update", False), values.get("skipped_faster", 0))
+                   values.get("per_tensor_update", False), values.get("skipped_faster", 0),
+                   values.get("started_past", False))
 
 
 def _as_flags(candidate: Candidate) -> str:
