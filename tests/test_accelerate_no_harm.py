@@ -492,6 +492,44 @@ def test_a_change_kept_eagerly_is_timed_again_once_compiled_and_left_out_where_t
             assert not state["kernel"]
 
 
+def test_the_whole_model_compiled_is_judged_against_the_blocks_without_the_kernels_they_left_out(tmp_path):
+    """ConvNeXt-T on an H100: its LayerNorm kernel, kept eagerly, was still in place when the whole model compiled
+    was judged against the blocks, and lost there (34.1 against 32.6 ms); once compiled the blocks left the kernel
+    out, yet the whole model stayed out, where the peer's whole model without the kernel ran ahead. The kernels are
+    now timed again under the blocks before the whole model is tried, and under the whole model once it is kept. The
+    timer reads the fake state (nothing runs, nothing compiles)."""
+    for whole_with_kernel_ms, kernel_kept in ((6.5, False), (5.5, True)):
+        state = {"kernel": False, "blocks": False, "whole": False}
+
+        def ms() -> float:
+            if state["whole"]:
+                return whole_with_kernel_ms if state["kernel"] else 5.8
+            if state["blocks"]:
+                return 6.0 if state["kernel"] else 6.0 if not kernel_kept else 6.3
+            return 9.0 if state["kernel"] else 10.0
+
+        timed = []
+        steps = [("fused kernels all", _switch(state, "fused kernels", "kernel")),
+                 ("compiled blocks", _switch(state, "compiled blocks", "blocks")),
+                 ("compiled whole", _switch(state, "compiled whole", "whole"))]
+        model, _ = _net()
+        kernels, blocks, whole = on_any_model._kept_if_faster(
+            model, steps, TrainingStep(model, torch.randn(4, 8)),
+            lambda step, device: timed.append(dict(state)) or ms(), 0.02, tmp_path / f"a_{kernel_kept}.json")
+        assert whole.changed and blocks.changed and kernels.changed is kernel_kept
+        assert state == {"kernel": kernel_kept, "blocks": True, "whole": True}
+        assert whole.decision.with_ms == (5.5 if kernel_kept else 5.8)
+        # timed without the kernel under the blocks before the whole model was tried
+        assert timed.index({"kernel": False, "blocks": True, "whole": False}) < timed.index(
+            {"kernel": kernel_kept, "blocks": True, "whole": True})
+        # the whole model judged with the kernel only where the blocks kept it; then timed again without it
+        assert ({"kernel": True, "blocks": True, "whole": True} in timed) is kernel_kept
+        if kernel_kept:
+            assert timed[-2:] == [{"kernel": True, "blocks": True, "whole": True},
+                                  {"kernel": False, "blocks": True, "whole": True}]
+            assert kernels.decision.with_ms == 5.5 and kernels.decision.without_ms == 5.8
+
+
 def test_a_layout_kept_eagerly_is_not_timed_again_once_compiled(tmp_path):
     """channels_last is decided before the compiler and left in place after it: a layout switched under compiled code
     (CUDA graphs recorded in the other) broke resnet34's timed steps on a GPU. The timer reads the fake state."""
