@@ -9,6 +9,7 @@ and no compiled block is called here).
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
@@ -122,9 +123,11 @@ def test_a_change_that_slows_the_step_is_undone_and_says_so_with_both_times(monk
     monkeypatch.setattr(on_any_model, "compile_blocks", _fake_change(ms=9))
     x = torch.randn(4, 8)
     expected, part = model(x).detach(), model.part
-    timer, said = CountingTimer(clock), []
-    change, _ = accelerate(model, example=x, timer=timer, cache=False, echo=said.append)
+    timer, said, timings = CountingTimer(clock), [], []
+    change, _ = accelerate(model, example=x, timer=timer, cache=False, echo=said.append, progress=timings.append)
     assert change.what == "left out: 19.0 ms with it, 15.0 ms without (this model, batch 4, cpu)"
+    assert [re.sub(r"in [\d.]+ s$", "in S", line) for line in timings] == [  # each timing as it ends
+        "before compiled blocks: 15.0 ms a step, timed in S", "with compiled blocks: 19.0 ms a step, timed in S"]
     assert not change.changed and change.undo is None and said == [str(change), str(NOT_WHOLE)]
     assert _judged(change) == (False, 19.0, 15.0, False)
     assert "undone: the 5 ms part swapped for a 9 ms one" in change.details

@@ -91,7 +91,7 @@ def test_cpu_bench_writes_three_variants_a_table_and_a_figure(traced_not_compile
 
 
 def test_a_variant_that_fails_is_a_row_with_its_error_and_the_others_still_run(monkeypatch, tmp_path, capsys):
-    def peer_out_of_memory(variant, model, device, batch, workload):
+    def peer_out_of_memory(variant, model, device, batch, workload, progress=None):
         if variant == "peer":
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
         return []
@@ -120,7 +120,7 @@ def test_a_vit_is_built_at_the_bench_size_and_trains_through_its_loop():
 def test_profiled_steps_come_after_the_timed_ones_and_give_each_variant_its_kernel_table(tmp_path, monkeypatch):
     """``--profile-steps 2``: two more steps under torch.profiler after the timed ones, out of their timing; each
     variant's row holds the table of where those steps' time went (on a CPU, its ops)."""
-    monkeypatch.setattr(bench_your_model, "apply_variant", lambda *args: [])  # the loop alone, three times
+    monkeypatch.setattr(bench_your_model, "apply_variant", lambda *args, **kwargs: [])  # the loop alone, three times
     out = tmp_path / "timm.json"
     assert main(["bench", "--timm-model", "test_vit", "--batch-size", "2", "--steps", "3", "--warmup-steps", "1",
                  "--profile-steps", "2", "--out", str(out)]) == 0

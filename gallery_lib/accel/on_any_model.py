@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import os
+import time
 from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterable, Iterator
@@ -370,7 +371,8 @@ def add_ema(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
 def accelerate(model: nn.Module, *, example: Any = None, loss_fn: Callable[[Any], torch.Tensor] | None = None,
                device_type: str | None = None, compile: bool = True, echo: Callable[[str], Any] | None = print,
                min_gain: float = MIN_GAIN, cache: bool | str | os.PathLike = True,
-               timer: Callable[[Callable[[], Any], torch.device], float] | None = None) -> list[Change]:
+               timer: Callable[[Callable[[], Any], torch.device], float] | None = None,
+               progress: Callable[[str], Any] | None = None) -> list[Change]:
     """Applies the accelerations that suit the device ``model`` is on, in the gallery's order, and returns (and by
     default prints) what each changed: on a GPU channels_last (for a model with convolutions), the fused kernels
     (GEGLU alone when compiling: the one kernel that beats Inductor's code at every step size; with ``example``
@@ -415,6 +417,8 @@ def accelerate(model: nn.Module, *, example: Any = None, loss_fn: Callable[[Any]
             ``False`` to time every time.
         timer: ``timer(step, device)`` runs ``step()`` and returns its time in ms (default: ``SteadyStepTimer()``, the
             median of 10 steps after 3 of warm-up).
+        progress: where each timing is said as it ends (``with compiled whole: 34.1 ms a step, timed in 52.3 s``):
+            on a large model compiling makes the call take minutes (default: nowhere).
     """
     runs_on = next(model.parameters()).device.type
     device_type = device_type or runs_on
@@ -429,7 +433,7 @@ def accelerate(model: nn.Module, *, example: Any = None, loss_fn: Callable[[Any]
     else:
         step = TrainingStep(model, example, loss_fn)
         changes = _kept_if_faster(model, steps, step, timer or SteadyStepTimer(), min_gain,
-                                  cache_file(cache, "accelerate.json"))
+                                  cache_file(cache, "accelerate.json"), progress)
     done = []
     for change in changes:
         done.append(change)
@@ -501,7 +505,7 @@ def _not_measured(change: Change) -> Change:
 
 def _kept_if_faster(model: nn.Module, steps: list[tuple[str, Callable[[], Change]]], step: TrainingStep,
                     timer: Callable[[Callable[[], Any], torch.device], float], min_gain: float,
-                    cache_path: os.PathLike | None) -> Iterator[Change]:
+                    cache_path: os.PathLike | None, progress: Callable[[str], Any] | None = None) -> Iterator[Change]:
     """Each change in ``steps`` kept only where a ``step`` is faster with it than in the state before it; the times
     come from ``cache_path`` where it has them, else from ``timer``, and go there. Once the model is compiled, each
     change kept before the compiler is timed again under it, and left out where it no longer pays: a kernel that
@@ -516,8 +520,12 @@ def _kept_if_faster(model: nn.Module, steps: list[tuple[str, Callable[[], Change
     before_compiling: list[tuple[int, str, Callable[[], Change], Change]] = []  # kept before the compiler
     timed_again_under: list[str] = []  # the compiled changes those were last timed under
 
-    def time_step() -> float:
-        return timer(step, step.device)
+    def time_step(state: str) -> float:
+        started = time.perf_counter()
+        ms = timer(step, step.device)
+        if progress is not None:  # compiling makes a timing take minutes on a large model: say each as it ends
+            progress(f"{state}: {ms:.1f} ms a step, timed in {time.perf_counter() - started:.1f} s")
+        return ms
 
     def time_again_once_compiled() -> None:
         nonlocal current_ms
@@ -535,9 +543,10 @@ def _kept_if_faster(model: nn.Module, steps: list[tuple[str, Callable[[], Change
                 if not decision.kept:
                     change.undo()
             else:
-                current_ms = _time_the_example(time_step) if current_ms is None else current_ms
+                if current_ms is None:
+                    current_ms = _time_the_example(lambda: time_step(f"with {change.name}, once compiled"))
                 change.undo()
-                without_ms = _time_the_example(time_step)
+                without_ms = _time_the_example(lambda: time_step(f"without {change.name}, once compiled"))
                 decision = KeepDecision(faster(current_ms, without_ms, min_gain), current_ms, without_ms)
                 if cache_path:
                     write_cache(cache_path, entry_key, decision.cache_entry())
@@ -573,11 +582,11 @@ def _kept_if_faster(model: nn.Module, steps: list[tuple[str, Callable[[], Change
             else:
                 if current_ms is None:  # the state before this change is not timed yet
                     change.undo()
-                    current_ms = _time_the_example(time_step)
+                    current_ms = _time_the_example(lambda: time_step(f"before {change.name}"))
                     change = call()
                 # applied (to see whether it changed anything): keep_if_faster times it, and undoes it if not faster
-                decision = keep_if_faster(lambda applied=change: applied, lambda applied: applied.undo(), time_step,
-                                          without_ms=current_ms, min_gain=bar)
+                decision = keep_if_faster(lambda applied=change: applied, lambda applied: applied.undo(),
+                                          lambda: time_step(f"with {change.name}"), without_ms=current_ms, min_gain=bar)
                 if cache_path:
                     write_cache(cache_path, entry_key, decision.cache_entry())
                 if decision.kept:

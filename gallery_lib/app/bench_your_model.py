@@ -125,9 +125,9 @@ def make_batches(bench: ModelBench, model: torch.nn.Module) -> list[Batch]:
 
 
 def apply_variant(variant: str, model: torch.nn.Module, device: str, batch: Batch | None = None,
-                  workload: Workload | None = None) -> list[str]:
+                  workload: Workload | None = None, progress: Callable[[str], Any] | None = None) -> list[str]:
     """Changes ``model`` in place as ``variant`` does; what changed, as text. ``accelerated`` times its changes on
-    ``batch`` with ``workload``'s loss where both are given."""
+    ``batch`` with ``workload``'s loss where both are given, and says each timing to ``progress`` as it ends."""
     from gallery_lib.accel.on_any_model import accelerate, has_convolutions_beyond_a_stem, use_channels_last
 
     on_gpu = device == "cuda"
@@ -135,7 +135,7 @@ def apply_variant(variant: str, model: torch.nn.Module, device: str, batch: Batc
         if batch is None or workload is None:
             return [str(change) for change in accelerate(model, echo=None)]
         with torch.autocast(device, dtype=torch.bfloat16, enabled=on_gpu):  # timed in the loop's precision
-            changes = accelerate(model, example=workload.example(batch), echo=None,
+            changes = accelerate(model, example=workload.example(batch), echo=None, progress=progress,
                                  loss_fn=lambda output: workload.loss(output, batch.target))
         return [str(change) for change in changes]
     if variant != "peer":
@@ -249,7 +249,8 @@ def _train_variant(variant: str, initial: torch.nn.Module, batches: Sequence[Bat
     device = torch.device(bench.device)
     model = copy.deepcopy(initial).to(device)
     start = time.perf_counter()
-    changes = apply_variant(variant, model, bench.device, batches[0], bench.workload)
+    changes = apply_variant(variant, model, bench.device, batches[0], bench.workload,
+                            progress=lambda line: say(f"[bench]   timing {line}"))
     setup_s = time.perf_counter() - start
     for change in changes:
         say(f"[bench]   {change}")
