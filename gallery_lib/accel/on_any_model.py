@@ -601,9 +601,9 @@ def _kept_if_faster(model: nn.Module, steps: list[tuple[str, Callable[[], Change
 
 
 RETIMED_BEFORE = ("compiled whole",)
-"""The compiled changes judged against the compiled state with the changes before the compiler timed again under it:
-the whole model compiled lost to the blocks on ConvNeXt-T (34.1 against 32.6 ms on an H100) with a LayerNorm kernel
-in it that the blocks then left out, where the peer's whole model without it ran ahead (RESULTS.md#your-model)."""
+"""The compiled changes tried only once the changes kept before the compiler are timed again under what is compiled
+so far: on ConvNeXt-T (an H100) the whole model compiled lost to the blocks, 34.1 against 32.6 ms, with a LayerNorm
+kernel in it that the blocks then left out, where the peer's whole model without it ran ahead (RESULTS.md#your-model)."""
 
 
 def _timed_before(cached: dict[str, Any], entry_key: str) -> dict[str, Any] | None:
