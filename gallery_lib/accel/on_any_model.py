@@ -586,7 +586,8 @@ def _kept_if_faster(model: nn.Module, steps: list[tuple[str, Callable[[], Change
                     change = call()
                 # applied (to see whether it changed anything): keep_if_faster times it, and undoes it if not faster
                 decision = keep_if_faster(lambda applied=change: applied, lambda applied: applied.undo(),
-                                          lambda: time_step(f"with {_said(label)}"), without_ms=current_ms, min_gain=bar)
+                                          lambda: time_step(f"with {_said(label)}"), without_ms=current_ms,
+                                          min_gain=bar)
                 if cache_path:
                     write_cache(cache_path, entry_key, decision.cache_entry())
                 if decision.kept:
@@ -603,7 +604,8 @@ def _kept_if_faster(model: nn.Module, steps: list[tuple[str, Callable[[], Change
 RETIMED_BEFORE = ("compiled whole",)
 """The compiled changes tried only once the changes kept before the compiler are timed again under what is compiled
 so far: on ConvNeXt-T (an H100) the whole model compiled lost to the blocks, 34.1 against 32.6 ms, with a LayerNorm
-kernel in it that the blocks then left out, where the peer's whole model without it ran ahead (RESULTS.md#your-model)."""
+kernel in it that the blocks then left out, where the peer's whole model without it ran ahead
+(RESULTS.md#your-model)."""
 
 
 def _said(label: str) -> str:
