@@ -3,7 +3,9 @@ the attention probe (the loop itself is tested end to end in test_train.py, test
 
 from __future__ import annotations
 
+import gc
 import json
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -121,6 +123,44 @@ def test_step_log_writes_each_step_once_per_flush(tmp_path):
     assert all(s["samples_per_s"] == pytest.approx(4e3 / s["step_time_ms"]) for s in steps)
     assert log.losses == [0, 1, 2, 3, 9] and len(log.step_times) == 5 and len(lines) == 2
     assert lines[0].startswith("[gallery] step 4/8 | loss 3.0000")
+
+
+def test_work_between_two_steps_is_in_neither_steps_time():
+    """The collector's freeze at the end of the warm-up (hundreds of ms after compiling) falls between two steps:
+    the step before it ends where it was recorded, the one after starts once the work is done."""
+    c = cfg()
+    log = StepLog(CPU, None, SimpleNamespace(skipped=0), steps=c.steps, log_every=c.log_every,
+                  global_batch_size=c.global_batch_size, start=0, warmup_steps=1, log=lambda line: None)
+    for step in range(4):
+        log.record(torch.tensor(float(step)), 0.1, False)
+        if step == 1:
+            log.between_steps(lambda: time.sleep(0.3))
+    log.flush(4)
+    assert len(log.step_times) == 4 and max(log.step_times) < 100, log.step_times
+
+
+def test_the_collector_freezes_what_the_warm_up_left_and_counts_the_timed_steps_collections():
+    """Frozen objects are out of the collector's walks; a full collection in the timed steps is counted with its
+    pause; closing hands the objects back, so a process that trains again frees what they hold."""
+    from gallery_lib.run.collector import TimedStepsCollector
+
+    kept = [[object()] for _ in range(1000)]  # long-lived objects, as compiling leaves
+    collector = TimedStepsCollector()
+    before = gc.get_freeze_count()
+    try:
+        collector.freeze()
+        assert collector.frozen >= len(kept) and gc.get_freeze_count() == collector.frozen
+        collector.freeze()  # once
+        assert gc.get_freeze_count() == collector.frozen
+        gc.collect()
+        assert collector.collections[2] == 1 and collector.pause_ms > 0
+    finally:
+        collector.close()
+    assert gc.get_freeze_count() == before == 0
+    gc.collect()
+    summary = collector.summary()
+    assert summary["gc_full_collections"] == 1 and summary["gc_frozen_objects"] == collector.frozen  # closed: no more
+    collector.close()
 
 
 def test_summary_reads_the_steady_steps_after_warm_up():

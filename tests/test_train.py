@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 
 import pytest
@@ -39,6 +40,9 @@ def test_run_writes_step_records_and_summary(smoke_data, tmp_path):
         4e3 / summary["median_step_time_ms"])
     assert summary["warmup_time_s"] == pytest.approx(sum(s["step_time_ms"] for s in steps[:2]) / 1e3)
     assert summary["output_dir"] == str(cfg.run_dir) and summary["skipped_samples"] == 0
+    # what the warm-up left was frozen out of the collector's walks for the timed steps, then handed back
+    assert summary["gc_frozen_objects"] > 10_000 and summary["gc_full_collections"] >= 0
+    assert gc.get_freeze_count() == 0
 
 
 def test_profile_steps_writes_the_op_time_by_kind(smoke_data, tmp_path, capsys):

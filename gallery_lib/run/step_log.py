@@ -36,6 +36,11 @@ class StepLog:
         self._timer = StepTimer(self.device)
         self._timer.mark()
 
+    def between_steps(self, work: Callable[[], Any]) -> None:
+        """Runs ``work`` after the step just recorded, in no step's time (the next step's clock starts after it)."""
+        work()
+        self._timer.gap()
+
     def record(self, loss: torch.Tensor, lr: float, skipped: bool | torch.Tensor) -> None:
         """Ends a step: keeps its values on the device and marks its end on the clock."""
         self._pending.append((loss.detach(), lr, skipped))

@@ -30,17 +30,27 @@ class StepTimer:
         else:
             self._marks.append(time.perf_counter())
 
+    def gap(self) -> None:
+        """What ran since the last mark belongs to no step: the next step starts at a new mark."""
+        self._marks.append(_GAP)
+        self.mark()
+
     def collect(self) -> list[float]:
         """Durations in ms of the steps completed since the last call (syncs on the last mark)."""
         if len(self._marks) < 2:
             return []
+        pairs = [(a, b) for a, b in zip(self._marks[:-1], self._marks[1:]) if a is not _GAP and b is not _GAP]
         if self.cuda:
             self._marks[-1].synchronize()
-            times = [a.elapsed_time(b) for a, b in zip(self._marks[:-1], self._marks[1:])]
+            times = [a.elapsed_time(b) for a, b in pairs]
         else:
-            times = [(b - a) * 1e3 for a, b in zip(self._marks[:-1], self._marks[1:])]
+            times = [(b - a) * 1e3 for a, b in pairs]
         self._marks = self._marks[-1:]  # the newest boundary starts the next step
         return times
+
+
+_GAP = object()
+"""A mark's place between two steps whose gap belongs to neither (``StepTimer.gap``)."""
 
 
 def peak_memory_mb(device: torch.device) -> float:

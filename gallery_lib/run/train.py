@@ -56,6 +56,7 @@ from gallery_lib.run.learned_footprints import ran_out_in_training, remember, se
 from gallery_lib.run.memory_plan import (ALLOCATOR_ENV, NAMED, PLAN, Candidate, MemoryPlan, OutOfMemory,
                                          memory_in_use_gib, out_of_memory, worker_share_gib)
 from gallery_lib.run.checkpoint import Checkpointer, check_fresh_start, is_own_checkpoint, resume_source
+from gallery_lib.run.collector import TimedStepsCollector
 from gallery_lib.run.failure import RESTARTED_PREFIX, STOPPED_PREFIX, clear_failure, failure_from_exception
 from gallery_lib.run.folder_lock import hold_while_training
 from gallery_lib.run.interrupt import AgreedStop, Interrupted, StopRequest
@@ -278,6 +279,8 @@ def _train_from(setup_start: float, cfg: RunConfig, dist: DistInfo, plan: Compil
     profiler = StepProfiler(profiled if dist.is_main else 0, cfg.steps - profiled, dist.device, cfg.run_dir, log)
     step = None
     agreed_stop = AgreedStop(STOP, dist.world_size)
+    collector = TimedStepsCollector()
+    frozen_after = start + max(warmup_steps, 1)  # the graphs are compiled by then
     try:
         for step in range(start, cfg.steps):
             profiler.before_step(step)
@@ -290,6 +293,8 @@ def _train_from(setup_start: float, cfg: RunConfig, dist: DistInfo, plan: Compil
             optimizer.zero_grad(set_to_none=True)
             step_log.record(loss, lr, skipped)
             profiler.after_step(step)
+            if step + 1 == frozen_after < cfg.steps:  # what compiling left, out of the collector's walks
+                step_log.between_steps(collector.freeze)
             stop = guard.should_stop()  # known now for host checks; device flags are read at the next flush
             interrupted = agreed_stop.after_step() and step + 1 < cfg.steps
             if step_log.due(step + 1) or ckpt.due(step + 1) or stop or interrupted:
@@ -309,6 +314,8 @@ def _train_from(setup_start: float, cfg: RunConfig, dist: DistInfo, plan: Compil
             # one line: where, how much, what to try
             raise _out_of_memory(cfg.sections.training, cfg.extra, step) from exc
         raise
+    finally:
+        collector.close()
 
     summary = build_summary(dist, step_log, job=cfg.sections.job, data=cfg.sections.data, ema=cfg.sections.ema,
                             steps=cfg.steps, global_batch_size=cfg.global_batch_size, run_dir=cfg.run_dir,
@@ -317,7 +324,7 @@ def _train_from(setup_start: float, cfg: RunConfig, dist: DistInfo, plan: Compil
                             skipped_samples=loader.skipped, nonfinite_steps=guard.total, notes=accelerated.notes,
                             flops_per_sample=flops_per_sample, **task.summary(), **extra_summary,
                             **({"memory_plan": cfg.extra[PLAN]} if PLAN in cfg.extra else {}),
-                            **plan.summary(log), **probe.report(log))
+                            **plan.summary(log), **probe.report(log), **collector.summary())
     if cfg.export_model:
         trained = _exported_module(model, ema, accelerated.template, dist)
         if dist.is_main:
