@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from gallery_lib.accel import on_any_model
+from gallery_lib.accel import on_any_model, timed_changes
 from gallery_lib.accel.keep_if_faster import SteadyStepTimer, TrainingStep, keep_if_faster
 from gallery_lib.accel.on_any_model import Change, accelerate, compile_blocks, fuse_kernels, use_channels_last
 
@@ -484,7 +484,7 @@ def test_a_change_kept_eagerly_is_timed_again_once_compiled_and_left_out_where_t
             if timer is None:  # the second call: every time from the cache
                 state.update(kernel=False, compiled=False)
                 timer = lambda step, device: pytest.fail("timed again")  # noqa: E731
-            kernels, compiled = on_any_model._kept_if_faster(model, steps, TrainingStep(model, torch.randn(4, 8)),
+            kernels, compiled = timed_changes.kept_if_faster(model, steps, TrainingStep(model, torch.randn(4, 8)),
                                                               timer, 0.02, cache)
             assert state == {"kernel": kept, "compiled": True} and compiled.changed
             assert kernels.changed is kept and kernels.decision.without_ms == 6.0
@@ -516,7 +516,7 @@ def test_the_whole_model_compiled_is_judged_against_the_blocks_without_the_kerne
                  ("compiled blocks", _switch(state, "compiled blocks", "blocks")),
                  ("compiled whole", _switch(state, "compiled whole", "whole"))]
         model, _ = _net()
-        kernels, blocks, whole = on_any_model._kept_if_faster(
+        kernels, blocks, whole = timed_changes.kept_if_faster(
             model, steps, TrainingStep(model, torch.randn(4, 8)),
             lambda step, device: timed.append(dict(state)) or ms(), 0.02, tmp_path / f"a_{kernel_kept}.json")
         assert whole.changed and blocks.changed and kernels.changed is kernel_kept
@@ -547,7 +547,7 @@ def test_a_layout_kept_eagerly_is_not_timed_again_once_compiled(tmp_path):
     steps = [("channels_last", _switch(state, "channels_last", "layout")),
              ("compiled blocks", _switch(state, "compiled", "compiled"))]
     model, _ = _net()
-    layout, compiled = on_any_model._kept_if_faster(model, steps, TrainingStep(model, torch.randn(4, 8)), timer, 0.02,
+    layout, compiled = timed_changes.kept_if_faster(model, steps, TrainingStep(model, torch.randn(4, 8)), timer, 0.02,
                                                     tmp_path / "accelerate.json")
     assert state == {"layout": True, "compiled": True} and layout.changed and compiled.changed
     assert {"layout": False, "compiled": True} not in timed  # never undone under the compiler, though it would win
@@ -569,7 +569,7 @@ def test_the_peers_own_layout_stays_unless_it_loses_so_a_tie_ends_where_the_peer
         for timer in (lambda step, device: times[(state["layout"], state["compiled"])],
                       lambda step, device: pytest.fail("timed again")):
             state.update(layout=False, compiled=False)
-            layout, compiled = on_any_model._kept_if_faster(model, steps, TrainingStep(model, torch.randn(4, 8)),
+            layout, compiled = timed_changes.kept_if_faster(model, steps, TrainingStep(model, torch.randn(4, 8)),
                                                             timer, 0.02, cache)
             assert state == {"layout": kept, "compiled": True} and layout.changed is kept and compiled.changed
             assert layout.decision.with_ms == layout_ms and layout.decision.without_ms == 10.0
@@ -580,6 +580,6 @@ def test_the_peers_own_layout_stays_unless_it_loses_so_a_tie_ends_where_the_peer
     state = {"kernel": False}
     kernel_step = [("fused kernels all", _switch(state, "fused kernels", "kernel"))]
     model, _ = _net()
-    (kernel,) = on_any_model._kept_if_faster(model, kernel_step, TrainingStep(model, torch.randn(4, 8)),
+    (kernel,) = timed_changes.kept_if_faster(model, kernel_step, TrainingStep(model, torch.randn(4, 8)),
                                              lambda step, device: 9.84 if state["kernel"] else 10.0, 0.02, None)
     assert not kernel.changed and not state["kernel"]

@@ -2,7 +2,7 @@
 
 ``keep_if_faster(apply, undo, time_step)`` times a step without the change (unless told that time), applies it, times
 a step with it, and undoes it unless it is faster by more than ``MIN_GAIN``; the ``KeepDecision`` holds both times.
-``accelerate(model, example=...)`` (``accel/on_any_model.py``) runs each of its changes through it, in order, each
+``accelerate(model, example=...)`` (``accel/timed_changes.py``) runs each of its changes through it, in order, each
 against the state before it; a family's pipeline can do the same for one of its switches.
 
 A step is ``TrainingStep``: the model called on an example batch, a loss, and the backward pass (no optimizer step, so

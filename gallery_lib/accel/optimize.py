@@ -10,7 +10,7 @@ the loop's whole step (backward, optimizer, data).
 The chooser then keeps the fastest, logs each candidate's compile time and steady ms per step and why it chose,
 and caches the choice per model, input shape, autocast state, GPU and torch version
 (``~/.cache/gallery_lib/optimize.json``; ``$GALLERY_CACHE_DIR/optimize.json`` where that is set), so the next run
-starts with it at once. ``accelerate(model, example=...)`` (``accel/keep_if_faster.py``) times its changes with the
+starts with it at once. ``accelerate(model, example=...)`` (``accel/timed_changes.py``) times its changes with the
 same step marks and caches its decisions the same way, in ``accelerate.json`` beside ``optimize.json``.
 
 The trial steps are real training steps (every candidate computes the same function), so nothing is thrown away.
