@@ -399,7 +399,7 @@ def accelerate(model: nn.Module, *, example: Any = None, loss_fn: Callable[[Any]
     else:
         step = TrainingStep(model, example, loss_fn)
         changes = kept_if_faster(model, steps, step, timer or SteadyStepTimer(), min_gain,
-                                  cache_file(cache, "accelerate.json"), progress)
+                                 cache_file(cache, "accelerate.json"), progress)
     done = []
     for change in changes:
         done.append(change)

@@ -50,8 +50,8 @@ def not_measured(change: Change) -> Change:
 
 
 def kept_if_faster(model: nn.Module, steps: list[tuple[str, Callable[[], Change]]], step: TrainingStep,
-                    timer: Callable[[Callable[[], Any], torch.device], float], min_gain: float,
-                    cache_path: os.PathLike | None, progress: Callable[[str], Any] | None = None) -> Iterator[Change]:
+                   timer: Callable[[Callable[[], Any], torch.device], float], min_gain: float,
+                   cache_path: os.PathLike | None, progress: Callable[[str], Any] | None = None) -> Iterator[Change]:
     """Each change in ``steps`` kept only where a ``step`` is faster with it than in the state before it; the times
     come from ``cache_path`` where it has them, else from ``timer``, and go there. Once the model is compiled, each
     change kept before the compiler is timed again under it, and left out where it no longer pays: a kernel that
