@@ -118,6 +118,7 @@ def compile_kwargs(settings: CompileSettings, mode: str | None = None) -> dict[s
     theirs (``torch.compile`` takes a mode or options, not both). The channels_last layout leaves attention's tensors
     in their own layout (``attention_layout``)."""
     from gallery_lib.accel.compile.attention_layout import channels_last_graph_options
+    from gallery_lib.accel.compile.regional import mode_options
 
     mode = mode or settings.compile_mode
     if mode == AUTO:
@@ -127,9 +128,7 @@ def compile_kwargs(settings: CompileSettings, mode: str | None = None) -> dict[s
              **({"triton.prefer_nd_tiling": True, "triton.tile_reductions": True} if settings.tiled_reductions else {})}
     if not extra and not settings.channels_last_graphs:
         return {"mode": mode}
-    from torch._inductor import list_mode_options
-
-    options = {**(dict(list_mode_options(mode)) if mode else {}), **extra}
+    options = {**mode_options(mode), **extra}
     if settings.channels_last_graphs:
         options.update(channels_last_graph_options())
     return {"options": options}

@@ -212,10 +212,8 @@ def compile_channels_last_graphs(model: nn.Module, *, mode: str | None = None,
     channels_last forced through every graph, attention's tensors left in their own layout. Inductor lays a graph out
     channels_last only where it holds forward convolutions, so the backward graphs keep NCHW gradients and cuDNN
     converts between the layouts at every convolution. ``undo`` puts the compiled code before it back."""
-    from torch._inductor import list_mode_options
-
     from gallery_lib.accel.compile.attention_layout import channels_last_graph_options
-    from gallery_lib.accel.compile.regional import with_block_defaults
+    from gallery_lib.accel.compile.regional import mode_options, with_block_defaults
 
     quiet_known_noise()
     before = {name: module._compiled_call_impl for name, module in model.named_modules()
@@ -226,7 +224,7 @@ def compile_channels_last_graphs(model: nn.Module, *, mode: str | None = None,
     where = f"{RESULTS}#sd15-layout"
     if not before:
         return Change(name, "nothing compiled to lay out", why, where, changed=False)
-    options = {**(dict(list_mode_options(mode)) if mode and mode != "default" else {}), **channels_last_graph_options()}
+    options = {**mode_options(mode), **channels_last_graph_options()}
     for module_name in before:  # "" is the model itself, compiled whole
         module = model.get_submodule(module_name)
         module.compile(options=options, **({} if module is model else with_block_defaults({})))  # as compiled before

@@ -82,6 +82,14 @@ def regional_compile(model: nn.Module, block_types: Iterable[type | str] | None 
     return names
 
 
+def mode_options(mode: str | None) -> dict[str, Any]:
+    """Inductor's options for a ``torch.compile`` mode (none for ``None`` or ``"default"``), to extend with others:
+    ``torch.compile`` takes a mode or options, not both."""
+    from torch._inductor import list_mode_options
+
+    return dict(list_mode_options(mode)) if mode and mode != "default" else {}
+
+
 def with_block_defaults(compile_kwargs: dict[str, Any]) -> dict[str, Any]:
     """``compile_kwargs`` with ``regional_compile``'s defaults filled in (``dynamic=False``): what it compiles with."""
     return {**compile_kwargs, "dynamic": compile_kwargs.get("dynamic", False)}
