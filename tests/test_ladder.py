@@ -430,11 +430,18 @@ def test_a_rung_that_frees_no_memory_starts_where_the_rung_it_builds_on_ran(monk
     batch = launched["ladder-05-batch"]
     below = batch.probe[12]
     assert below == Candidate(4, 12, True) and batch.skipped_faster == 0
-    for name in ("ladder-06-ema", "ladder-08-bf16", "ladder-09-compile"):  # bf16 builds on ema, past ZeRO-2
+    for name in ("ladder-06-ema", "ladder-08-bf16"):  # bf16 builds on ema, past ZeRO-2
         plan = launched[name]
         assert plan.probe[0] == below and plan.skipped_faster == 12 and plan.probe[1:] == batch.probe[13:], name
         assert "batch 4 x 12 accumulation steps, gradient checkpointing, where the run it builds on ran, whose 12 " \
                "faster settings did not fit, giving way" in plan.note()
+    # compiled whole, a step that accumulates holds a second copy of the gradients: 16.0 GiB of state with SD-1.5's,
+    # so only the full batch 48 is left to try (checkpointed: unchecked it was measured too large)
+    compiled = launched["ladder-09-compile"]
+    assert compiled.probe == (Candidate(48, 1, True),) and compiled.skipped_faster == 0  # 48 unchecked: measured
+    assert "18 settings left out, their training state alone filling the budget (the weights, gradients, AdamW's " \
+           "moments, the compiled backward's second copy of the gradients of 860M trained parameters take 16.0 GiB)" \
+           in compiled.note()
     assert launched["ladder-07-zero2"].chosen is None and not launched["ladder-07-zero2"].probe  # does not fit
     table = str(ladder_plan(base, ["attention", "batch", "ema"], sizes=SIZES)).splitlines()
     assert [line.endswith("or from where the rung it builds on ran |") for line in table[2:]] == [False, False, True]
@@ -463,7 +470,8 @@ def test_a_rung_that_frees_no_memory_starts_where_the_rung_it_builds_on_ran(monk
 def test_a_rung_that_ran_out_where_the_rung_below_ran_starts_past_it(monkeypatch, tmp_path):
     """The compile rung ran out of memory at 16 GiB where the bf16 rung ran (batch 4 x 12 checkpointed), and at the
     next setting: the next call started it again at batch 48, since the start was no longer among the settings to
-    try. It now starts at the first setting past the bf16 rung's that it has not run out at, and says so."""
+    try. A rung now starts at the first setting past the rung below's that it has not run out at, and says so (here
+    the regional rung: the compile rung, compiled whole, has no setting with accumulation left at 16 GiB)."""
     from gallery_lib.recipes import memory_fit
     from gallery_lib.recipes.ladder import _fitted, rung_chain
     from gallery_lib.run.memory_plan import Budget, Candidate
@@ -471,7 +479,7 @@ def test_a_rung_that_ran_out_where_the_rung_below_ran_starts_past_it(monkeypatch
     monkeypatch.setattr("gallery_lib.recipes.named.runs_on_gpu", lambda base: True)
     monkeypatch.setenv("GALLERY_CACHE_DIR", str(tmp_path / "cache"))
     base = ladder_base("full", data_root="/data", device="cuda", gpu_memory_gib=16.0, precompile_workers=0)
-    compile_rung = rung_chain(base, sizes=SIZES, on_gpu=True)["compile"]
+    compile_rung = rung_chain(base, sizes=SIZES, on_gpu=True)["regional"]
     ran_out = {(4, 12, True), (3, 16, False)}
     family_footprint = memory_fit.footprint_gib
     monkeypatch.setattr(memory_fit, "footprint_gib", lambda cfg, uncompiled=False: 16.5 if (

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from script_testing import load_script
 
 from gallery_lib.config import ConfigError, RunConfig
 from gallery_lib.recipes import apply_recipe, recipe_config
@@ -233,6 +234,39 @@ def test_a_budget_the_training_state_fills_is_refused_before_any_setting_is_trie
     # without an EMA the state is 12.8 GiB: the unmeasured settings are tried
     assert MemoryPlan.from_dict(fitted(sd_full(ema="off"), "accelerated", 16.0).extra[PLAN]).probe
     assert not MemoryPlan.from_dict(fitted(sd_full(), "accelerated", 12.5).extra[PLAN]).fits  # 12.8 even without
+
+
+def test_a_model_compiled_whole_holds_a_second_copy_of_the_gradients_under_accumulation():
+    """Why the plan counts that copy (``TrainingState.compiled_copy``): a compiled backward is one graph handing back
+    every gradient at once, before autograd adds them to those accumulated; eager code and compiled blocks add each
+    as it comes. Measured here on a step's second batch (the profiler's allocations, aot_eager)."""
+    probe = load_script("benchmarks/probe_compiled_accumulation.py")
+    model = probe.mlp()
+    gradients = sum(p.numel() for p in model.parameters()) * 4 / 2**20
+    peaks = {way: probe.second_batch_peak_mib(probe.mlp(), way) for way in probe.WAYS}
+    assert peaks["whole"] >= 0.95 * gradients, peaks
+    assert peaks["eager"] < 0.5 * gradients and peaks["blocks"] < 0.5 * gradients, peaks
+
+
+def test_the_state_counts_that_copy_only_compiled_whole_and_accumulating():
+    compiled = _resolved(sd_full(ema_offload=True), "compiled", {})
+    assert compiled.compile and compiled.compile_scope == "model"
+    one = training_state(compiled)
+    accumulating = training_state(compiled.replace(batch_size=4, gradient_accumulation_steps=2))
+    assert accumulating.gib == pytest.approx(one.gib + one.buffer_gib) and accumulating.compiled_copy
+    assert "the compiled backward's second copy of the gradients" in accumulating.describe()
+    for other in (compiled.replace(batch_size=4, gradient_accumulation_steps=2, compile_scope="blocks"),
+                  compiled.replace(batch_size=4, gradient_accumulation_steps=2, compile=False)):
+        assert training_state(other).gib == pytest.approx(one.gib), other.compile_scope
+    # in 16 GiB with the EMA offloaded SD-1.5's state is 12.8 GiB, 16.0 with the copy: compiled whole, only the
+    # settings without accumulation are weighed, and the note says why the others are not
+    plan = MemoryPlan.from_dict(fitted(sd_full(image_size=448), "peer", 16.0).extra[PLAN])
+    weighed = (plan.chosen,) if plan.chosen else plan.probe
+    assert all(c.accumulation == 1 or c.uncompiled for c in weighed + plan.after)
+    assert any(c.accumulation > 1 and c.uncompiled for c in weighed + plan.after)
+    assert "settings left out, their training state alone filling the budget" in plan.note()
+    roomier = MemoryPlan.from_dict(fitted(sd_full(image_size=448), "peer", 22.0).extra[PLAN])
+    assert any(c.accumulation > 1 and not c.uncompiled for c in roomier.probe) and not roomier.left_out
 
 
 def test_where_the_unfused_adamws_copy_does_not_fit_the_update_runs_one_tensor_at_a_time():

@@ -47,14 +47,16 @@ def fit_to_memory(cfg: RunConfig, resolve: Callable[[dict[str, Any]], RunConfig]
         except ConfigError:  # a setting this recipe cannot run (a ladder rung's CUDA graphs under checkpointing)
             continue
         options.append(option)
+    options, configs, least, left_out = _within_the_state(options, configs, budget)
     allocator = users_allocator()
     here = recalled_each([budget.gpu and setting_key(config.to_dict(), budget.gpu, allocator) for config in configs],
                          budget.gib)
     estimates = [measured.gib if measured else footprint_gib(config, option.uncompiled)
                  for measured, option, config in zip(here, options, configs)]
     ran_within = {option for option, measured in zip(options, here) if measured and measured.ran_within}
-    plan = replace(choose(options, estimates, budget, configured, training_state(cfg), ran_within),
-                   ema_offloaded="ema_offload" in moved, per_tensor_update="foreach_optimizer" in moved)
+    plan = replace(choose(options, estimates, budget, configured, least, ran_within),
+                   ema_offloaded="ema_offload" in moved, per_tensor_update="foreach_optimizer" in moved,
+                   left_out=left_out)
     if plan.chosen is None and start_at is not None:  # none measured fits: the ones tried start at start_at
         plan = _from_the_start(plan, start_at, every)
     settings = (plan.chosen,) if plan.chosen is not None else plan.probe
@@ -72,6 +74,25 @@ def fit_to_memory(cfg: RunConfig, resolve: Callable[[dict[str, Any]], RunConfig]
     if plan.chosen is None:  # the training process tries them in order (``run/batch_size.py``)
         noted.update(probe_fields=[_difference(cfg, other) for other in fitted], configured=configured.fields())
     return cfg.replace(extra={**cfg.extra, PLAN: noted})
+
+
+def _within_the_state(options: list[Candidate], configs: list[RunConfig], budget: Budget,
+                      ) -> tuple[list[Candidate], list[RunConfig], TrainingState | None, str]:
+    """The settings whose training state leaves room in ``budget``, their configs, the smallest such state (of all
+    settings where none leaves room: the plan then refuses the run), and what was left out and why. The state can
+    differ by setting: a model compiled whole holds a second copy of the gradients under accumulation (the ladder's
+    compile rung at 16 GiB: 16.0 GiB of state for SD-1.5, where the eager rung below it trained at batch 4 x 12)."""
+    states = [training_state(config) for config in configs]
+    kept = [index for index, state in enumerate(states) if state is None or state.gib < budget.gib]
+    counted = [state for index, state in enumerate(states) if state is not None and (index in kept or not kept)]
+    least = min(counted, key=lambda state: state.gib, default=None)
+    if not kept or len(kept) == len(options):
+        return options, configs, least, ""
+    refused = [state for state in states if state is not None and state.gib >= budget.gib]
+    smallest = min(refused, key=lambda state: state.gib)
+    left_out = (f"{len(refused)} settings left out, their training state alone filling the budget "
+                f"({smallest.describe()} take {smallest.gib:.1f} GiB)")
+    return [options[i] for i in kept], [configs[i] for i in kept], least, left_out
 
 
 def _from_the_start(plan: MemoryPlan, start_at: Candidate, every: list[Candidate]) -> MemoryPlan:
@@ -162,8 +183,9 @@ def training_state(cfg: RunConfig) -> TrainingState | None:
     fixes = ([", or without the EMA (--set ema=off)"] if cfg.ema != "off" else []) + (
         [", or train LoRA adapters (--set lora_rank=4)"] if "lora_rank" in settings else [])
     foreach_copy = cfg.optimizer == "adamw" and not cfg.fused_optimizer and cfg.foreach_optimizer
+    compiled_copy = cfg.compile and cfg.compile_scope == "model" and cfg.gradient_accumulation_steps > 1
     return TrainingState(spec.trained_parameters, cfg.optimizer, cfg.ema != "off" and not cfg.ema_offload,
-                         "".join(fixes), foreach_copy)
+                         "".join(fixes), foreach_copy, compiled_copy)
 
 
 def _state_moves(cfg: RunConfig, budget: Budget, named: Any) -> dict[str, Any]:

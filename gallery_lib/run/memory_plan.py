@@ -139,6 +139,9 @@ class MemoryPlan:
     started_past: bool = False
     """With ``skipped_faster``: the setting the run it builds on ran at ran out of memory in this run before, so the
     tries start at the next one not measured."""
+    left_out: str = ""
+    """Settings whose training state alone fills the budget, left out before any was weighed, and why (said where
+    none measured fits): ``12 settings left out, their training state alone filling the budget (...)``."""
 
     @property
     def fits(self) -> bool:
@@ -154,13 +157,14 @@ class MemoryPlan:
         head = f"memory plan, {Budget(self.budget_gib, self.source).describe()}: " + (
             "the EMA kept in the CPU's memory between updates; " if self.ema_offloaded else "") + (
             "the optimizer's update one tensor at a time; " if self.per_tensor_update else "")
+        left_out = f"; {self.left_out}" if self.left_out else ""
         if self.chosen is None and self.probe:
             return head + (f"not measured for this recipe: {self.probe[0].describe()}{self._started()}, giving way to "
-                           "the next setting if it runs out of memory before its timed steps")
+                           f"the next setting if it runs out of memory before its timed steps{left_out}")
         if self.chosen is None and self.state:
             return head + f"does not fit ({self.state} alone take {self.estimate_gib:.1f} GiB)"
         if self.chosen is None:
-            return head + f"does not fit (the smallest setting measured needs {self.estimate_gib:.1f} GiB)"
+            return head + f"does not fit (the smallest setting measured needs {self.estimate_gib:.1f} GiB{left_out})"
         kept = "" if self.changed else " as configured"
         workers = "" if self.precompile_workers is None else f", {self.precompile_workers} precompile workers"
         measured = f"measured {self.estimate_gib:.1f} GiB" if self.estimate_gib is not None else "not measured" + (
@@ -209,8 +213,10 @@ class MemoryPlan:
                     f"{self.state} alone take {self.estimate_gib:.1f} GiB at any batch size; "
                     f"{'run it on a GPU or a machine with more memory' if host else 'use a GPU with more free memory'}"
                     f"{self.state_fix}")
+        left_out = f" ({self.left_out})" if self.left_out else ""
         return (f"does not fit in {self.budget_gib:.1f} GiB: the smallest setting measured for it needs "
-                f"{self.estimate_gib:.1f} GiB; use a GPU with more free memory, or lower image_size or the model")
+                f"{self.estimate_gib:.1f} GiB{left_out}; use a GPU with more free memory, or lower image_size or the "
+                "model")
 
     def fix_after_oom(self, current: Candidate) -> str:
         """The next slower setting to try when ``current`` ran out of memory after all."""
@@ -226,7 +232,8 @@ class MemoryPlan:
                 "probe": [asdict(c) for c in self.probe], "precompile_workers": self.precompile_workers,
                 "changed": self.changed, "after": [asdict(c) for c in self.after],
                 "ema_offloaded": self.ema_offloaded, "per_tensor_update": self.per_tensor_update,
-                "skipped_faster": self.skipped_faster, "started_past": self.started_past, "note": self.note()}
+                "skipped_faster": self.skipped_faster, "started_past": self.started_past, "left_out": self.left_out,
+                "note": self.note()}
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> MemoryPlan:
@@ -237,7 +244,7 @@ class MemoryPlan:
                    values.get("precompile_workers"), values.get("changed", False),
                    tuple(Candidate(**c) for c in values.get("after", ())), values.get("ema_offloaded", False),
                    values.get("per_tensor_update", False), values.get("skipped_faster", 0),
-                   values.get("started_past", False))
+                   values.get("started_past", False), values.get("left_out", ""))
 
 
 def _as_flags(candidate: Candidate) -> str:
@@ -331,10 +338,15 @@ class TrainingState:
     """The unfused AdamW's multi-tensor update, which holds one more fp32 copy at its peak (``torch._foreach_sqrt``
     of the second moments): SD-1.5's baseline ran out of memory in its first update at 16 GiB at every batch size
     (benchmarks/RESULTS.md#memory-plan)."""
+    compiled_copy: bool = False
+    """A whole model compiled, under gradient accumulation: its backward hands back every gradient at once, beside
+    those accumulated so far, so from a step's second batch on one more fp32 copy is held (eager code and compiled
+    blocks hold one layer's or one block's; benchmarks/RESULTS.md#memory-plan)."""
 
     @property
     def gib(self) -> float:
-        buffers = 2 + (2 if self.optimizer == "adamw" else 1) + (1 if self.ema else 0) + (1 if self.foreach_copy else 0)
+        copies = (1 if self.foreach_copy else 0) + (1 if self.compiled_copy else 0)
+        buffers = 2 + (2 if self.optimizer == "adamw" else 1) + (1 if self.ema else 0) + copies
         return self.buffer_gib * buffers
 
     @property
@@ -344,7 +356,8 @@ class TrainingState:
 
     def describe(self) -> str:
         optimizer = "AdamW's moments" if self.optimizer == "adamw" else "the momentum"
-        copy = ", its multi-tensor update's copy" if self.foreach_copy else ""
+        copy = (", its multi-tensor update's copy" if self.foreach_copy else "") + (
+            ", the compiled backward's second copy of the gradients" if self.compiled_copy else "")
         return (f"the weights, gradients, {optimizer}{copy}{' and the EMA' if self.ema else ''} of "
                 f"{self.parameters / 1e6:,.0f}M trained parameters")
 
