@@ -467,6 +467,48 @@ def test_a_rung_that_frees_no_memory_starts_where_the_rung_it_builds_on_ran(monk
     assert plan.chosen == measured and plan.skipped_faster == 0
 
 
+def test_above_a_rung_that_does_not_fit_the_next_starts_where_the_one_below_that_ran(monkeypatch, tmp_path):
+    """At 16 GiB the compile rung does not fit (compiled whole, its accumulating steps hold a second copy of the
+    gradients): the regional rung above it starts where the bf16 rung ran, in one call or climbed in parts, not
+    from batch 48; past a rung that frees memory, it does not."""
+    from gallery_lib.recipes import memory_fit
+    from gallery_lib.recipes.ladder import _rungs_it_starts_from, rung_parents
+    from gallery_lib.run.failure import RunFailure
+    from gallery_lib.run.launch import RunFailed, RunResult
+    from gallery_lib.run.memory_plan import Candidate
+
+    monkeypatch.setattr("gallery_lib.recipes.named.runs_on_gpu", lambda base: True)
+    monkeypatch.setenv("GALLERY_CACHE_DIR", str(tmp_path / "cache"))
+    base = ladder_base("full", data_root="/data", device="cuda", gpu_memory_gib=16.0, precompile_workers=0)
+    bf16_ran = Candidate(4, 12, True)
+    launched = {}
+
+    def fake_launch(cfg, echo=None, console="all"):
+        plan = MemoryPlan.from_dict(cfg.extra[PLAN])
+        launched[cfg.recipe] = plan
+        if cfg.recipe.endswith("compile"):
+            raise RunFailed("too large", RunFailure(kind="does_not_fit", reason=plan.note(), log="rank0.log"))
+        ran = bf16_ran if cfg.recipe.endswith("bf16") else (plan.chosen or plan.probe[0])
+        return RunResult(cfg, cfg.run_dir, {"samples_per_s": 1.0, PLAN: {"chosen": ran.__dict__, "changed": True}})
+
+    monkeypatch.setattr("gallery_lib.recipes.ladder.launch", fake_launch)
+    monkeypatch.setattr("gallery_lib.recipes.ladder.validate_for_machine", lambda cfg: None)
+    results = run_ladder(base, ["bf16", "compile", "regional"], sizes=SIZES, echo=None)
+    assert results[1].does_not_fit and launched["ladder-10-regional"].probe[0] == bf16_ran
+    assert launched["ladder-10-regional"].skipped_faster == 12
+    # climbed in parts: bf16's setting known from what it measured on this machine
+    family_footprint = memory_fit.footprint_gib
+    monkeypatch.setattr(memory_fit, "footprint_gib", lambda cfg, uncompiled=False: 15.0 if (
+        cfg.recipe.startswith("ladder-08") and (cfg.batch_size, cfg.gradient_checkpointing) == (4, True)) else
+        family_footprint(cfg, uncompiled))
+    launched.clear()
+    run_ladder(base, ["compile", "regional"], sizes=SIZES, echo=None)
+    assert launched["ladder-10-regional"].probe[0] == bf16_ran
+    parents = rung_parents(True)
+    assert _rungs_it_starts_from("regional", parents)[:3] == ["compile", "bf16", "ema"]
+    assert _rungs_it_starts_from("batch", parents) == ["attention"]  # fused attention frees memory: no further
+
+
 def test_a_rung_that_ran_out_where_the_rung_below_ran_starts_past_it(monkeypatch, tmp_path):
     """The compile rung ran out of memory at 16 GiB where the bf16 rung ran (batch 4 x 12 checkpointed), and at the
     next setting: the next call started it again at batch 48, since the start was no longer among the settings to

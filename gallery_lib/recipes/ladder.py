@@ -334,13 +334,15 @@ def run_ladder(base: RunConfig, rungs: list[str] | None = None, *, sizes: Ladder
         if cfg is not None:
             validate_for_machine(cfg)
     results = LadderRuns()
-    ran_at = _where_they_run(chain, {parents[name] for name in configs} - set(configs), budget)
+    below_the_call = {rung for name in configs for rung in _rungs_it_starts_from(name, parents)} - set(configs)
+    ran_at = _where_they_run(chain, below_the_call, budget)
     for name, cfg in configs.items():
         rung = rung_named(name)
         if cfg is None:
             results.append(RungResult(rung, None, failure="needs a GPU", builds_on=parents[name]))
             continue
-        below = ran_at.get(parents[name])
+        below = next((ran_at[rung_below] for rung_below in _rungs_it_starts_from(name, parents)
+                      if rung_below in ran_at), None)
         if below is not None and not rung.frees_memory and cfg.extra.get(PLAN, {}).get("probe"):
             cfg = _fitted(chain[name], budget, start_at=below)
             validate_for_machine(cfg)
@@ -360,6 +362,21 @@ def run_ladder(base: RunConfig, rungs: list[str] | None = None, *, sizes: Ladder
             if echo:
                 echo(f"[ladder] {results[-1].line()}; going on with the next rung")
     return results
+
+
+def _rungs_it_starts_from(name: str, parents: dict[str, str | None]) -> list[str]:
+    """The rungs whose setting a rung may start at, nearest first: the one it builds on, and where that one does not
+    run (too large for the GPU), the one below it, and so on, as long as the rungs passed free no memory. At 16 GiB
+    the compile rung does not fit (compiled whole, a step that accumulates holds a second copy of the gradients), and
+    the regional rung above it starts where the bf16 rung ran, not from the fastest setting."""
+    rungs = []
+    below = parents[name]
+    while below is not None:
+        rungs.append(below)
+        if rung_named(below).frees_memory:
+            break
+        below = parents[below]
+    return rungs
 
 
 def _where_they_run(chain: dict[str, RunConfig | None], names: set[str | None],
