@@ -24,7 +24,7 @@ from gallery_lib.reports.comparison import CPU_TIMINGS
 
 ROW_FIELDS = {"model", "variant", "batch_size", "image_size", "samples_per_s", "median_step_ms", "p20_step_ms",
               "p80_step_ms", "setup_s", "warmup_s", "peak_reserved_gib", "final_loss", "loss_difference", "over_peer",
-              "timed_steps", "warmup_steps", "changes"}
+              "timed_steps", "warmup_steps", "changes", "losses"}
 RATIO = re.compile(r"\d\.\d\dx")
 
 
@@ -77,6 +77,9 @@ def test_cpu_bench_writes_three_variants_a_table_and_a_figure(traced_not_compile
         assert (r["timed_steps"], r["warmup_steps"]) == (2, 1) and r["warmup_s"] > 0
         assert r["peak_reserved_gib"] is None and r["over_peer"] is None  # no GPU memory, no ratio on a CPU
         assert math.isfinite(r["final_loss"]) and r["loss_difference"] < 1e-2  # the same weights, the same batches
+        assert len(r["losses"]) == 3 and r["losses"][-1] == pytest.approx(r["final_loss"], abs=1e-5)
+    assert max(abs(a - b) for a, b in zip(rows[0]["losses"], rows[2]["losses"])) == pytest.approx(
+        rows[2]["loss_difference"], abs=1e-4)  # the largest step-wise difference is read from them
     assert rows[0]["changes"] == [] and rows[1]["changes"] == ["torch.compile of the whole model"]
     # accelerate's, as it said them, each timed on the first batch
     assert [c.split(":")[0] for c in rows[2]["changes"]] == ["compiled blocks", "compiled whole"]

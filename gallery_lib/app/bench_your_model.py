@@ -280,6 +280,7 @@ def result_row(bench: ModelBench, ladder_row: dict, rung: Any, peak_reserved_mb:
             "p80_step_ms": ladder_row["p80_step_time_ms"], "setup_s": setup_s, "warmup_s": ladder_row["warmup_s"],
             "peak_reserved_gib": None if peak_reserved_mb is None else peak_reserved_mb / 1024,
             "final_loss": rung.losses[-1], "loss_difference": ladder_row["loss_difference"],
+            "losses": [round(loss, 5) for loss in rung.losses],  # each step's: where variants part, not only how far
             "over_peer": None if on_cpu else ladder_row["over_peer"],
             "timed_steps": bench.steps - bench.warmup_steps, "warmup_steps": bench.warmup_steps,
             "changes": ladder_row["changes"],
