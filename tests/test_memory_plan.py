@@ -264,7 +264,10 @@ def test_the_state_counts_that_copy_only_compiled_whole_and_accumulating():
     weighed = (plan.chosen,) if plan.chosen else plan.probe
     assert all(c.accumulation == 1 or c.uncompiled for c in weighed + plan.after)
     assert any(c.accumulation > 1 and c.uncompiled for c in weighed + plan.after)
-    assert "settings left out, their training state alone filling the budget" in plan.note()
+    assert "settings left out, in which the weights" in plan.note()
+    refused = MemoryPlan(16.0, "gpu_memory_gib", None, 16.2, left_out="18 settings left out, in which ... take 16.0 GiB")
+    assert refused.does_not_fit().startswith("does not fit in 16.0 GiB: the smallest setting measured for it needs "
+                                             "16.2 GiB, and 18 settings left out, in which ... take 16.0 GiB; use a GPU")
     roomier = MemoryPlan.from_dict(fitted(sd_full(image_size=448), "peer", 22.0).extra[PLAN])
     assert any(c.accumulation > 1 and not c.uncompiled for c in roomier.probe) and not roomier.left_out
 

@@ -90,8 +90,8 @@ def _within_the_state(options: list[Candidate], configs: list[RunConfig], budget
         return options, configs, least, ""
     refused = [state for state in states if state is not None and state.gib >= budget.gib]
     smallest = min(refused, key=lambda state: state.gib)
-    left_out = (f"{len(refused)} settings left out, their training state alone filling the budget "
-                f"({smallest.describe()} take {smallest.gib:.1f} GiB)")
+    left_out = (f"{len(refused)} settings left out, in which {smallest.describe()} alone take "
+                f"{smallest.gib:.1f} GiB")
     return [options[i] for i in kept], [configs[i] for i in kept], least, left_out
 
 

@@ -141,7 +141,7 @@ class MemoryPlan:
     tries start at the next one not measured."""
     left_out: str = ""
     """Settings whose training state alone fills the budget, left out before any was weighed, and why (said where
-    none measured fits): ``12 settings left out, their training state alone filling the budget (...)``."""
+    none measured fits): ``18 settings left out, in which the weights, ... alone take 16.0 GiB``."""
 
     @property
     def fits(self) -> bool:
@@ -164,7 +164,7 @@ class MemoryPlan:
         if self.chosen is None and self.state:
             return head + f"does not fit ({self.state} alone take {self.estimate_gib:.1f} GiB)"
         if self.chosen is None:
-            return head + f"does not fit (the smallest setting measured needs {self.estimate_gib:.1f} GiB{left_out})"
+            return head + f"does not fit (the smallest setting measured needs {self.estimate_gib:.1f} GiB){left_out}"
         kept = "" if self.changed else " as configured"
         workers = "" if self.precompile_workers is None else f", {self.precompile_workers} precompile workers"
         measured = f"measured {self.estimate_gib:.1f} GiB" if self.estimate_gib is not None else "not measured" + (
@@ -213,7 +213,7 @@ class MemoryPlan:
                     f"{self.state} alone take {self.estimate_gib:.1f} GiB at any batch size; "
                     f"{'run it on a GPU or a machine with more memory' if host else 'use a GPU with more free memory'}"
                     f"{self.state_fix}")
-        left_out = f" ({self.left_out})" if self.left_out else ""
+        left_out = f", and {self.left_out}" if self.left_out else ""
         return (f"does not fit in {self.budget_gib:.1f} GiB: the smallest setting measured for it needs "
                 f"{self.estimate_gib:.1f} GiB{left_out}; use a GPU with more free memory, or lower image_size or the "
                 "model")
