@@ -381,8 +381,8 @@ def _rungs_it_starts_from(name: str, parents: dict[str, str | None]) -> list[str
 
 def _where_they_run(chain: dict[str, RunConfig | None], names: set[str | None],
                     budget: Budget | None) -> dict[str, Candidate]:
-    """The setting each rung of ``names`` (rungs the ones run build on, not run in this call) runs at, where the plan
-    knows it without trying: measured, or run on this GPU before (a ladder climbed in parts)."""
+    """The setting each rung of ``names`` (rungs the ones run may start from, not run in this call) runs at, where the
+    plan knows it without trying: measured, or run on this GPU before (a ladder climbed in parts)."""
     known = {}
     for name in names:
         plan = _fitted(chain[name], budget).extra.get(PLAN) if name and chain.get(name) else None

@@ -84,9 +84,10 @@ def _within_the_state(options: list[Candidate], configs: list[RunConfig], budget
     compile rung at 16 GiB: 16.0 GiB of state for SD-1.5, where the eager rung below it trained at batch 4 x 12)."""
     states = [training_state(config) for config in configs]
     kept = [index for index, state in enumerate(states) if state is None or state.gib < budget.gib]
-    counted = [state for index, state in enumerate(states) if state is not None and (index in kept or not kept)]
-    least = min(counted, key=lambda state: state.gib, default=None)
-    if not kept or len(kept) == len(options):
+    if not kept:  # every state fills it (none is None): the plan refuses the run with the smallest
+        return options, configs, min(states, key=lambda state: state.gib, default=None), ""
+    least = min((states[i] for i in kept if states[i] is not None), key=lambda state: state.gib, default=None)
+    if len(kept) == len(options):
         return options, configs, least, ""
     refused = [state for state in states if state is not None and state.gib >= budget.gib]
     smallest = min(refused, key=lambda state: state.gib)

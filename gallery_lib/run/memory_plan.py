@@ -10,8 +10,9 @@ between them and past the two nearest; measured without accumulation, so only su
 first measured to fit is taken. Where none is, the training process starts at the first unmeasured one, and gives way
 to the next when one runs out of memory before its timed steps (``run/batch_size.py``: nothing is lost where the
 first fits). Below every setting lies the training state (``TrainingState``: weights, gradients, optimizer state and
-EMA of the trained parameters): a budget it fills is refused before any setting is tried. The plan also sizes the
-precompile workers, which hold GPU memory beside the training process while they compile
+EMA of the trained parameters, and where a model compiled whole accumulates, a second copy of the gradients): a
+setting whose state fills the budget is left out, and a budget every setting's fills is refused before any is tried.
+The plan also sizes the precompile workers, which hold GPU memory beside the training process while they compile
 (``ModelFamily.worker_memory``). A run on the CPU weighs only its training state, against the machine's available
 memory (``read_host_budget``).
 
