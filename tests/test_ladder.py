@@ -520,15 +520,15 @@ def test_a_rung_that_ran_out_where_the_rung_below_ran_starts_past_it(monkeypatch
     monkeypatch.setattr("gallery_lib.recipes.named.runs_on_gpu", lambda base: True)
     monkeypatch.setenv("GALLERY_CACHE_DIR", str(tmp_path / "cache"))
     base = ladder_base("full", data_root="/data", device="cuda", gpu_memory_gib=16.0, precompile_workers=0)
-    compile_rung = rung_chain(base, sizes=SIZES, on_gpu=True)["regional"]
+    rung = rung_chain(base, sizes=SIZES, on_gpu=True)["regional"]
     ran_out = {(4, 12, True), (3, 16, False)}
     family_footprint = memory_fit.footprint_gib
     monkeypatch.setattr(memory_fit, "footprint_gib", lambda cfg, uncompiled=False: 16.5 if (
         cfg.batch_size, cfg.gradient_accumulation_steps, cfg.gradient_checkpointing) in ran_out and not uncompiled
         else family_footprint(cfg, uncompiled))
     below = Candidate(4, 12, True)  # where the bf16 rung ran
-    plan = MemoryPlan.from_dict(_fitted(compile_rung, Budget(16.0, "gpu_memory_gib"), start_at=below).extra[PLAN])
-    alone = MemoryPlan.from_dict(_fitted(compile_rung, Budget(16.0, "gpu_memory_gib")).extra[PLAN])
+    plan = MemoryPlan.from_dict(_fitted(rung, Budget(16.0, "gpu_memory_gib"), start_at=below).extra[PLAN])
+    alone = MemoryPlan.from_dict(_fitted(rung, Budget(16.0, "gpu_memory_gib")).extra[PLAN])
     start = alone.probe.index(Candidate(3, 16, True))
     assert alone.probe[0] == Candidate(48, 1, True)  # without the start: from the fastest, as in that call
     assert plan.probe == alone.probe[start:] and plan.skipped_faster == start and plan.started_past
@@ -537,5 +537,5 @@ def test_a_rung_that_ran_out_where_the_rung_below_ran_starts_past_it(monkeypatch
             f"memory here before), whose {start} faster settings did not fit") in plan.note()
     # where every setting from the start on ran out here, the faster ones are still tried
     ran_out.update((c.batch_size, c.accumulation, c.checkpointing) for c in alone.probe[start:])
-    last = MemoryPlan.from_dict(_fitted(compile_rung, Budget(16.0, "gpu_memory_gib"), start_at=below).extra[PLAN])
+    last = MemoryPlan.from_dict(_fitted(rung, Budget(16.0, "gpu_memory_gib"), start_at=below).extra[PLAN])
     assert last.probe and last.skipped_faster == 0 and not last.started_past
