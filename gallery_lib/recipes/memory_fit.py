@@ -83,13 +83,13 @@ def _within_the_state(options: list[Candidate], configs: list[RunConfig], budget
     differ by setting: a model compiled whole holds a second copy of the gradients under accumulation (the ladder's
     compile rung at 16 GiB: 16.0 GiB of state for SD-1.5, where the eager rung below it trained at batch 4 x 12)."""
     states = [training_state(config) for config in configs]
-    kept = [index for index, state in enumerate(states) if state is None or state.gib < budget.gib]
+    kept = [index for index, state in enumerate(states) if state is None or state.leaves_room_in(budget.gib)]
     if not kept:  # every state fills it (none is None): the plan refuses the run with the smallest
         return options, configs, min(states, key=lambda state: state.gib, default=None), ""
     least = min((states[i] for i in kept if states[i] is not None), key=lambda state: state.gib, default=None)
     if len(kept) == len(options):
         return options, configs, least, ""
-    refused = [state for state in states if state is not None and state.gib >= budget.gib]
+    refused = [state for state in states if state is not None and not state.leaves_room_in(budget.gib)]
     smallest = min(refused, key=lambda state: state.gib)
     left_out = (f"{len(refused)} settings left out, in which {smallest.describe()} alone take "
                 f"{smallest.gib:.1f} GiB")
@@ -195,14 +195,14 @@ def _state_moves(cfg: RunConfig, budget: Budget, named: Any) -> dict[str, Any]:
     optimizer's update one tensor at a time (unless the user named ``foreach_optimizer``); none where it fits as it
     is, or does not fit even so."""
     state = training_state(cfg)
-    if state is None or state.gib < budget.gib:
+    if state is None or state.leaves_room_in(budget.gib):
         return {}
     moves = {}
     if state.ema and "ema_offload" not in named and cfg.data_parallel != "zero2":
         moves["ema_offload"], state = True, replace(state, ema=False)
-    if state.gib >= budget.gib and state.foreach_copy and "foreach_optimizer" not in named:
+    if not state.leaves_room_in(budget.gib) and state.foreach_copy and "foreach_optimizer" not in named:
         moves["foreach_optimizer"], state = False, replace(state, foreach_copy=False)
-    return moves if state.gib < budget.gib else {}
+    return moves if state.leaves_room_in(budget.gib) else {}
 
 
 def _with_workers(cfg: RunConfig, budget: Budget) -> RunConfig:

@@ -313,7 +313,7 @@ def choose(options: Sequence[Candidate], estimates: Sequence[float | None], budg
     batch 4 x 2, unmeasured, ran out of memory in 22 GiB where batch 8 checkpointed measured 18.4 GiB
     (benchmarks/RESULTS.md#memory-plan). A setting that ran to the end on this GPU under this budget or a smaller one
     (``ran_within``) fits whatever its peak. Nothing fits where the training ``state`` alone fills the budget."""
-    if state is not None and state.gib >= budget.gib:
+    if state is not None and not state.leaves_room_in(budget.gib):
         return MemoryPlan(budget.gib, budget.source, None, state.gib, state.describe(), state.fix)
     for index, (option, estimate) in enumerate(zip(options, estimates)):
         if option in ran_within or (estimate is not None and fits(estimate, budget.gib)):
@@ -349,6 +349,10 @@ class TrainingState:
         copies = (1 if self.foreach_copy else 0) + (1 if self.compiled_copy else 0)
         buffers = 2 + (2 if self.optimizer == "adamw" else 1) + (1 if self.ema else 0) + copies
         return self.buffer_gib * buffers
+
+    def leaves_room_in(self, budget_gib: float) -> bool:
+        """Whether anything is left of ``budget_gib`` for a step's activations once this state is held."""
+        return self.gib < budget_gib
 
     @property
     def buffer_gib(self) -> float:
