@@ -268,6 +268,11 @@ def test_the_state_counts_that_copy_only_compiled_whole_and_accumulating():
     refused = MemoryPlan(16.0, "gpu_memory_gib", None, 16.2, left_out="18 settings left out, in which ... take 16.0 GiB")
     assert refused.does_not_fit().startswith("does not fit in 16.0 GiB: the smallest setting measured for it needs "
                                              "16.2 GiB, and 18 settings left out, in which ... take 16.0 GiB; use a GPU")
+    # a peak reserved stops at a cap: one as large as the budget is a setting that ran out of memory there
+    ran_out = MemoryPlan(16.0, "gpu_memory_gib", None, 16.0).does_not_fit()
+    assert "the smallest setting measured for it ran out of memory in 16.0 GiB or needs more; use" in ran_out
+    too_close = MemoryPlan(16.0, "gpu_memory_gib", None, 15.6).does_not_fit()
+    assert "it reserved 15.6 GiB, too close to the 16.0 to run again (4% is kept free" in too_close
     roomier = MemoryPlan.from_dict(fitted(sd_full(image_size=448), "peer", 22.0).extra[PLAN])
     assert any(c.accumulation > 1 and not c.uncompiled for c in roomier.probe) and not roomier.left_out
 

@@ -215,9 +215,18 @@ class MemoryPlan:
                     f"{'run it on a GPU or a machine with more memory' if host else 'use a GPU with more free memory'}"
                     f"{self.state_fix}")
         left_out = f", and {self.left_out}" if self.left_out else ""
-        return (f"does not fit in {self.budget_gib:.1f} GiB: the smallest setting measured for it needs "
-                f"{self.estimate_gib:.1f} GiB{left_out}; use a GPU with more free memory, or lower image_size or the "
-                "model")
+        return (f"does not fit in {self.budget_gib:.1f} GiB: the smallest setting measured for it "
+                f"{self._needs()}{left_out}; use a GPU with more free memory, or lower image_size or the model")
+
+    def _needs(self) -> str:
+        """What the smallest measured setting needs: its peak, or, where that is all of the budget (a peak reserved
+        stops at a cap), that it ran out of memory there; a peak just under it leaves no headroom (``HEADROOM``)."""
+        if abs(self.estimate_gib - self.budget_gib) < 0.05:
+            return f"ran out of memory in {self.budget_gib:.1f} GiB or needs more"
+        if self.estimate_gib < self.budget_gib:
+            return (f"reserved {self.estimate_gib:.1f} GiB, too close to the {self.budget_gib:.1f} to run again "
+                    f"({HEADROOM:.0%} is kept free above a measured peak)")
+        return f"needs {self.estimate_gib:.1f} GiB"
 
     def fix_after_oom(self, current: Candidate) -> str:
         """The next slower setting to try when ``current`` ran out of memory after all."""
