@@ -130,6 +130,12 @@ def test_report_speedups_gains_and_findings(tmp_path):
     assert report.markdown.count("ladder-09-compile (torch.compile): stopped") == 1
     assert "Fastest rung" in report.markdown and "Fastest rung" not in report._repr_markdown_()  # printed after
     assert "| ladder-01-amp (fp16 AMP) | 8 | 12.0 |" in report.markdown
+    # a rung is not said to be 1.00x itself: where the fastest is the one the speedups are over, the line says so
+    alone = findings(ladder_rows([_result("compile", None, failure="does not fit"), _result("regional", 19.8)]))
+    assert "Fastest rung: regional compile, precompiled (ladder-10-regional), 19.8 img/s, the only rung that ran " \
+           "here, on NVIDIA H100" in alone[0]
+    first = findings(ladder_rows([_result("tf32", 12.0), _result("amp", 10.0)]))[0]
+    assert "12.0 img/s, the first that ran here, which no later rung beat," in first and "1.00x" not in first
     assert "| 64.0 (62.0) | 1.20x | 1.20x |" in report.markdown  # memory as reserved (allocated)
     assert report.figure.axes[1].get_title() == "(b) peak memory reserved"
     assert json.loads((tmp_path / "ladder.json").read_text())[1]["speedup"] == pytest.approx(1.2)

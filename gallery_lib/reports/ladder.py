@@ -72,8 +72,10 @@ def findings(rows: list[dict[str, Any]], *, failures: bool = True) -> list[str]:
         lines.append(f"{len(ran)} of {len(rows)} rungs ran on a CPU, each checking its code path. {CPU_TIMINGS}.")
     elif ran:
         top = max(ran, key=lambda row: row["img_per_s"])
-        lines.append(f"Fastest rung: {top['title']} ({top['rung']}), {top['img_per_s']:.1f} img/s, "
-                     f"{top['speedup']:.2f}x {_reference(rows)}, on {top['device']}.")
+        over = (f"{top['speedup']:.2f}x {_reference(rows)}" if top["rung"] != top["speedup_over"] else
+                "the only rung that ran here" if len(ran) == 1 else "the first that ran here, which no later rung beat")
+        lines.append(f"Fastest rung: {top['title']} ({top['rung']}), {top['img_per_s']:.1f} img/s, {over}, "
+                     f"on {top['device']}.")
     flat = [f"{row['title']} ({row['gain']:.2f}x)" for row in ran
             if row["gain"] is not None and row["gain"] < BOUGHT_NOTHING and not on_cpu]
     if flat:
