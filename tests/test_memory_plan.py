@@ -271,6 +271,8 @@ def test_the_state_counts_that_copy_only_compiled_whole_and_accumulating():
     # a peak reserved stops at a cap: one as large as the budget is a setting that ran out of memory there
     ran_out = MemoryPlan(16.0, "gpu_memory_gib", None, 16.0).does_not_fit()
     assert "the smallest setting measured for it ran out of memory in 16.0 GiB or needs more; use" in ran_out
+    assert MemoryPlan(16.0, "gpu_memory_gib", None, 16.0).note().endswith(
+        "does not fit (the smallest setting measured ran out of memory in 16.0 GiB or needs more)")
     too_close = MemoryPlan(16.0, "gpu_memory_gib", None, 15.6).does_not_fit()
     assert "it reserved 15.6 GiB, too close to the 16.0 to run again (4% is kept free" in too_close
     roomier = MemoryPlan.from_dict(fitted(sd_full(image_size=448), "peer", 22.0).extra[PLAN])

@@ -165,7 +165,7 @@ class MemoryPlan:
         if self.chosen is None and self.state:
             return head + f"does not fit ({self.state} alone take {self.estimate_gib:.1f} GiB)"
         if self.chosen is None:
-            return head + f"does not fit (the smallest setting measured needs {self.estimate_gib:.1f} GiB){left_out}"
+            return head + f"does not fit (the smallest setting measured {self._needs()}){left_out}"
         kept = "" if self.changed else " as configured"
         workers = "" if self.precompile_workers is None else f", {self.precompile_workers} precompile workers"
         measured = f"measured {self.estimate_gib:.1f} GiB" if self.estimate_gib is not None else "not measured" + (
