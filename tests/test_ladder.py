@@ -270,6 +270,16 @@ def test_the_smoke_ladder_reaches_the_sd_notebooks_batch_at_its_batch_rung():
     assert (full.batch_size, default_sizes(full).large_batch, default_sizes(full).checkpointing_batch) == (8, 48, 96)
 
 
+def test_the_ladders_rungs_save_no_trained_model_unless_asked():
+    """The ladder measures speed: each rung saving its SD-1.5 pipeline would fill some 60 GB of disk. A user who wants
+    the rungs' models names ``export_model``; ``gallery run``'s own runs still save theirs."""
+    assert not any(cfg.export_model for cfg in ladder_configs(ladder_base("smoke", data_root="/data"),
+                                                              on_gpu=False).values() if cfg is not None)
+    assert all(cfg.export_model for cfg in ladder_configs(ladder_base("smoke", data_root="/data", export_model=True),
+                                                          on_gpu=False).values() if cfg is not None)
+    assert base_config("smoke", family="stable_diffusion").export_model
+
+
 def test_the_talks_a100_marks_are_drawn_beside_gpu_rungs_only():
     from gallery_lib.reports.ladder import ladder_figure
 

@@ -58,8 +58,9 @@ _LARGER_BATCHES = {"full": lambda first: (48, 96), "smoke": lambda first: (2 * f
 
 def ladder_base(profile: str = "auto", **overrides: Any) -> RunConfig:
     """The SD base config the ladder climbs from: the profile's, at the ladder's first batch size unless
-    ``batch_size`` is given."""
-    base = base_config(profile, family="stable_diffusion", **overrides)
+    ``batch_size`` is given, and without saving each rung's trained model unless ``export_model`` is: the ladder
+    measures speed, and an SD-1.5 pipeline a rung would fill some 60 GB of a cloud machine's disk."""
+    base = base_config(profile, family="stable_diffusion", **{"export_model": False, **overrides})
     # not named: the memory plan may change the ladder's own batch sizes (keeping each rung's global batch)
     return base if overrides.get("batch_size") is not None else base.replace(batch_size=_FIRST_BATCH[base.profile])
 
