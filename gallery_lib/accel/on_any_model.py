@@ -156,6 +156,7 @@ def compile_blocks(model: nn.Module, block_types: Iterable[type | str] | None = 
 
         print(compile_blocks(vit, mode="reduce-overhead"))
     """
+    from gallery_lib.accel.compile.drop_path import rates_as_tensors
     from gallery_lib.accel.compile.regional import (block_names, regional_compile, registered_block_types,
                                                     undo_regional_compile)
 
@@ -168,14 +169,20 @@ def compile_blocks(model: nn.Module, block_types: Iterable[type | str] | None = 
         except ValueError:
             types = (repeated_block_type(model),)
     names = regional_compile(model, types, **({"mode": mode} if mode else {}), **compile_kwargs)
+    rates, restore_rates = rates_as_tensors(model)  # else each block's own rate makes it a graph of its own
     kinds = Counter(type(model.get_submodule(name)).__name__ for name in names)
     graphs = graphs_text(mode, _runs_on(model, device_type))
+    shared = f"; {rates} stochastic-depth rates held as tensors, so blocks of one shape share a graph" if rates else ""
     what = (f"{len(names)} blocks compiled in place ({', '.join(f'{n} {k}' for k, n in sorted(kinds.items()))}"
-            f"{graphs}); compilation happens in the first steps")
+            f"{graphs}){shared}; compilation happens in the first steps")
     why = ("Inductor fuses each block's memory-bound ops, and compiling repeated blocks instead of the whole model "
            "leaves far fewer graphs to compile")
-    return Change("compiled blocks", what, why, f"{RESULTS}#sd15-compile-time",
-                  undo=functools.partial(undo_regional_compile, model, names))
+
+    def undo() -> None:
+        undo_regional_compile(model, names)
+        restore_rates()
+
+    return Change("compiled blocks", what, why, f"{RESULTS}#sd15-compile-time", undo=undo)
 
 
 def compile_whole(model: nn.Module, *, mode: str | None = None, device_type: str | None = None,
