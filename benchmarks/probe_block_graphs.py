@@ -55,18 +55,14 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out")
     args = parser.parse_args()
-    from gallery_lib.reports.provenance import result_header
+    from gallery_lib.reports.provenance import write_result
 
     rows = []
     for rate in (0.0, 0.1):
         rows.append({"drop_path_rate": rate, "graphs_after_each_state": block_graphs(rate)})
         print(json.dumps(rows[-1]))
-    record = {**result_header(), "torch": torch.__version__,
-              "model": "timm swin_tiny_patch4_window7_224 at embed_dim 24, 112 px: 12 blocks in 4 stages, batch 2",
-              "rows": rows}
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(record, f, indent=1)
+    write_result(args.out, model="timm swin_tiny_patch4_window7_224 at embed_dim 24, 112 px: 12 blocks in 4 stages, "
+                 "batch 2", rows=rows)
 
 
 if __name__ == "__main__":

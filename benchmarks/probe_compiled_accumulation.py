@@ -55,7 +55,7 @@ def main() -> None:
     parser.add_argument("--backend", default="aot_eager")
     parser.add_argument("--out")
     args = parser.parse_args()
-    from gallery_lib.reports.provenance import result_header
+    from gallery_lib.reports.provenance import write_result
 
     sizes = [p.numel() * 4 / 2**20 for p in mlp().parameters()]
     runs = [(way, args.backend) for way in WAYS] + ([("whole", "inductor")] if args.backend != "inductor" else [])
@@ -65,11 +65,7 @@ def main() -> None:
                      "second_batch_peak_mib": round(second_batch_peak_mib(mlp(), way, backend), 2),
                      "gradients_mib": round(sum(sizes), 2), "largest_gradient_mib": round(max(sizes), 2)})
         print(json.dumps(rows[-1]))
-    record = {**result_header(), "torch": torch.__version__, "model": "8 x Linear(512, 512) + ReLU, batch 4",
-              "rows": rows}
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(record, f, indent=1)
+    write_result(args.out, model="8 x Linear(512, 512) + ReLU, batch 4", rows=rows)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,18 @@ def result_header() -> dict[str, Any]:
             **source_version()}
 
 
+def write_result(path: str | os.PathLike | None, **fields: Any) -> dict[str, Any]:
+    """``fields`` after ``result_header`` and torch's version, written as JSON to ``path`` where one is given."""
+    import json
+
+    import torch
+
+    record = {**result_header(), "torch": torch.__version__, **fields}
+    if path:
+        Path(path).write_text(json.dumps(record, indent=1), encoding="utf-8")
+    return record
+
+
 SOURCE_FOLDERS = ("gallery_lib", "data_prep")
 """The code a result depends on: ``source_sha256`` hashes these folders' files."""
 
