@@ -335,15 +335,14 @@ def run_ladder(base: RunConfig, rungs: list[str] | None = None, *, sizes: Ladder
         if cfg is not None:
             validate_for_machine(cfg)
     results = LadderRuns()
-    below_the_call = {rung for name in configs for rung in _rungs_it_starts_from(name, parents)} - set(configs)
-    ran_at = _where_they_run(chain, below_the_call, budget)
+    starts_from = {name: _rungs_it_starts_from(name, parents) for name in configs}
+    ran_at = _where_they_run(chain, {rung for rungs in starts_from.values() for rung in rungs} - set(configs), budget)
     for name, cfg in configs.items():
         rung = rung_named(name)
         if cfg is None:
             results.append(RungResult(rung, None, failure="needs a GPU", builds_on=parents[name]))
             continue
-        below = next((ran_at[rung_below] for rung_below in _rungs_it_starts_from(name, parents)
-                      if rung_below in ran_at), None)
+        below = next((ran_at[rung_below] for rung_below in starts_from[name] if rung_below in ran_at), None)
         if below is not None and not rung.frees_memory and cfg.extra.get(PLAN, {}).get("probe"):
             cfg = _fitted(chain[name], budget, start_at=below)
             validate_for_machine(cfg)

@@ -83,16 +83,16 @@ def _within_the_state(options: list[Candidate], configs: list[RunConfig], budget
     differ by setting: a model compiled whole holds a second copy of the gradients under accumulation (the ladder's
     compile rung at 16 GiB: 16.0 GiB of state for SD-1.5, where the eager rung below it trained at batch 4 x 12)."""
     states = [training_state(config) for config in configs]
-    kept = [index for index, state in enumerate(states) if state is None or state.leaves_room_in(budget.gib)]
-    if not kept:  # every state fills it (none is None): the plan refuses the run with the smallest
+    room = [state is None or state.leaves_room_in(budget.gib) for state in states]
+    if not any(room):  # every state fills it (none is None): the plan refuses the run with the smallest
         return options, configs, min(states, key=lambda state: state.gib, default=None), ""
-    least = min((states[i] for i in kept if states[i] is not None), key=lambda state: state.gib, default=None)
-    if len(kept) == len(options):
+    least = min((s for s, fits in zip(states, room) if fits and s is not None), key=lambda s: s.gib, default=None)
+    if all(room):
         return options, configs, least, ""
-    refused = [state for state in states if state is not None and not state.leaves_room_in(budget.gib)]
-    smallest = min(refused, key=lambda state: state.gib)
-    left_out = (f"{len(refused)} settings left out, in which {smallest.describe()} alone take "
+    smallest = min((s for s, fits in zip(states, room) if not fits), key=lambda s: s.gib)
+    left_out = (f"{room.count(False)} settings left out, in which {smallest.describe()} alone take "
                 f"{smallest.gib:.1f} GiB")
+    kept = [index for index, fits in enumerate(room) if fits]
     return [options[i] for i in kept], [configs[i] for i in kept], least, left_out
 
 

@@ -4,6 +4,7 @@ the code itself that ``verify_source`` checks against the commit."""
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import subprocess
 import sys
@@ -20,8 +21,6 @@ def result_header() -> dict[str, Any]:
 
 def write_result(path: str | os.PathLike | None, **fields: Any) -> dict[str, Any]:
     """``fields`` after ``result_header`` and torch's version, written as JSON to ``path`` where one is given."""
-    import json
-
     import torch
 
     record = {**result_header(), "torch": torch.__version__, **fields}
