@@ -247,6 +247,9 @@ def notebook_times() -> str:
     blocks, unrun = [], []
     for notebook, title in NOTEBOOKS.items():
         ran = [record for record in records if record["notebook"] == notebook]
+        if notebook == "optimization_ladder" and ran:  # longer than a call: its parts put together, rung by rung
+            blocks.append(f"**{title}**\n\n" + _rungs_by_cap(ran))
+            continue
         if notebook in RUNG_NOTEBOOKS:  # rungs, not the four recipes: how many finished
             if not ran:
                 unrun.append(title)
@@ -278,6 +281,50 @@ def notebook_times() -> str:
                 lines.append(f"| {card} ({cap:g} GiB) | " + " | ".join(_notebook_row(record)) + " |")
         blocks.append("\n".join(lines))
     return "\n\n".join(blocks + ([f"Not run whole under a cap yet: {' and '.join(unrun)}."] if unrun else []))
+
+
+def _rungs_by_cap(records: list[dict]) -> str:
+    """The ladder under each cap, a row per rung: the newest run of the rung under that cap from whichever part ran
+    it (a finished or refused run before a stopped one), and the parts those runs came from, their times summed."""
+    caps = sorted({float(record["cap_gib"]) for record in records})
+    shown: dict[float, dict[str, tuple[dict, dict]]] = {cap: {} for cap in caps}
+    for record in sorted(records, key=lambda record: record["date"]):
+        for rung, run in record["runs"].items():
+            if not run:
+                continue
+            kept = shown[float(record["cap_gib"])].get(rung)
+            if kept is None or _settled(run) or not _settled(kept[1]):
+                shown[float(record["cap_gib"])][rung] = (record, run)
+    rungs = sorted({rung for by_rung in shown.values() for rung in by_rung})
+    lines = ["| rung | " + " | ".join(f"{cap:g} GiB" for cap in caps) + " |", "|---|" + "---|" * len(caps)]
+    for rung in rungs:
+        lines.append(f"| {rung} | " + " | ".join(_rung_cell(*shown[cap][rung]) if rung in shown[cap] else "-"
+                                                for cap in caps) + " |")
+    parts = []
+    for cap in caps:
+        used = list({id(record): record for record, _ in shown[cap].values()}.values())
+        wall = sum(int(record["wall_s"]) for record in used)
+        gpus = ", ".join(dict.fromkeys(record["gpu"].replace("NVIDIA ", "") for record in used))
+        cut = sum(record["exit_code"] == 124 for record in used)
+        parts.append(f"{len(used)} part{'s' * (len(used) > 1)} on {gpus}, {wall // 60} min {wall % 60} s"
+                     + (f", {cut} of them stopped by the call's time limit" if cut else ""))
+    lines.append("| its parts, first cell to last | " + " | ".join(parts) + " |")
+    return "\n".join(lines)
+
+
+def _settled(run: dict) -> bool:
+    """Whether a rung's run finished or was refused before it started (not stopped by memory or a time limit)."""
+    return bool(run.get("samples_per_s")) or (run.get("failure") or {}).get("kind") == "does_not_fit"
+
+
+def _rung_cell(record: dict, run: dict) -> str:
+    """What one rung ran under a cap: the plan's setting, img/s and reserved; ``does not fit``; or why it stopped."""
+    failure = run.get("failure") or {}
+    if run.get("samples_per_s") or failure.get("kind") == "does_not_fit":
+        return "does not fit" if failure else _recipe_cell(run)
+    if record["exit_code"] == 124 and failure.get("kind") != "out_of_memory":
+        return "stopped by its call's time limit"
+    return "stopped: " + (failure.get("reason") or "no summary").split(" with ")[0]
 
 
 def _newest(records: list[dict], key) -> list[dict]:

@@ -229,7 +229,19 @@ def test_each_notebook_run_whole_shows_what_each_recipe_ran_and_a_stop(monkeypat
                                         "wall_s": 60, "exit_code": 0, "params": {"rungs": ["tf32", "batch"]},
                                         "runs": {
                                             "ladder-00-tf32": ran, "ladder-05-batch": {"failure": {}},
-                                            "ladder-11-cuda_graphs": {"failure": {"kind": "does_not_fit"}}}}}
+                                            "ladder-11-cuda_graphs": {"failure": {"kind": "does_not_fit"}}}},
+               "notebook_ladder_b.json": {"notebook": "optimization_ladder", "cap_gib": 22, "gpu": "NVIDIA H200",
+                                          "date": "2026-12-06 04:00:00", "wall_s": 600, "exit_code": 124,
+                                          "params": {"rungs": ["tf32", "batch"]}, "runs": {  # a later part
+                                              "ladder-00-tf32": {"failure": {"kind": "out_of_memory",
+                                                                             "reason": "out of memory at step 5"}},
+                                              "ladder-05-batch": {"failure": {"kind": "error"}}}},
+               "notebook_ladder_38.json": {"notebook": "optimization_ladder", "cap_gib": 38, "gpu": "NVIDIA H100",
+                                           "date": "2026-12-06 05:00:00", "wall_s": 30, "exit_code": 0,
+                                           "params": {"rungs": ["tf32"]}, "runs": {
+                                               "ladder-00-tf32": {"failure": {"kind": "out_of_memory",
+                                                                              "reason": "out of memory at step 5 "
+                                                                                        "with 21.0 GiB reserved"}}}}}
     (tmp_path / "notebooks_caps_x").mkdir()
     for name, record in records.items():
         (tmp_path / "notebooks_caps_x" / name).write_text(json.dumps(record))
@@ -242,7 +254,12 @@ def test_each_notebook_run_whole_shows_what_each_recipe_ran_and_a_stop(monkeypat
     assert sd.rstrip().endswith("| 1.50x |\n| 24 GB (22 GiB) | not run whole yet | | | | | | | |\n"
                                 "| 40 GB (38 GiB) | not run whole yet | | | | | | | |\n"
                                 "| 80 GB (78 GiB) | not run whole yet | | | | | | | |")
-    assert ("| 22 GiB | tf32, batch | H100 | the profile's | 1 min 0 s, with the footprints an earlier run learned | "
-            "1 of 3 | 1 |") in text.split(
-        "**the optimization ladder**")[1]
+    ladder = text.split("**the optimization ladder**")[1].split("**")[0]
+    # a rung a row, a cap a column: a finished or refused run kept over a later stopped one, else the newest stop
+    assert ("| ladder-00-tf32 | 8 x 2, checkpointing, EMA on the CPU (the 2nd tried): 20.0 img/s, 15.0 GiB | "
+            "stopped: out of memory at step 5 |") in ladder
+    assert "| ladder-05-batch | stopped by its call's time limit | - |" in ladder
+    assert "| ladder-11-cuda_graphs | does not fit | - |" in ladder
+    assert ("| its parts, first cell to last | 2 parts on H100, H200, 11 min 0 s, 1 of them stopped by the call's "
+            "time limit | 1 part on H100, 0 min 30 s |") in ladder
     assert text.endswith("Not run whole under a cap yet: your model.")
