@@ -119,6 +119,15 @@ FAMILY = ModelFamily(
                                    ("ladder-10-regional", 48, 58.51), ("ladder-11-cuda_graphs", 48, 77.85),
                                    ("ladder-12-cached_latents", 48, 54.86), ("ladder-13-channels_last", 48, 55.12),
                                    ("ladder-14-kernels", 48, 55.18))),
+        # checkpointed, under a 38 GiB cap on an H100: on a 24 GB card the plan skips these without a try. TF32's and
+        # the compile rung's (37.99, 37.59) ran at the cap's edge: left out, their 4% headroom would rule them out there
+        *(Footprint("sd15", rung, {batch: gib}, gradient_checkpointing=True,
+                    source=f"notebooks_caps_h100/notebook_ladder_38_{part}.json")
+          for rung, batch, gib, part in (("ladder-01-amp", 8, 33.58, "a"), ("ladder-02-loader", 8, 33.58, "a"),
+                                         ("ladder-03-fused", 8, 33.40, "a"), ("ladder-05-batch", 48, 34.64, "a"),
+                                         ("ladder-06-ema", 48, 34.65, "a"), ("ladder-07-zero2", 48, 34.85, "a"),
+                                         ("ladder-08-bf16", 48, 34.65, "b"), ("ladder-10-regional", 48, 34.62, "b"),
+                                         ("ladder-15-checkpointing", 96, 35.96, "c"))),
     ),
     # 8 workers of 1.3-3.5 GiB beside a training process at up to 11.8 GiB (nvidia-smi, #memory-plan)
     worker_memory=WorkerMemory(trainer_gib=11.8, per_worker_gib=3.5, source="memory_plan_h200/smi_apps_sdmem.csv.gz"),
