@@ -264,7 +264,7 @@ def notebook_times() -> str:
                 runs = [run for run in record["runs"].values() if run]
                 done = sum(bool(run.get("samples_per_s")) for run in runs)
                 too_large = sum(run.get("failure", {}).get("kind") == "does_not_fit" for run in runs)
-                rungs = ", ".join(record["params"].get("rungs") or ["all"])  # a ladder longer than a call runs in parts
+                rungs = ", ".join(record["params"].get("rungs") or ["all"])
                 lines.append(f"| {float(record['cap_gib']):g} GiB | {rungs} | {' | '.join(cells)} | "
                              f"{done} of {len(runs)} | {too_large} |")
             blocks.append("\n".join(lines))
@@ -292,9 +292,9 @@ def _rungs_by_cap(records: list[dict]) -> str:
         for rung, run in record["runs"].items():
             if not run:
                 continue
-            kept = shown[float(record["cap_gib"])].get(rung)
-            if kept is None or _settled(run) or not _settled(kept[1]):
-                shown[float(record["cap_gib"])][rung] = (record, run)
+            at_cap = shown[float(record["cap_gib"])]
+            if rung not in at_cap or _settled(run) or not _settled(at_cap[rung][1]):
+                at_cap[rung] = (record, run)
     rungs = sorted({rung for by_rung in shown.values() for rung in by_rung})
     lines = ["| rung | " + " | ".join(f"{cap:g} GiB" for cap in caps) + " |", "|---|" + "---|" * len(caps)]
     for rung in rungs:
@@ -320,8 +320,10 @@ def _settled(run: dict) -> bool:
 def _rung_cell(record: dict, run: dict) -> str:
     """What one rung ran under a cap: the plan's setting, img/s and reserved; ``does not fit``; or why it stopped."""
     failure = run.get("failure") or {}
-    if run.get("samples_per_s") or failure.get("kind") == "does_not_fit":
-        return "does not fit" if failure else _recipe_cell(run)
+    if run.get("samples_per_s"):
+        return _recipe_cell(run)
+    if failure.get("kind") == "does_not_fit":
+        return "does not fit"
     if record["exit_code"] == 124 and failure.get("kind") != "out_of_memory":
         return "stopped by its call's time limit"
     return "stopped: " + (failure.get("reason") or "no summary").split(" with ")[0]
