@@ -195,3 +195,22 @@ def test_every_measured_footprint_names_its_committed_result_files():
             assert names and all(names), f"{family.name}: {footprint} names no result file"
             missing = [name for name in names if not (results / name).exists()]
             assert not missing, f"{family.name} {footprint.model} {footprint.recipe}: {missing} not committed"
+
+
+def test_a_footprint_read_from_a_whole_notebook_run_is_what_that_run_measured():
+    """A footprint whose one source is a whole notebook's record (``notebooks_caps_*/notebook_*.json``) holds the
+    peak that run reserved, at the setting its plan ran: its batch per step, its checkpointing and compilation."""
+    results = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+    checked = 0
+    for family in FAMILIES.values():
+        for footprint in family.memory_footprints:
+            if "," in footprint.source or not footprint.source.startswith("notebooks_caps_"):
+                continue
+            run = json.loads((results / footprint.source).read_text())["runs"][footprint.recipe]
+            ran = run["memory_plan"]["chosen"]
+            assert (ran["accumulation"], ran["checkpointing"], ran["uncompiled"]) == (
+                1, footprint.gradient_checkpointing, footprint.uncompiled), footprint
+            assert dict(footprint.reserved_gib) == {ran["batch_size"]: round(run["peak_reserved_mb"] / 1024, 2)}, (
+                footprint)
+            checked += 1
+    assert checked >= 10  # SD-1.5's compiled recipe at 16 GiB and the ladder's rungs at 38
