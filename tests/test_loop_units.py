@@ -149,9 +149,12 @@ def test_the_collector_freezes_what_the_warm_up_left_and_counts_the_timed_steps_
     before = gc.get_freeze_count()
     try:
         collector.freeze()
-        assert collector.frozen >= len(kept) and gc.get_freeze_count() == collector.frozen
+        frozen = collector.frozen
+        # a frozen object can still be freed by its reference count (CI's run at 529199d: 2 of 1.19M in a worker that
+        # had run other tests), so the count may fall, never below what is kept alive
+        assert len(kept) <= gc.get_freeze_count() <= frozen
         collector.freeze()  # once
-        assert gc.get_freeze_count() == collector.frozen
+        assert collector.frozen == frozen and gc.get_freeze_count() <= frozen
         gc.collect()
         assert collector.collections[2] == 1 and collector.pause_ms > 0
     finally:
