@@ -363,7 +363,9 @@ def accelerate(model: nn.Module, *, example: Any = None, loss_fn: Callable[[Any]
     convolutions then has what is compiled compiled again with channels_last through every graph
     (``compile_channels_last_graphs``), kept where it is faster. Once compiled, each change kept before the compiler
     (but channels_last, a layout) is timed again without it, and left out where the compiler's own code is as fast:
-    under the blocks before the whole model is tried, and at the end under what is compiled then. The weights,
+    under the blocks before the whole model is tried, and at the end under what is compiled then; each change left
+    out before the compiler is then tried once more under what is compiled (an eager step can misjudge a kernel that
+    pays once compiled), so a model that ends compiled has its kernels judged there. The weights,
     gradients, buffers and random state are left as they were. The times are cached per model structure, input
     shapes and dtypes, autocast state, device and torch version, so the next call times nothing. Compiled blocks that
     are undone run eagerly again; their compiled code (with CUDA graphs, its memory pool) stays in Dynamo's cache

@@ -3,8 +3,9 @@
 The changes come in ``accelerate``'s order as ``(label, call)`` pairs (``on_any_model._planned_changes``); each is
 applied, timed against the state the changes before it left, and undone unless faster by more than ``min_gain``
 (the fair peer's own choices the other way round: kept unless slower by more). Once the model is compiled, the
-changes kept before the compiler are timed again under it. The times go to a cache keyed by the model, its inputs
-and the device, so the next call times nothing. ``keep_if_faster.py`` holds the timing and the one-change rule.
+changes kept before the compiler are timed again under it, and those left out before it are tried once more under
+what is compiled at the end. The times go to a cache keyed by the model, its inputs and the device, so the next call
+times nothing. ``keep_if_faster.py`` holds the timing and the one-change rule.
 """
 
 from __future__ import annotations
@@ -57,13 +58,17 @@ def kept_if_faster(model: nn.Module, steps: list[tuple[str, Callable[[], Change]
     change kept before the compiler is timed again under it, and left out where it no longer pays: a kernel that
     beats eager code can lose to the compiler's (a larger Swin's window attention: RESULTS.md#your-model). That is
     done before the whole model compiled is judged against the blocks (``RETIMED_BEFORE``), and again at the end
-    where what is compiled changed since. The changes come out once all are decided."""
+    where what is compiled changed since. Then each change left out before the compiler (a layout and a change that
+    broke the step aside) is tried once more under what is compiled: an eager step can judge a kernel by other
+    costs than the compiled one (Swin-S's LayerNorm kernel on an H100, unsteady eagerly, paid once compiled:
+    RESULTS.md#your-model). The changes come out once all are decided."""
     key = cache_key(model, step.args, step.kwargs)  # the model as it came, before any change
     cached = read_cache(cache_path) if cache_path else {}
     kept: list[str] = []
     current_ms: float | None = None  # the step time of the state so far, once timed
     decided: list[Change] = []
     before_compiling: list[tuple[int, str, Callable[[], Change], Change]] = []  # kept before the compiler
+    left_out_before_compiling: list[tuple[int, str, Callable[[], Change], Change]] = []
     timed_again_under: list[str] = []  # the compiled changes those were last timed under
 
     def time_step(state: str) -> float:
@@ -105,6 +110,35 @@ def kept_if_faster(model: nn.Module, steps: list[tuple[str, Callable[[], Change]
                 current_ms = None if decision.cached else decision.without_ms
             decided[index] = _decided(change, decision, where, min_gain, cache_path)
 
+    def try_again_once_compiled() -> None:
+        nonlocal current_ms
+        compiled = [label for label in kept if label.startswith("compiled")]
+        if not compiled:
+            return
+        where = f"{step.where}, once compiled"
+        for index, label, call, change in left_out_before_compiling:
+            entry_key = f"{key} | {label} left out before the compiler, tried once compiled, after {', '.join(kept)}"
+            entry = _timed_before(cached, entry_key)
+            if entry is not None:
+                decision = KeepDecision.from_cache(entry, min_gain)
+                if decision.kept:
+                    change = call()
+                    current_ms = None  # another run's time
+            else:
+                if current_ms is None:
+                    current_ms = _time_the_example(lambda: time_step(f"without {_said(label)}, once compiled"))
+                change = call()
+                decision = keep_if_faster(lambda applied=change: applied, lambda applied: applied.undo(),
+                                          lambda: time_step(f"with {_said(label)}, once compiled"),
+                                          without_ms=current_ms, min_gain=min_gain)
+                if cache_path:
+                    write_cache(cache_path, entry_key, decision.cache_entry())
+                if decision.kept:
+                    current_ms = decision.with_ms
+            if decision.kept:
+                kept.append(label)
+            decided[index] = _decided(change, replace(decision, applied=None), where, min_gain, cache_path)
+
     with step.leaving_the_model_as_it_was():
         for label, call in steps:
             if label.startswith(RETIMED_BEFORE):
@@ -138,12 +172,16 @@ def kept_if_faster(model: nn.Module, steps: list[tuple[str, Callable[[], Change]
                     write_cache(cache_path, entry_key, decision.cache_entry())
                 if decision.kept:
                     current_ms = decision.with_ms
+            if not label.startswith("compiled") and label not in LAYOUT_CHANGES:
+                if decision.kept:
+                    before_compiling.append((len(decided), label, call, change))
+                elif decision.error is None:
+                    left_out_before_compiling.append((len(decided), label, call, change))
             if decision.kept:
                 kept.append(label)
-                if not label.startswith("compiled") and label not in LAYOUT_CHANGES:
-                    before_compiling.append((len(decided), label, call, change))
             decided.append(_decided(change, replace(decision, applied=None), step.where, bar, cache_path))
         time_again_once_compiled()
+        try_again_once_compiled()
     yield from decided
 
 
