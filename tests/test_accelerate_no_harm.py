@@ -468,24 +468,31 @@ def _switch(state: dict, name: str, key: str):
     return call
 
 
+def _kernel_then_blocks(label: str, times: dict[tuple[bool, bool], float], cache):
+    """A fake kernel change named ``label`` and compiled blocks, judged twice by ``kept_if_faster``: by a timer that
+    reads ``times[(kernel on, compiled)]``, then with every time from ``cache`` (a timing fails the test). Yields the
+    state and the two changes after each call, and the states timed."""
+    state = {"kernel": False, "compiled": False}
+    steps = [(label, _switch(state, "fused kernels", "kernel")),
+             ("compiled blocks", _switch(state, "compiled blocks", "compiled"))]
+    model, _ = _net()
+    timed = []
+    for timer in (lambda step, device: timed.append(dict(state)) or times[(state["kernel"], state["compiled"])],
+                  lambda step, device: pytest.fail("timed again")):
+        state.update(kernel=False, compiled=False)
+        kernels, compiled = timed_changes.kept_if_faster(model, steps, TrainingStep(model, torch.randn(4, 8)), timer,
+                                                          0.02, cache)
+        yield state, kernels, compiled, timed
+
+
 def test_a_change_kept_eagerly_is_timed_again_once_compiled_and_left_out_where_the_compiler_beats_it(tmp_path):
     """A kernel faster than eager code but slower than the compiler's (a larger Swin's window attention) is left out
     once the model is compiled; one that still pays is put back; a second call decides alike from the cache. The
     timer reads the fake changes' state (nothing runs, nothing compiles)."""
     for compiled_with_kernel_ms, kept in ((7.0, False), (5.0, True)):
-        state = {"kernel": False, "compiled": False}
         times = {(False, False): 10.0, (True, False): 8.0, (False, True): 6.0, (True, True): compiled_with_kernel_ms}
-
-        steps = [("fused kernels all", _switch(state, "fused kernels", "kernel")),
-                 ("compiled blocks", _switch(state, "compiled blocks", "compiled"))]
-        model, _ = _net()
-        cache = tmp_path / f"accelerate_{kept}.json"
-        for timer in (lambda step, device: times[(state["kernel"], state["compiled"])], None):
-            if timer is None:  # the second call: every time from the cache
-                state.update(kernel=False, compiled=False)
-                timer = lambda step, device: pytest.fail("timed again")  # noqa: E731
-            kernels, compiled = timed_changes.kept_if_faster(model, steps, TrainingStep(model, torch.randn(4, 8)),
-                                                              timer, 0.02, cache)
+        for state, kernels, compiled, _ in _kernel_then_blocks("fused kernels all", times,
+                                                               tmp_path / f"accelerate_{kept}.json"):
             assert state == {"kernel": kept, "compiled": True} and compiled.changed
             assert kernels.changed is kept and kernels.decision.without_ms == 6.0
             verdict = f"{compiled_with_kernel_ms:.1f} ms with it, 6.0 ms without (this model, batch 4, cpu, once "
@@ -501,18 +508,9 @@ def test_a_change_left_out_eagerly_is_tried_again_once_compiled_and_kept_where_i
     tried once more under what is compiled at the end, kept only where it pays there; a second call decides alike
     from the cache. One that broke the step is not tried again. The timer reads the fake state."""
     for compiled_with_kernel_ms, kept in ((5.0, True), (5.95, False)):
-        state = {"kernel": False, "compiled": False}
         times = {(False, False): 10.0, (True, False): 11.0, (False, True): 6.0, (True, True): compiled_with_kernel_ms}
-        steps = [("fused kernels layer_norm", _switch(state, "fused kernels", "kernel")),
-                 ("compiled blocks", _switch(state, "compiled blocks", "compiled"))]
-        model, _ = _net()
-        cache = tmp_path / f"accelerate_{kept}.json"
-        timed = []
-        for timer in (lambda step, device: timed.append(dict(state)) or times[(state["kernel"], state["compiled"])],
-                      lambda step, device: pytest.fail("timed again")):
-            state.update(kernel=False, compiled=False)
-            kernels, compiled = timed_changes.kept_if_faster(model, steps, TrainingStep(model, torch.randn(4, 8)),
-                                                              timer, 0.02, cache)
+        for state, kernels, compiled, timed in _kernel_then_blocks("fused kernels layer_norm", times,
+                                                                   tmp_path / f"accelerate_{kept}.json"):
             assert state == {"kernel": kept, "compiled": True} and compiled.changed and kernels.changed is kept
             assert kernels.decision.with_ms == compiled_with_kernel_ms and kernels.decision.without_ms == 6.0
             assert f"{compiled_with_kernel_ms:.1f} ms with it, 6.0 ms without (this model, batch 4, cpu, once " \
