@@ -18,7 +18,7 @@ import sys
 import tempfile
 import time
 
-import torch
+
 
 
 def tries(job_id: str | None, sizes: tuple[int, ...]) -> list[dict]:
