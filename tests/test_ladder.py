@@ -422,7 +422,7 @@ def test_a_rung_that_frees_no_memory_starts_where_the_rung_it_builds_on_ran(monk
     checkpointed: a rung whose switch frees no memory now starts where the rung below it ran, and says how many
     faster settings it left untried; one that frees memory (fused attention) tries its settings from the fastest.
     The training processes are faked: each runs at the setting its plan names after ``runs_out`` of them."""
-    from gallery_lib.recipes.ladder import _fitted, rung_chain
+    from gallery_lib.recipes.ladder import Start, _fitted, rung_chain
     from gallery_lib.run.failure import RunFailure
     from gallery_lib.run.launch import RunFailed, RunResult
     from gallery_lib.run.memory_plan import Budget, Candidate
@@ -480,7 +480,7 @@ def test_a_rung_that_frees_no_memory_starts_where_the_rung_it_builds_on_ran(monk
     monkeypatch.setattr(memory_fit, "footprint_gib", lambda cfg, uncompiled=False: 12.0 if (
         cfg.batch_size, cfg.gradient_checkpointing) == (12, True) else family_footprint(cfg, uncompiled))
     plan = MemoryPlan.from_dict(_fitted(rung_chain(base, sizes=SIZES, on_gpu=True)["ema"],
-                                        Budget(16.0, "gpu_memory_gib"), start_at=below).extra[PLAN])
+                                        Budget(16.0, "gpu_memory_gib"), Start(below, ran=True)).extra[PLAN])
     assert plan.chosen == measured and plan.skipped_faster == 0
 
 
@@ -532,7 +532,7 @@ def test_a_rung_that_ran_out_where_the_rung_below_ran_starts_past_it(monkeypatch
     try. A rung now starts at the first setting past the rung below's that it has not run out at, and says so (here
     the regional rung: the compile rung, compiled whole, has no setting with accumulation left at 16 GiB)."""
     from gallery_lib.recipes import memory_fit
-    from gallery_lib.recipes.ladder import _fitted, rung_chain
+    from gallery_lib.recipes.ladder import Start, _fitted, rung_chain
     from gallery_lib.run.memory_plan import Budget, Candidate
 
     monkeypatch.setattr("gallery_lib.recipes.named.runs_on_gpu", lambda base: True)
@@ -545,7 +545,7 @@ def test_a_rung_that_ran_out_where_the_rung_below_ran_starts_past_it(monkeypatch
         cfg.batch_size, cfg.gradient_accumulation_steps, cfg.gradient_checkpointing) in ran_out and not uncompiled
         else family_footprint(cfg, uncompiled))
     below = Candidate(4, 12, True)  # where the bf16 rung ran
-    plan = MemoryPlan.from_dict(_fitted(rung, Budget(16.0, "gpu_memory_gib"), start_at=below).extra[PLAN])
+    plan = MemoryPlan.from_dict(_fitted(rung, Budget(16.0, "gpu_memory_gib"), Start(below, ran=True)).extra[PLAN])
     alone = MemoryPlan.from_dict(_fitted(rung, Budget(16.0, "gpu_memory_gib")).extra[PLAN])
     start = alone.probe.index(Candidate(3, 16, True))
     # without the start: from the fastest not measured too large (48 checkpointed is, since that call)
@@ -556,5 +556,57 @@ def test_a_rung_that_ran_out_where_the_rung_below_ran_starts_past_it(monkeypatch
             f"memory here before), whose {start} faster settings did not fit") in plan.note()
     # where every setting from the start on ran out here, the faster ones are still tried
     ran_out.update((c.batch_size, c.accumulation, c.checkpointing) for c in alone.probe[start:])
-    last = MemoryPlan.from_dict(_fitted(rung, Budget(16.0, "gpu_memory_gib"), start_at=below).extra[PLAN])
+    last = MemoryPlan.from_dict(_fitted(rung, Budget(16.0, "gpu_memory_gib"), Start(below, ran=True)).extra[PLAN])
     assert last.probe and last.skipped_faster == 0 and not last.started_past
+
+
+def test_above_a_rung_that_stopped_out_of_memory_the_next_starts_past_where_it_ran_out(monkeypatch, tmp_path):
+    """At 22 GiB on an H200 the EMA rung's faster settings ran out of memory before their timed steps and batch 16 x 3
+    checkpointed ran out mid-run, which stopped it; the compile rung above then tried from batch 48 again, a
+    whole-model compile each (4 tries in 8 minutes). A rung above one that stopped out of memory now starts at the
+    first setting that one has not run out of memory at, and says so; climbed in parts (the rung below not run in
+    the call, its footprints left by an earlier one), the same, past rungs between with nothing learned. The training
+    processes are faked; what ran out of memory is faked in the footprints the plan reads, as the training process
+    writes them."""
+    from gallery_lib.run.failure import RunFailure
+    from gallery_lib.run.launch import RunFailed, RunResult
+    from gallery_lib.run.learned_footprints import remember, setting_key
+
+    monkeypatch.setattr("gallery_lib.recipes.named.runs_on_gpu", lambda base: True)
+    monkeypatch.setattr("gallery_lib.run.memory_plan.gpu_name", lambda gpu: "NVIDIA Fake 24GB")
+    monkeypatch.setenv("GALLERY_CACHE_DIR", str(tmp_path / "cache"))
+    base = ladder_base("full", data_root="/data", device="cuda", gpu_memory_gib=16.0, precompile_workers=0)
+    launched = {}
+
+    def fake_launch(cfg, echo=None, console="all"):
+        plan = MemoryPlan.from_dict(cfg.extra[PLAN])
+        launched[cfg.recipe] = plan
+        if cfg.recipe.endswith("ema"):  # three settings run out before their timed steps, the fourth mid-run
+            noted = cfg.extra[PLAN]
+            for fields in noted["probe_fields"][:4]:  # as the training process writes them
+                remember(setting_key(cfg.replace(**fields).to_dict(), noted["gpu"], noted["allocator"]),
+                         out_of_memory_under=16.0)
+            raise RunFailed("stopped", RunFailure(kind="out_of_memory", reason="out of memory at step 5 of 8",
+                                                  log="rank0.log", first_step=4))
+        return RunResult(cfg, cfg.run_dir, {"samples_per_s": 1.0, PLAN: {"chosen": plan.probe[0].__dict__}})
+
+    monkeypatch.setattr("gallery_lib.recipes.ladder.launch", fake_launch)
+    monkeypatch.setattr("gallery_lib.recipes.ladder.validate_for_machine", lambda cfg: None)
+    results = run_ladder(base, ["ema", "bf16"], sizes=SIZES, echo=None)
+    ema, bf16 = launched["ladder-06-ema"], launched["ladder-08-bf16"]
+    assert results[0].stopped and not results[1].stopped and ema.skipped_faster == 0
+    # bf16 (builds on the EMA rung, frees no memory) starts at the EMA rung's fifth setting, not its own first
+    assert bf16.probe[0] == ema.probe[4] and bf16.skipped_faster == 4 and not bf16.started_past
+    assert (f"{ema.probe[4].describe()}, at the first setting not yet tried by the run it builds on, whose 4 faster "
+            "settings did not fit, giving way") in bf16.note()
+    launched.clear()
+    run_ladder(base, ["bf16"], sizes=SIZES, echo=None)  # climbed in parts: the EMA rung's settings known to run out
+    assert launched["ladder-08-bf16"].probe == bf16.probe and launched["ladder-08-bf16"].skipped_faster == 4
+    # past rungs below with nothing learned here (bf16; compile does not fit at 16 GiB) to the one that has
+    run_ladder(base, ["regional"], sizes=SIZES, echo=None)
+    assert launched["ladder-10-regional"].probe[0] == ema.probe[4] and launched["ladder-10-regional"].skipped_faster
+    # a rung below with nothing learned here does not narrow the tries
+    (tmp_path / "cache").rename(tmp_path / "elsewhere")
+    launched.clear()
+    run_ladder(base, ["bf16"], sizes=SIZES, echo=None)
+    assert launched["ladder-08-bf16"].skipped_faster == 0 and launched["ladder-08-bf16"].probe[0] == ema.probe[0]

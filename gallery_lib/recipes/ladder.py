@@ -90,9 +90,9 @@ class Rung:
     needs_gpu: bool = False
     frees_memory: bool = False
     """Its switch lowers the memory a step holds. Under the memory plan such a rung tries its settings from the
-    fastest; any other starts at the setting the rung it builds on ran at, since every faster one did not fit there
-    (at 16 GiB each large-batch rung otherwise ran out of memory at the same 12 settings first:
-    benchmarks/RESULTS.md#memory-plan)."""
+    fastest; any other starts at the setting the rung it builds on ran at, since every faster one did not fit there,
+    or where that rung stopped out of memory, at the first setting it has not run out of memory at (at 16 GiB each
+    large-batch rung otherwise ran out of memory at the same 12 settings first: benchmarks/RESULTS.md#memory-plan)."""
 
 
 def _tf32_baseline(base: RunConfig, sizes: LadderSizes) -> dict[str, Any]:
@@ -240,11 +240,21 @@ def rung_chain(base: RunConfig, *, sizes: LadderSizes | None = None,
     return resolved
 
 
-def _fitted(cfg: RunConfig, budget: Budget | None, start_at: Candidate | None = None) -> RunConfig:
+@dataclass(frozen=True)
+class Start:
+    """Where a rung above may start its tries: the setting a rung ran at (``ran``), or, where it stopped out of
+    memory or has not run, the first setting it has not tried, every faster one having run out of memory."""
+
+    setting: Candidate
+    ran: bool
+
+
+def _fitted(cfg: RunConfig, budget: Budget | None, start: Start | None = None) -> RunConfig:
     """The rung with its switches, at the setting the memory plan picks: each setting it weighs is the rung's config
     with that batch, accumulation and checkpointing (a rung that replays CUDA graphs refuses the last two).
-    ``start_at``: the setting the rung it builds on ran at (``fit_to_memory``)."""
-    return fit_to_memory(cfg, lambda planned: cfg.replace(**planned), budget, start_at=start_at)
+    ``start``: where the rung it builds on ran or goes on trying (``fit_to_memory``'s ``start_at``)."""
+    return fit_to_memory(cfg, lambda planned: cfg.replace(**planned), budget,
+                         start_at=start and start.setting, builds_on_ran=start is None or start.ran)
 
 
 def _check_family(base: RunConfig) -> None:
@@ -324,8 +334,9 @@ def run_ladder(base: RunConfig, rungs: list[str] | None = None, *, sizes: Ladder
     this machine before the first starts; a rung that fails (out of memory, say) is reported and the ladder goes on.
     Where the memory plan has no measurement for a rung and must try its settings, a rung whose switch frees no
     memory starts at the setting the rung it builds on ran at (``Rung.frees_memory``): in this call, or for a rung
-    below the ones asked for, where the plan knows it runs. ``console``: one line per rung (``result``) or every line
-    of each (``all``), as ``launch`` takes it."""
+    below the ones asked for, where the plan knows it runs. Where that rung stopped out of memory, or has not run
+    here, it starts at the first setting that rung has not run out of memory at. ``console``: one line per rung
+    (``result``) or every line of each (``all``), as ``launch`` takes it."""
     on_gpu = runs_on_gpu(base)
     chain = rung_chain(base, sizes=sizes, on_gpu=on_gpu)
     budget = rung_budget(base, on_gpu)  # read once: the rungs fitted again below take the same
@@ -336,16 +347,19 @@ def run_ladder(base: RunConfig, rungs: list[str] | None = None, *, sizes: Ladder
             validate_for_machine(cfg)
     results = LadderRuns()
     starts_from = {name: _rungs_it_starts_from(name, parents) for name in configs}
-    ran_at = _where_they_run(chain, {rung for rungs in starts_from.values() for rung in rungs} - set(configs), budget)
+    starts = {name: _where_it_starts(chain.get(name), budget, learned_only=True)
+              for name in {rung for rungs in starts_from.values() for rung in rungs} - set(configs) if name}
     for name, cfg in configs.items():
         rung = rung_named(name)
         if cfg is None:
             results.append(RungResult(rung, None, failure="needs a GPU", builds_on=parents[name]))
             continue
-        below = next((ran_at[rung_below] for rung_below in starts_from[name] if rung_below in ran_at), None)
+        below = next((starts[rung_below] for rung_below in starts_from[name] if starts.get(rung_below)), None)
         if below is not None and not rung.frees_memory and cfg.extra.get(PLAN, {}).get("probe"):
-            cfg = _fitted(chain[name], budget, start_at=below)
+            cfg = _fitted(chain[name], budget, below)
             validate_for_machine(cfg)
+        else:
+            below = None
         if echo and console == "all":
             echo(f"\n=== {cfg.recipe}: {describe(cfg.recipe)} ===")
         try:
@@ -353,10 +367,14 @@ def run_ladder(base: RunConfig, rungs: list[str] | None = None, *, sizes: Ladder
                                       builds_on=parents[name]))
             chosen = (results[-1].summary or {}).get(PLAN, {}).get("chosen")
             if chosen:
-                ran_at[name] = Candidate(**chosen)
+                starts[name] = Start(Candidate(**chosen), ran=True)
         except RunFailed as exc:
             reason, log = (exc.failure.reason, exc.failure.log) if exc.failure else (failure_reason(str(exc)), None)
             too_large = exc.failure is not None and exc.failure.kind == "does_not_fit"
+            if exc.failure is not None and exc.failure.kind == "out_of_memory":
+                # its settings that ran out are now in this GPU's footprints: the rung above starts past them (the
+                # EMA rung stopped mid-run at 22 GiB, and the compile rung above tried from batch 48 again)
+                starts[name] = _where_it_starts(chain[name], budget, below)
             results.append(RungResult(rung, cfg, failure=reason, builds_on=parents[name], log=None if too_large
                                       else log, does_not_fit=too_large))
             if echo:
@@ -379,16 +397,18 @@ def _rungs_it_starts_from(name: str, parents: dict[str, str | None]) -> list[str
     return rungs
 
 
-def _where_they_run(chain: dict[str, RunConfig | None], names: set[str | None],
-                    budget: Budget | None) -> dict[str, Candidate]:
-    """The setting each rung of ``names`` (rungs the ones run may start from, not run in this call) runs at, where the
-    plan knows it without trying: measured, or run on this GPU before (a ladder climbed in parts)."""
-    known = {}
-    for name in names:
-        plan = _fitted(chain[name], budget).extra.get(PLAN) if name and chain.get(name) else None
-        if plan and plan.get("chosen"):
-            known[name] = Candidate(**plan["chosen"])
-    return known
+def _where_it_starts(cfg: RunConfig | None, budget: Budget | None, start: Start | None = None, *,
+                     learned_only: bool = False) -> Start | None:
+    """Where a rung (not run in this call, or stopped out of memory in it) runs, as the plan knows it without trying:
+    measured, or run on this GPU before (a ladder climbed in parts); where none of its settings is known to fit, the
+    first it would try. ``start``: where its own tries started. ``learned_only``: that first setting only where
+    faster ones ran out of memory on this GPU (otherwise it tells nothing, and a rung further below may)."""
+    plan = _fitted(cfg, budget, start).extra.get(PLAN) if cfg is not None else None
+    if plan and plan.get("chosen"):
+        return Start(Candidate(**plan["chosen"]), ran=True)
+    if not plan or not plan.get("probe") or learned_only and not plan.get("ran_out_here"):
+        return None
+    return Start(Candidate(**plan["probe"][0]), ran=False)
 
 
 def failure_reason(message: str) -> str:

@@ -19,12 +19,13 @@ from gallery_lib.run.memory_plan import (HOST_PROCESS_GIB, NAMED, PLAN, PLANNED_
 
 
 def fit_to_memory(cfg: RunConfig, resolve: Callable[[dict[str, Any]], RunConfig], budget: Budget | None, *,
-                  start_at: Candidate | None = None) -> RunConfig:
+                  start_at: Candidate | None = None, builds_on_ran: bool = True) -> RunConfig:
     """``cfg`` at the fastest setting that fits ``budget`` (``None``: no plan, as on a CPU), with the plan in
     ``cfg.extra[PLAN]``. ``resolve(fields)`` resolves the same recipe with ``fields`` (the planned ones) set on its
     base. ``start_at``: the setting the run this one builds on ran at, where this one's switch frees no memory (a
     ladder rung's): where no measured setting fits, the unmeasured ones faster than it are not tried, since they did
-    not fit there."""
+    not fit there. ``builds_on_ran=False``: that run has not run at ``start_at`` but ran out of memory at every
+    faster setting (it stopped, or has not run yet)."""
     if budget is None or cfg.memory_plan == "off" or cfg.find_batch_size or cfg.nproc_per_node > 1:
         return cfg  # the search sizes the batch itself; several processes were never measured
     named = cfg.extra.get(NAMED, ())
@@ -57,8 +58,11 @@ def fit_to_memory(cfg: RunConfig, resolve: Callable[[dict[str, Any]], RunConfig]
     plan = replace(choose(options, estimates, budget, configured, least, ran_within),
                    ema_offloaded="ema_offload" in moved, per_tensor_update="foreach_optimizer" in moved,
                    left_out=left_out)
+    if plan.probe:
+        ahead = here[:options.index(plan.probe[0])]
+        plan = replace(plan, ran_out_here=sum(1 for measured in ahead if measured and measured.gib >= budget.gib))
     if plan.chosen is None and start_at is not None:  # none measured fits: the ones tried start at start_at
-        plan = _from_the_start(plan, start_at, every)
+        plan = replace(_from_the_start(plan, start_at, every), builds_on_ran=builds_on_ran)
     settings = (plan.chosen,) if plan.chosen is not None else plan.probe
     if not settings:
         return cfg.replace(extra={**cfg.extra, PLAN: plan.as_dict()})

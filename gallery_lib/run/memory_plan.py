@@ -122,6 +122,9 @@ class MemoryPlan:
     probe: tuple[Candidate, ...] = ()
     """Settings the training process tries in order where none is measured: each gives way to the next when it runs
     out of memory before its timed steps."""
+    ran_out_here: int = 0
+    """Where it tries settings: how many faster ones ran out of memory on this GPU under this budget or a larger one
+    (its learned footprints), and are not tried again."""
     precompile_workers: int | None = None
     """The workers that fit beside the training process, where the plan changed their number."""
     changed: bool = False
@@ -140,6 +143,9 @@ class MemoryPlan:
     started_past: bool = False
     """With ``skipped_faster``: the setting the run it builds on ran at ran out of memory in this run before, so the
     tries start at the next one not measured."""
+    builds_on_ran: bool = True
+    """With ``skipped_faster``: the run it builds on ran at the start. Otherwise the start is the first setting that
+    run has not tried yet, every faster one having run out of memory there (a ladder rung that stopped mid-run)."""
     left_out: str = ""
     """Settings whose training state alone fills the budget, left out before any was weighed, and why (said where
     none measured fits): ``18 settings left out, in which the weights, ... alone take 16.0 GiB``."""
@@ -179,8 +185,10 @@ class MemoryPlan:
         if not self.skipped_faster:
             return ""
         settings = "setting" if self.skipped_faster == 1 else "settings"
-        where = "past where the run it builds on ran (out of memory here before)" if self.started_past else (
-            "where the run it builds on ran")
+        where = "where the run it builds on ran" if self.builds_on_ran else (
+            "at the first setting not yet tried by the run it builds on")
+        if self.started_past:
+            where = f"past {where.removeprefix('at ')} (out of memory here before)"
         return f", {where}, whose {self.skipped_faster} faster {settings} did not fit"
 
     def cell(self, *, short: bool = False) -> str:
@@ -239,10 +247,12 @@ class MemoryPlan:
         return {"budget_gib": self.budget_gib, "source": self.source,
                 "chosen": None if self.chosen is None else asdict(self.chosen), "estimate_gib": self.estimate_gib,
                 "state": self.state, "state_fix": self.state_fix,
-                "probe": [asdict(c) for c in self.probe], "precompile_workers": self.precompile_workers,
+                "probe": [asdict(c) for c in self.probe], "ran_out_here": self.ran_out_here,
+                "precompile_workers": self.precompile_workers,
                 "changed": self.changed, "after": [asdict(c) for c in self.after],
                 "ema_offloaded": self.ema_offloaded, "per_tensor_update": self.per_tensor_update,
-                "skipped_faster": self.skipped_faster, "started_past": self.started_past, "left_out": self.left_out,
+                "skipped_faster": self.skipped_faster, "started_past": self.started_past,
+                "builds_on_ran": self.builds_on_ran, "left_out": self.left_out,
                 "note": self.note()}
 
     @classmethod
@@ -250,11 +260,11 @@ class MemoryPlan:
         chosen = values.get("chosen")
         return cls(values["budget_gib"], values["source"], None if chosen is None else Candidate(**chosen),
                    values.get("estimate_gib"), values.get("state", ""), values.get("state_fix", ""),
-                   tuple(Candidate(**c) for c in values.get("probe", ())),
+                   tuple(Candidate(**c) for c in values.get("probe", ())), values.get("ran_out_here", 0),
                    values.get("precompile_workers"), values.get("changed", False),
                    tuple(Candidate(**c) for c in values.get("after", ())), values.get("ema_offloaded", False),
                    values.get("per_tensor_update", False), values.get("skipped_faster", 0),
-                   values.get("started_past", False), values.get("left_out", ""))
+                   values.get("started_past", False), values.get("builds_on_ran", True), values.get("left_out", ""))
 
 
 def _as_flags(candidate: Candidate) -> str:
