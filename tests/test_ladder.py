@@ -610,3 +610,23 @@ def test_above_a_rung_that_stopped_out_of_memory_the_next_starts_past_where_it_r
     launched.clear()
     run_ladder(base, ["bf16"], sizes=SIZES, echo=None)
     assert launched["ladder-08-bf16"].skipped_faster == 0 and launched["ladder-08-bf16"].probe[0] == ema.probe[0]
+
+
+def test_of_the_rungs_below_the_start_furthest_down_the_settings_wins():
+    """On an H100 at 22 GiB the bf16 rung had only run out of memory at batch 48 checkpointed (its first try would be
+    24 x 2) while the EMA rung below it ran at 12 x 4 checkpointed: the compile rung above both starts at 12 x 4,
+    since every rung between frees no memory. A rung that ran at a setting wins over one that would try it next; a
+    start at another global batch (fused attention's batch 8) tells nothing about this rung's settings."""
+    from types import SimpleNamespace
+
+    from gallery_lib.recipes.ladder import Start, _furthest
+    from gallery_lib.run.memory_plan import Candidate
+
+    compile_rung = SimpleNamespace(batch_size=48, gradient_accumulation_steps=1)
+    bf16, ema = Start(Candidate(24, 2, False), ran=False), Start(Candidate(12, 4, True), ran=True)
+    attention = Start(Candidate(8, 1, True), ran=True)
+    assert _furthest([bf16, ema, None, attention], compile_rung) == ema
+    assert _furthest([None, bf16, attention], compile_rung) == bf16
+    assert _furthest([attention], compile_rung) is None
+    assert _furthest([Start(Candidate(12, 4, True), ran=False), ema], compile_rung) == ema
+    assert _furthest([Start(Candidate(8, 6, False), ran=False), ema], compile_rung).setting == Candidate(8, 6, False)

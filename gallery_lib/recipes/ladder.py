@@ -354,7 +354,7 @@ def run_ladder(base: RunConfig, rungs: list[str] | None = None, *, sizes: Ladder
         if cfg is None:
             results.append(RungResult(rung, None, failure="needs a GPU", builds_on=parents[name]))
             continue
-        below = next((starts[rung_below] for rung_below in starts_from[name] if starts.get(rung_below)), None)
+        below = _furthest([starts.get(rung_below) for rung_below in starts_from[name]], chain[name])
         if below is not None and not rung.frees_memory and cfg.extra.get(PLAN, {}).get("probe"):
             cfg = _fitted(chain[name], budget, below)
             validate_for_machine(cfg)
@@ -395,6 +395,15 @@ def _rungs_it_starts_from(name: str, parents: dict[str, str | None]) -> list[str
             break
         below = parents[below]
     return rungs
+
+
+def _furthest(starts: list[Start | None], cfg: RunConfig) -> Start | None:
+    """Of the starts the rungs below give (``None``: nothing known), the one furthest down the settings at ``cfg``'s
+    global batch: each rules out the settings faster than it, since the rungs between free no memory. A rung that
+    ran there wins over one that only ran out of memory before it."""
+    total = cfg.batch_size * cfg.gradient_accumulation_steps
+    known = [start for start in starts if start and start.setting.batch_size * start.setting.accumulation == total]
+    return max(known, key=lambda start: (start.setting.slowness(), start.ran), default=None)
 
 
 def _where_it_starts(cfg: RunConfig | None, budget: Budget | None, start: Start | None = None, *,

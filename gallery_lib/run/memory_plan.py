@@ -87,6 +87,10 @@ class Candidate:
     uncompiled: bool = False
     """The recipe's ``torch.compile`` turned off (``uncompiled``), for a compiled step that does not fit."""
 
+    def slowness(self) -> tuple[int, bool, bool]:
+        """Its place in ``candidates``' list at its global batch, fastest first: a larger value comes later."""
+        return -self.batch_size, self.uncompiled, self.checkpointing
+
     def describe(self) -> str:
         text = f"batch {self.batch_size}"
         if self.accumulation > 1:
