@@ -335,7 +335,8 @@ def run_ladder(base: RunConfig, rungs: list[str] | None = None, *, sizes: Ladder
     Where the memory plan has no measurement for a rung and must try its settings, a rung whose switch frees no
     memory starts at the setting the rung it builds on ran at (``Rung.frees_memory``): in this call, or for a rung
     below the ones asked for, where the plan knows it runs. Where that rung stopped out of memory, or has not run
-    here, it starts at the first setting that rung has not run out of memory at. ``console``: one line per rung
+    here, it starts at the first setting that rung has not run out of memory at; of the rungs below, down to one
+    that frees memory, the start furthest down the settings. ``console``: one line per rung
     (``result``) or every line of each (``all``), as ``launch`` takes it."""
     on_gpu = runs_on_gpu(base)
     chain = rung_chain(base, sizes=sizes, on_gpu=on_gpu)
@@ -383,8 +384,8 @@ def run_ladder(base: RunConfig, rungs: list[str] | None = None, *, sizes: Ladder
 
 
 def _rungs_it_starts_from(name: str, parents: dict[str, str | None]) -> list[str]:
-    """The rungs whose setting a rung may start at, nearest first: the one it builds on, and where that one does not
-    run (too large for the GPU), the one below it, and so on, as long as the rungs passed free no memory. At 16 GiB
+    """The rungs whose setting a rung may start at, nearest first: the one it builds on, the one below it, and so on,
+    as long as the rungs passed free no memory (``_furthest`` takes the start furthest down of those). At 16 GiB
     the compile rung does not fit (compiled whole, a step that accumulates holds a second copy of the gradients), and
     the regional rung above it starts where the bf16 rung ran, not from the fastest setting."""
     rungs = []
