@@ -127,8 +127,8 @@ class MemoryPlan:
     """Settings the training process tries in order where none is measured: each gives way to the next when it runs
     out of memory before its timed steps."""
     ran_out_here: int = 0
-    """Where it tries settings: how many faster ones ran out of memory on this GPU under this budget or a larger one
-    (its learned footprints), and are not tried again."""
+    """Where it tries settings: how many faster ones ran out of memory on this GPU under this budget or a larger one,
+    or reserved more than it where they ran (its learned footprints), and are not tried again."""
     precompile_workers: int | None = None
     """The workers that fit beside the training process, where the plan changed their number."""
     changed: bool = False
