@@ -68,7 +68,7 @@ def kept_if_faster(model: nn.Module, steps: list[tuple[str, Callable[[], Change]
     current_ms: float | None = None  # the step time of the state so far, once timed
     decided: list[Change] = []
     before_compiling: list[tuple[int, str, Callable[[], Change], Change]] = []  # kept before the compiler
-    left_out_before_compiling: list[tuple[int, str, Callable[[], Change], Change]] = []
+    left_out_before_compiling: list[tuple[int, str, Callable[[], Change]]] = []
     timed_again_under: list[str] = []  # the compiled changes those were last timed under
 
     def time_step(state: str) -> float:
@@ -111,40 +111,50 @@ def kept_if_faster(model: nn.Module, steps: list[tuple[str, Callable[[], Change]
             decided[index] = _decided(change, decision, where, min_gain, cache_path)
 
     def try_again_once_compiled() -> None:
-        nonlocal current_ms
         compiled = [label for label in kept if label.startswith("compiled")]
         if not compiled:
             return
         where = f"{step.where}, once compiled"
-        for index, label, call, change in left_out_before_compiling:
+        for index, label, call in left_out_before_compiling:
             entry_key = f"{key} | {label} left out before the compiler, tried once compiled, after {', '.join(kept)}"
-            entry = _timed_before(cached, entry_key)
-            if entry is not None:
-                decision = KeepDecision.from_cache(entry, min_gain)
-                if decision.kept:
-                    change = call()
-                    current_ms = None  # another run's time
-            else:
-                if current_ms is None:
-                    current_ms = _time_the_example(lambda: time_step(f"without {_said(label)}, once compiled"))
-                change = call()
-                decision = keep_if_faster(lambda applied=change: applied, lambda applied: applied.undo(),
-                                          lambda: time_step(f"with {_said(label)}, once compiled"),
-                                          without_ms=current_ms, min_gain=min_gain)
-                if cache_path:
-                    write_cache(cache_path, entry_key, decision.cache_entry())
-                if decision.kept:
-                    current_ms = decision.with_ms
+            change, decision = judged(label, call, call(), entry_key, min_gain, "without", ", once compiled")
             if decision.kept:
                 kept.append(label)
             decided[index] = _decided(change, replace(decision, applied=None), where, min_gain, cache_path)
+
+    def judged(label: str, call: Callable[[], Change], change: Change, entry_key: str, bar: float, before: str,
+               said_where: str = "") -> tuple[Change, KeepDecision]:
+        """``change`` (just applied by ``call``) kept only where the step is faster with it than in the state so far
+        (``current_ms``, timed first where it is not yet): the times from the cache where it has them, else timed and
+        cached. Returns the change in place (applied again where the state before it had to be timed)."""
+        nonlocal current_ms
+        entry = _timed_before(cached, entry_key)
+        if entry is not None:
+            decision = KeepDecision.from_cache(entry, bar)
+            if not decision.kept:
+                change.undo()
+            # a kept change's cached time is another run's: time this state again where a later change needs it
+            current_ms = None if decision.kept else current_ms
+            return change, decision
+        if current_ms is None:  # the state before this change is not timed yet
+            change.undo()
+            current_ms = _time_the_example(lambda: time_step(f"{before} {_said(label)}{said_where}"))
+            change = call()
+        # applied (to see whether it changed anything): keep_if_faster times it, and undoes it if not faster
+        decision = keep_if_faster(lambda applied=change: applied, lambda applied: applied.undo(),
+                                  lambda: time_step(f"with {_said(label)}{said_where}"), without_ms=current_ms,
+                                  min_gain=bar)
+        if cache_path:
+            write_cache(cache_path, entry_key, decision.cache_entry())
+        if decision.kept:
+            current_ms = decision.with_ms
+        return change, decision
 
     with step.leaving_the_model_as_it_was():
         for label, call in steps:
             if label.startswith(RETIMED_BEFORE):
                 time_again_once_compiled()
             entry_key = f"{key} | {label} after {', '.join(kept) or 'nothing'}"
-            entry = _timed_before(cached, entry_key)
             bar = _bar(label, min_gain)
             change = call()
             if not change.changed:
@@ -153,30 +163,12 @@ def kept_if_faster(model: nn.Module, steps: list[tuple[str, Callable[[], Change]
             if change.undo is None:  # nothing to compare it with: applied as without an example
                 decided.append(not_measured(change))
                 continue
-            if entry is not None:
-                decision = KeepDecision.from_cache(entry, bar)
-                if not decision.kept:
-                    change.undo()
-                # a kept change's cached time is another run's: time this state again where a later change needs it
-                current_ms = None if decision.kept else current_ms
-            else:
-                if current_ms is None:  # the state before this change is not timed yet
-                    change.undo()
-                    current_ms = _time_the_example(lambda: time_step(f"before {_said(label)}"))
-                    change = call()
-                # applied (to see whether it changed anything): keep_if_faster times it, and undoes it if not faster
-                decision = keep_if_faster(lambda applied=change: applied, lambda applied: applied.undo(),
-                                          lambda: time_step(f"with {_said(label)}"), without_ms=current_ms,
-                                          min_gain=bar)
-                if cache_path:
-                    write_cache(cache_path, entry_key, decision.cache_entry())
-                if decision.kept:
-                    current_ms = decision.with_ms
+            change, decision = judged(label, call, change, entry_key, bar, "before")
             if not label.startswith("compiled") and label not in LAYOUT_CHANGES:
                 if decision.kept:
                     before_compiling.append((len(decided), label, call, change))
                 elif decision.error is None:
-                    left_out_before_compiling.append((len(decided), label, call, change))
+                    left_out_before_compiling.append((len(decided), label, call))
             if decision.kept:
                 kept.append(label)
             decided.append(_decided(change, replace(decision, applied=None), step.where, bar, cache_path))
