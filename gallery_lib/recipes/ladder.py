@@ -349,7 +349,7 @@ def run_ladder(base: RunConfig, rungs: list[str] | None = None, *, sizes: Ladder
     results = LadderRuns()
     starts_from = {name: _rungs_it_starts_from(name, parents) for name in configs}
     starts = {name: _where_it_starts(chain.get(name), budget, learned_only=True)
-              for name in {rung for rungs in starts_from.values() for rung in rungs} - set(configs) if name}
+              for name in {rung for rungs in starts_from.values() for rung in rungs} - set(configs)}
     for name, cfg in configs.items():
         rung = rung_named(name)
         if cfg is None:
