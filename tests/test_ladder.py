@@ -612,6 +612,56 @@ def test_above_a_rung_that_stopped_out_of_memory_the_next_starts_past_where_it_r
     assert launched["ladder-08-bf16"].skipped_faster == 0 and launched["ladder-08-bf16"].probe[0] == ema.probe[0]
 
 
+def test_a_rung_with_more_training_state_starts_past_where_the_rung_below_filled_the_budget(monkeypatch, tmp_path):
+    """At 22 GiB on an H100 the EMA rung ran at 12 x 4 checkpointed with 21.54 GiB reserved; the compile rung above
+    started there and ran out of memory after a whole-model compile: compiled whole, a step that accumulates holds a
+    second copy of the gradients (3.2 GiB for SD-1.5). A rung whose training state at the start is larger than the
+    rung below's now starts past it where the rung below's peak there, with the larger state, exceeds the budget, and
+    says so; the regional rung, which holds no second copy, still starts there."""
+    from gallery_lib.recipes.ladder import Start, _fitted, rung_chain
+    from gallery_lib.recipes.memory_fit import training_state
+    from gallery_lib.run.launch import RunResult
+    from gallery_lib.run.memory_plan import Budget, Candidate
+
+    monkeypatch.setattr("gallery_lib.recipes.named.runs_on_gpu", lambda base: True)
+    monkeypatch.setattr("gallery_lib.run.memory_plan.gpu_name", lambda gpu: "NVIDIA Fake 24GB")
+    monkeypatch.setenv("GALLERY_CACHE_DIR", str(tmp_path / "cache"))
+    base = ladder_base("full", data_root="/data", device="cuda", gpu_memory_gib=22.0, precompile_workers=0)
+    chain = rung_chain(base, sizes=SIZES, on_gpu=True)
+    ema_ran, peak = Candidate(12, 4, True), 21.54
+    ema_state = training_state(chain["ema"].replace(**ema_ran.fields())).gib
+    compile_state = training_state(chain["compile"].replace(**ema_ran.fields())).gib
+    assert round(compile_state - ema_state, 1) == 3.2  # the compiled backward's second copy of the gradients
+    launched = {}
+
+    def fake_launch(cfg, echo=None, console="all"):
+        plan = MemoryPlan.from_dict(cfg.extra[PLAN])
+        launched[cfg.recipe] = plan
+        ran = ema_ran if cfg.recipe.endswith("ema") else plan.probe[0]
+        return RunResult(cfg, cfg.run_dir, {"samples_per_s": 1.0, "peak_reserved_mb": peak * 1024,
+                                            PLAN: {"chosen": ran.__dict__, "changed": True}})
+
+    monkeypatch.setattr("gallery_lib.recipes.ladder.launch", fake_launch)
+    monkeypatch.setattr("gallery_lib.recipes.ladder.validate_for_machine", lambda cfg: None)
+    run_ladder(base, ["ema", "compile"], sizes=SIZES, echo=None)
+    compiled = launched["ladder-09-compile"]
+    alone = MemoryPlan.from_dict(_fitted(chain["compile"], Budget(22.0, "gpu_memory_gib")).extra[PLAN])
+    past = alone.probe.index(ema_ran) + 1
+    assert compiled.probe == alone.probe[past:] and compiled.skipped_faster == past and compiled.started_past
+    assert compiled.start_needs_gib == pytest.approx(peak - ema_state + compile_state)
+    assert (f"{compiled.probe[0].describe()}, past where the run it builds on ran ({peak + 3.2:.1f} GiB there with "
+            f"this run's training state), whose {past} faster settings did not fit") in compiled.note()
+    # the same start climbed in parts (what the EMA rung held, from its peak in this GPU's footprints)
+    held = Start(ema_ran, ran=True, held_gib=peak - ema_state)
+    assert MemoryPlan.from_dict(_fitted(chain["compile"], Budget(22.0, "gpu_memory_gib"), held).extra[PLAN]).probe \
+        == compiled.probe
+    # no larger state, or a larger budget: it starts where the rung below ran
+    regional = MemoryPlan.from_dict(_fitted(chain["regional"], Budget(22.0, "gpu_memory_gib"), held).extra[PLAN])
+    assert regional.probe[0] == ema_ran and not regional.started_past and regional.start_needs_gib == 0
+    roomier = MemoryPlan.from_dict(_fitted(chain["compile"], Budget(25.0, "gpu_memory_gib"), held).extra[PLAN])
+    assert roomier.probe[0] == ema_ran and not roomier.started_past
+
+
 def test_of_the_rungs_below_the_start_furthest_down_the_settings_wins():
     """On an H100 at 22 GiB the bf16 rung had only run out of memory at batch 48 checkpointed (its first try would be
     24 x 2) while the EMA rung below it ran at 12 x 4 checkpointed: the compile rung above both starts at 12 x 4,

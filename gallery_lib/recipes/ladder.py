@@ -28,7 +28,7 @@ from typing import Any, Callable
 from gallery_lib.config import ConfigError, RunConfig, validate_for_machine
 from gallery_lib.recipes.named import (accelerated, baseline, describe, precompile_workers_for_machine,
                                        register_recipes, runs_on_gpu)
-from gallery_lib.recipes.memory_fit import fit_to_memory
+from gallery_lib.recipes.memory_fit import fit_to_memory, training_state, uncompiled
 from gallery_lib.recipes.profiles import base_config
 from gallery_lib.run.failure import RunsFailed
 from gallery_lib.run.launch import RunFailed, launch
@@ -247,14 +247,29 @@ class Start:
 
     setting: Candidate
     ran: bool
+    held_gib: float | None = None
+    """Where it ran and its peak was measured: what it held there beyond its training state (its activations, the
+    frozen modules, the allocator's slack), which a rung above with a larger state holds too."""
 
 
 def _fitted(cfg: RunConfig, budget: Budget | None, start: Start | None = None) -> RunConfig:
     """The rung with its switches, at the setting the memory plan picks: each setting it weighs is the rung's config
     with that batch, accumulation and checkpointing (a rung that replays CUDA graphs refuses the last two).
     ``start``: where the rung it builds on ran or goes on trying (``fit_to_memory``'s ``start_at``)."""
-    return fit_to_memory(cfg, lambda planned: cfg.replace(**planned), budget,
-                         start_at=start and start.setting, builds_on_ran=start is None or start.ran)
+    return fit_to_memory(cfg, lambda planned: cfg.replace(**planned), budget, start_at=start and start.setting,
+                         builds_on_ran=start is None or start.ran, start_held_gib=start and start.held_gib)
+
+
+def _ran_at(cfg: RunConfig, plan: dict[str, Any], peak_gib: float | None) -> Start:
+    """Where a rung (``cfg`` as the chain resolves it) ran, from its memory plan, with what it held there beyond its
+    training state where its peak reserved memory (``peak_gib``) was measured."""
+    setting = Candidate(**plan["chosen"])
+    moved = {**({"ema_offload": True} if plan.get("ema_offloaded") else {}),
+             **({"foreach_optimizer": False} if plan.get("per_tensor_update") else {})}
+    ran = cfg.replace(**setting.fields(), **moved)
+    state = training_state(uncompiled(ran) if setting.uncompiled else ran)
+    held = None if peak_gib is None or state is None else peak_gib - state.gib
+    return Start(setting, ran=True, held_gib=held)
 
 
 def _check_family(base: RunConfig) -> None:
@@ -366,9 +381,10 @@ def run_ladder(base: RunConfig, rungs: list[str] | None = None, *, sizes: Ladder
         try:
             results.append(RungResult(rung, cfg, summary=launch(cfg, echo=echo, console=console).summary,
                                       builds_on=parents[name]))
-            chosen = (results[-1].summary or {}).get(PLAN, {}).get("chosen")
-            if chosen:
-                starts[name] = Start(Candidate(**chosen), ran=True)
+            summary = results[-1].summary or {}
+            if summary.get(PLAN, {}).get("chosen"):
+                peak_mb = summary.get("peak_reserved_mb")
+                starts[name] = _ran_at(chain[name], summary[PLAN], peak_mb and peak_mb / 1024)
         except RunFailed as exc:
             reason, log = (exc.failure.reason, exc.failure.log) if exc.failure else (failure_reason(str(exc)), None)
             too_large = exc.failure is not None and exc.failure.kind == "does_not_fit"
@@ -415,7 +431,7 @@ def _where_it_starts(cfg: RunConfig | None, budget: Budget | None, start: Start 
     faster ones ran out of memory on this GPU (otherwise it tells nothing, and a rung further below may)."""
     plan = _fitted(cfg, budget, start).extra.get(PLAN) if cfg is not None else None
     if plan and plan.get("chosen"):
-        return Start(Candidate(**plan["chosen"]), ran=True)
+        return _ran_at(cfg, plan, plan.get("estimate_gib"))
     if not plan or not plan.get("probe") or learned_only and not plan.get("ran_out_here"):
         return None
     return Start(Candidate(**plan["probe"][0]), ran=False)

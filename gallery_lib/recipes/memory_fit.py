@@ -19,13 +19,16 @@ from gallery_lib.run.memory_plan import (HOST_PROCESS_GIB, NAMED, PLAN, PLANNED_
 
 
 def fit_to_memory(cfg: RunConfig, resolve: Callable[[dict[str, Any]], RunConfig], budget: Budget | None, *,
-                  start_at: Candidate | None = None, builds_on_ran: bool = True) -> RunConfig:
+                  start_at: Candidate | None = None, builds_on_ran: bool = True,
+                  start_held_gib: float | None = None) -> RunConfig:
     """``cfg`` at the fastest setting that fits ``budget`` (``None``: no plan, as on a CPU), with the plan in
     ``cfg.extra[PLAN]``. ``resolve(fields)`` resolves the same recipe with ``fields`` (the planned ones) set on its
     base. ``start_at``: the setting the run this one builds on ran at, where this one's switch frees no memory (a
     ladder rung's): where no measured setting fits, the unmeasured ones faster than it are not tried, since they did
     not fit there. ``builds_on_ran=False``: that run has not run at ``start_at`` but ran out of memory at every
-    faster setting (it stopped, or has not run yet)."""
+    faster setting (it stopped, or has not run yet). ``start_held_gib``: what that run held at ``start_at`` beyond
+    its training state, where it ran there and its peak was measured: where this run's own state there makes it
+    more than the budget, the tries start past ``start_at``."""
     if budget is None or cfg.memory_plan == "off" or cfg.find_batch_size or cfg.nproc_per_node > 1:
         return cfg  # the search sizes the batch itself; several processes were never measured
     named = cfg.extra.get(NAMED, ())
@@ -62,7 +65,10 @@ def fit_to_memory(cfg: RunConfig, resolve: Callable[[dict[str, Any]], RunConfig]
         ahead = here[:options.index(plan.probe[0])]
         plan = replace(plan, ran_out_here=sum(1 for measured in ahead if measured and measured.gib >= budget.gib))
     if plan.chosen is None and start_at is not None:  # none measured fits: the ones tried start at start_at
-        plan = replace(_from_the_start(plan, start_at, every), builds_on_ran=builds_on_ran)
+        needs = _needs_at_the_start(start_at, plan.probe, options, configs, start_held_gib, budget)
+        plan = replace(_from_the_start(plan, start_at, every, past=needs is not None), builds_on_ran=builds_on_ran)
+        if plan.started_past and needs is not None:
+            plan = replace(plan, start_needs_gib=needs)
     settings = (plan.chosen,) if plan.chosen is not None else plan.probe
     if not settings:
         return cfg.replace(extra={**cfg.extra, PLAN: plan.as_dict()})
@@ -100,15 +106,31 @@ def _within_the_state(options: list[Candidate], configs: list[RunConfig], budget
     return [options[i] for i in kept], [configs[i] for i in kept], least, left_out
 
 
-def _from_the_start(plan: MemoryPlan, start_at: Candidate, every: list[Candidate]) -> MemoryPlan:
+def _needs_at_the_start(start_at: Candidate, unmeasured: tuple[Candidate, ...], options: list[Candidate],
+                        configs: list[RunConfig], held_gib: float | None, budget: Budget) -> float | None:
+    """What this run needs at ``start_at`` where that is more than ``budget``: its own training state there and what
+    the run it builds on held there beyond its state (``held_gib``). The compile rung at 22 GiB started where the EMA
+    rung had peaked at 21.5 GiB, 12 x 4 checkpointed, and ran out of memory after a whole-model compile: compiled
+    whole, it holds 3.2 GiB more (benchmarks/RESULTS.md#ladder-22-gib). ``None`` where it fits, is not known, or
+    was measured for this run (not among the ``unmeasured`` settings to try)."""
+    start = start_at if start_at in options else replace(start_at, uncompiled=False)
+    if held_gib is None or start not in unmeasured:
+        return None
+    state = training_state(configs[options.index(start)])
+    needs = None if state is None else state.gib + held_gib
+    return needs if needs is not None and needs > budget.gib else None  # the run below ran within it: no headroom
+
+
+def _from_the_start(plan: MemoryPlan, start_at: Candidate, every: list[Candidate], *, past: bool = False,
+                    ) -> MemoryPlan:
     """``plan``'s settings to try without the unmeasured ones faster than ``start_at`` in ``every`` (all settings,
-    fastest first). Where ``start_at`` itself was measured here and ran out of memory, the tries start past it: the
-    compile rung at 16 GiB ran out at the bf16 rung's batch 4 x 12 checkpointed, and a later call started it again
-    at batch 48 (benchmarks/RESULTS.md#memory-plan)."""
+    fastest first). Where ``start_at`` itself was measured here and ran out of memory, or ``past`` (it does not fit
+    this run), the tries start past it: the compile rung at 16 GiB ran out at the bf16 rung's batch 4 x 12
+    checkpointed, and a later call started it again at batch 48 (benchmarks/RESULTS.md#memory-plan)."""
     start = start_at if start_at in every else replace(start_at, uncompiled=False)
     if start not in every:  # a setting this run has no counterpart of
         return plan
-    rank = every.index(start)
+    rank = every.index(start) + past
     probe = tuple(option for option in plan.probe if every.index(option) >= rank)
     skipped = len(plan.probe) - len(probe)
     if not skipped or not probe:  # where every later setting ran out of memory, the faster ones are still tried

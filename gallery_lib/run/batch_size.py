@@ -157,7 +157,8 @@ def train_first_that_fits(cfg: RunConfig, train: Callable[[RunConfig], dict],
                             per_tensor_update=plan.get("per_tensor_update", False),
                             skipped_faster=plan.get("skipped_faster", 0) if index == 0 else 0,
                             started_past=plan.get("started_past", False) and index == 0,
-                            builds_on_ran=plan.get("builds_on_ran", True))
+                            builds_on_ran=plan.get("builds_on_ran", True),
+                            start_needs_gib=plan.get("start_needs_gib", 0.0) if index == 0 else 0.0)
         attempt = cfg.replace(**fields, extra={**cfg.extra, PLAN: {**chosen.as_dict(), "gave_way": list(tried),
                                                                    "gpu": plan.get("gpu")}})
         if tried:

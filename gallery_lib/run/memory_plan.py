@@ -145,14 +145,19 @@ class MemoryPlan:
     """Unmeasured settings faster than the one the run it builds on ran at, not tried: they did not fit that run, and
     this run's switch frees no memory (the ladder's rungs: ``recipes/ladder.py``)."""
     started_past: bool = False
-    """With ``skipped_faster``: the setting the run it builds on ran at ran out of memory in this run before, so the
-    tries start at the next one not measured."""
+    """With ``skipped_faster``: the setting the run it builds on ran at ran out of memory in this run before, or does
+    not fit this run's larger training state (``start_needs_gib``), so the tries start at the next one not
+    measured."""
     builds_on_ran: bool = True
     """With ``skipped_faster``: the run it builds on ran at the start. Otherwise the start is the first setting that
     run has not tried yet, every faster one having run out of memory there (a ladder rung that stopped mid-run)."""
     left_out: str = ""
     """Settings whose training state alone fills the budget, left out before any was weighed, and why (said where
     none measured fits): ``18 settings left out, in which the weights, ... alone take 16.0 GiB``."""
+    start_needs_gib: float = 0.0
+    """With ``started_past``: what this run would need at the setting the run it builds on ran at, where that exceeds
+    the budget: that run's peak there with this run's larger training state in place of its own (0: the start ran
+    out of memory here before)."""
 
     @property
     def fits(self) -> bool:
@@ -192,7 +197,9 @@ class MemoryPlan:
         where = "where the run it builds on ran" if self.builds_on_ran else (
             "at the first setting not yet tried by the run it builds on")
         if self.started_past:
-            where = f"past {where.removeprefix('at ')} (out of memory here before)"
+            why = (f"{self.start_needs_gib:.1f} GiB there with this run's training state" if self.start_needs_gib
+                   else "out of memory here before")
+            where = f"past {where.removeprefix('at ')} ({why})"
         return f", {where}, whose {self.skipped_faster} faster {settings} did not fit"
 
     def cell(self, *, short: bool = False) -> str:
@@ -257,6 +264,7 @@ class MemoryPlan:
                 "ema_offloaded": self.ema_offloaded, "per_tensor_update": self.per_tensor_update,
                 "skipped_faster": self.skipped_faster, "started_past": self.started_past,
                 "builds_on_ran": self.builds_on_ran, "left_out": self.left_out,
+                "start_needs_gib": self.start_needs_gib,
                 "note": self.note()}
 
     @classmethod
@@ -268,7 +276,8 @@ class MemoryPlan:
                    values.get("precompile_workers"), values.get("changed", False),
                    tuple(Candidate(**c) for c in values.get("after", ())), values.get("ema_offloaded", False),
                    values.get("per_tensor_update", False), values.get("skipped_faster", 0),
-                   values.get("started_past", False), values.get("builds_on_ran", True), values.get("left_out", ""))
+                   values.get("started_past", False), values.get("builds_on_ran", True), values.get("left_out", ""),
+                   values.get("start_needs_gib", 0.0))
 
 
 def _as_flags(candidate: Candidate) -> str:
