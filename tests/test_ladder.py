@@ -617,7 +617,8 @@ def test_a_rung_with_more_training_state_starts_past_where_the_rung_below_filled
     started there and ran out of memory after a whole-model compile: compiled whole, a step that accumulates holds a
     second copy of the gradients (3.2 GiB for SD-1.5). A rung whose training state at the start is larger than the
     rung below's now starts past it where the rung below's peak there, with the larger state, exceeds the budget, and
-    says so; the regional rung, which holds no second copy, still starts there."""
+    says so; the regional rung, which holds no second copy, still starts there, not where the compile rung ran (6 x
+    8 checkpointed there: the regional rung trained 12 x 4 checkpointed)."""
     from gallery_lib.recipes.ladder import Start, _fitted, rung_chain
     from gallery_lib.recipes.memory_fit import training_state
     from gallery_lib.run.launch import RunResult
@@ -637,13 +638,14 @@ def test_a_rung_with_more_training_state_starts_past_where_the_rung_below_filled
     def fake_launch(cfg, echo=None, console="all"):
         plan = MemoryPlan.from_dict(cfg.extra[PLAN])
         launched[cfg.recipe] = plan
-        ran = ema_ran if cfg.recipe.endswith("ema") else plan.probe[0]
+        ran = {"ladder-06-ema": ema_ran, "ladder-09-compile": Candidate(6, 8, True)}.get(cfg.recipe, plan.probe[0])
         return RunResult(cfg, cfg.run_dir, {"samples_per_s": 1.0, "peak_reserved_mb": peak * 1024,
                                             PLAN: {"chosen": ran.__dict__, "changed": True}})
 
     monkeypatch.setattr("gallery_lib.recipes.ladder.launch", fake_launch)
     monkeypatch.setattr("gallery_lib.recipes.ladder.validate_for_machine", lambda cfg: None)
-    run_ladder(base, ["ema", "compile"], sizes=SIZES, echo=None)
+    run_ladder(base, ["ema", "compile", "regional"], sizes=SIZES, echo=None)
+    assert launched["ladder-10-regional"].probe[0] == ema_ran  # past the compile rung's start: it holds less
     compiled = launched["ladder-09-compile"]
     alone = MemoryPlan.from_dict(_fitted(chain["compile"], Budget(22.0, "gpu_memory_gib")).extra[PLAN])
     past = alone.probe.index(ema_ran) + 1

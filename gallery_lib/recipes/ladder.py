@@ -250,6 +250,10 @@ class Start:
     held_gib: float | None = None
     """Where it ran and its peak was measured: what it held there beyond its training state (its activations, the
     frozen modules, the allocator's slack), which a rung above with a larger state holds too."""
+    state_gib: float | None = None
+    """The training state of the rung it comes from, at ``setting``: a rung above with a smaller one may fit the
+    settings that rung did not (compiled in blocks, the regional rung holds 3.2 GiB less for SD-1.5 under
+    accumulation than the compile rung below it)."""
 
 
 def _fitted(cfg: RunConfig, budget: Budget | None, start: Start | None = None) -> RunConfig:
@@ -260,16 +264,32 @@ def _fitted(cfg: RunConfig, budget: Budget | None, start: Start | None = None) -
                          builds_on_ran=start is None or start.ran, start_held_gib=start and start.held_gib)
 
 
-def _ran_at(cfg: RunConfig, plan: dict[str, Any], peak_gib: float | None) -> Start:
-    """Where a rung (``cfg`` as the chain resolves it) ran, from its memory plan, with what it held there beyond its
-    training state where its peak reserved memory (``peak_gib``) was measured."""
-    setting = Candidate(**plan["chosen"])
-    moved = {**({"ema_offload": True} if plan.get("ema_offloaded") else {}),
-             **({"foreach_optimizer": False} if plan.get("per_tensor_update") else {})}
-    ran = cfg.replace(**setting.fields(), **moved)
-    state = training_state(uncompiled(ran) if setting.uncompiled else ran)
-    held = None if peak_gib is None or state is None else peak_gib - state.gib
-    return Start(setting, ran=True, held_gib=held)
+def _ran_at(cfg: RunConfig, setting: Candidate, peak_gib: float | None) -> Start:
+    """Where a rung (``cfg`` as fitted to the memory) ran, with what it held there beyond its training state where its
+    peak reserved memory (``peak_gib``) was measured."""
+    state = _state_gib(cfg, setting)
+    held = None if peak_gib is None or state is None else peak_gib - state
+    return Start(setting, ran=True, held_gib=held, state_gib=state)
+
+
+def _state_gib(cfg: RunConfig, setting: Candidate) -> float | None:
+    """The training state (``training_state``) of a rung (``cfg`` as fitted: the EMA on the CPU where the plan moved
+    it there) at ``setting``; ``None`` where its family does not count it, or the rung cannot run there."""
+    try:
+        at = cfg.replace(**setting.fields())
+    except ConfigError:  # CUDA graphs under checkpointing: the plan passes such a setting by
+        return None
+    state = training_state(uncompiled(at) if setting.uncompiled else at)
+    return None if state is None else state.gib
+
+
+def _holds_as_much(cfg: RunConfig, start: Start | None) -> bool:
+    """Whether a rung (``cfg`` as fitted) holds at ``start``'s setting at least the training state of the rung the
+    start comes from: only then do the settings that rung did not fit not fit this one either. At 22 GiB the
+    compile rung, compiled whole, trained 6 x 8 checkpointed and the regional rung above it 12 x 4 checkpointed
+    (benchmarks/RESULTS.md#ladder-22-gib)."""
+    state = None if start is None or start.state_gib is None else _state_gib(cfg, start.setting)
+    return state is None or state >= start.state_gib
 
 
 def _check_family(base: RunConfig) -> None:
@@ -370,7 +390,8 @@ def run_ladder(base: RunConfig, rungs: list[str] | None = None, *, sizes: Ladder
         if cfg is None:
             results.append(RungResult(rung, None, failure="needs a GPU", builds_on=parents[name]))
             continue
-        below = _furthest([starts.get(rung_below) for rung_below in starts_from[name]], chain[name])
+        below = _furthest([start for start in (starts.get(rung_below) for rung_below in starts_from[name])
+                           if _holds_as_much(cfg, start)], chain[name])
         if below is not None and not rung.frees_memory and cfg.extra.get(PLAN, {}).get("probe"):
             cfg = _fitted(chain[name], budget, below)
             validate_for_machine(cfg)
@@ -384,7 +405,7 @@ def run_ladder(base: RunConfig, rungs: list[str] | None = None, *, sizes: Ladder
             summary = results[-1].summary or {}
             if summary.get(PLAN, {}).get("chosen"):
                 peak_mb = summary.get("peak_reserved_mb")
-                starts[name] = _ran_at(chain[name], summary[PLAN], peak_mb and peak_mb / 1024)
+                starts[name] = _ran_at(cfg, Candidate(**summary[PLAN]["chosen"]), peak_mb and peak_mb / 1024)
         except RunFailed as exc:
             reason, log = (exc.failure.reason, exc.failure.log) if exc.failure else (failure_reason(str(exc)), None)
             too_large = exc.failure is not None and exc.failure.kind == "does_not_fit"
@@ -429,12 +450,14 @@ def _where_it_starts(cfg: RunConfig | None, budget: Budget | None, start: Start 
     measured, or run on this GPU before (a ladder climbed in parts); where none of its settings is known to fit, the
     first it would try. ``start``: where its own tries started. ``learned_only``: that first setting only where
     faster ones ran out of memory on this GPU (otherwise it tells nothing, and a rung further below may)."""
-    plan = _fitted(cfg, budget, start).extra.get(PLAN) if cfg is not None else None
+    fitted = _fitted(cfg, budget, start) if cfg is not None else None
+    plan = fitted.extra.get(PLAN) if fitted is not None else None
     if plan and plan.get("chosen"):
-        return _ran_at(cfg, plan, plan.get("estimate_gib"))
+        return _ran_at(fitted, Candidate(**plan["chosen"]), plan.get("estimate_gib"))
     if not plan or not plan.get("probe") or learned_only and not plan.get("ran_out_here"):
         return None
-    return Start(Candidate(**plan["probe"][0]), ran=False)
+    setting = Candidate(**plan["probe"][0])
+    return Start(setting, ran=False, state_gib=_state_gib(fitted, setting))
 
 
 def failure_reason(message: str) -> str:
