@@ -106,6 +106,12 @@ def _within_the_state(options: list[Candidate], configs: list[RunConfig], budget
     return [options[i] for i in kept], [configs[i] for i in kept], least, left_out
 
 
+def _counterpart(start_at: Candidate, settings: list[Candidate]) -> Candidate | None:
+    """``start_at`` among this run's ``settings``, or its compiled twin (the run it builds on ran uncompiled there);
+    ``None`` where this run has no counterpart of it."""
+    return next((setting for setting in (start_at, replace(start_at, uncompiled=False)) if setting in settings), None)
+
+
 def _needs_at_the_start(start_at: Candidate, unmeasured: tuple[Candidate, ...], options: list[Candidate],
                         configs: list[RunConfig], held_gib: float | None, budget: Budget) -> float | None:
     """What this run needs at ``start_at`` where that is more than ``budget``: its own training state there and what
@@ -113,8 +119,8 @@ def _needs_at_the_start(start_at: Candidate, unmeasured: tuple[Candidate, ...], 
     rung had peaked at 21.5 GiB, 12 x 4 checkpointed, and ran out of memory after a whole-model compile: compiled
     whole, it holds 3.2 GiB more (benchmarks/RESULTS.md#ladder-22-gib). ``None`` where it fits, is not known, or
     was measured for this run (not among the ``unmeasured`` settings to try)."""
-    start = start_at if start_at in options else replace(start_at, uncompiled=False)
-    if held_gib is None or start not in unmeasured:
+    start = _counterpart(start_at, options)
+    if held_gib is None or start is None or start not in unmeasured:
         return None
     state = training_state(configs[options.index(start)])
     needs = None if state is None else state.gib + held_gib
@@ -127,8 +133,8 @@ def _from_the_start(plan: MemoryPlan, start_at: Candidate, every: list[Candidate
     fastest first). Where ``start_at`` itself was measured here and ran out of memory, or ``past`` (it does not fit
     this run), the tries start past it: the compile rung at 16 GiB ran out at the bf16 rung's batch 4 x 12
     checkpointed, and a later call started it again at batch 48 (benchmarks/RESULTS.md#memory-plan)."""
-    start = start_at if start_at in every else replace(start_at, uncompiled=False)
-    if start not in every:  # a setting this run has no counterpart of
+    start = _counterpart(start_at, every)
+    if start is None:
         return plan
     rank = every.index(start) + past
     probe = tuple(option for option in plan.probe if every.index(option) >= rank)
